@@ -1,0 +1,32 @@
+// deltacp/cuda/api.h — the CUDA backend: one dispatch over the tiers, on the shared Params.
+//
+// Every pointer in Params is device memory, except cu_seqlens_host (a host copy of cu_seqlens,
+// required for varlen: launchers size grids and chunk tables from it). Work is launched on
+// p.stream (a cudaStream_t; nullptr = the legacy default stream); the calls are asynchronous
+// except where they must read something back. Workspace comes from cudaMallocAsync on p.stream.
+// Inputs fp32, bf16 or fp16 (p.dtype); states fp32 (p.state_dtype must be f32).
+//
+//   tier    Method::naive  one block per (sequence, value head), token loop      cuda/naive/
+//           Method::tiled  chunked WY algorithm, one kernel per stage, mma       cuda/tiled/
+//           Method::fused  Hopper fused kernels (later)                          cuda/fused/
+#pragma once
+
+#include "deltacp/params.h"
+
+namespace deltacp::cuda {
+
+// True when a CUDA device is usable (tests skip otherwise).
+bool device_available();
+
+// Validates p (deltacp::Error naming the argument) and launches the tier's forward:
+// writes o, and ht when p.ht is set.
+void forward(const Params& p, Method tier);
+
+// Validates p and launches the tier's backward: writes dq, dk, dv, dg (gdn/kda/dplr), dbeta
+// (gdn/kda/delta), da/db (dplr) and dh0 when p.dh0 is set. Recomputes forward states itself.
+void backward(const Params& p, Method tier);
+
+// Which (variant, tier, direction) combinations exist in this build.
+bool supports(Variant v, Method tier, bool backward);
+
+}  // namespace deltacp::cuda

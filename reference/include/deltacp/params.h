@@ -1,0 +1,118 @@
+// deltacp/params.h — the one parameter struct shared by every backend.
+//
+// The Eigen reference (reference/), every CUDA tier (cuda/) and the context-parallel layer
+// (distributed/) take exactly this struct, the way flash-attention's kernels all take one
+// Flash_fwd_params. Layouts are FLA's (DESIGN.md section 6):
+//
+//   q, k        [B, T, H,  K]      queries and keys
+//   v, o        [B, T, HV, V]      values and outputs        (HV = H, or a multiple of H: grouped values)
+//   g           gdn: [B, T, HV]    log decay, natural log, <= 0 in practice (scalar per head and token)
+//               kda/dplr: [B, T, HV, K]  (per key dimension; for dplr this is FLA's `gk`)
+//   beta        [B, T, HV]         delta-rule step (gdn, kda, delta)
+//   a, b        [B, T, HV, K]      dplr's low-rank pair: S <- diag(e^gk) S + k v^T + b (a^T S)
+//   h0, ht      [N, HV, K, V]      initial / final state, contiguous, state_dtype (fp32 on GPUs)
+//
+// Varlen: B == 1 and cu_seqlens = [0, t1, ..., T] (int64, N + 1 entries); otherwise N == B and every
+// sequence has length T. All sizes, strides and offsets are int64: T * H * K passes 2^31.
+//
+// Every [B, T, heads, D] tensor is described by a TensorRef: a base pointer and int64 element strides
+// for the batch, time and head axes; the last axis must be contiguous (stride 1). That lets a caller
+// hand in a torch view (for instance q, k, v split from one fused projection) without a copy.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace deltacp {
+
+enum class Variant : int { delta = 0, gdn = 1, kda = 2, dplr = 3 };
+
+// Element types. States and all accumulation are fp32 or better on every backend.
+enum class DType : int { f64 = 0, f32 = 1, bf16 = 2, f16 = 3 };
+
+// Which telling of the algorithm runs. The reference implements the first three on the CPU;
+// the CUDA tiers are naive (token loop), tiled (chunked, one kernel per stage), fused (Hopper).
+enum class Method : int {
+  recurrent = 0,  // token by token:           S <- D_t S + k_t u_t^T          (DESIGN.md eq. section 2)
+  chunked = 1,    // WY form chunk by chunk:   A, T = (I + A)^-1, W, U, v_new  (section 3)
+  affine = 2,     // chunk maps (M, H) folded: S' = M S + H, outputs from the chunk formula
+  naive = 10,     // CUDA tier: one block per (sequence, value head), token loop
+  tiled = 11,     // CUDA tier: chunked algorithm, one kernel per stage, tensor cores
+  fused = 12,     // CUDA tier: Hopper, state on chip
+};
+
+const char* to_string(Variant v);
+const char* to_string(DType d);
+const char* to_string(Method m);
+Variant variant_from_string(const std::string& s);  // throws deltacp::Error naming 'variant'
+Method method_from_string(const std::string& s);    // throws deltacp::Error naming 'method'
+int64_t dtype_size(DType d);
+
+// A [B, T, heads, D] view. Strides are in elements, not bytes; the D axis is contiguous.
+struct TensorRef {
+  void* ptr = nullptr;
+  int64_t stride_b = 0;
+  int64_t stride_t = 0;
+  int64_t stride_h = 0;
+
+  bool defined() const { return ptr != nullptr; }
+  // Element offset of (b, t, h, 0).
+  int64_t offset(int64_t b, int64_t t, int64_t h) const { return b * stride_b + t * stride_t + h * stride_h; }
+};
+
+// Strides of a contiguous [B, T, heads, D] tensor.
+inline TensorRef contiguous_ref(void* ptr, int64_t T, int64_t heads, int64_t D) {
+  return TensorRef{ptr, T * heads * D, heads * D, D};
+}
+inline TensorRef contiguous_ref(const void* ptr, int64_t T, int64_t heads, int64_t D) {
+  return contiguous_ref(const_cast<void*>(ptr), T, heads, D);
+}
+
+struct Params {
+  Variant variant = Variant::gdn;
+  DType dtype = DType::f32;        // q, k, v, g, beta, a, b, o and every gradient of them
+  DType state_dtype = DType::f32;  // h0, ht, dht, dh0
+
+  int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
+
+  // Varlen (B == 1): N + 1 offsets. `cu_seqlens` lives where the backend computes (host for the
+  // reference, device for CUDA); `cu_seqlens_host` is a host copy that GPU launchers use to size
+  // grids and chunk tables. For the reference both may point at the same array.
+  const int64_t* cu_seqlens = nullptr;
+  const int64_t* cu_seqlens_host = nullptr;
+  int64_t num_seqs = 0;  // N: B for fixed-length batches, len(cu_seqlens) - 1 for varlen
+
+  double scale = 0.0;  // query scale; the front ends fill K^-1/2 when the user gives none
+  int chunk_size = 64;
+
+  // Forward inputs.
+  TensorRef q, k, v, g, beta, a, b;
+  const void* h0 = nullptr;  // optional [N, HV, K, V]
+  // Forward outputs.
+  TensorRef o;
+  void* ht = nullptr;  // optional [N, HV, K, V]
+
+  // Backward: upstream gradients in, input gradients out (all optional except dout and dq/dk/dv).
+  TensorRef dout;             // dL/do, like o
+  const void* dht = nullptr;  // dL/dht, like ht
+  TensorRef dq, dk, dv, dg, dbeta, da, db;
+  void* dh0 = nullptr;
+
+  // For the CUDA backends: the stream to launch on (cudaStream_t), nullptr = default stream.
+  void* stream = nullptr;
+
+  bool varlen() const { return cu_seqlens != nullptr; }
+  // Host-side sequence bounds [bos, eos) of sequence n, in the packed time axis (varlen) or [0, T).
+  int64_t seq_begin(int64_t n) const { return varlen() ? host_cu()[n] : 0; }
+  int64_t seq_end(int64_t n) const { return varlen() ? host_cu()[n + 1] : T; }
+  // Batch index that holds sequence n.
+  int64_t seq_batch(int64_t n) const { return varlen() ? 0 : n; }
+  const int64_t* host_cu() const { return cu_seqlens_host ? cu_seqlens_host : cu_seqlens; }
+  int64_t head_group() const { return HV / H; }  // value heads per query/key head
+  int64_t state_elems() const { return num_seqs * HV * K * V; }
+};
+
+// Fills num_seqs and the derived defaults; call after setting sizes and cu_seqlens.
+void finalize(Params& p);
+
+}  // namespace deltacp

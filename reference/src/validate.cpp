@@ -1,0 +1,150 @@
+// Input checks shared by every backend: each failure names the argument, the expectation and
+// what was given (DESIGN.md section 6). Nothing here touches tensor memory except
+// check_finite_host, which the reference runs on its host inputs.
+#include "deltacp/validate.h"
+
+#include <cmath>
+
+#include "deltacp/cp_plan.h"
+#include "deltacp/dtype.h"
+#include "deltacp/error.h"
+
+namespace deltacp {
+namespace {
+
+bool has_gate(Variant v) { return v != Variant::delta; }
+bool has_beta(Variant v) { return v != Variant::dplr; }
+bool has_ab(Variant v) { return v == Variant::dplr; }
+bool per_key_gate(Variant v) { return v == Variant::kda || v == Variant::dplr; }
+
+void require(const TensorRef& t, const char* name, const char* why) {
+  DELTACP_CHECK(t.defined(), name, "expected a tensor (", why, "), got none");
+}
+void forbid(const TensorRef& t, const char* name, const char* why) {
+  DELTACP_CHECK(!t.defined(), name, "expected no tensor (", why, "), got one");
+}
+
+}  // namespace
+
+void check_cu_seqlens(const int64_t* cu, int64_t count, int64_t T) {
+  DELTACP_CHECK(cu != nullptr, "cu_seqlens", "expected a host array, got none");
+  DELTACP_CHECK(count >= 2, "cu_seqlens", "expected at least 2 entries [0, T], got ", count);
+  DELTACP_CHECK(cu[0] == 0, "cu_seqlens", "expected cu_seqlens[0] == 0, got ", cu[0]);
+  for (int64_t i = 1; i < count; ++i)
+    DELTACP_CHECK(cu[i] >= cu[i - 1], "cu_seqlens", "expected non-decreasing offsets, got cu_seqlens[", i,
+                  "] = ", cu[i], " < cu_seqlens[", i - 1, "] = ", cu[i - 1]);
+  DELTACP_CHECK(cu[count - 1] == T, "cu_seqlens", "expected the last offset to equal T = ", T, ", got ",
+                cu[count - 1]);
+}
+
+void validate_forward(const Params& p) {
+  const Variant v = p.variant;
+  DELTACP_CHECK(v == Variant::delta || v == Variant::gdn || v == Variant::kda || v == Variant::dplr, "variant",
+                "expected delta, gdn, kda or dplr, got ", static_cast<int>(v));
+  DELTACP_CHECK(p.state_dtype == DType::f32 || p.state_dtype == DType::f64, "state_dtype",
+                "expected float32 or float64 states, got ", to_string(p.state_dtype));
+  DELTACP_CHECK(p.B >= 1, "B", "expected a batch size >= 1, got ", p.B);
+  DELTACP_CHECK(p.T >= 1, "T", "expected a sequence length >= 1, got ", p.T);
+  DELTACP_CHECK(p.H >= 1, "H", "expected at least one query/key head, got ", p.H);
+  DELTACP_CHECK(p.HV >= 1, "HV", "expected at least one value head, got ", p.HV);
+  DELTACP_CHECK(p.K >= 1, "K", "expected a key dimension > 0, got ", p.K);
+  DELTACP_CHECK(p.V >= 1, "V", "expected a value dimension > 0, got ", p.V);
+  DELTACP_CHECK(p.HV % p.H == 0, "HV", "expected a multiple of H = ", p.H, " (grouped values), got ", p.HV);
+  if (v == Variant::dplr) DELTACP_CHECK(p.HV == p.H, "HV", "expected HV == H = ", p.H, " for dplr, got ", p.HV);
+  DELTACP_CHECK(p.chunk_size == 16 || p.chunk_size == 32 || p.chunk_size == 64, "chunk_size",
+                "expected 16, 32 or 64, got ", p.chunk_size);
+  DELTACP_CHECK(std::isfinite(p.scale), "scale", "expected a finite scale, got ", p.scale);
+  if (p.varlen()) {
+    DELTACP_CHECK(p.B == 1, "cu_seqlens", "expected batch size B == 1 with cu_seqlens (packed varlen), got B = ",
+                  p.B);
+    DELTACP_CHECK(p.num_seqs >= 1, "cu_seqlens", "expected at least one sequence, got num_seqs = ", p.num_seqs);
+    DELTACP_CHECK(p.host_cu() != nullptr, "cu_seqlens_host",
+                  "expected a host copy of cu_seqlens for a varlen batch, got none");
+    check_cu_seqlens(p.host_cu(), p.num_seqs + 1, p.T);
+  } else {
+    DELTACP_CHECK(p.num_seqs == p.B, "num_seqs", "expected num_seqs == B = ", p.B,
+                  " for a fixed-length batch, got ", p.num_seqs);
+  }
+  require(p.q, "q", "queries [B, T, H, K]");
+  require(p.k, "k", "keys [B, T, H, K]");
+  require(p.v, "v", "values [B, T, HV, V]");
+  require(p.o, "o", "output buffer [B, T, HV, V]");
+  if (has_gate(v)) {
+    require(p.g, "g", per_key_gate(v) ? "log decay [B, T, HV, K]" : "log decay [B, T, HV]");
+  } else {
+    forbid(p.g, "g", "variant delta has no gate");
+  }
+  if (has_beta(v)) {
+    require(p.beta, "beta", "step sizes [B, T, HV]");
+  } else {
+    forbid(p.beta, "beta", "variant dplr has no beta; it takes a and b");
+  }
+  if (has_ab(v)) {
+    require(p.a, "a", "dplr low-rank vectors [B, T, H, K]");
+    require(p.b, "b", "dplr low-rank vectors [B, T, H, K]");
+  } else {
+    forbid(p.a, "a", "only dplr takes a");
+    forbid(p.b, "b", "only dplr takes b");
+  }
+}
+
+void validate_backward(const Params& p) {
+  validate_forward(p);
+  const Variant v = p.variant;
+  require(p.dout, "do", "upstream gradient of o [B, T, HV, V]");
+  require(p.dq, "dq", "gradient buffer [B, T, H, K]");
+  require(p.dk, "dk", "gradient buffer [B, T, H, K]");
+  require(p.dv, "dv", "gradient buffer [B, T, HV, V]");
+  if (has_gate(v)) require(p.dg, "dg", "gradient buffer shaped like g");
+  if (has_beta(v)) require(p.dbeta, "dbeta", "gradient buffer shaped like beta");
+  if (has_ab(v)) {
+    require(p.da, "da", "gradient buffer shaped like a");
+    require(p.db, "db", "gradient buffer shaped like b");
+  }
+}
+
+namespace {
+
+// Walks a [B, T, heads, D] view (within the valid token range) and throws at the first non-finite.
+void check_view(const Params& p, const TensorRef& t, const char* name, int64_t heads, int64_t D) {
+  if (!t.defined()) return;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t s = 0; s < p.T; ++s)
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t base = t.offset(b, s, h);
+        for (int64_t d = 0; d < D; ++d) {
+          const double x = load_as<double>(t.ptr, base + d, p.dtype);
+          if (!std::isfinite(x))
+            throw_error(name, "expected finite values, found ", x, " at [", b, ", ", s, ", ", h, ", ", d, "]");
+        }
+      }
+}
+
+void check_state(const Params& p, const void* ptr, const char* name) {
+  if (!ptr) return;
+  const int64_t n = p.state_elems();
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = load_as<double>(ptr, i, p.state_dtype);
+    if (!std::isfinite(x)) throw_error(name, "expected finite values, found ", x, " at flat index ", i);
+  }
+}
+
+}  // namespace
+
+void check_finite_host(const Params& p, bool backward) {
+  const int64_t gdim = per_key_gate(p.variant) ? p.K : 1;
+  check_view(p, p.q, "q", p.H, p.K);
+  check_view(p, p.k, "k", p.H, p.K);
+  check_view(p, p.v, "v", p.HV, p.V);
+  check_view(p, p.g, p.variant == Variant::dplr ? "gk" : "g", p.HV, gdim);
+  check_view(p, p.beta, "beta", p.HV, 1);
+  check_view(p, p.a, "a", p.HV, p.K);
+  check_view(p, p.b, "b", p.HV, p.K);
+  check_state(p, p.h0, "initial_state");
+  if (backward) {
+    check_view(p, p.dout, "do", p.HV, p.V);
+    check_state(p, p.dht, "dht");
+  }
+}
+
+}  // namespace deltacp
