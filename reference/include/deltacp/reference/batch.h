@@ -8,6 +8,7 @@
 
 #include "deltacp/params.h"
 #include "deltacp/reference/cp.h"
+#include "deltacp/reference/recurrence.h"
 
 namespace deltacp::ref {
 
