@@ -82,18 +82,22 @@ Mat<S> lower_inclusive(const Mat<S>& M) {
   return L;
 }
 
-// Rows scaled by e^(Gn - G_i): the "decayed to chunk end" keys (K e^(G_n - G)).
+// Rows scaled by e^(Gn - G_i): the "decayed to chunk end" keys (K e^(G_n - G)). With a scalar
+// gate (gdn, delta) every column of G is the same, so one exponential per row suffices.
 template <class S>
-Mat<S> decayed_to_end(const Mat<S>& X, const Mat<S>& G) {
+Mat<S> decayed_to_end(const Mat<S>& X, const Mat<S>& G, bool scalar) {
   const int64_t n = G.rows();
-  Mat<S> R(X.rows(), X.cols());
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < X.cols(); ++d) R(i, d) = X(i, d) * std::exp(G(n - 1, d) - G(i, d));
-  return R;
+  if (scalar) {
+    const Vec<S> f = (G(n - 1, 0) - G.col(0).array()).exp();
+    return f.asDiagonal() * X;
+  }
+  return (X.array() * (G.row(n - 1).replicate(n, 1) - G).array().exp()).matrix();
 }
 
+// X e^G, rowwise elementwise (one exponential per row for a scalar gate).
 template <class S>
-Mat<S> times_exp(const Mat<S>& X, const Mat<S>& G) {
+Mat<S> times_exp(const Mat<S>& X, const Mat<S>& G, bool scalar) {
+  if (scalar) return Vec<S>(G.col(0).array().exp()).asDiagonal() * X;
   return (X.array() * G.array().exp()).matrix();
 }
 
@@ -150,36 +154,50 @@ ChunkWY<S> chunk_wy(const HeadInputs<S>& c) {
     wy.A = decay_gram(c.a, Gp, c.b, wy.G, /*inclusive=*/false, sc);
     wy.Ak = decay_gram(c.a, Gp, c.k, wy.G, false, sc);
     wy.T = unit_lower_inverse<S>(-wy.A);  // (I - A_ab)^-1
-    wy.W = wy.T * times_exp(c.a, Gp);
+    wy.W = wy.T * times_exp(c.a, Gp, sc);
     wy.U = wy.T * (wy.Ak * c.v);
     return wy;
   }
   wy.A = c.beta.asDiagonal() * decay_gram(c.k, wy.G, c.k, wy.G, false, sc);
   wy.T = unit_lower_inverse(wy.A);
-  wy.W = wy.T * (c.beta.asDiagonal() * times_exp(c.k, wy.G));
+  wy.W = wy.T * (c.beta.asDiagonal() * times_exp(c.k, wy.G, sc));
   wy.U = wy.T * (c.beta.asDiagonal() * c.v);
   return wy;
 }
 
 template <class S>
-ChunkStep<S> chunk_step(const HeadInputs<S>& c, const ChunkWY<S>& wy, const Mat<S>& S0) {
+ChunkStep<S> chunk_state_update(const HeadInputs<S>& c, const ChunkWY<S>& wy, const Mat<S>& S0) {
   const bool sc = scalar_gate(c.variant);
   const int64_t n = c.n();
   const Vec<S> dn = wy.G.row(n - 1).transpose().array().exp();  // D_n
-  const Mat<S> QG = times_exp(c.q, wy.G);
-  const Mat<S> Pqk = decay_gram(c.q, wy.G, c.k, wy.G, /*inclusive=*/true, sc);
   ChunkStep<S> st;
   if (c.variant == Variant::dplr) {
-    const Mat<S> Pqb = decay_gram(c.q, wy.G, c.b, wy.G, true, sc);
     st.v_new = wy.U + wy.W * S0;  // Ut: the low-rank read-outs a_i^T S_{i-1}
-    st.o = c.scale * (QG * S0 + Pqk * c.v + Pqb * st.v_new);
-    st.S_end = dn.asDiagonal() * S0 + decayed_to_end(c.k, wy.G).transpose() * c.v +
-               decayed_to_end(c.b, wy.G).transpose() * st.v_new;
+    st.S_end = dn.asDiagonal() * S0 + decayed_to_end(c.k, wy.G, sc).transpose() * c.v +
+               decayed_to_end(c.b, wy.G, sc).transpose() * st.v_new;
     return st;
   }
   st.v_new = wy.U - wy.W * S0;
-  st.o = c.scale * (QG * S0 + Pqk * st.v_new);
-  st.S_end = dn.asDiagonal() * S0 + decayed_to_end(c.k, wy.G).transpose() * st.v_new;
+  st.S_end = dn.asDiagonal() * S0 + decayed_to_end(c.k, wy.G, sc).transpose() * st.v_new;
+  return st;
+}
+
+template <class S>
+Mat<S> chunk_output(const HeadInputs<S>& c, const ChunkWY<S>& wy, const Mat<S>& S0, const Mat<S>& v_new) {
+  const bool sc = scalar_gate(c.variant);
+  const Mat<S> QG = times_exp(c.q, wy.G, sc);
+  const Mat<S> Pqk = decay_gram(c.q, wy.G, c.k, wy.G, /*inclusive=*/true, sc);
+  if (c.variant == Variant::dplr) {
+    const Mat<S> Pqb = decay_gram(c.q, wy.G, c.b, wy.G, true, sc);
+    return c.scale * (QG * S0 + Pqk * c.v + Pqb * v_new);
+  }
+  return c.scale * (QG * S0 + Pqk * v_new);
+}
+
+template <class S>
+ChunkStep<S> chunk_step(const HeadInputs<S>& c, const ChunkWY<S>& wy, const Mat<S>& S0) {
+  ChunkStep<S> st = chunk_state_update(c, wy, S0);
+  st.o = chunk_output(c, wy, S0, st.v_new);
   return st;
 }
 
@@ -189,21 +207,36 @@ std::vector<std::pair<int64_t, int64_t>> chunk_ranges(int64_t n, int chunk_size)
   return r;
 }
 
+// Three stages, the structure of the GPU tiled tier: (1) the WY factors of every chunk, which
+// need no state and run in parallel; (2) the state scan, the only sequential part:
+// v_new = U - W S, S <- D_n S + (K e^(G_n - G))^T v_new; (3) every chunk's output from its
+// start state, in parallel again.
 template <class S>
 ChunkedForward<S> chunked_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size) {
   DELTACP_CHECK(chunk_size == 16 || chunk_size == 32 || chunk_size == 64, "chunk_size",
                 "expected 16, 32 or 64, got ", chunk_size);
+  const auto ranges = chunk_ranges(x.n(), chunk_size);
+  const int64_t nc = static_cast<int64_t>(ranges.size());
+  std::vector<HeadInputs<S>> chunks(nc);
+  std::vector<ChunkWY<S>> wy(nc);
+#pragma omp parallel for schedule(dynamic) if (nc >= 8)
+  for (int64_t c = 0; c < nc; ++c) {
+    chunks[c] = x.slice(ranges[c].first, ranges[c].second);
+    wy[c] = chunk_wy(chunks[c]);
+  }
   ChunkedForward<S> f;
   f.o.resize(x.n(), x.V());
   f.v_new.resize(x.n(), x.V());
   f.states.push_back(h0.size() ? h0 : Mat<S>(Mat<S>::Zero(x.K(), x.V())));
-  for (auto [t0, t1] : chunk_ranges(x.n(), chunk_size)) {
-    const HeadInputs<S> c = x.slice(t0, t1);
-    const ChunkStep<S> st = chunk_step(c, chunk_wy(c), f.states.back());
-    f.o.middleRows(t0, t1 - t0) = st.o;
-    f.v_new.middleRows(t0, t1 - t0) = st.v_new;
-    f.states.push_back(st.S_end);
+  for (int64_t c = 0; c < nc; ++c) {
+    ChunkStep<S> st = chunk_state_update(chunks[c], wy[c], f.states.back());
+    f.v_new.middleRows(ranges[c].first, chunks[c].n()) = st.v_new;
+    f.states.push_back(std::move(st.S_end));
   }
+#pragma omp parallel for schedule(dynamic) if (nc >= 8)
+  for (int64_t c = 0; c < nc; ++c)
+    f.o.middleRows(ranges[c].first, chunks[c].n()) =
+        chunk_output(chunks[c], wy[c], f.states[c], Mat<S>(f.v_new.middleRows(ranges[c].first, chunks[c].n())));
   return f;
 }
 
@@ -216,9 +249,9 @@ HeadGrads<S> chunk_backward(const HeadInputs<S>& c, const Mat<S>& S0, const Mat<
   const ChunkWY<S> wy = chunk_wy(c);
   const Mat<S>& G = wy.G;
   const Vec<S> dn = G.row(n - 1).transpose().array().exp();
-  const Mat<S> QG = times_exp(c.q, G);
+  const Mat<S> QG = times_exp(c.q, G, sc);
   const Mat<S> Pqk = decay_gram(c.q, G, c.k, G, true, sc);
-  const Mat<S> Kr = decayed_to_end(c.k, G);
+  const Mat<S> Kr = decayed_to_end(c.k, G, sc);
 
   HeadGrads<S> gr = HeadGrads<S>::zeros_like(c);
   Mat<S> dG = Mat<S>::Zero(n, c.K());  // dL/dG (cumulative log decay), per token and key dim
@@ -252,8 +285,8 @@ HeadGrads<S> chunk_backward(const HeadInputs<S>& c, const Mat<S>& S0, const Mat<
   if (c.variant == Variant::dplr) {
     const Mat<S> Gp = G - c.g;
     const Mat<S> Pqb = decay_gram(c.q, G, c.b, G, true, sc);
-    const Mat<S> Br = decayed_to_end(c.b, G);
-    const Mat<S> Ag = times_exp(c.a, Gp);
+    const Mat<S> Br = decayed_to_end(c.b, G, sc);
+    const Mat<S> Ag = times_exp(c.a, Gp, sc);
     const Mat<S> Ut = wy.U + wy.W * S0;
     Mat<S> dGp = Mat<S>::Zero(n, c.K());
     // O = scale (QG S0 + Pqk V + Pqb Ut);  S_end = D_n S0 + Kr^T V + Br^T Ut
@@ -298,7 +331,7 @@ HeadGrads<S> chunk_backward(const HeadInputs<S>& c, const Mat<S>& S0, const Mat<
   const Mat<S> dW = -dVn * S0.transpose();
   const Mat<S>& dU = dVn;
   // W = T (Beta X), U = T (Beta V), X = K e^G
-  const Mat<S> X = times_exp(c.k, G);
+  const Mat<S> X = times_exp(c.k, G, sc);
   const Mat<S> BX = c.beta.asDiagonal() * X, BV = c.beta.asDiagonal() * c.v;
   const Mat<S> dT = dW * BX.transpose() + dU * BV.transpose();
   const Mat<S> dBX = wy.T.transpose() * dW, dBV = wy.T.transpose() * dU;
@@ -339,6 +372,8 @@ HeadGrads<S> chunked_backward(const HeadInputs<S>& x, const Mat<S>& h0, const Ma
   template Mat<S> chunk_cumulative_decay<S>(const HeadInputs<S>&);                                          \
   template ChunkWY<S> chunk_wy<S>(const HeadInputs<S>&);                                                    \
   template ChunkStep<S> chunk_step<S>(const HeadInputs<S>&, const ChunkWY<S>&, const Mat<S>&);              \
+  template ChunkStep<S> chunk_state_update<S>(const HeadInputs<S>&, const ChunkWY<S>&, const Mat<S>&);      \
+  template Mat<S> chunk_output<S>(const HeadInputs<S>&, const ChunkWY<S>&, const Mat<S>&, const Mat<S>&);   \
   template ChunkedForward<S> chunked_forward<S>(const HeadInputs<S>&, const Mat<S>&, int);                  \
   template HeadGrads<S> chunk_backward<S>(const HeadInputs<S>&, const Mat<S>&, const Mat<S>&, const Mat<S>&); \
   template HeadGrads<S> chunked_backward<S>(const HeadInputs<S>&, const Mat<S>&, const Mat<S>&, const Mat<S>&, int);

@@ -61,6 +61,12 @@ struct ChunkStep {
 };
 template <class S>
 ChunkStep<S> chunk_step(const HeadInputs<S>& chunk, const ChunkWY<S>& wy, const Mat<S>& S0);
+// The two halves of chunk_step: the sequential state update (v_new and S_end; o left empty) and
+// the output, which needs only the chunk's start state and v_new.
+template <class S>
+ChunkStep<S> chunk_state_update(const HeadInputs<S>& chunk, const ChunkWY<S>& wy, const Mat<S>& S0);
+template <class S>
+Mat<S> chunk_output(const HeadInputs<S>& chunk, const ChunkWY<S>& wy, const Mat<S>& S0, const Mat<S>& v_new);
 
 // The whole slice, chunk by chunk from h0 (may be empty = zero).
 template <class S>
