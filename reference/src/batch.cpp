@@ -19,26 +19,36 @@ int64_t gate_dim(const Params& p) {
 }
 
 // Rows [t0, t1) of sequence n (local token indices), head h of a [B, T, heads, D] view.
+// (dt: the tensor's element type; p.dtype for all but g / dg, which have p.gate_dtype().)
 template <class S>
-Mat<S> load_rows(const Params& p, const TensorRef& t, int64_t n, int64_t h, int64_t t0, int64_t t1, int64_t D) {
+Mat<S> load_rows(const Params& p, const TensorRef& t, int64_t n, int64_t h, int64_t t0, int64_t t1, int64_t D,
+                 DType dt) {
   Mat<S> m(t1 - t0, D);
   if (!t.defined() || D == 0) return m;
   const int64_t b = p.seq_batch(n), bos = p.seq_begin(n);
   for (int64_t i = t0; i < t1; ++i) {
     const int64_t base = t.offset(b, bos + i, h);
-    for (int64_t d = 0; d < D; ++d) m(i - t0, d) = load_as<S>(t.ptr, base + d, p.dtype);
+    for (int64_t d = 0; d < D; ++d) m(i - t0, d) = load_as<S>(t.ptr, base + d, dt);
   }
   return m;
 }
+template <class S>
+Mat<S> load_rows(const Params& p, const TensorRef& t, int64_t n, int64_t h, int64_t t0, int64_t t1, int64_t D) {
+  return load_rows<S>(p, t, n, h, t0, t1, D, p.dtype);
+}
 
 template <class S>
-void store_rows(const Params& p, const TensorRef& t, int64_t n, int64_t h, int64_t t0, const Mat<S>& m) {
+void store_rows(const Params& p, const TensorRef& t, int64_t n, int64_t h, int64_t t0, const Mat<S>& m, DType dt) {
   if (!t.defined() || m.cols() == 0) return;
   const int64_t b = p.seq_batch(n), bos = p.seq_begin(n);
   for (int64_t i = 0; i < m.rows(); ++i) {
     const int64_t base = t.offset(b, bos + t0 + i, h);
-    for (int64_t d = 0; d < m.cols(); ++d) store_as<S>(t.ptr, base + d, p.dtype, m(i, d));
+    for (int64_t d = 0; d < m.cols(); ++d) store_as<S>(t.ptr, base + d, dt, m(i, d));
   }
+}
+template <class S>
+void store_rows(const Params& p, const TensorRef& t, int64_t n, int64_t h, int64_t t0, const Mat<S>& m) {
+  store_rows<S>(p, t, n, h, t0, m, p.dtype);
 }
 
 int64_t seq_len(const Params& p, int64_t n) { return p.seq_end(n) - p.seq_begin(n); }
@@ -55,7 +65,7 @@ HeadInputs<S> gather_head(const Params& p, int64_t n, int64_t hv, int64_t t0, in
   x.q = load_rows<S>(p, p.q, n, h, t0, t1, p.K);
   x.k = load_rows<S>(p, p.k, n, h, t0, t1, p.K);
   x.v = load_rows<S>(p, p.v, n, hv, t0, t1, p.V);
-  x.g = load_rows<S>(p, p.g, n, hv, t0, t1, gate_dim(p));
+  x.g = load_rows<S>(p, p.g, n, hv, t0, t1, gate_dim(p), p.gate_dtype());
   if (p.variant != Variant::dplr) x.beta = load_rows<S>(p, p.beta, n, hv, t0, t1, 1).col(0);
   if (p.variant == Variant::dplr) {
     x.a = load_rows<S>(p, p.a, n, hv, t0, t1, p.K);
@@ -117,7 +127,7 @@ void store_grads(const Params& p, int64_t n, int64_t h, const std::vector<HeadGr
     const int64_t hv = hv0 + static_cast<int64_t>(i);
     const HeadGrads<S>& gr = group[i];
     store_rows<S>(p, p.dv, n, hv, 0, gr.dv);
-    store_rows<S>(p, p.dg, n, hv, 0, gr.dg);
+    store_rows<S>(p, p.dg, n, hv, 0, gr.dg, p.gate_dtype());
     if (gr.dbeta.size()) store_rows<S>(p, p.dbeta, n, hv, 0, Mat<S>(gr.dbeta));
     store_rows<S>(p, p.da, n, hv, 0, gr.da);
     store_rows<S>(p, p.db, n, hv, 0, gr.db);

@@ -37,7 +37,10 @@ void check_cu_seqlens(const int64_t* cu, int64_t count, int64_t T) {
                 cu[count - 1]);
 }
 
-void validate_forward(const Params& p) {
+namespace {
+
+// Everything both directions need: sizes, chunk size, cu_seqlens, the variant's inputs.
+void validate_inputs(const Params& p) {
   const Variant v = p.variant;
   DELTACP_CHECK(v == Variant::delta || v == Variant::gdn || v == Variant::kda || v == Variant::dplr, "variant",
                 "expected delta, gdn, kda or dplr, got ", static_cast<int>(v));
@@ -68,7 +71,6 @@ void validate_forward(const Params& p) {
   require(p.q, "q", "queries [B, T, H, K]");
   require(p.k, "k", "keys [B, T, H, K]");
   require(p.v, "v", "values [B, T, HV, V]");
-  require(p.o, "o", "output buffer [B, T, HV, V]");
   if (has_gate(v)) {
     require(p.g, "g", per_key_gate(v) ? "log decay [B, T, HV, K]" : "log decay [B, T, HV]");
   } else {
@@ -88,8 +90,15 @@ void validate_forward(const Params& p) {
   }
 }
 
+}  // namespace
+
+void validate_forward(const Params& p) {
+  validate_inputs(p);
+  require(p.o, "o", "output buffer [B, T, HV, V]");
+}
+
 void validate_backward(const Params& p) {
-  validate_forward(p);
+  validate_inputs(p);
   const Variant v = p.variant;
   require(p.dout, "do", "upstream gradient of o [B, T, HV, V]");
   require(p.dq, "dq", "gradient buffer [B, T, H, K]");
@@ -106,14 +115,15 @@ void validate_backward(const Params& p) {
 namespace {
 
 // Walks a [B, T, heads, D] view (within the valid token range) and throws at the first non-finite.
-void check_view(const Params& p, const TensorRef& t, const char* name, int64_t heads, int64_t D) {
+void check_view(const Params& p, const TensorRef& t, const char* name, int64_t heads, int64_t D,
+                DType dt) {
   if (!t.defined()) return;
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t s = 0; s < p.T; ++s)
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t base = t.offset(b, s, h);
         for (int64_t d = 0; d < D; ++d) {
-          const double x = load_as<double>(t.ptr, base + d, p.dtype);
+          const double x = load_as<double>(t.ptr, base + d, dt);
           if (!std::isfinite(x))
             throw_error(name, "expected finite values, found ", x, " at [", b, ", ", s, ", ", h, ", ", d, "]");
         }
@@ -133,16 +143,16 @@ void check_state(const Params& p, const void* ptr, const char* name) {
 
 void check_finite_host(const Params& p, bool backward) {
   const int64_t gdim = per_key_gate(p.variant) ? p.K : 1;
-  check_view(p, p.q, "q", p.H, p.K);
-  check_view(p, p.k, "k", p.H, p.K);
-  check_view(p, p.v, "v", p.HV, p.V);
-  check_view(p, p.g, p.variant == Variant::dplr ? "gk" : "g", p.HV, gdim);
-  check_view(p, p.beta, "beta", p.HV, 1);
-  check_view(p, p.a, "a", p.HV, p.K);
-  check_view(p, p.b, "b", p.HV, p.K);
+  check_view(p, p.q, "q", p.H, p.K, p.dtype);
+  check_view(p, p.k, "k", p.H, p.K, p.dtype);
+  check_view(p, p.v, "v", p.HV, p.V, p.dtype);
+  check_view(p, p.g, p.variant == Variant::dplr ? "gk" : "g", p.HV, gdim, p.gate_dtype());
+  check_view(p, p.beta, "beta", p.HV, 1, p.dtype);
+  check_view(p, p.a, "a", p.HV, p.K, p.dtype);
+  check_view(p, p.b, "b", p.HV, p.K, p.dtype);
   check_state(p, p.h0, "initial_state");
   if (backward) {
-    check_view(p, p.dout, "do", p.HV, p.V);
+    check_view(p, p.dout, "do", p.HV, p.V, p.dtype);
     check_state(p, p.dht, "dht");
   }
 }

@@ -123,3 +123,22 @@ TEST(CrossCheckLayout, StridedViewsMatchContiguous) {
 }
 
 }  // namespace
+
+namespace {
+// g in fp32 beside fp64 inputs (Params::g_fp32, as FLA keeps the log decay in fp32 beside bf16
+// q, k, v): same result as g in fp64 holding the same values.
+TEST(CrossCheckLayout, GateInFp32) {
+  Problem pr(Variant::kda, varlen({0, 30, 77}, 1, 1, 16, 8), 6);
+  for (auto& x : pr.g) x = static_cast<float>(x);  // values representable in fp32
+  Buffers<double> ref(pr);
+  ref::backward<double>(ref.p, Method::chunked);
+  Buffers<double> r(pr);
+  std::vector<float> g32(pr.g.begin(), pr.g.end()), dg32(pr.g.size(), NAN);
+  r.p.g_fp32 = true;
+  r.p.g = TensorRef{g32.data(), pr.s.T * pr.s.HV * pr.s.K, pr.s.HV * pr.s.K, pr.s.K};
+  r.p.dg = TensorRef{dg32.data(), pr.s.T * pr.s.HV * pr.s.K, pr.s.HV * pr.s.K, pr.s.K};
+  ref::backward<double>(r.p, Method::chunked);
+  EXPECT_LT(rel_err(std::vector<double>(dg32.begin(), dg32.end()), ref.results(true)[3].second), 1e-6);  // dg
+  EXPECT_LT(rel_err(r.results(true)[0].second, ref.results(true)[0].second), 1e-12);                     // dq
+}
+}  // namespace

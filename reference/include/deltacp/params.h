@@ -71,6 +71,9 @@ inline TensorRef contiguous_ref(const void* ptr, int64_t T, int64_t heads, int64
 struct Params {
   Variant variant = Variant::gdn;
   DType dtype = DType::f32;        // q, k, v, g, beta, a, b, o and every gradient of them
+  // g and dg in fp32 whatever dtype is (FLA keeps the log decay in fp32 beside bf16 q, k, v:
+  // its cumulative sum loses too much in bf16). false: g has p.dtype like every other input.
+  bool g_fp32 = false;
   DType state_dtype = DType::f32;  // h0, ht, dht, dh0
 
   int64_t B = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
@@ -110,6 +113,7 @@ struct Params {
   const int64_t* host_cu() const { return cu_seqlens_host ? cu_seqlens_host : cu_seqlens; }
   int64_t head_group() const { return HV / H; }  // value heads per query/key head
   int64_t state_elems() const { return num_seqs * HV * K * V; }
+  DType gate_dtype() const { return g_fp32 ? DType::f32 : dtype; }  // dtype of g and dg
 };
 
 // Fills num_seqs and the derived defaults; call after setting sizes and cu_seqlens.

@@ -1,0 +1,212 @@
+"""bench/cp/bench_cp.py — the CP state exchange, four ways, side by side (DESIGN.md section 4).
+
+    torchrun --nproc_per_node=2 bench/cp/bench_cp.py                       # GPUs: NCCL, bf16 GDN, H=16, K=V=128
+    torchrun --nproc_per_node=4 bench/cp/bench_cp.py --device cpu --tokens 256 --heads 2 --head-dim 16   # smoke
+
+One sequence spans every rank (the worst case: rank r folds r earlier maps). Each rank holds its
+pre-pass result [H_r | M_r] ([HV, K, V + K] fp32; on GPUs made by the real pre-pass kernel from
+random GDN inputs of --tokens per rank). Measured, median of --repeat after warm-up:
+
+  prepass        the pre-pass kernel alone (GPU, deltacp._cp_nccl)
+  allgather      one all-gather of [H | M] (world x HV K (V + K) fp32 received per rank) + the merge
+                 fold S <- M_j S + H_j over the earlier ranks (the merge kernel on GPUs)
+  ring           the state passed rank to rank: S_{r+1} = M_r S_r + H_r, send S (HV K V fp32) to r + 1;
+                 O(KV) traffic per rank but world - 1 serial hops
+  scan           a log-depth (Hillis-Steele) scan over the affine maps: ceil(log2 world) rounds, in
+                 round s rank r receives the composed map of ranks [r - 2^(s+1) + 1, r - 2^s] and
+                 composes (M, H) <- (M M_j, M H_j + H); the initial state is the exclusive prefix
+  overlap        the local forward (zero initial state) alone, and concurrently with prepass +
+                 allgather + merge on a second stream: how much of the exchange the intra-chunk work
+                 could hide (the local kernels do not yet split out the state-independent part)
+
+Every method's initial state is checked against the all-gather's (relative error printed). Rank 0
+prints a table and writes JSON to $OUT/bench_cp.json (or --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per rank")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128, help="K = V")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def timer(device):
+    def run(fn, repeat, warmup):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return run
+
+
+def main():
+    args = parse()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    HV = H = args.heads
+    K = V = args.head_dim
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    time_it = timer(device)
+
+    import deltacp.cp as cp
+    from deltacp.cp import nccl_backend, ops as cp_ops
+
+    T_rank = args.tokens
+    cu = [0, T_rank * world]  # one sequence over every rank
+    ctx = cp.build_context(torch.tensor(cu), device=device, timeout=120)
+    gen = torch.Generator().manual_seed(100 + rank)
+    q = torch.randn(1, T_rank, H, K, generator=gen).to(device, dtype)
+    k = torch.nn.functional.normalize(torch.randn(1, T_rank, H, K, generator=gen), dim=-1).to(device, dtype)
+    v = torch.randn(1, T_rank, HV, V, generator=gen).to(device, dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T_rank, HV, generator=gen) + 4).to(device, dtype)
+    beta = torch.sigmoid(torch.randn(1, T_rank, HV, generator=gen)).to(device, dtype)
+
+    cfg = cp_ops._Cfg()
+    cfg.variant, cfg.gate_name, cfg.scale, cfg.chunk_size = "gdn", "g", None, 64
+    cfg.output_final_state, cfg.compute, cfg.state_dtype = False, "float32", torch.float32
+    cfg.ctx, cfg.device, cfg.H, cfg.HV, cfg.K, cfg.V, cfg.num_seqs, cfg.has_h0 = ctx, device, H, HV, K, V, 1, False
+    cfg.fwd_method, cfg.bwd_method = cp_ops._methods("gdn", None, device, False)
+    use_kernels = device.type == "cuda" and nccl_backend.available()
+
+    results = {}
+    prepass = lambda: cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None)  # noqa: E731
+    X = prepass()  # [HV, K, V + K] fp32 = [H | M]
+    if use_kernels:
+        results["prepass"] = time_it(prepass, args.repeat, args.warmup)
+
+    def allgather():
+        gathered = cp_ops._all_gather(cfg, X, "bench all-gather")
+        return cp_ops._merge_forward(cfg, gathered)
+
+    def ring():
+        S = torch.zeros((HV, K, V), dtype=torch.float32, device=device)
+        if rank > 0:
+            dist.recv(S, src=rank - 1)
+        if rank + 1 < world:
+            out = torch.matmul(X[..., V:], S) + X[..., :V]
+            dist.send(out.contiguous(), dst=rank + 1)
+        return S
+
+    def scan():
+        # Inclusive Hillis-Steele scan of the maps, then the exclusive prefix's H is the initial state.
+        M, Hs = X[..., V:].clone(), X[..., :V].clone()
+        d = 1
+        while d < world:
+            buf = torch.cat([Hs, M], dim=-1).contiguous()
+            recv = torch.empty_like(buf)
+            ops = []
+            if rank + d < world:
+                ops.append(dist.P2POp(dist.isend, buf, rank + d))
+            if rank - d >= 0:
+                ops.append(dist.P2POp(dist.irecv, recv, rank - d))
+            if ops:
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+            if rank - d >= 0:
+                Hj, Mj = recv[..., :V], recv[..., V:]
+                Hs = torch.matmul(M, Hj) + Hs
+                M = torch.matmul(M, Mj)
+            d *= 2
+        # exclusive: rank r needs the inclusive prefix of r - 1
+        S = torch.zeros((HV, K, V), dtype=torch.float32, device=device)
+        ops = []
+        if rank + 1 < world:
+            ops.append(dist.P2POp(dist.isend, Hs.contiguous(), rank + 1))
+        if rank > 0:
+            ops.append(dist.P2POp(dist.irecv, S, rank - 1))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return S
+
+    S_ref = allgather()
+    errors = {}
+    for name, fn in (("allgather", allgather), ("ring", ring), ("scan", scan)):
+        S = fn()
+        errors[name] = 0.0 if rank == 0 else float((S - S_ref).norm() / S_ref.norm().clamp_min(1e-30))
+        results[name] = time_it(fn, args.repeat, args.warmup)
+
+    if device.type == "cuda":
+        from deltacp._describe import torch_desc
+
+        o = torch.empty_like(v)
+        descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None)
+        descs["o"] = torch_desc(o, "o")
+
+        def local_forward():
+            cp_ops._run(cfg, "forward", cfg.fwd_method, descs)
+
+        side = torch.cuda.Stream(device)
+
+        def overlapped():
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                prepass()
+                allgather()
+            local_forward()
+            torch.cuda.current_stream(device).wait_stream(side)
+
+        results["local_forward"] = time_it(local_forward, args.repeat, args.warmup)
+        results["overlap_forward_plus_exchange"] = time_it(overlapped, args.repeat, args.warmup)
+
+    rows = [None] * world
+    dist.all_gather_object(rows, dict(rank=rank, times=results, errors=errors))
+    if rank == 0:
+        bytes_ag = world * HV * K * (V + K) * 4
+        bytes_ring = HV * K * V * 4
+        bytes_scan = math.ceil(math.log2(world)) * HV * K * (V + K) * 4 if world > 1 else 0
+        print(f"CP exchange, {world} ranks ({device.type}), GDN {args.dtype}, H={H} K=V={K}, {T_rank} tokens/rank, "
+              f"one sequence over every rank; median of {args.repeat} (ms, max over ranks)")
+        names = sorted({n for r in rows for n in r["times"]})
+        for n in names:
+            worst = max(r["times"].get(n, 0.0) for r in rows) * 1e3
+            print(f"  {n:<32} {worst:9.3f} ms")
+        print(f"  bytes received per rank: allgather {bytes_ag}, ring {bytes_ring} (world - 1 serial hops), "
+              f"scan {bytes_scan} (ceil(log2 world) rounds)")
+        print("  initial-state error vs allgather: " + ", ".join(
+            f"{n} {max(r['errors'][n] for r in rows):.1e}" for n in ("ring", "scan")))
+        out = args.json or os.path.join(os.environ.get("OUT", "."), "bench_cp.json")
+        with open(out, "w") as f:
+            json.dump(dict(world=world, device=str(device.type), config=vars(args), ranks=rows,
+                           bytes=dict(allgather=bytes_ag, ring=bytes_ring, scan=bytes_scan)), f, indent=1)
+        print(f"  JSON: {out}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

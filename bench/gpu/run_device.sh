@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: build, validate, sanitize, benchmark; results under $OUT.
+#
+#   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp
+#                                            (default build,test,sanitize,pytest,bench)
+# FLA's Triton source, when carried in fla_src/ (ignored by git), is put on PYTHONPATH for the
+# side-by-side benchmark. Files written to $OUT (at most 8 come back): summary.txt, build.log,
+# ctest_gpu.log, sanitizer.log, pytest_gpu.log, bench_gpu.json, bench_gpu.log, cp_gpu.log.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/deltacp-out}
+mkdir -p "$OUT"
+STEPS=${1:-build,test,sanitize,pytest,bench}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+SUM="$OUT/summary.txt"
+say() { echo "$*" | tee -a "$SUM"; }
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+t_start=$(date +%s)
+say "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -4 | tr '\n' ';')"
+say "   nvcc $(nvcc --version | tail -1); python3 $(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
+ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+BUILD=build-gpu
+
+if has build; then
+  t0=$(date +%s)
+  # One build for everything: C++ tests and the Python modules (installed into a staging
+  # site-packages below instead of a second build through pip).
+  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DDELTACP_CUDA=ON -DDELTACP_CUDA_ARCHS="$ARCH" \
+        -DDELTACP_BUILD_BENCH=OFF -DDELTACP_BUILD_PYTHON=ON >"$OUT/build.log" 2>&1 &&
+    cmake --build $BUILD -j 16 >>"$OUT/build.log" 2>&1
+  rc=$?
+  rm -rf /tmp/dcp_site && mkdir -p /tmp/dcp_site/deltacp && cp -r bindings/python/deltacp/. /tmp/dcp_site/deltacp/ &&
+    cmake --install $BUILD --component python --prefix /tmp/dcp_site >>"$OUT/build.log" 2>&1
+  say "build: rc=$rc in $(( $(date +%s) - t0 )) s (sm_$ARCH)"
+  [ $rc -ne 0 ] && { tail -40 "$OUT/build.log"; }
+fi
+
+if has test; then
+  t0=$(date +%s)
+  (cd $BUILD && ctest -R '^cuda\.' --output-on-failure) >"$OUT/ctest_gpu.log" 2>&1
+  rc=$?
+  say "gpu ctest: rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -E 'tests passed|tests failed' "$OUT/ctest_gpu.log" | tail -1)"
+  # Full per-case output (errors measured) for the record.
+  $BUILD/tests/cuda/test_cuda_tiers >>"$OUT/ctest_gpu.log" 2>&1
+  say "   cases: $(grep -cE '^\[       OK \]' "$OUT/ctest_gpu.log") ok, $(grep -cE '^\[  FAILED  \]' "$OUT/ctest_gpu.log") failed lines"
+fi
+
+if has sanitize; then
+  t0=$(date +%s)
+  : >"$OUT/sanitizer.log"
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $BUILD/tests/cuda/test_cuda_tiers \
+      --gtest_filter="${DELTACP_SANITIZE_FILTER:-*small*:*T1*:*short*}" >>"$OUT/sanitizer.log" 2>&1
+    rc=$?
+    say "compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+  done
+  say "   sanitizer time $(( $(date +%s) - t0 )) s"
+fi
+
+export PYTHONPATH="/tmp/dcp_site:${PYTHONPATH:-}"
+# ../shared does not travel to the device: a copy of the golden vectors is carried in golden_copy/.
+[ -d golden_copy ] && export DELTACP_GOLDEN_DIR="$PWD/golden_copy"
+if has pytest || has bench || has cp; then
+  say "python package: $(cd /tmp && python3 -c 'import deltacp; print("built_with_cuda", deltacp.built_with_cuda(), "cuda_available", deltacp.cuda_available())' 2>&1 | tail -1)"
+fi
+
+if has pytest; then
+  t0=$(date +%s)
+  python3 -m pytest -q -x tests/python -k "cuda or gpu" >"$OUT/pytest_gpu.log" 2>&1
+  say "pytest (cuda): rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/pytest_gpu.log")"
+fi
+
+if has bench; then
+  t0=$(date +%s)
+  PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout 420 python3 bench/gpu/bench_gpu.py --out "$OUT/bench_gpu.json" \
+    ${DELTACP_BENCH_ARGS:-} >"$OUT/bench_gpu.log" 2>&1
+  say "bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  tail -20 "$OUT/bench_gpu.log"
+fi
+
+if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
+  t0=$(date +%s)
+  bash distributed/tests/run_gpu_cp.sh >"$OUT/cp_gpu.log" 2>&1
+  say "cp (gpu): rc=$? in $(( $(date +%s) - t0 )) s"
+  tail -30 "$OUT/cp_gpu.log"
+fi
+say "== total $(( $(date +%s) - t_start )) s"
+cat "$SUM"

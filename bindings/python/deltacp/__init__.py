@@ -1,0 +1,41 @@
+"""deltacp — delta-rule linear attention: Eigen reference, CUDA tiers, context parallelism.
+
+    import deltacp
+    o, ht = deltacp.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)   # torch, autograd
+    o, ht = deltacp.reference.gated_delta_rule(q, k, v, g, beta)                         # numpy, float64
+
+``deltacp.reference`` needs only numpy. The torch ops (chunk_gated_delta_rule, chunk_kda,
+chunk_delta_rule, chunk_dplr) import torch on first use, so the package imports without torch.
+Bad input raises ValueError (``deltacp.Error`` is its subclass raised by the C++ core) or
+TypeError, naming the argument.
+"""
+
+from . import _core
+from . import reference
+from ._core import Error
+
+__version__ = "0.1.0"
+
+_TORCH_OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_dplr", "chunk_dplr_delta_rule",
+              "BACKENDS")
+
+__all__ = ["reference", "Error", "built_with_cuda", "cuda_available", *_TORCH_OPS]
+
+
+def built_with_cuda() -> bool:
+    """True when the CUDA tiers were compiled into this build."""
+    return _core.built_with_cuda()
+
+
+def cuda_available() -> bool:
+    """True when the CUDA tiers are built and a CUDA device is usable."""
+    return _core.cuda_available()
+
+
+def __getattr__(name):
+    # The torch ops live in deltacp.ops, imported (with torch) only when first asked for.
+    if name in _TORCH_OPS:
+        from . import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module 'deltacp' has no attribute {name!r}")

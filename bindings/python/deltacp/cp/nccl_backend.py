@@ -1,0 +1,126 @@
+"""deltacp.cp.nccl_backend — the GPU side of deltacp.cp on top of deltacp._cp_nccl.
+
+deltacp._cp_nccl (distributed/python/cp_nccl_module.cpp) is built only with CUDA, NCCL and the
+Python module; without it ``available()`` is False and CUDA tensors exchange through the torch
+process group instead. What it adds:
+
+  * a non-blocking NCCL communicator of deltacp's own, made from a unique id that rank 0 creates
+    and the context's torch.distributed group (any backend) broadcasts; every wait polls with the
+    context's timeout and aborts the communicator on a stall (CPTimeoutError on every healthy rank);
+  * the CP pre-pass kernels ([H | M] of the last local segment, [dH | M^T] of the first) and the
+    merge kernel, launched on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .context import CPTimeoutError
+
+try:
+    from .. import _cp_nccl
+except ImportError:  # CPU-only build, or no NCCL at build time
+    _cp_nccl = None
+
+__all__ = ["available", "create_communicator", "prepass_forward", "prepass_backward", "all_gather", "merge",
+           "all_reduce_max_i64"]
+
+
+def available() -> bool:
+    return _cp_nccl is not None and torch.cuda.is_available()
+
+
+def _stream(device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _translate(exc: Exception, what: str):
+    if _cp_nccl is not None and isinstance(exc, _cp_nccl.CommTimeout):
+        return CPTimeoutError(str(exc))
+    return exc
+
+
+def create_communicator(group, rank: int, world: int, device: torch.device, timeout: float):
+    """Rank 0 makes the NCCL unique id; the group broadcasts it; every rank joins (with the timeout)."""
+    obj = [_cp_nccl.unique_id() if rank == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(obj, src=src, group=group)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        return _cp_nccl.Communicator(obj[0], rank, world, index, float(timeout))
+    except Exception as exc:  # noqa: BLE001
+        raise _translate(exc, "creating the NCCL communicator") from exc
+
+
+def _views(**tensors) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"deltacp: argument '{name}': the last dimension must be contiguous")
+        out[name] = (int(t.data_ptr()), int(t.stride(1)), int(t.stride(2)))
+    return out
+
+
+def _prepass(direction, cfg, q, k, v, g, beta, a, b, do, init):
+    if cfg.state_dtype != torch.float32:
+        raise ValueError(f"deltacp: argument 'q': the CUDA CP path keeps fp32 states; got {q.dtype} inputs "
+                         f"(use float32, bfloat16 or float16 on GPUs)")
+    out = torch.empty((cfg.HV, cfg.K, cfg.V + cfg.K), dtype=torch.float32, device=q.device)
+    if init is not None:
+        init = init.to(torch.float32).contiguous()
+    views = _views(q=q, k=k, v=v, g=g, beta=beta, a=a, b=b, **({"do": do} if do is not None else {}))
+    scale = cfg.scale if cfg.scale is not None else cfg.K ** -0.5
+    with torch.cuda.device(q.device):
+        _cp_nccl.prepass(direction, cfg.variant, _dtype_name(q), int(q.shape[1]), cfg.H, cfg.HV, cfg.K, cfg.V,
+                         cfg.chunk_size, float(scale), views, 0 if init is None else int(init.data_ptr()),
+                         int(out.data_ptr()), _stream(q.device))
+    if init is not None:
+        init.record_stream(torch.cuda.current_stream(q.device))
+    return out
+
+
+def prepass_forward(cfg, q, k, v, g, beta, a, b, start):
+    """[H | M] of the span [HV, K, V + K] fp32 (start: the span's initial state or None)."""
+    return _prepass("forward", cfg, q, k, v, g, beta, a, b, None, start)
+
+
+def prepass_backward(cfg, q, k, v, g, beta, a, b, do, dend):
+    """[dH | M^T] of the span [HV, K, V + K] fp32 (dend: dL/dS at the span end or None)."""
+    return _prepass("backward", cfg, q, k, v, g, beta, a, b, do, dend)
+
+
+def all_gather(ctx, x: torch.Tensor, what: str) -> torch.Tensor:
+    out = torch.empty((ctx.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    try:
+        ctx.nccl.all_gather(int(x.data_ptr()), int(out.data_ptr()), x.numel(), _dtype_name(x), _stream(x.device),
+                            True)
+    except Exception as exc:  # noqa: BLE001
+        raise _translate(exc, what) from exc
+    return out
+
+
+def all_reduce_max_i64(ctx, values: torch.Tensor, what: str) -> torch.Tensor:
+    buf = values.to(device=ctx.device, dtype=torch.int64).contiguous()
+    try:
+        ctx.nccl.all_reduce_max_i64(int(buf.data_ptr()), buf.numel(), _stream(ctx.device))
+    except Exception as exc:  # noqa: BLE001
+        raise _translate(exc, what) from exc
+    return buf.cpu()
+
+
+def merge(cfg, gathered: torch.Tensor, j0: int, j1: int, forward: bool) -> torch.Tensor:
+    """Fold over ranks j0 .. j1 - 1: ascending (forward, [H | M]) or descending (backward, [dH | M^T])."""
+    out = torch.empty((cfg.HV, cfg.K, cfg.V), dtype=torch.float32, device=gathered.device)
+    count = j1 - j0
+    first, step = (j0, 1) if forward else (j1 - 1, -1)
+    with torch.cuda.device(gathered.device):
+        _cp_nccl.merge(int(gathered.data_ptr()), cfg.HV, cfg.K, cfg.V, first, count, step, int(out.data_ptr()),
+                       _stream(gathered.device))
+    return out

@@ -1,0 +1,538 @@
+"""deltacp.cp.ops — context-parallel forward and backward with autograd (DESIGN.md section 4).
+
+Each rank holds its slice of a packed batch (see context.py) and calls, with rank-local tensors,
+
+    o, ht = chunk_gated_delta_rule_cp(q, k, v, g, beta, cp_context=ctx, initial_state=h0,
+                                      output_final_state=True)
+
+Forward, on every rank r (the same algorithm as the simulated CP of reference/src/batch.cpp):
+
+  1. pre-pass: over the rank's LAST local segment, when it continues on a later rank, the state map
+     S_end = M_r S_start + H_r. [H | M] evolves exactly like a state with V + K columns: run the
+     segment with values [v | 0] from the initial state [h0 or 0 | I]; the final state is [H_r | M_r]
+     (H_r includes the sequence's initial state when the sequence starts on this rank). fp32 (fp64
+     for fp64 inputs).
+  2. one all-gather of the [HV, K, V + K] buffers;
+  3. merge: the initial state of the FIRST local segment, when it continues a sequence from earlier
+     ranks, is S = 0 folded through the earlier ranks j = r - pre_ranks .. r - 1: S <- M_j S + H_j;
+  4. the local chunked kernel over all local segments (the reference on the CPU, the fastest CUDA
+     tier on GPUs) from those initial states.
+
+Backward mirrored: over the FIRST local segment (when it continues from earlier ranks) dS_start =
+M_r^T dS_end + dH_r, computed as one backward of the [v | 0] problem with upstream [do | 0] and
+dL/dS_end = [dht or 0 | I]: its dL/dh0 is [dH_r | M_r^T]. All-gather, fold from the later ranks
+dS <- M_j^T dS + dH_j (j = r + post_ranks down to r + 1), and run the local backward with that as the
+last segment's dL/dS_end. Only one merged initial state is kept for the backward (the seeds'
+compress_h0): the rest of the local initial states are rebuilt from the user's initial_state.
+
+States: ``initial_state`` [N, HV, K, V] (N = number of GLOBAL sequences, the same tensor on every
+rank); row n is read by the rank holding sequence n's first token. The returned final state is
+[N, HV, K, V] with the rows of the sequences ENDING on this rank filled and zeros elsewhere (sum over
+the ranks for the full tensor). The gradient of initial_state likewise holds the rows of the sequences
+STARTING on this rank. The all-gathers run on the context's group (gloo for CPU tensors) or on
+deltacp's own NCCL communicator (CUDA tensors) with a timeout: a stalled or dead rank makes every
+other rank raise instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import _core
+from .._describe import torch_desc
+from .context import CPContext, agree, wait_collective
+
+__all__ = ["chunk_gated_delta_rule_cp", "chunk_kda_cp", "chunk_delta_rule_cp", "chunk_dplr_cp", "cp_apply",
+           "exchange_bytes", "last_stats"]
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_CUDA_TIERS = ("fused", "tiled", "naive")
+
+# Filled by each call (for the examples' tables): bytes received by the all-gathers, per direction.
+last_stats = {"forward_bytes": 0, "backward_bytes": 0}
+
+
+def exchange_bytes(ctx: CPContext, HV: int, K: int, V: int, dtype=torch.float32) -> int:
+    """Bytes one all-gather delivers to each rank: world buffers of [HV, K, V + K]."""
+    return ctx.world * HV * K * (V + K) * torch.tensor([], dtype=dtype).element_size()
+
+
+class _Cfg:
+    """Everything about one call that is not a differentiable tensor."""
+
+    __slots__ = ("variant", "gate_name", "scale", "chunk_size", "output_final_state", "compute", "state_dtype",
+                 "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0")
+
+
+# ---------------------------------------------------------------------------------------------
+# running the local kernel through deltacp._core (reference on CPU, CUDA tier on GPU)
+# ---------------------------------------------------------------------------------------------
+def _run(cfg: _Cfg, direction: str, method: str, descs: dict) -> None:
+    if cfg.device.type == "cuda":
+        with torch.cuda.device(cfg.device):
+            stream = torch.cuda.current_stream(cfg.device).cuda_stream
+            _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
+                      False)
+    else:
+        _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
+
+
+def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
+    d = {"q": torch_desc(q, "q"), "k": torch_desc(k, "k"), "v": torch_desc(v, "v")}
+    if g is not None:
+        d["g"] = torch_desc(g, cfg.gate_name)
+    if beta is not None:
+        d["beta"] = torch_desc(beta, "beta")
+    if a is not None:
+        d["a"] = torch_desc(a, "a")
+        d["b"] = torch_desc(b, "b")
+    if h0 is not None:
+        d["h0"] = torch_desc(h0, "initial_state")
+    if cu is not None:
+        d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
+        if cu_host is not None and cu_host is not cu:
+            d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
+    return d
+
+
+def _seg(t, s0, s1):
+    return None if t is None else t[:, s0:s1]
+
+
+def _identity_block(cfg: _Cfg) -> torch.Tensor:
+    """I_K for every value head: [HV, K, K] in the state dtype."""
+    eye = torch.eye(cfg.K, dtype=cfg.state_dtype, device=cfg.device)
+    return eye.unsqueeze(0).expand(cfg.HV, cfg.K, cfg.K)
+
+
+def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: torch.Tensor) -> torch.Tensor:
+    """Final state of a span run with values [v | 0] from [start | I]: [HV, K, V + K] = [H | M]."""
+    n = q.shape[1]
+    zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
+    v_aug = torch.cat([v, zeros_v], dim=-1)
+    h0_aug = torch.cat([start, _identity_block(cfg)], dim=-1).unsqueeze(0).contiguous()
+    o_aug = torch.empty((1, n, cfg.HV, cfg.V + cfg.K), dtype=v.dtype, device=v.device)
+    ht_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
+    descs = _descs(cfg, q, k, v_aug, g, beta, a, b, h0=h0_aug)
+    descs["o"] = torch_desc(o_aug, "o")
+    descs["ht"] = torch_desc(ht_aug, "ht")
+    _run(cfg, "forward", cfg.fwd_method, descs)
+    return ht_aug[0]
+
+
+def _augmented_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: torch.Tensor) -> torch.Tensor:
+    """dL/dS_start of a span run with values [v | 0], upstream [do | 0] and dL/dS_end = [dend | I]:
+    [HV, K, V + K] = [dH | M^T] (independent of the start state, so none is given)."""
+    n = q.shape[1]
+    zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
+    v_aug = torch.cat([v, zeros_v], dim=-1)
+    do_aug = torch.cat([do, zeros_v], dim=-1)
+    dht_aug = torch.cat([dend, _identity_block(cfg)], dim=-1).unsqueeze(0).contiguous()
+    descs = _descs(cfg, q, k, v_aug, g, beta, a, b)
+    descs["dout"] = torch_desc(do_aug, "do")
+    descs["dht"] = torch_desc(dht_aug, "dht")
+    scratch = []  # the input gradients of this auxiliary run are not needed, but must stay alive
+    for name, t in (("q", q), ("k", k), ("v", v_aug), ("g", g), ("beta", beta), ("a", a), ("b", b)):
+        if t is not None:
+            scratch.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+            descs["d" + name] = torch_desc(scratch[-1], "d" + name)
+    dh0_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
+    descs["dh0"] = torch_desc(dh0_aug, "dh0")
+    _run(cfg, "backward", cfg.bwd_method, descs)
+    return dh0_aug[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the exchange: pre-pass, all-gather, merge
+# ---------------------------------------------------------------------------------------------
+def _use_nccl_kernels(cfg: _Cfg) -> bool:
+    return cfg.device.type == "cuda" and cfg.ctx.nccl is not None
+
+
+def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0) -> torch.Tensor:
+    """[H_r | M_r] of the last local segment, or [0 | I] when it does not continue (nobody reads it)."""
+    ctx = cfg.ctx
+    if not ctx.last_continues:
+        zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+        return torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
+    s0, s1 = ctx.cu_seqlens_list[-2], ctx.cu_seqlens_list[-1]
+    start = None
+    if h0 is not None and ctx.starts_here[-1]:
+        start = h0[ctx.seq_ids[-1]]
+    if _use_nccl_kernels(cfg):
+        from . import nccl_backend
+
+        return nccl_backend.prepass_forward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1),
+                                            _seg(g, s0, s1), _seg(beta, s0, s1), _seg(a, s0, s1),
+                                            _seg(b, s0, s1), start)
+    if start is None:
+        start = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+    return _augmented_forward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1), _seg(g, s0, s1),
+                              _seg(beta, s0, s1), _seg(a, s0, s1), _seg(b, s0, s1), start)
+
+
+def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht) -> torch.Tensor:
+    """[dH_r | M_r^T] of the first local segment, or [0 | I] when it does not continue."""
+    ctx = cfg.ctx
+    if not ctx.first_continues:
+        zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+        return torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
+    s0, s1 = ctx.cu_seqlens_list[0], ctx.cu_seqlens_list[1]
+    # The rank holding the sequence's last token adds the user's dL/dht into its dH.
+    dend = None
+    if dht is not None and ctx.ends_here[0]:
+        dend = dht[ctx.seq_ids[0]]
+    if _use_nccl_kernels(cfg):
+        from . import nccl_backend
+
+        return nccl_backend.prepass_backward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1),
+                                             _seg(g, s0, s1), _seg(beta, s0, s1), _seg(a, s0, s1),
+                                             _seg(b, s0, s1), _seg(do, s0, s1), dend)
+    if dend is None:
+        dend = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+    return _augmented_backward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1), _seg(g, s0, s1),
+                               _seg(beta, s0, s1), _seg(a, s0, s1), _seg(b, s0, s1), _seg(do, s0, s1), dend)
+
+
+def _all_gather(cfg: _Cfg, x: torch.Tensor, what: str) -> torch.Tensor:
+    """[world, HV, K, V + K]: every rank's buffer, in rank order."""
+    ctx = cfg.ctx
+    x = x.contiguous()
+    if _use_nccl_kernels(cfg):
+        from . import nccl_backend
+
+        return nccl_backend.all_gather(ctx, x, what)
+    out = torch.empty((ctx.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    if x.device.type == "cuda" and "nccl" in ctx.backend:
+        work = dist.all_gather_into_tensor(out, x, group=ctx.group, async_op=True)
+    else:
+        work = dist.all_gather(list(out.unbind(0)), x, group=ctx.group, async_op=True)
+    wait_collective(work, what, ctx.rank, ctx.timeout)
+    return out
+
+
+def _merge_forward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
+    """S = 0 folded through the earlier ranks: S <- M_j S + H_j, j = r - pre .. r - 1 (fp32 chain)."""
+    ctx, V = cfg.ctx, cfg.V
+    if _use_nccl_kernels(cfg):
+        from . import nccl_backend
+
+        return nccl_backend.merge(cfg, gathered, ctx.rank - ctx.pre_ranks, ctx.rank, forward=True)
+    S = torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
+    for j in range(ctx.rank - ctx.pre_ranks, ctx.rank):
+        S = torch.matmul(gathered[j, :, :, V:], S) + gathered[j, :, :, :V]
+    return S
+
+
+def _merge_backward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
+    """dS = 0 folded from the later ranks down: dS <- M_j^T dS + dH_j, j = r + post .. r + 1."""
+    ctx, V = cfg.ctx, cfg.V
+    if _use_nccl_kernels(cfg):
+        from . import nccl_backend
+
+        return nccl_backend.merge(cfg, gathered, ctx.rank + 1, ctx.rank + ctx.post_ranks + 1, forward=False)
+    dS = torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
+    for j in range(ctx.rank + ctx.post_ranks, ctx.rank, -1):
+        dS = torch.matmul(gathered[j, :, :, V:], dS) + gathered[j, :, :, :V]
+    return dS
+
+
+def _local_initial_states(cfg: _Cfg, h0, merged) -> Optional[torch.Tensor]:
+    """[N_local, HV, K, V]: the merged state for a continuing first segment, the user's rows for
+    the segments that start here (the seeds' expand_h0). None when all of them are zero."""
+    ctx = cfg.ctx
+    if h0 is None and merged is None:
+        return None
+    out = torch.zeros((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+    if h0 is not None:
+        idx = [i for i in range(ctx.num_local_seqs) if ctx.starts_here[i]]
+        if idx:
+            out[idx] = h0[[ctx.seq_ids[i] for i in idx]]
+    if merged is not None:
+        out[0] = merged
+    return out
+
+
+class _CPFunction(torch.autograd.Function):
+    """o, ht = CP(q, k, v, g, beta, a, b, h0) on rank-local tensors; backward mirrored."""
+
+    @staticmethod
+    def forward(ctx_, cfg: _Cfg, q, k, v, g, beta, a, b, h0):
+        ctx = cfg.ctx
+        # 1-3: the state entering this rank's first segment.
+        sent = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0)
+        gathered = _all_gather(cfg, sent, "the forward all-gather of [H | M]")
+        last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
+        merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
+        # 4: the local kernel over every local segment.
+        h0_local = _local_initial_states(cfg, h0, merged)
+        descs = _descs(cfg, q, k, v, g, beta, a, b, h0=h0_local, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
+        o = torch.empty((1, q.shape[1], cfg.HV, cfg.V), dtype=q.dtype, device=q.device)
+        descs["o"] = torch_desc(o, "o")
+        ht = None
+        if cfg.output_final_state:
+            ht_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
+                                   device=q.device)
+            descs["ht"] = torch_desc(ht_local, "ht")
+        _run(cfg, "forward", cfg.fwd_method, descs)
+        if cfg.output_final_state:
+            ht = torch.zeros((cfg.num_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=q.device)
+            idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
+            if idx:
+                ht[[ctx.seq_ids[i] for i in idx]] = ht_local[idx]
+            for n in ctx.empty_seqs:  # an empty sequence's final state is its initial state
+                if h0 is not None:
+                    ht[n] = h0[n]
+        ctx_.cfg = cfg
+        ctx_.merged = merged  # the one initial state kept for the backward (compress_h0)
+        ctx_.save_for_backward(q, k, v, g, beta, a, b, h0)
+        ctx_.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx_, do, dht):
+        cfg: _Cfg = ctx_.cfg
+        ctx = cfg.ctx
+        q, k, v, g, beta, a, b, h0 = ctx_.saved_tensors
+        if do is None:
+            do = torch.zeros((1, q.shape[1], cfg.HV, cfg.V), dtype=q.dtype, device=q.device)
+        if do.shape[-1] > 1 and do.stride(-1) != 1:
+            do = do.contiguous()
+        if dht is not None:
+            dht = dht.to(cfg.state_dtype)
+        # 1-3 mirrored: dL/dS at the end of this rank's last segment, from the later ranks.
+        sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht)
+        gathered = _all_gather(cfg, sent, "the backward all-gather of [dH | M^T]")
+        last_stats["backward_bytes"] = gathered.numel() * gathered.element_size()
+        dS_last = _merge_backward(cfg, gathered) if ctx.last_continues else None
+        # 4: the local backward from the rebuilt initial states (expand_h0).
+        h0_local = _local_initial_states(cfg, h0, ctx_.merged)
+        dht_local = None
+        if dht is not None or dS_last is not None:
+            dht_local = torch.zeros((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
+                                    device=q.device)
+            if dht is not None:
+                idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
+                if idx:
+                    dht_local[idx] = dht[[ctx.seq_ids[i] for i in idx]]
+            if dS_last is not None:
+                dht_local[-1] = dS_last
+        descs = _descs(cfg, q, k, v, g, beta, a, b, h0=h0_local, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
+        descs["dout"] = torch_desc(do, "do")
+        if dht_local is not None:
+            descs["dht"] = torch_desc(dht_local, "dht")
+        grads = {}
+        for field, t, name in (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name),
+                               ("beta", beta, "beta"), ("a", a, "a"), ("b", b, "b")):
+            grads[field] = None
+            if t is not None:
+                grads[field] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                descs["d" + field] = torch_desc(grads[field], "d" + name)
+        dh0_local = None
+        if h0 is not None:
+            dh0_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
+                                    device=q.device)
+            descs["dh0"] = torch_desc(dh0_local, "dh0")
+        _run(cfg, "backward", cfg.bwd_method, descs)
+        dh0 = None
+        if h0 is not None:
+            dh0 = torch.zeros_like(h0)
+            idx = [i for i in range(ctx.num_local_seqs) if ctx.starts_here[i]]
+            if idx:
+                dh0[[ctx.seq_ids[i] for i in idx]] = dh0_local[idx]
+            for n in ctx.empty_seqs:  # an empty sequence passes dL/dht straight to dL/dh0
+                if dht is not None:
+                    dh0[n] = dht[n]
+        return (None, grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], grads["a"], grads["b"], dh0)
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks and the public ops
+# ---------------------------------------------------------------------------------------------
+def _tensor(t, name, ref=None, optional=False):
+    if t is None:
+        if optional:
+            return None
+        raise ValueError(f"deltacp: argument '{name}': is required")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"deltacp: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if ref is None:
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"deltacp: argument '{name}': expected dtype float64, float32, bfloat16 or float16, "
+                            f"got {t.dtype}")
+        return t
+    if t.device != ref.device:
+        raise ValueError(f"deltacp: argument '{name}': expected device {ref.device} (like q), got {t.device}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"deltacp: argument '{name}': expected dtype {ref.dtype} (like q), got {t.dtype}")
+    return t
+
+
+def _l2norm(x):
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
+    if device.type == "cpu":
+        if backend not in (None, "reference"):
+            raise ValueError(f"deltacp: argument 'backend': context parallelism on CPU tensors runs the chunked "
+                             f"reference; expected None or 'reference', got {backend!r}")
+        return "chunked", "chunked"
+    if device.type != "cuda":
+        raise ValueError(f"deltacp: argument 'q': expected a CPU or CUDA tensor, got device {device}")
+    if not _core.built_with_cuda():
+        raise ValueError("deltacp: argument 'q': got CUDA tensors, but this deltacp was built without the CUDA tiers")
+    tiers = _CUDA_TIERS if backend is None else (backend,)
+    if backend is not None and backend not in _CUDA_TIERS:
+        raise ValueError(f"deltacp: argument 'backend': expected None or one of {_CUDA_TIERS} for CUDA tensors, "
+                         f"got {backend!r}")
+    fwd = next((t for t in tiers if _core.cuda_supports(variant, t, False)), None)
+    bwd = next((t for t in tiers if _core.cuda_supports(variant, t, True)), None)
+    if fwd is None:
+        raise ValueError(f"deltacp: argument 'backend': no CUDA tier among {tiers} implements variant '{variant}'")
+    if needs_grad and bwd is None:
+        raise ValueError(f"deltacp: argument 'backend': no CUDA tier among {tiers} implements the backward of "
+                         f"variant '{variant}'")
+    return fwd, bwd or fwd
+
+
+def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=None, initial_state=None,
+             output_final_state=False, chunk_size=64, backend=None, use_qk_l2norm_in_kernel=False,
+             gate_name="g", cu_seqlens=None):
+    """The CP op for any variant (the public functions below fix the variant and argument names)."""
+    ctx = cp_context
+    if not isinstance(ctx, CPContext):
+        raise TypeError(f"deltacp: argument 'cp_context': expected a deltacp.cp.CPContext (from "
+                        f"deltacp.cp.build_context), got {type(ctx).__name__}")
+    if cu_seqlens is not None:
+        raise ValueError("deltacp: argument 'cu_seqlens': do not pass cu_seqlens with cp_context; the rank-local "
+                         "offsets come from the context (build_context takes the global ones)")
+    q = _tensor(q, "q")
+    k = _tensor(k, "k", q)
+    v = _tensor(v, "v", q)
+    g = _tensor(g, gate_name, q, optional=True)
+    beta = _tensor(beta, "beta", q, optional=True)
+    a = _tensor(a, "a", q, optional=True)
+    b = _tensor(b, "b", q, optional=True)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(float(scale)):
+        raise ValueError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
+
+    # Local checks first, then one fingerprint all-reduce so that every rank raises together.
+    local_errors = {}
+    if q.dim() != 4 or q.shape[0] != 1 or q.shape[1] != ctx.local_tokens:
+        local_errors["q"] = (f"deltacp: argument 'q': expected this rank's slice [1, {ctx.local_tokens}, H, K] "
+                             f"(rank {ctx.rank} holds global tokens [{ctx.begin}, {ctx.end})), got shape "
+                             f"{list(q.shape)}")
+    if v.dim() != 4:
+        local_errors["v"] = f"deltacp: argument 'v': expected 4 dims [1, T_local, HV, V], got shape {list(v.shape)}"
+    if q.device.type == "cuda" and ctx.device.type == "cuda" and q.device != ctx.device:
+        local_errors["q"] = (f"deltacp: argument 'q': expected device {ctx.device} (the context's), got "
+                             f"{q.device}")
+    N = ctx.num_seqs
+    h0 = None
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got "
+                            f"{type(initial_state).__name__}")
+        if initial_state.device != q.device:
+            local_errors["initial_state"] = (f"deltacp: argument 'initial_state': expected device {q.device} "
+                                             f"(like q), got {initial_state.device}")
+        elif q.dim() == 4 and v.dim() == 4 and tuple(initial_state.shape) != (N, v.shape[2], q.shape[3],
+                                                                            v.shape[3]):
+            local_errors["initial_state"] = (f"deltacp: argument 'initial_state': expected [N, HV, K, V] = "
+                                             f"{[N, v.shape[2], q.shape[3], v.shape[3]]} (N = the number of "
+                                             f"GLOBAL sequences), got {list(initial_state.shape)}")
+    fields = {
+        "q": ("ok" if "q" not in local_errors else "bad", str(q.dtype), tuple(q.shape[2:]) if q.dim() == 4 else ()),
+        "v": ("ok" if "v" not in local_errors else "bad", tuple(v.shape[2:]) if v.dim() == 4 else ()),
+        "variant": variant,
+        "chunk_size": int(chunk_size),
+        "scale": None if scale is None else float(scale),
+        "initial_state": (initial_state is not None, "initial_state" in local_errors),
+        "output_final_state": bool(output_final_state),
+        "cu_seqlens": ctx.fingerprint,
+        "backend": backend,
+        "use_qk_l2norm_in_kernel": bool(use_qk_l2norm_in_kernel),
+    }
+    try:
+        agree(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {variant} forward", ctx=ctx)
+    except ValueError as exc:
+        name = str(exc).split("'")[1]
+        if name in local_errors:
+            raise ValueError(local_errors[name]) from exc
+        raise
+    if local_errors:
+        raise ValueError(next(iter(local_errors.values())))
+
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    cfg = _Cfg()
+    cfg.variant = variant
+    cfg.gate_name = gate_name
+    cfg.scale = None if scale is None else float(scale)
+    cfg.chunk_size = int(chunk_size)
+    cfg.output_final_state = bool(output_final_state)
+    cfg.compute = "float64" if q.dtype == torch.float64 else "float32"
+    cfg.state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cfg.ctx = ctx
+    cfg.device = q.device
+    cfg.H, cfg.K = q.shape[2], q.shape[3]
+    cfg.HV, cfg.V = v.shape[2], v.shape[3]
+    cfg.num_seqs = N
+    if initial_state is not None:
+        h0 = initial_state.to(cfg.state_dtype).contiguous()
+    cfg.has_h0 = h0 is not None
+    tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    cfg.fwd_method, cfg.bwd_method = _methods(variant, backend, q.device, needs_grad)
+    o, ht = _CPFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
+    return o, (ht if cfg.output_final_state else None)
+
+
+def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
+                              output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
+                              cp_context: CPContext, chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False):
+    """Gated DeltaNet under context parallelism: rank-local q, k [1, T_local, H, K], v [1, T_local, HV, V],
+    g, beta [1, T_local, HV]; initial_state [N, HV, K, V] over the GLOBAL sequences. Returns (o_local,
+    final_state [N, HV, K, V] with this rank's rows, or None)."""
+    return cp_apply("gdn", q, k, v, g, beta, None, None, cp_context=cp_context, scale=scale,
+                    initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
+                    backend=backend, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+
+def chunk_kda_cp(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
+                 output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
+                 cp_context: CPContext, chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False):
+    """Kimi Delta Attention under context parallelism (g per key dim, [1, T_local, HV, K])."""
+    return cp_apply("kda", q, k, v, g, beta, None, None, cp_context=cp_context, scale=scale,
+                    initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
+                    backend=backend, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+
+def chunk_delta_rule_cp(q, k, v, beta, scale: Optional[float] = None, initial_state=None,
+                        output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
+                        cp_context: CPContext, chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False):
+    """DeltaNet (no gate) under context parallelism."""
+    return cp_apply("delta", q, k, v, None, beta, None, None, cp_context=cp_context, scale=scale,
+                    initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
+                    backend=backend, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+
+def chunk_dplr_cp(q, k, v, a, b, gk, scale: Optional[float] = None, initial_state=None,
+                  output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
+                  cp_context: CPContext, chunk_size: int = 64):
+    """DPLR (RWKV-7 family) under context parallelism: S <- diag(e^gk) S + k v^T + b (a^T S)."""
+    return cp_apply("dplr", q, k, v, gk, None, a, b, cp_context=cp_context, scale=scale,
+                    initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
+                    backend=backend, gate_name="gk", cu_seqlens=cu_seqlens)

@@ -1,0 +1,336 @@
+"""deltacp torch ops — FLA-compatible entry points with autograd, on CPU (the reference) or CUDA tiers.
+
+    o, ht = deltacp.chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                                           output_final_state=False, cu_seqlens=None, backend=None)
+
+Same names, layouts and argument order as flash-linear-attention's ``chunk_gated_delta_rule`` /
+``chunk_kda`` / ``chunk_delta_rule`` / ``chunk_dplr_delta_rule`` (FLA passes ``use_qk_l2norm_in_kernel``
+positionally before ``cu_seqlens``; here it is keyword-only, so pass it by name in both).
+
+Tensors go to C++ as (data pointer, dtype, shape, strides): no copies; the last dimension must be
+contiguous. Outputs and gradients are allocated with torch. On CUDA the work is launched on torch's
+current stream of the tensors' device. ``backend``:
+
+    None         "reference" for CPU tensors; the fastest CUDA tier built for CUDA tensors
+    "reference"  the chunked Eigen reference (CPU tensors; float64 computes in float64, else float32)
+    "recurrent"  the token-recurrence Eigen reference (CPU tensors)
+    "naive" / "tiled" / "fused"   the CUDA tiers (CUDA tensors)
+
+Gradients flow through ``torch.autograd.Function``s whose backward is deltacp's own (the reference's
+exact backward or the CUDA tier's). ``cp_context=`` (from ``deltacp.cp.build_context``) hands the call
+to deltacp.cp's context-parallel op. States are float32 (float64 when the inputs are float64);
+``initial_state`` of another float dtype is cast (differentiably) first.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import torch
+
+from . import _core
+from ._describe import torch_desc
+
+__all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_dplr", "chunk_dplr_delta_rule",
+           "BACKENDS"]
+
+BACKENDS = ("reference", "recurrent", "naive", "tiled", "fused")
+_CPU_METHOD = {"reference": "chunked", "recurrent": "recurrent"}
+_CUDA_TIERS = ("fused", "tiled", "naive")  # fastest first
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Config:
+    """Everything about one call that is not a differentiable tensor."""
+
+    __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
+                 "cu", "cu_host", "device", "gate_name", "state_dtype")
+
+
+def _run(cfg: _Config, direction: str, method: str, descs: dict) -> None:
+    if cfg.device.type == "cuda":
+        with torch.cuda.device(cfg.device):
+            stream = torch.cuda.current_stream(cfg.device).cuda_stream
+            _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
+                      False)
+    else:
+        _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
+
+
+def _input_descs(cfg: _Config, q, k, v, g, beta, a, b, h0) -> dict:
+    d = {"q": torch_desc(q, "q"), "k": torch_desc(k, "k"), "v": torch_desc(v, "v")}
+    if g is not None:
+        d["g"] = torch_desc(g, cfg.gate_name)
+    if beta is not None:
+        d["beta"] = torch_desc(beta, "beta")
+    if a is not None:
+        d["a"] = torch_desc(a, "a")
+        d["b"] = torch_desc(b, "b")
+    if h0 is not None:
+        d["h0"] = torch_desc(h0, "initial_state")
+    if cfg.cu is not None:
+        d["cu_seqlens"] = torch_desc(cfg.cu, "cu_seqlens")
+        if cfg.cu_host is not None and cfg.cu_host is not cfg.cu:
+            d["cu_seqlens_host"] = torch_desc(cfg.cu_host, "cu_seqlens")
+    return d
+
+
+def _num_seqs(cfg: _Config, q) -> int:
+    return q.shape[0] if cfg.cu is None else cfg.cu.shape[0] - 1
+
+
+def _last_dim_contiguous(t):
+    return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+class _DeltaRuleFunction(torch.autograd.Function):
+    """o, ht = f(q, k, v, g, beta, a, b, h0); backward by deltacp (reference or CUDA tier)."""
+
+    @staticmethod
+    def forward(ctx, cfg: _Config, q, k, v, g, beta, a, b, h0):
+        B, T, _, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
+        o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+        descs["o"] = torch_desc(o, "o")
+        ht = None
+        if cfg.output_final_state:
+            ht = torch.empty((_num_seqs(cfg, q), HV, K, V), dtype=cfg.state_dtype, device=q.device)
+            descs["ht"] = torch_desc(ht, "ht")
+        _run(cfg, "forward", cfg.fwd_method, descs)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, g, beta, a, b, h0)
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        cfg: _Config = ctx.cfg
+        q, k, v, g, beta, a, b, h0 = ctx.saved_tensors
+        if do is None:  # only ht was used
+            do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
+        do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
+        descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
+        descs["dout"] = torch_desc(do, "do")
+        if dht is not None:
+            dht = dht.to(cfg.state_dtype).contiguous()
+            descs["dht"] = torch_desc(dht, "dht")
+        grads = {}
+        for field, t, name in (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name),
+                               ("beta", beta, "beta"), ("a", a, "a"), ("b", b, "b"), ("h0", h0, "initial_state")):
+            if t is None:
+                grads[field] = None
+                continue
+            grads[field] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            descs["d" + field] = torch_desc(grads[field], "d" + name)
+        _run(cfg, "backward", cfg.bwd_method, descs)
+        return (None, grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], grads["a"], grads["b"],
+                grads["h0"])
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks shared by the public ops
+# ---------------------------------------------------------------------------------------------
+def _tensor(t, name, ref=None, optional=False, allow_fp32=False):
+    if t is None:
+        if optional:
+            return None
+        raise ValueError(f"deltacp: argument '{name}': is required")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"deltacp: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if ref is None:
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"deltacp: argument '{name}': expected dtype float64, float32, bfloat16 or float16, "
+                            f"got {t.dtype}")
+        return t
+    if t.device != ref.device:
+        raise ValueError(f"deltacp: argument '{name}': expected device {ref.device} (like q), got {t.device}")
+    if t.dtype != ref.dtype and not (allow_fp32 and t.dtype == torch.float32):
+        alt = " or torch.float32" if allow_fp32 else ""
+        raise TypeError(f"deltacp: argument '{name}': expected dtype {ref.dtype} (like q){alt}, got {t.dtype}")
+    return t
+
+
+def _l2norm(x):
+    """x / sqrt(sum(x^2) + 1e-6) along the last dim, in float32 or better (FLA's in-kernel l2norm)."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _pick_cuda_tier(variant: str, backward: bool) -> Optional[str]:
+    for tier in _CUDA_TIERS:
+        if _core.cuda_supports(variant, tier, backward):
+            return tier
+    return None
+
+
+def _resolve_backend(variant, backend, device, needs_grad):
+    """-> (forward method, backward method) for _core.run."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
+    if device.type == "cpu":
+        if backend is None:
+            backend = "reference"
+        if backend not in _CPU_METHOD:
+            raise ValueError(f"deltacp: argument 'backend': {backend!r} is a CUDA tier and needs CUDA tensors, "
+                             f"got tensors on {device}; use 'reference' or 'recurrent' on the CPU")
+        return _CPU_METHOD[backend], _CPU_METHOD[backend]
+    if device.type != "cuda":
+        raise ValueError(f"deltacp: argument 'q': expected a CPU or CUDA tensor, got device {device}")
+    if not _core.built_with_cuda():
+        raise ValueError(f"deltacp: argument 'q': got CUDA tensors, but this deltacp was built without the CUDA "
+                         f"tiers (no nvcc at build time); move the tensors to the CPU or rebuild with CUDA")
+    if backend in _CPU_METHOD:
+        raise ValueError(f"deltacp: argument 'backend': {backend!r} runs on the host and needs CPU tensors, "
+                         f"got tensors on {device}; use one of {_CUDA_TIERS} on CUDA")
+    if backend is None:
+        fwd = _pick_cuda_tier(variant, False)
+        bwd = _pick_cuda_tier(variant, True)
+        if fwd is None:
+            raise ValueError(f"deltacp: argument 'backend': no CUDA tier implements variant '{variant}' in this build")
+        if needs_grad and bwd is None:
+            raise ValueError(f"deltacp: argument 'backend': no CUDA tier implements the backward of variant "
+                             f"'{variant}' in this build")
+        return fwd, bwd or fwd
+    if not _core.cuda_supports(variant, backend, False):
+        raise ValueError(f"deltacp: argument 'backend': CUDA tier {backend!r} does not implement variant "
+                         f"'{variant}' in this build")
+    if needs_grad and not _core.cuda_supports(variant, backend, True):
+        raise ValueError(f"deltacp: argument 'backend': CUDA tier {backend!r} does not implement the backward of "
+                         f"variant '{variant}' in this build")
+    return backend, backend
+
+
+def _offsets(cu_seqlens, cu_seqlens_cpu, device):
+    """cu_seqlens as int64 on `device`, plus a host copy (the same tensor on the CPU)."""
+    if cu_seqlens is None:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("deltacp: argument 'cu_seqlens_cpu': given without cu_seqlens")
+        return None, None
+    if not isinstance(cu_seqlens, torch.Tensor):
+        try:
+            cu_seqlens = torch.as_tensor(cu_seqlens)
+        except Exception as exc:  # noqa: BLE001 - report which argument
+            raise TypeError(f"deltacp: argument 'cu_seqlens': expected a LongTensor, got "
+                            f"{type(cu_seqlens).__name__}") from exc
+    if cu_seqlens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"deltacp: argument 'cu_seqlens': expected dtype int64 (or int32), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
+                         f"{list(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
+    if device.type == "cpu":
+        return cu, cu
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    host = torch.as_tensor(host).to(device="cpu", dtype=torch.int64).contiguous()  # one sync when on the GPU
+    return cu, host
+
+
+def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
+           chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu, gate_name="g"):
+    if cp_context is not None:
+        # Context parallelism lives in deltacp.cp (its own autograd Function and exchange).
+        try:
+            from .cp import cp_apply
+        except ImportError as exc:
+            raise NotImplementedError("deltacp: argument 'cp_context': context parallelism (deltacp.cp) is not "
+                                      f"available in this installation: {exc}") from exc
+        return cp_apply(variant, q, k, v, g, beta, a, b, cp_context=cp_context, scale=scale,
+                        initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
+                        backend=backend, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_name=gate_name,
+                        cu_seqlens=cu_seqlens)
+    q = _tensor(q, "q")
+    k = _tensor(k, "k", q)
+    v = _tensor(v, "v", q)
+    # The log decay may stay in float32 beside 16-bit q, k, v (FLA's usual setup); dg comes back in g's dtype.
+    g = _tensor(g, gate_name, q, optional=True, allow_fp32=True)
+    beta = _tensor(beta, "beta", q, optional=True)
+    a = _tensor(a, "a", q, optional=True)
+    b = _tensor(b, "b", q, optional=True)
+    if q.dim() != 4:
+        raise ValueError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
+    if v.dim() != 4:
+        raise ValueError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+
+    cfg = _Config()
+    cfg.variant = variant
+    cfg.gate_name = gate_name
+    cfg.device = q.device
+    cfg.state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cfg.compute = "float64" if q.dtype == torch.float64 else "float32"
+    cfg.scale = None if scale is None else float(scale)
+    if cfg.scale is not None and not math.isfinite(cfg.scale):
+        raise ValueError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
+    cfg.chunk_size = int(chunk_size)
+    cfg.output_final_state = bool(output_final_state)
+    cfg.cu, cfg.cu_host = _offsets(cu_seqlens, cu_seqlens_cpu, q.device)
+
+    h0 = None
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got "
+                            f"{type(initial_state).__name__}")
+        if initial_state.device != q.device:
+            raise ValueError(f"deltacp: argument 'initial_state': expected device {q.device} (like q), got "
+                             f"{initial_state.device}")
+        if initial_state.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"deltacp: argument 'initial_state': expected a floating dtype, got {initial_state.dtype}")
+        h0 = initial_state.to(cfg.state_dtype).contiguous()  # no-op when already fp32 (fp64) and contiguous
+
+    tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    cfg.fwd_method, cfg.bwd_method = _resolve_backend(variant, backend, q.device, needs_grad)
+    o, ht = _DeltaRuleFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
+    return o, (ht if cfg.output_final_state else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the public ops (FLA's names and argument order)
+# ---------------------------------------------------------------------------------------------
+def chunk_gated_delta_rule(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
+                           output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
+                           chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False, cu_seqlens_cpu=None,
+                           cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Gated DeltaNet. q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay) and beta [B, T, HV];
+    initial_state [N, HV, K, V]. Returns (o [B, T, HV, V], final_state [N, HV, K, V] or None)."""
+    return _apply("gdn", q, k, v, g, beta, None, None, scale, initial_state, output_final_state, cu_seqlens,
+                  backend, chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu)
+
+
+def chunk_kda(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, output_final_state: bool = False,
+              cu_seqlens=None, backend: Optional[str] = None, *, chunk_size: int = 64,
+              use_qk_l2norm_in_kernel: bool = False, cu_seqlens_cpu=None,
+              cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Kimi Delta Attention: like chunk_gated_delta_rule with g per key dim, [B, T, HV, K]."""
+    return _apply("kda", q, k, v, g, beta, None, None, scale, initial_state, output_final_state, cu_seqlens,
+                  backend, chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu)
+
+
+def chunk_delta_rule(q, k, v, beta, scale: Optional[float] = None, initial_state=None,
+                     output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
+                     chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False, cu_seqlens_cpu=None,
+                     cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """DeltaNet (no gate): beta [B, T, HV]."""
+    return _apply("delta", q, k, v, None, beta, None, None, scale, initial_state, output_final_state, cu_seqlens,
+                  backend, chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu)
+
+
+def chunk_dplr(q, k, v, a, b, gk, scale: Optional[float] = None, initial_state=None,
+               output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
+               chunk_size: int = 64, cu_seqlens_cpu=None,
+               cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """DPLR (RWKV-7 family): S <- diag(e^gk) S + k v^T + b (a^T S). a, b, gk [B, T, HV, K]."""
+    return _apply("dplr", q, k, v, gk, None, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
+                  chunk_size, False, cp_context, cu_seqlens_cpu, gate_name="gk")
+
+
+chunk_dplr_delta_rule = chunk_dplr  # FLA's name

@@ -1,0 +1,191 @@
+// bindings/src/batch_api.cpp — the one generic entry point `_core.run` behind every batched op.
+//
+//   run(direction, variant, method, compute, tensors, scale, chunk_size, cuts, stream, want_exchange)
+//
+// direction  "forward" writes o (and ht); "backward" writes dq, dk, dv, dg, dbeta, da, db, dh0 — the
+//            gradients of L = sum(o * dout) + sum(ht * dht).
+// method     host:  "recurrent" | "chunked" | "affine"   -> deltacp::ref::forward/backward<S>
+//                   "cp" (with cuts)                      -> deltacp::ref::cp_forward/cp_backward<S>
+//            CUDA:  "naive" | "tiled" | "fused"           -> deltacp::cuda::forward/backward
+// compute    the reference's scalar type S: "float64" or "float32" (the CUDA tiers accumulate in fp32)
+// tensors    {field: (ptr, dtype, shape, strides, device[, name])} — see tensor_desc.h; outputs are
+//            allocated by the caller (numpy / torch) and written in place, nothing is copied.
+// stream     the cudaStream_t (torch's current stream) as an integer; 0 = legacy default stream.
+// The GIL is released while the reference or the CUDA launch runs.
+#include <pybind11/eigen.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "deltacp/error.h"
+#include "deltacp/reference/batch.h"
+#include "tensor_desc.h"
+#ifdef DELTACP_WITH_CUDA
+#include "deltacp/cuda/api.h"
+#endif
+
+namespace py = pybind11;
+
+namespace deltacp::bindings {
+namespace {
+
+enum class Kind { reference, cp, cuda };
+
+Kind kind_of(const std::string& method, Method* m) {
+  if (method == "cp") {
+    *m = Method::chunked;
+    return Kind::cp;
+  }
+  *m = method_from_string(method);  // deltacp::Error naming 'method' for unknown names
+  switch (*m) {
+    case Method::recurrent:
+    case Method::chunked:
+    case Method::affine: return Kind::reference;
+    default: return Kind::cuda;
+  }
+}
+
+template <class S>
+py::dict exchange_to_python(const ref::CpExchange<S>& ex) {
+  py::list fwd, bwd;
+  for (const auto& a : ex.fwd) fwd.append(py::make_tuple(py::cast(a.M), py::cast(a.H)));
+  for (const auto& a : ex.bwd) bwd.append(py::make_tuple(py::cast(a.Mt), py::cast(a.dH)));
+  py::dict d;
+  d["fwd"] = fwd;
+  d["bwd"] = bwd;
+  return d;
+}
+
+// Runs the reference (plain or simulated CP) in scalar type S; returns the exchange or None.
+template <class S>
+py::object run_reference(const Params& p, bool backward, Kind kind, Method m, const std::vector<int64_t>& cuts,
+                         bool want_exchange) {
+  ref::CpExchange<S> ex;
+  {
+    py::gil_scoped_release nogil;
+    if (kind == Kind::reference) {
+      if (backward) {
+        ref::backward<S>(p, m);
+      } else {
+        ref::forward<S>(p, m);
+      }
+    } else if (backward) {
+      ref::cp_backward<S>(p, cuts, want_exchange ? &ex : nullptr);
+    } else {
+      ref::cp_forward<S>(p, cuts, want_exchange ? &ex : nullptr);
+    }
+  }
+  if (kind == Kind::cp && want_exchange) return exchange_to_python(ex);
+  return py::none();
+}
+
+py::object run(const std::string& direction, const std::string& variant, const std::string& method,
+               const std::string& compute, const py::dict& tensors, std::optional<double> scale, int chunk_size,
+               std::optional<std::vector<int64_t>> cuts, uintptr_t stream, bool want_exchange) {
+  Method m = Method::chunked;
+  const Kind kind = kind_of(method, &m);
+  if (kind == Kind::cp && !cuts) throw Error("cuts", "is required for simulated context parallelism");
+  if (kind != Kind::cp && cuts) throw Error("cuts", "only the simulated CP ('cp') takes cuts");
+
+  const auto descs = parse_descs(tensors);
+  Params p = build_params(variant, direction, descs, scale, chunk_size,
+                          kind == Kind::cuda ? Place::cuda : Place::host);
+  const bool backward = direction == "backward";
+
+  if (kind == Kind::cuda) {
+#ifdef DELTACP_WITH_CUDA
+    p.stream = reinterpret_cast<void*>(stream);
+    py::gil_scoped_release nogil;
+    if (backward) {
+      cuda::backward(p, m);
+    } else {
+      cuda::forward(p, m);
+    }
+    return py::none();
+#else
+    (void)stream;
+    throw Error("backend", std::string("'") + method +
+                               "' needs the CUDA tiers, but this deltacp was built without CUDA "
+                               "(no nvcc at build time)");
+#endif
+  }
+  const std::vector<int64_t> no_cuts;
+  const std::vector<int64_t>& cut_list = cuts ? *cuts : no_cuts;
+  if (compute == "float64") return run_reference<double>(p, backward, kind, m, cut_list, want_exchange);
+  if (compute == "float32") return run_reference<float>(p, backward, kind, m, cut_list, want_exchange);
+  throw Error("compute", "expected 'float64' or 'float32', got '" + compute + "'");
+}
+
+bool built_with_cuda() {
+#ifdef DELTACP_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_available() {
+#ifdef DELTACP_WITH_CUDA
+  return cuda::device_available();
+#else
+  return false;
+#endif
+}
+
+bool cuda_supports(const std::string& variant, const std::string& tier, bool backward) {
+#ifdef DELTACP_WITH_CUDA
+  return cuda::supports(variant_from_string(variant), method_from_string(tier), backward);
+#else
+  (void)variant;
+  (void)tier;
+  (void)backward;
+  return false;
+#endif
+}
+
+py::list plan_to_python(const std::vector<CpRankPlan>& plans) {
+  py::list out;
+  for (const auto& r : plans) {
+    py::dict d;
+    d["rank"] = r.rank;
+    d["world"] = r.world;
+    d["begin"] = r.begin;
+    d["end"] = r.end;
+    d["cu_seqlens"] = r.cu_seqlens;
+    d["seq_ids"] = r.seq_ids;
+    d["pre_ranks"] = r.pre_ranks;
+    d["post_ranks"] = r.post_ranks;
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_batch_api(py::module_& m) {
+  m.def("run", &run, py::arg("direction"), py::arg("variant"), py::arg("method"), py::arg("compute"),
+        py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("cuts") = py::none(),
+        py::arg("stream") = 0, py::arg("want_exchange") = false,
+        "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp).");
+  m.def("built_with_cuda", &built_with_cuda, "True when the CUDA tiers were compiled into this module.");
+  m.def("cuda_available", &cuda_available, "True when the CUDA tiers are built and a device is usable.");
+  m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),
+        "Whether the CUDA tier implements (variant, direction) in this build.");
+  m.def(
+      "cp_plan",
+      [](const std::vector<int64_t>& cu_seqlens, const std::vector<int64_t>& cuts) {
+        return plan_to_python(cp_plan_from_cuts(cu_seqlens, cuts));
+      },
+      py::arg("cu_seqlens"), py::arg("cuts"), "How ranks cut at `cuts` split a packed batch (cp_plan.h).");
+  m.def(
+      "cp_plan_even",
+      [](const std::vector<int64_t>& cu_seqlens, int world) {
+        return plan_to_python(cp_plan_even(cu_seqlens, world));
+      },
+      py::arg("cu_seqlens"), py::arg("world"), "Equal split over `world` ranks (cp_plan.h).");
+}
+
+}  // namespace deltacp::bindings

@@ -1,0 +1,36 @@
+// cuda/common/check.h — CUDA error checks that throw deltacp::Error("cuda", ...).
+//
+//   DELTACP_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream));  // any cudaError_t expression
+//   kernel<<<grid, block, smem, stream>>>(...);
+//   DELTACP_CUDA_CHECK_LAUNCH();                                  // cudaGetLastError after a launch
+//
+// The message names the failing expression, cudaGetErrorString and the source location, so a bad
+// launch configuration or an out-of-memory reads as one line instead of a silent wrong answer.
+// Host-only header (plain C++ plus the CUDA runtime API); usable from .cu and .cpp files.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "deltacp/error.h"
+
+namespace deltacp::cuda::detail {
+
+[[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line) {
+  // Reset the runtime's last-error slot (for non-sticky errors) so a later, unrelated
+  // cudaGetLastError() does not report this failure a second time.
+  (void)cudaGetLastError();
+  ::deltacp::throw_error("cuda", expr, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err), " (",
+                         file, ":", line, ")");
+}
+
+}  // namespace deltacp::cuda::detail
+
+#define DELTACP_CUDA_CHECK(expr)                                                          \
+  do {                                                                                    \
+    const cudaError_t deltacp_cuda_err_ = (expr);                                         \
+    if (deltacp_cuda_err_ != cudaSuccess)                                                 \
+      ::deltacp::cuda::detail::throw_cuda_error(deltacp_cuda_err_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+// After a <<<...>>> launch: reports an invalid configuration (too much shared memory, bad grid).
+#define DELTACP_CUDA_CHECK_LAUNCH() DELTACP_CUDA_CHECK(cudaGetLastError())

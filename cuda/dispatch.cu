@@ -1,0 +1,168 @@
+// cuda/dispatch.cu — the CUDA backend's one entry point (cuda/include/deltacp/cuda/api.h).
+//
+// forward(p, tier) / backward(p, tier):
+//   1. the tier exists in this build              else deltacp::Error naming 'tier'
+//   2. GPU-specific checks: inputs f32/bf16/f16 ('dtype'), states f32 ('state_dtype'),
+//      a varlen batch carries cu_seqlens_host ('cu_seqlens_host': launchers size grids from it,
+//      and validation must never read the device array on the host)
+//   3. deltacp::validate_forward / validate_backward (shapes, sizes, cu_seqlens, required tensors)
+//   4. the tier implements the variant             else deltacp::Error naming 'variant'
+//   5. every pointer the call reads or writes is GPU-accessible memory (device, managed or pinned
+//      host), else deltacp::Error naming it: a host pointer would otherwise become an illegal
+//      address inside a kernel and poison the whole CUDA context
+//   6. switch on the tier, like llm.c's kernel_num switch.
+// Steps 1-4 run on the host only, so bad arguments are reported even on a machine without a GPU.
+// Launches are asynchronous on p.stream; CUDA errors become deltacp::Error("cuda", ...).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "common/check.h"
+#include "deltacp/cuda/api.h"
+#include "deltacp/cuda/tiers.h"
+#include "deltacp/error.h"
+#include "deltacp/validate.h"
+
+namespace deltacp::cuda {
+namespace {
+
+constexpr bool kHaveTiledForward =
+#ifdef DELTACP_HAVE_TILED_FWD
+    true;
+#else
+    false;
+#endif
+constexpr bool kHaveTiledBackward =
+#ifdef DELTACP_HAVE_TILED_BWD
+    true;
+#else
+    false;
+#endif
+
+bool tier_built(Method tier, bool backward) {
+  switch (tier) {
+    case Method::naive: return true;
+    case Method::tiled: return backward ? kHaveTiledBackward : kHaveTiledForward;
+    default: return false;
+  }
+}
+
+std::string built_tiers(bool backward) {
+  std::string s = "naive";
+  if (tier_built(Method::tiled, backward)) s += " or tiled";
+  return s;
+}
+
+void check_tier(Method tier, bool backward) {
+  DELTACP_CHECK(tier_built(tier, backward), "tier", "expected ", built_tiers(backward), " for the CUDA ",
+                backward ? "backward" : "forward", " in this build, got ", to_string(tier));
+}
+
+void check_gpu_params(const Params& p) {
+  DELTACP_CHECK(p.dtype == DType::f32 || p.dtype == DType::bf16 || p.dtype == DType::f16, "dtype",
+                "expected float32, bfloat16 or float16 inputs on the GPU, got ", to_string(p.dtype));
+  DELTACP_CHECK(p.state_dtype == DType::f32, "state_dtype", "expected float32 states on the GPU, got ",
+                to_string(p.state_dtype));
+  if (p.varlen())
+    DELTACP_CHECK(p.cu_seqlens_host != nullptr, "cu_seqlens_host",
+                  "expected a host copy of cu_seqlens for a varlen batch on the GPU, got none");
+}
+
+void check_variant(const Params& p, Method tier, bool backward) {
+  DELTACP_CHECK(supports(p.variant, tier, backward), "variant", "expected a variant the ", to_string(tier), " ",
+                backward ? "backward" : "forward", " implements, got ", to_string(p.variant));
+}
+
+// The pointer must be usable by a kernel: device, managed, or pinned (page-locked) host memory.
+void check_gpu_pointer(const void* ptr, const char* name) {
+  if (!ptr) return;
+  cudaPointerAttributes attr{};
+  DELTACP_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr));
+  DELTACP_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged ||
+                    attr.type == cudaMemoryTypeHost,
+                name, "expected GPU-accessible memory (device, managed or pinned host), got ",
+                attr.type == cudaMemoryTypeUnregistered ? "pageable host memory" : "unknown memory");
+}
+
+void check_gpu_pointers(const Params& p, bool backward) {
+  check_gpu_pointer(p.q.ptr, "q");
+  check_gpu_pointer(p.k.ptr, "k");
+  check_gpu_pointer(p.v.ptr, "v");
+  check_gpu_pointer(p.g.ptr, "g");
+  check_gpu_pointer(p.beta.ptr, "beta");
+  check_gpu_pointer(p.a.ptr, "a");
+  check_gpu_pointer(p.b.ptr, "b");
+  check_gpu_pointer(p.h0, "h0");
+  if (p.varlen()) check_gpu_pointer(p.cu_seqlens, "cu_seqlens");
+  if (!backward) {
+    check_gpu_pointer(p.o.ptr, "o");
+    check_gpu_pointer(p.ht, "ht");
+    return;
+  }
+  check_gpu_pointer(p.dout.ptr, "do");
+  check_gpu_pointer(p.dht, "dht");
+  check_gpu_pointer(p.dq.ptr, "dq");
+  check_gpu_pointer(p.dk.ptr, "dk");
+  check_gpu_pointer(p.dv.ptr, "dv");
+  check_gpu_pointer(p.dg.ptr, "dg");
+  check_gpu_pointer(p.dbeta.ptr, "dbeta");
+  check_gpu_pointer(p.da.ptr, "da");
+  check_gpu_pointer(p.db.ptr, "db");
+  check_gpu_pointer(p.dh0, "dh0");
+}
+
+}  // namespace
+
+bool device_available() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver / no device: not an error for the caller, just "no"
+    return false;
+  }
+  return count > 0;
+}
+
+bool supports(Variant v, Method tier, bool backward) {
+  const bool known = v == Variant::delta || v == Variant::gdn || v == Variant::kda || v == Variant::dplr;
+  if (!known || !tier_built(tier, backward)) return false;
+  switch (tier) {
+    case Method::naive: return true;  // all four variants, forward and backward
+    case Method::tiled: return v == Variant::gdn || v == Variant::kda || v == Variant::delta;
+    default: return false;
+  }
+}
+
+void forward(const Params& p, Method tier) {
+  check_tier(tier, false);
+  check_gpu_params(p);
+  validate_forward(p);
+  check_variant(p, tier, false);
+  check_gpu_pointers(p, false);
+  switch (tier) {
+    case Method::naive: naive_forward(p); return;
+#ifdef DELTACP_HAVE_TILED_FWD
+    case Method::tiled: tiled_forward(p); return;
+#endif
+    default: break;
+  }
+  throw_error("tier", "no CUDA forward for tier ", to_string(tier));  // unreachable after check_tier
+}
+
+void backward(const Params& p, Method tier) {
+  check_tier(tier, true);
+  check_gpu_params(p);
+  validate_backward(p);
+  check_variant(p, tier, true);
+  check_gpu_pointers(p, true);
+  switch (tier) {
+    case Method::naive: naive_backward(p); return;
+#ifdef DELTACP_HAVE_TILED_BWD
+    case Method::tiled: tiled_backward(p); return;
+#endif
+    default: break;
+  }
+  throw_error("tier", "no CUDA backward for tier ", to_string(tier));  // unreachable after check_tier
+}
+
+}  // namespace deltacp::cuda

@@ -1,0 +1,156 @@
+// cuda/tiled/chunk_table.cuh — the chunk index table of the tiled tier (forward and backward).
+//
+// The chunked WY algorithm (DESIGN.md section 3) cuts every sequence into chunks of `chunk_size`
+// tokens, restarting at each sequence start; the last chunk of a sequence may be shorter. Kernels
+// that run one CTA per chunk need, for a flat chunk index c, where that chunk lives:
+//
+//   chunk c  ->  ChunkEntry { seq n, batch b, bos, t0, len, row0, index_in_seq }
+//
+//   * `batch` and `t0` address the chunk's first token through TensorRef::offset(batch, t0, h):
+//     fixed-length batches use batch = n and t0 = local start; varlen (B == 1) uses batch = 0 and
+//     t0 = cu_seqlens[n] + local start (the packed time axis).
+//   * `row0` = batch * T + t0 is the chunk's first row in the flat token axis [B * T] that every
+//     intermediate of the tiled tier uses (G, W, U, v_new: [B * T, HV, ...], row-major).
+//   * chunks are numbered sequence after sequence, in order, so the chunks of sequence n are
+//     c = first_chunk(n) .. first_chunk(n) + num_chunks(n) - 1. Per-chunk intermediates such as the
+//     chunk-start states h are [num_chunks_total, HV, K, V] indexed by c.
+//
+// Kernels that run one CTA per sequence (the state scan) read SeqEntry { batch, bos, len,
+// first_chunk, num_chunks }. A sequence of length 0 has num_chunks = 0 (its final state is its
+// initial state).
+//
+// The table is built on the host from p.cu_seqlens_host (varlen) or from B and T (fixed batches),
+// and uploaded with cudaMemcpyAsync on the given stream into memory from cudaMallocAsync; the
+// ChunkTable object owns that memory and frees it with cudaFreeAsync on the same stream when it is
+// destroyed, so kernels launched on that stream before the destructor runs may use it.
+//
+// Everything is int64 (DESIGN.md section 6).
+//
+// Usage (host):
+//   deltacp::cuda::tiled::ChunkTable table(p, p.chunk_size, stream);
+//   kernel<<<table.num_chunks(), ...>>>(table.chunks(), ...);   // device pointers
+//   kernel<<<table.num_seqs(), ...>>>(table.seqs(), ...);
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "../common/check.h"
+#include "deltacp/error.h"
+#include "deltacp/params.h"
+
+namespace deltacp::cuda::tiled {
+
+// One chunk of one sequence (56 bytes, all int64).
+struct ChunkEntry {
+  int64_t seq;           // sequence n (0 .. num_seqs - 1)
+  int64_t batch;         // batch index for TensorRef::offset (0 for varlen)
+  int64_t bos;           // the sequence's first token on the time axis of row `batch`
+  int64_t t0;            // first token of the chunk on the time axis of row `batch`
+  int64_t len;           // tokens in the chunk, 1 .. chunk_size
+  int64_t row0;          // batch * T + t0: first row of the chunk in the flat [B * T] token axis
+  int64_t index_in_seq;  // 0 for the sequence's first chunk
+};
+
+// One sequence (40 bytes, all int64).
+struct SeqEntry {
+  int64_t batch;        // batch index for TensorRef::offset (0 for varlen)
+  int64_t bos;          // first token on the time axis of row `batch` (cu_seqlens[n], or 0)
+  int64_t len;          // tokens in the sequence (may be 0)
+  int64_t first_chunk;  // flat index of its first chunk
+  int64_t num_chunks;   // ceil(len / chunk_size)
+};
+
+// Host: fills the two tables for p (p.num_seqs must be set: deltacp::finalize). Pure host code.
+inline void build_chunk_entries(const Params& p, int chunk_size, std::vector<ChunkEntry>& chunks,
+                                std::vector<SeqEntry>& seqs) {
+  DELTACP_CHECK(chunk_size > 0, "chunk_size", "expected > 0, got ", chunk_size);
+  DELTACP_CHECK(p.num_seqs >= 0, "num_seqs", "expected >= 0, got ", p.num_seqs);
+  DELTACP_CHECK(!p.varlen() || p.host_cu() != nullptr, "cu_seqlens_host", "expected a host copy for varlen");
+  chunks.clear();
+  seqs.clear();
+  seqs.reserve(static_cast<size_t>(p.num_seqs));
+  for (int64_t n = 0; n < p.num_seqs; ++n) {
+    SeqEntry s;
+    s.batch = p.seq_batch(n);
+    s.bos = p.seq_begin(n);
+    s.len = p.seq_end(n) - s.bos;
+    DELTACP_CHECK(s.len >= 0, "cu_seqlens", "expected non-decreasing offsets, got a negative length at ", n);
+    s.first_chunk = static_cast<int64_t>(chunks.size());
+    s.num_chunks = (s.len + chunk_size - 1) / chunk_size;
+    for (int64_t i = 0; i < s.num_chunks; ++i) {
+      ChunkEntry c;
+      c.seq = n;
+      c.batch = s.batch;
+      c.bos = s.bos;
+      c.t0 = s.bos + i * chunk_size;
+      c.len = (i + 1 < s.num_chunks) ? chunk_size : s.len - i * chunk_size;
+      c.row0 = c.batch * p.T + c.t0;
+      c.index_in_seq = i;
+      chunks.push_back(c);
+    }
+    seqs.push_back(s);
+  }
+}
+
+// Owns the device copies of the two tables (see the file comment).
+class ChunkTable {
+ public:
+  ChunkTable(const Params& p, int chunk_size, cudaStream_t stream) : stream_(stream), chunk_size_(chunk_size) {
+    build_chunk_entries(p, chunk_size, host_chunks_, host_seqs_);
+    for (const SeqEntry& s : host_seqs_) max_chunks_per_seq_ = s.num_chunks > max_chunks_per_seq_ ? s.num_chunks : max_chunks_per_seq_;
+    try {
+      upload(host_chunks_, &chunks_);
+      upload(host_seqs_, &seqs_);
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~ChunkTable() { release(); }
+  ChunkTable(const ChunkTable&) = delete;
+  ChunkTable& operator=(const ChunkTable&) = delete;
+
+  int64_t num_chunks() const { return static_cast<int64_t>(host_chunks_.size()); }
+  int64_t num_seqs() const { return static_cast<int64_t>(host_seqs_.size()); }
+  int64_t max_chunks_per_seq() const { return max_chunks_per_seq_; }
+  int chunk_size() const { return chunk_size_; }
+  // Device arrays (nullptr when empty).
+  const ChunkEntry* chunks() const { return chunks_; }
+  const SeqEntry* seqs() const { return seqs_; }
+  // Host copies.
+  const std::vector<ChunkEntry>& host_chunks() const { return host_chunks_; }
+  const std::vector<SeqEntry>& host_seqs() const { return host_seqs_; }
+
+ private:
+  // Stream-ordered free: kernels already launched on stream_ finish reading first. Errors are
+  // ignored here (a destructor must not throw); a failing stream reports at the next check.
+  void release() {
+    if (chunks_) cudaFreeAsync(chunks_, stream_);
+    if (seqs_) cudaFreeAsync(seqs_, stream_);
+    chunks_ = nullptr;
+    seqs_ = nullptr;
+  }
+
+  template <class E>
+  void upload(const std::vector<E>& host, E** device) {
+    if (host.empty()) return;
+    const size_t bytes = host.size() * sizeof(E);
+    DELTACP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(device), bytes, stream_));
+    // From pageable memory the runtime stages the bytes before returning, and host_ lives as long as
+    // the table anyway.
+    DELTACP_CUDA_CHECK(cudaMemcpyAsync(*device, host.data(), bytes, cudaMemcpyHostToDevice, stream_));
+  }
+
+  cudaStream_t stream_ = nullptr;
+  int chunk_size_ = 0;
+  int64_t max_chunks_per_seq_ = 0;
+  std::vector<ChunkEntry> host_chunks_;
+  std::vector<SeqEntry> host_seqs_;
+  ChunkEntry* chunks_ = nullptr;
+  SeqEntry* seqs_ = nullptr;
+};
+
+}  // namespace deltacp::cuda::tiled

@@ -1,0 +1,87 @@
+// cuda/tiled/fwd_stages.cuh — the four forward stages of the tiled tier, as launchers the forward
+// (tiled_fwd.cu) and the backward (tiled_bwd.cu, which recomputes them) both call.
+//
+// The chunked WY form (DESIGN.md section 3; reference/include/deltacp/reference/chunked.h), for a
+// chunk of n <= 64 tokens with state S at its start, G the within-chunk cumulative log decay:
+//
+//   stage 1  chunk_cumsum      G    = cumsum of g inside each chunk                      (gdn, kda)
+//   stage 2  chunk_wy          A    = strict_tril(Beta (K e^G)(K e^-G)^T),  T = (I + A)^-1
+//                              W    = T Beta (K e^G),   U = T Beta V
+//                              Kd   = K e^(G_n - G)                          (kda only: for stage 3)
+//   stage 3  chunk_state_scan  h_c  = S at the start of chunk c (sequential over the chunks)
+//                              Vn   = U - W S;   S' = D_n S + (K e^(G_n - G))^T Vn
+//   stage 4  chunk_output      O    = scale ((Q e^G) S + tril((Q e^G)(K e^-G)^T) Vn)
+//
+// Intermediates (all device memory, row-major, allocated by the caller; R = B * T rows in the flat
+// token axis of chunk_table.cuh; Kp = padded_dim(K), Vp = padded_dim(V); padding columns are
+// written as zeros; every token row is written, rows of the padded 64-row tiles past a short chunk
+// are not):
+//
+//   G      fp32     gdn [R, HV]; kda [R, HV, K] (not padded); not used for delta (pass nullptr)
+//   W      p.dtype  [R, HV, Kp]
+//   U      p.dtype  [R, HV, Vp]
+//   Kd     p.dtype  [R, HV, Kp]   kda only (nullptr otherwise)
+//   Tinv   fp32     [R, HV, 64]   optional (nullptr = not written): row i of chunk c's T = (I + A)^-1
+//                                 at the token row of token i; columns >= the chunk length are zero
+//   v_new  p.dtype  [R, HV, Vp]
+//   h      p.dtype  [num_chunks, HV, Kp, Vp]   chunk-start states, chunk index of chunk_table.cuh
+//
+// Why p.dtype for W, U, v_new and h: stages 3 and 4 feed them to bf16/fp16 tensor-core products,
+// whose operands are 16-bit anyway; storing them rounded halves their HBM traffic (h is the largest
+// stream: Kp * Vp per chunk). The state itself is carried in fp32 registers through stage 3, so the
+// rounding does not accumulate along the sequence. For fp32 inputs everything is fp32.
+//
+// All launchers run on `stream`, read p's device pointers and p.chunk_size (<= 64), and use the
+// ChunkTable built for p with p.chunk_size.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "chunk_table.cuh"
+#include "deltacp/params.h"
+
+namespace deltacp::cuda::tiled {
+
+// Rows of the per-chunk tile: every chunk size up to 64 runs on the same 64-row tiles (a shorter
+// chunk is a masked tile).
+constexpr int kTileRows = 64;
+// Largest head dimensions the tiles support.
+constexpr int64_t kMaxHeadDim = 256;
+
+// K or V rounded up to the 16-column granularity of the tensor-core tiles.
+inline int64_t padded_dim(int64_t d) { return (d + 15) / 16 * 16; }
+
+// Element counts of the intermediates (multiply by the element size of their dtype).
+struct FwdSizes {
+  int64_t G = 0, W = 0, U = 0, Kd = 0, Tinv = 0, v_new = 0, h = 0;
+};
+FwdSizes fwd_sizes(const Params& p, const ChunkTable& table);
+
+// FLOPs and HBM bytes of the tiled forward as implemented (stages 1-4; triangular products counted
+// in full, as the tensor cores compute them; per chunk of n tokens), for benchmark reports.
+struct FwdCost {
+  double flops = 0, bytes = 0;
+};
+FwdCost fwd_cost(const Params& p, const ChunkTable& table);
+
+// Checks what the tiled tier supports beyond validate_forward (dtype, state dtype, K, V,
+// chunk_size); throws deltacp::Error naming the argument.
+void check_tiled_supported(const Params& p);
+
+void launch_chunk_cumsum(const Params& p, const ChunkTable& table, float* G, cudaStream_t stream);
+
+void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
+                     float* Tinv, cudaStream_t stream);
+
+// h0: optional [N, HV, K, V] fp32; ht: optional [N, HV, K, V] fp32 (the final states).
+void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const float* G, const void* W,
+                             const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
+                             cudaStream_t stream);
+
+// Writes p.o.
+void launch_chunk_output(const Params& p, const ChunkTable& table, const float* G, const void* h,
+                         const void* v_new, cudaStream_t stream);
+
+}  // namespace deltacp::cuda::tiled

@@ -1,0 +1,290 @@
+// cuda/tiled/tiled_bwd.cu — tiled tier, backward: the chunked WY algorithm (DESIGN.md section 3)
+// differentiated by reverse mode, one kernel per stage, tensor-core tiles.
+//
+// Gradients of L = sum(o * do) + sum(ht * dht) for gdn, kda and delta. For one chunk (notation in
+// bwd_common.cuh), given dO and dS' = dL/d(end state):
+//
+//   dVn = scale P^T dO + Kr dS'
+//   dS  = scale (Q*Gam)^T dO + e^Gn o dS' - W^T dVn                (dS' of the previous chunk)
+//   dW  = -dVn S^T,  dU = dVn,  dP = scale dO Vn^T (i >= j),  dKr = Vn dS'^T
+//   dq  = scale (dO S^T) o Gam + (dP o E) K
+//   dk  = (dP o E)^T Q + dKr o e^(Gn - G) + diag(beta) T^T dW o Gam + diag(beta) (dA o E) K + (dA o E)^T diag(beta) K
+//   dv  = diag(beta) T^T dU
+//   dbeta_i = (T^T dW)_i . X_i + (T^T dU)_i . v_i + sum_j dA_ij sum_d k_id k_jd E_ij^d
+//   dT  = dW (diag(beta) X)^T + dU (diag(beta) V)^T,   dA = -(T^T dT T^T) strictly lower
+//   dG  = (every G_i term: +, every G_j term: -, the Gn terms on the last row), dg = reverse cumsum of dG
+//   dh0 = dS of the first chunk
+//
+// Stages (launch order; all on p.stream):
+//   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
+//             W, U, and the chunk-start states h and v_new from h0.
+//   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
+//   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0
+//   B2 bwd_dqkg       per (chunk, head)            V contractions: dP, dq/dk/dG partials, dW
+//   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
+//   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
+//   B5 reduce_heads   per token element            dq, dk: sum the value heads of each group, cast
+// Every workspace element is written by exactly one thread per kernel; no atomics, so two runs give
+// bitwise equal results.
+//
+// Precision: fp32 inputs use fp32 FFMA everywhere (no TF32); bf16/fp16 inputs use
+// mma.sync.m16n8k16 with fp32 accumulation, operands rounded to the input type (also fp32
+// intermediates such as S, dS', T when they are operands). States, accumulators, exponentials and
+// every workspace are fp32, except what the forward stages store in the input dtype (W, v_new, h).
+//
+// Limits: K <= 128 (tiles of KP = 64 or 128 key columns), V <= 256 and chunk_size <= 64 (the forward
+// stages' limits). Shared memory per CTA is up to ~150 KB for fp32 inputs with K > 64 (fits the
+// 163 KB of sm_80 and 227 KB of sm_90; one CTA per SM).
+//
+// What changed from the previous tier (naive: token-by-token reverse recurrence with checkpoints):
+// the work is chunked; the only sequential part is the dh scan over chunks (K x V state gradient per
+// CTA); everything else is per-chunk matrix products on tensor cores.
+// Not done: kda's decay-masked products (P, and B4's three products) run element by element with one
+// exponential per (i, j, d) instead of FLA's sub-chunk factorisation onto tensor cores.
+//
+// Measured: not yet (no GPU timing recorded; the GPU and shape go here when measured).
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../common/check.h"
+#include "../common/load_store.cuh"
+#include "bwd_common.cuh"
+#include "bwd_decay.cuh"
+#include "bwd_dh_scan.cuh"
+#include "bwd_dqkg.cuh"
+#include "bwd_dv_local.cuh"
+#include "bwd_wy.cuh"
+#include "chunk_table.cuh"
+#include "deltacp/cuda/tiers.h"
+#include "deltacp/error.h"
+#include "fwd_stages.cuh"
+
+namespace deltacp::cuda {
+namespace tiled::bwd {
+namespace {
+
+// B5: dq[b, t, h, :] = sum over the group's value heads of the per-value-head workspace (fixed order).
+template <class Op>
+__global__ void __launch_bounds__(kThreads) bwd_reduce_heads_kernel(const Args a) {
+  const int64_t total = a.B * a.T * a.H * a.K;
+  for (int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x; e < total; e += int64_t(gridDim.x) * kThreads) {
+    const int64_t d = e % a.K, rest = e / a.K;
+    const int64_t hk = rest % a.H, row = rest / a.H;  // row = b * T + t
+    const int64_t b = row / a.T, t = row % a.T;
+    float sq = 0.f, sk = 0.f;
+    for (int64_t j = 0; j < a.group; ++j) {
+      const int64_t o = (row * a.HV + hk * a.group + j) * a.K + d;
+      sq += a.dqw[o];
+      sk += a.dkw[o];
+    }
+    st<Op>(a.dq, off(a.dq, b, t, hk) + d, sq);
+    st<Op>(a.dk, off(a.dk, b, t, hk) + d, sk);
+  }
+}
+
+int max_smem_optin() {
+  int dev = 0, bytes = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return bytes;
+}
+
+template <class Kernel>
+void prepare(Kernel kernel, size_t bytes, const char* stage) {
+  const int limit = max_smem_optin();
+  DELTACP_CHECK(bytes <= static_cast<size_t>(limit), "K",
+                "expected a key/value size whose tiled backward ", stage, " stage fits in shared memory (",
+                limit, " bytes per block on this GPU), got one needing ", bytes, " bytes");
+  DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+template <class Op, int KP, bool PERKEY>
+void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream) {
+  const int64_t NC = a.num_chunks;
+  const dim3 chunk_grid(static_cast<unsigned>(NC), static_cast<unsigned>(a.HV));
+  const int64_t nvt = (a.V + kScanCols - 1) / kScanCols;
+  const int64_t scan_blocks = num_seqs * a.HV * nvt;
+  DELTACP_CHECK(scan_blocks <= INT_MAX, "B", "expected at most ", INT_MAX,
+                " (sequence, head, V slice) blocks for the tiled backward scan, got ", scan_blocks);
+
+  if (NC > 0) {
+    constexpr DvLocalSmem<Op, KP, PERKEY> L{};
+    auto k = bwd_dv_local_kernel<Op, KP, PERKEY>;
+    prepare(k, L.total, "dv_local");
+    k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+  if (scan_blocks > 0) {
+    constexpr DhScanSmem<Op, KP> L{};
+    auto k = bwd_dh_scan_kernel<Op, KP, PERKEY>;
+    prepare(k, L.total, "dh scan");
+    k<<<static_cast<unsigned>(scan_blocks), kThreads, L.total, stream>>>(a);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+  if (NC > 0) {
+    {
+      constexpr DqkgSmem<Op, KP> L{};
+      auto k = bwd_dqkg_kernel<Op, KP, PERKEY>;
+      prepare(k, L.total, "dq/dk/dg");
+      k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
+    {
+      constexpr WyBwdSmem<Op, KP> L{};
+      auto k = bwd_wy_kernel<Op, KP, PERKEY>;
+      prepare(k, L.total, "WY");
+      k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
+    {
+      constexpr DecaySmem<Op, KP, PERKEY> L{};
+      auto k = bwd_decay_kernel<Op, KP, PERKEY>;
+      prepare(k, L.total, "decay");
+      k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
+    const int64_t total = a.B * a.T * a.H * a.K;
+    const int64_t blocks = (total + kThreads - 1) / kThreads;
+    const unsigned grid = static_cast<unsigned>(blocks < 65536 * 16 ? blocks : 65536 * 16);  // grid-stride beyond
+    bwd_reduce_heads_kernel<Op><<<grid, kThreads, 0, stream>>>(a);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+}
+
+// Owns one stream-ordered device allocation, carved into 256-byte aligned pieces.
+class Workspace {
+ public:
+  explicit Workspace(cudaStream_t s) : stream_(s) {}
+  ~Workspace() {
+    if (base_) cudaFreeAsync(base_, stream_);  // errors surface at the next checked call
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  // First pass: plan(bytes) returns the piece's offset; then allocate(); then at(offset).
+  size_t plan(int64_t bytes) {
+    const size_t o = size_;
+    size_ += static_cast<size_t>((bytes + 255) / 256 * 256);
+    return o;
+  }
+  void allocate() {
+    if (size_ > 0) DELTACP_CUDA_CHECK(cudaMallocAsync(&base_, size_, stream_));
+  }
+  template <class E>
+  E* at(size_t offset, int64_t bytes) const {
+    return bytes > 0 ? reinterpret_cast<E*>(static_cast<char*>(base_) + offset) : nullptr;
+  }
+
+ private:
+  cudaStream_t stream_;
+  void* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+void run_backward(const Params& p) {
+  check_tiled_supported(p);
+  DELTACP_CHECK(p.K <= kMaxKeyDim, "K", "expected K <= ", kMaxKeyDim, " for the tiled backward, got ", p.K);
+  DELTACP_CHECK(p.state_dtype == DType::f32, "state_dtype", "expected float32 states on the GPU, got ",
+                to_string(p.state_dtype));
+  DELTACP_CHECK(p.HV <= 65535, "HV", "expected at most 65535 value heads for the tiled backward, got ", p.HV);
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const ChunkTable table(p, p.chunk_size, stream);
+  DELTACP_CHECK(table.num_chunks() <= INT_MAX, "T", "expected at most ", INT_MAX,
+                " chunks for the tiled backward, got ", table.num_chunks());
+
+  const bool gated = p.variant != Variant::delta;
+  const int64_t R = p.B * p.T, NC = table.num_chunks();
+  const int64_t es = dtype_size(p.dtype);
+  const FwdSizes fs = fwd_sizes(p, table);
+
+  Workspace ws(stream);
+  // Forward recompute.
+  const int64_t bG = fs.G * 4, bW = fs.W * es, bU = fs.U * es, bKd = fs.Kd * es, bT = fs.Tinv * 4,
+                bvn = fs.v_new * es, bh = fs.h * es;
+  const size_t oG = ws.plan(bG), oW = ws.plan(bW), oU = ws.plan(bU), oKd = ws.plan(bKd), oT = ws.plan(bT),
+               ovn = ws.plan(bvn), oh = ws.plan(bh);
+  // Backward (fp32).
+  const int64_t bdh = NC * p.HV * p.K * p.V * 4, bdvn = R * p.HV * p.V * 4, bkey = R * p.HV * p.K * 4,
+                bmat = NC * p.HV * kRows * kRows * 4, bdG = gated ? bkey : 0, bdb = R * p.HV * 4;
+  const size_t odh = ws.plan(bdh), odvn = ws.plan(bdvn), odW = ws.plan(bkey), odP = ws.plan(bmat),
+               odA = ws.plan(bmat), odq = ws.plan(bkey), odk = ws.plan(bkey), odG = ws.plan(bdG),
+               odb = ws.plan(bdb);
+  ws.allocate();
+
+  float* G = ws.at<float>(oG, bG);
+  void* W = ws.at<void>(oW, bW);
+  void* U = ws.at<void>(oU, bU);
+  void* Kd = ws.at<void>(oKd, bKd);
+  float* Tinv = ws.at<float>(oT, bT);
+  void* vnew = ws.at<void>(ovn, bvn);
+  void* h = ws.at<void>(oh, bh);
+
+  launch_chunk_cumsum(p, table, G, stream);
+  launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream);
+  launch_chunk_state_scan(p, table, G, W, U, Kd, h, vnew, static_cast<const float*>(p.h0), /*ht=*/nullptr, stream);
+
+  Args a;
+  a.B = p.B;
+  a.T = p.T;
+  a.H = p.H;
+  a.HV = p.HV;
+  a.K = p.K;
+  a.V = p.V;
+  a.group = p.HV / p.H;
+  a.num_chunks = NC;
+  a.Kp = padded_dim(p.K);
+  a.Vp = padded_dim(p.V);
+  a.scale = static_cast<float>(p.scale);
+  a.gated = gated;
+  a.q = p.q;
+  a.k = p.k;
+  a.v = p.v;
+  a.g = p.g;
+  a.beta = p.beta;
+  a.dout = p.dout;
+  a.dq = p.dq;
+  a.dk = p.dk;
+  a.dv = p.dv;
+  a.dg = p.dg;
+  a.g_fp32 = p.g_fp32;
+  a.dbeta = p.dbeta;
+  a.dht = static_cast<const float*>(p.dht);
+  a.dh0 = static_cast<float*>(p.dh0);
+  a.chunks = table.chunks();
+  a.seqs = table.seqs();
+  a.G = G;
+  a.Tinv = Tinv;
+  a.W = W;
+  a.vnew = vnew;
+  a.h = h;
+  a.dh = ws.at<float>(odh, bdh);
+  a.dvnew = ws.at<float>(odvn, bdvn);
+  a.dW = ws.at<float>(odW, bkey);
+  a.dP = ws.at<float>(odP, bmat);
+  a.dA = ws.at<float>(odA, bmat);
+  a.dqw = ws.at<float>(odq, bkey);
+  a.dkw = ws.at<float>(odk, bkey);
+  a.dGw = ws.at<float>(odG, bdG);
+  a.dbw = ws.at<float>(odb, bdb);
+
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using Op = typename decltype(tag)::type;
+    const bool perkey = p.variant == Variant::kda;
+    if (p.K <= 64) {
+      if (perkey) launch_stages<Op, 64, true>(a, table.num_seqs(), stream);
+      else launch_stages<Op, 64, false>(a, table.num_seqs(), stream);
+    } else {
+      if (perkey) launch_stages<Op, 128, true>(a, table.num_seqs(), stream);
+      else launch_stages<Op, 128, false>(a, table.num_seqs(), stream);
+    }
+  });
+  // ws and table free themselves stream-ordered, after the kernels above.
+}
+
+}  // namespace
+}  // namespace tiled::bwd
+
+void tiled_backward(const Params& p) { tiled::bwd::run_backward(p); }
+
+}  // namespace deltacp::cuda

@@ -1,0 +1,1127 @@
+// cuda/tiled/tiled_fwd.cu — the tiled tier's forward: the chunked WY algorithm, one kernel per stage.
+//
+// Algorithm (DESIGN.md section 3; reference/include/deltacp/reference/chunked.h). Each sequence is
+// cut into chunks of C = p.chunk_size <= 64 tokens (restarting at every sequence start; the last
+// chunk may be short). For a chunk with state S at its start, G = within-chunk cumsum of g:
+//
+//   A  = strict_tril( Beta (K e^G)(K e^-G)^T )       T = (I + A)^-1
+//   W  = T Beta (K e^G)          U = T Beta V
+//   Vn = U - W S                 S' = D_n S + (K e^(G_n - G))^T Vn
+//   O  = scale ( (Q e^G) S + tril((Q e^G)(K e^-G)^T) Vn )
+//
+// Kernels (4 warps = 128 threads each; tiles of 64 rows in shared memory; products on tensor cores
+// through mma.sync m16n8k16 with fp32 accumulation for bf16/fp16, FFMA for fp32 — fwd_mma.cuh):
+//
+//   1 chunk_cumsum_kernel      grid (chunks, ceil(HV*Dg/128))  G = cumsum g per chunk (Dg = 1 gdn, K kda)
+//   2 chunk_wy_kernel          grid (chunks, HV)               A -> T (blocked forward substitution in
+//                                                              fp32) -> W, U (and Kd for kda)
+//   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks;
+//                                                              S (K x BV) stays in fp32 registers; writes
+//                                                              h_c (chunk-start state) and Vn
+//   4 chunk_output_kernel      grid (chunks, HV)               O, parallel over chunks
+//
+// Decays are never formed as e^-G (it overflows): gdn uses e^(G_i - G_j) with the mask j <= i
+// applied before the exponential; kda (a decay per key dimension, so it cannot be pulled out of
+// the dot product) splits the 64 x 64 triangle into 16 x 16 blocks: a block (a, b < a) is
+// X_r Y_r^T with X_r = X e^(G - G_r), Y_r = Y e^(G_r - G) around the reference row r = 16 a
+// (both exponents <= 0, a tensor-core product), and the 4 diagonal blocks are summed element by
+// element with e^(G_i,d - G_j,d), j <= i. Rows past a short chunk are zero in every tile, and
+// their G rows repeat the chunk's last G row, so every exponent stays finite.
+//
+// What changed from the naive tier (cuda/naive): the naive tier walks tokens one at a time with the
+// state in registers (one rank-1 update per token: memory- and latency-bound, no tensor cores).
+// Here the per-token work inside a chunk becomes dense 64-row matrix products (tensor cores) and
+// only the chunk-to-chunk state pass (stage 3) is sequential: 64x fewer sequential steps. The
+// price: h per chunk (Kp x Vp per chunk and head) round-trips HBM between stages 3 and 4.
+//
+// Work per chunk and head (C = 64, K = V = D, 16-bit I/O; fwd_cost() below counts it for any shape):
+//   FLOPs  2 C^2 D (A) + 4 C^2 D (W, U) + 4 C D^2 (stage 3: W S, K^T Vn) + 2 C D^2 (Q h)
+//          + 4 C^2 D (Q K^T, P Vn) = 10 C^2 D + 6 C D^2      D = 128: 11.5 MFLOP (180 kFLOP / token)
+//   bytes  stage 2: k, v in, W, U out (8 C D); stage 3: W, U, k in, Vn, h out (8 C D + 2 D^2);
+//          stage 4: q, k, Vn, h in, o out (8 C D + 2 D^2)  ->  24 C D + 4 D^2 = 262 kB (4.1 kB / token)
+//   At (1,8192,96,128) that is 3.2 GB: 0.76 ms at the 4.25 TB/s an H200 copies (anchors.md), 1.1 ms
+//   at ~3 TB/s on an H100; its 1.4e11 FLOPs are ~0.2-0.3 ms of mma.sync. So: memory-bound.
+//
+// Kernels, dynamic shared memory (bf16, K = V = 128) and registers (nvcc 13.0 --resource-usage,
+// sm_80 and sm_90; no spills on the 16-bit paths except <= 4 B in the sm_80 kda chunk_wy_kernel):
+//   chunk_cumsum_kernel       128 thr   0 KB                     32 regs
+//   chunk_wy_kernel           128 thr   74 KB (3 CTAs/SM)        72-80 regs   (kda 107 KB)
+//   chunk_state_scan_kernel   128 thr   BV 32: 54.5 KB, BV 16: 46.5 KB (4 CTAs/SM)  112-128 regs
+//   chunk_output_kernel       128 thr   70.5 KB (3 CTAs/SM)      71-72 regs   (kda 103.5 KB)
+// fp32 inputs need about twice the shared memory; fp32 with K or V = 256 does not fit (an Error
+// names K). bf16/fp16 fit up to K = V = 256 (kda: 186 KB) on an H100/H200.
+//
+// Measured: not yet (no GPU run so far). Predicted at (B,T,H,D) = (1,8192,96,128) bf16 GDN on an
+// H200: stage 2 ~0.25 ms, stage 3 ~0.3 ms (latency of 128 sequential chunk steps, 384 CTAs),
+// stage 4 ~0.3 ms, stage 1 ~0.01 ms: ~0.9-1.1 ms (FLA: 1.408 ms). At (2,16384,16,128): stage 3
+// ~0.4 ms (256 steps, 256 CTAs of BV = 16), stages 2 + 4 ~0.4 ms: ~0.8-0.9 ms (FLA: 1.040 ms).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/check.h"
+#include "../common/load_store.cuh"
+#include "chunk_table.cuh"
+#include "deltacp/cuda/tiers.h"
+#include "deltacp/error.h"
+#include "deltacp/params.h"
+#include "fwd_mma.cuh"
+#include "fwd_stages.cuh"
+
+namespace deltacp::cuda::tiled {
+namespace {
+
+constexpr int kThreads = 128;  // 4 warps per CTA in every kernel
+constexpr int kBT = kTileRows;  // 64 rows per chunk tile
+
+// ---- device views ---------------------------------------------------------------------------
+// A [B, T, heads, D] tensor: base pointer and int64 element strides (D contiguous).
+template <class E>
+struct DevRows {
+  E* ptr = nullptr;
+  int64_t sb = 0, st = 0, sh = 0;
+  __device__ __forceinline__ E* at(int64_t b, int64_t t, int64_t h) const { return ptr + b * sb + t * st + h * sh; }
+};
+template <class E>
+DevRows<E> dev_rows(const TensorRef& r) {
+  return DevRows<E>{static_cast<E*>(r.ptr), r.stride_b, r.stride_t, r.stride_h};
+}
+
+// Everything a stage kernel reads from Params, as plain device-side values.
+template <class T>
+struct FwdArgs {
+  DevRows<const T> q, k, v, beta;  // g is read by stage 1 only, in its own dtype (p.gate_dtype())
+  DevRows<T> o;
+  const ChunkEntry* chunks = nullptr;
+  const SeqEntry* seqs = nullptr;
+  int64_t Tlen = 0, HV = 0, K = 0, V = 0;
+  int64_t group = 1;  // HV / H: the query/key head of value head hv is hv / group
+  int Kp = 0, Vp = 0, chunk_size = 0;
+  float scale = 1.f;
+  bool has_gate = false;  // false for delta (G = 0)
+  bool o_pairs = false;   // o rows allow 2-element stores (aligned base, even strides, V even)
+};
+
+template <class T>
+FwdArgs<T> make_args(const Params& p, const ChunkTable& table) {
+  FwdArgs<T> a;
+  a.q = dev_rows<const T>(p.q);
+  a.k = dev_rows<const T>(p.k);
+  a.v = dev_rows<const T>(p.v);
+  a.beta = dev_rows<const T>(p.beta);
+  a.o = dev_rows<T>(p.o);
+  a.chunks = table.chunks();
+  a.seqs = table.seqs();
+  a.Tlen = p.T;
+  a.HV = p.HV;
+  a.K = p.K;
+  a.V = p.V;
+  a.group = p.HV / p.H;
+  a.Kp = static_cast<int>(padded_dim(p.K));
+  a.Vp = static_cast<int>(padded_dim(p.V));
+  a.chunk_size = p.chunk_size;
+  a.scale = static_cast<float>(p.scale);
+  a.has_gate = p.variant != Variant::delta;
+  a.o_pairs = (reinterpret_cast<uintptr_t>(p.o.ptr) % (2 * sizeof(T)) == 0) && p.o.stride_b % 2 == 0 &&
+              p.o.stride_t % 2 == 0 && p.o.stride_h % 2 == 0 && p.V % 2 == 0;
+  return a;
+}
+
+// ---- shared-memory layouts (host and device compute the same offsets) ------------------------
+__host__ __device__ inline int carve(int& offset, int bytes) {
+  const int at = offset;
+  offset += (bytes + 127) / 128 * 128;
+  return at;
+}
+
+// Stage 2. Phase 1 (scores, kda) and phases 2-4 (solve, products) share the `scratch` region;
+// the 16-bit operands Tb1, Tb2 (built after the solve) take the place of A (dead by then). For
+// bf16 and K = V = 128 that is 74 KB: three CTAs per SM on an H100/H200.
+struct WyLayout {
+  int ldk, ldv, ldg, lda, ldt;  // leading dims (elements): K, V tiles (T); Gk (f32); A, T (f32); Tb (T)
+  int k, v, beta, g, eg, gk, a;
+  int tb1, tb2;             // inside A's region
+  int xr, yr;               // kda scores scratch (inside the scratch region)
+  int t, scr;               // solve (inside the scratch region)
+  int bytes;
+};
+__host__ __device__ inline WyLayout wy_layout(int Kp, int Vp, int esize, bool kda) {
+  WyLayout L;
+  L.ldk = Kp + 8;
+  L.ldv = Vp + 8;
+  L.ldg = Kp + 4;
+  L.lda = kBT + 4;
+  L.ldt = kBT + 8;
+  int o = 0;
+  L.k = carve(o, kBT * L.ldk * esize);
+  L.v = carve(o, kBT * L.ldv * esize);
+  L.beta = carve(o, kBT * 4);
+  L.g = carve(o, kBT * 4);
+  L.eg = carve(o, kBT * 4);
+  L.gk = kda ? carve(o, kBT * L.ldg * 4) : 0;
+  const int a_bytes = kBT * L.lda * 4, tb_bytes = kBT * L.ldt * esize;  // tb_bytes: a multiple of 128
+  L.a = carve(o, a_bytes > 2 * tb_bytes ? a_bytes : 2 * tb_bytes);
+  L.tb1 = L.a;
+  L.tb2 = L.a + tb_bytes;
+  const int scratch = o;
+  int s1 = scratch;  // phase 1 (kda only)
+  L.xr = kda ? carve(s1, 16 * L.ldk * esize) : 0;
+  L.yr = kda ? carve(s1, 48 * L.ldk * esize) : 0;
+  int s2 = scratch;  // phases 2-4
+  L.t = carve(s2, kBT * L.lda * 4);
+  L.scr = carve(s2, 4 * 16 * 16 * 4);
+  L.bytes = s1 > s2 ? s1 : s2;
+  return L;
+}
+
+// Stage 3.
+struct ScanLayout {
+  int ldk, ldb;  // W/K tiles (T); the BV-wide tiles U, S, Vn (T)
+  int w, k, u, s, vn, gbuf;
+  int bytes;
+};
+__host__ __device__ inline ScanLayout scan_layout(int Kp, int BV, int esize) {
+  ScanLayout L;
+  L.ldk = Kp + 8;
+  L.ldb = BV + 8;
+  int o = 0;
+  L.w = carve(o, kBT * L.ldk * esize);
+  L.k = carve(o, kBT * L.ldk * esize);
+  L.u = carve(o, kBT * L.ldb * esize);
+  L.s = carve(o, Kp * L.ldb * esize);
+  L.vn = carve(o, kBT * L.ldb * esize);
+  L.gbuf = carve(o, (Kp > kBT ? Kp : kBT) * 4);  // gdn: G of the chunk's rows; kda: G of its last row
+  L.bytes = o;
+  return L;
+}
+
+// Stage 4. h_c and Vn pass through in slabs of kOutSlab value columns; for kda the scores
+// scratch (Xr, Yr) shares their region (the slabs are loaded after the scores are done).
+constexpr int kOutSlab = 64;
+struct OutLayout {
+  int ldk, ldg, ldp, lds;  // Q/K tiles (T); Gk (f32); P (T); the h and Vn slabs (T)
+  int q, k, p, g, eg, gk, h, vn, xr, yr;
+  int bytes;
+};
+__host__ __device__ inline OutLayout out_layout(int Kp, int esize, bool kda) {
+  OutLayout L;
+  L.ldk = Kp + 8;
+  L.ldg = Kp + 4;
+  L.ldp = kBT + 8;
+  L.lds = kOutSlab + 8;
+  int o = 0;
+  L.q = carve(o, kBT * L.ldk * esize);
+  L.k = carve(o, kBT * L.ldk * esize);
+  L.p = carve(o, kBT * L.ldp * esize);
+  L.g = carve(o, kBT * 4);
+  L.eg = carve(o, kBT * 4);
+  L.gk = kda ? carve(o, kBT * L.ldg * 4) : 0;
+  const int region = o;
+  int s1 = region;
+  L.h = carve(s1, Kp * L.lds * esize);
+  L.vn = carve(s1, kBT * L.lds * esize);
+  int s2 = region;
+  L.xr = kda ? carve(s2, 16 * L.ldk * esize) : 0;
+  L.yr = kda ? carve(s2, 48 * L.ldk * esize) : 0;
+  L.bytes = s1 > s2 ? s1 : s2;
+  return L;
+}
+
+// ---- small device helpers -------------------------------------------------------------------
+// Eight consecutive elements of a shared-memory row (16-byte aligned for T, 32 for float) as floats.
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+  if constexpr (std::is_same<T, float>::value) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_f(e[i]);
+  }
+}
+__device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+// Fills the per-row gate values of a chunk tile (gdn / delta): g_s[i] = G of row min(i, len - 1)
+// (rows past a short chunk repeat the last row: their relative decays are e^0 and finite),
+// eg_s[i] = e^(g_s[i]). Zero gate for delta. Threads 0..63.
+template <class T>
+__device__ __forceinline__ void load_scalar_gate(float* g_s, float* eg_s, const float* G, int64_t row0, int64_t HV,
+                                                 int64_t hv, int len, bool has_gate) {
+  const int i = threadIdx.x;
+  if (i < kBT) {
+    const float gi = has_gate ? G[(row0 + min(i, len - 1)) * HV + hv] : 0.f;
+    g_s[i] = gi;
+    eg_s[i] = exp_t<T>(gi);
+  }
+}
+
+// kda: Gk[i][d] = G[row min(i, len - 1)][d] for d < K, zero for K <= d < Kp.
+__device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G, int64_t row0, int64_t HV,
+                                              int64_t hv, int64_t K, int Kp, int len) {
+  for (int idx = threadIdx.x; idx < kBT * Kp; idx += blockDim.x) {
+    const int i = idx / Kp, d = idx - i * Kp;
+    Gk[i * ldg + d] = d < K ? G[((row0 + min(i, len - 1)) * HV + hv) * K + d] : 0.f;
+  }
+}
+
+// kda decayed scores of one chunk (see the file comment):
+//   P(i, j) = sum_d X[i][d] Y[j][d] e^(G[i][d] - G[j][d])   for j < i (j <= i when `inclusive`)
+// handed to write(i, j, value) for every (i, j) of the 16 x 16 blocks on or below the block
+// diagonal (value 0 above the diagonal inside diagonal blocks, and for row blocks at or past len).
+// X, Y: 64 x Kp tiles (ld), zero past len. Gk: 64 x Kp fp32 (ldg). Xr (16 x ld), Yr (48 x ld):
+// scratch. Called by all 128 threads; contains __syncthreads.
+template <class T, class Write>
+__device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
+                           bool inclusive, Write write) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Off-diagonal blocks (a, b < a) through the reference row r = 16 a.
+  for (int a = 1; a < 4; ++a) {
+    const int r = 16 * a;
+    const bool active = r < len;  // uniform over the block
+    if (active) {
+      const float* Gr = Gk + r * ldg;
+      const int rows = r + 16;  // Yr: rows [0, r); Xr: rows [r, r + 16)
+      for (int idx = tid; idx < rows * Kp; idx += kThreads) {
+        const int i = idx / Kp, d = idx - i * Kp;
+        if (i < r) {
+          Yr[i * ld + d] = from_f<T>(to_f(Y[i * ld + d]) * exp_t<T>(Gr[d] - Gk[i * ldg + d]));
+        } else {
+          Xr[(i - r) * ld + d] = from_f<T>(to_f(X[i * ld + d]) * exp_t<T>(Gk[i * ldg + d] - Gr[d]));
+        }
+      }
+    }
+    __syncthreads();
+    if (warp < a) {  // warp w: block (a, w)
+      float acc[1][2][4];
+      zero_acc(acc);
+      if (active) warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xr, ld, 0, Yr, ld, 16 * warp, 0, Kp);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) write(r + acc_row(0, e), 16 * warp + acc_col(nt, e), acc[0][nt][e]);
+    }
+    __syncthreads();
+  }
+  // Diagonal blocks: warp a owns block (a, a). Lane: row i = 16 a + (lane % 16), half the d range.
+  {
+    const int a = warp, il = lane & 15, half = lane >> 4;
+    const int i = 16 * a + il;
+    const bool active = 16 * a < len;  // uniform over the warp
+    float part[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) part[j] = 0.f;
+    if (active) {
+      const int dh = Kp / 2;  // a multiple of 8
+      for (int d0 = half * dh; d0 < (half + 1) * dh; d0 += 8) {
+        float xi[8], gi[8];
+        load8(X + i * ld + d0, xi);
+        load8f(Gk + i * ldg + d0, gi);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int jj = 16 * a + j;
+          const bool lower = inclusive ? (j <= il) : (j < il);
+          float yj[8], gj[8];
+          load8(Y + jj * ld + d0, yj);
+          load8f(Gk + jj * ldg + d0, gj);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) part[j] = fmaf(xi[e] * yj[e], exp_t<T>(lower ? gi[e] - gj[e] : 0.f), part[j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], 16);
+    if (half == 0) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const bool lower = inclusive ? (j <= il) : (j < il);
+        write(i, 16 * a + j, (active && lower) ? part[j] : 0.f);
+      }
+    }
+  }
+}
+
+// ============================================================================================
+// Stage 1: G = within-chunk cumulative sum of g (fp32). One thread per (head, key dim) column,
+// sequential over the chunk's tokens; consecutive threads read consecutive columns.
+// ============================================================================================
+template <class T>
+__global__ void __launch_bounds__(kThreads) chunk_cumsum_kernel(DevRows<const T> g, const ChunkEntry* chunks,
+                                                                int64_t HV, int64_t Dg, float* G) {
+  const ChunkEntry ce = chunks[blockIdx.x];
+  const int64_t col = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x;
+  if (col >= HV * Dg) return;
+  const int64_t h = col / Dg, d = col - h * Dg;
+  float acc = 0.f;
+  for (int64_t i = 0; i < ce.len; ++i) {
+    acc += to_f(g.at(ce.batch, ce.t0 + i, h)[d]);
+    G[(ce.row0 + i) * HV * Dg + col] = acc;
+  }
+}
+
+// ============================================================================================
+// Stage 2: A, T = (I + A)^-1, W, U per (chunk, value head).
+//   phase 0  K tile, V tile (cp.async), beta, gates
+//   phase 1  A (gdn: tensor-core K K^T scaled by beta_i e^(G_i - G_j); kda: kda_scores)
+//   phase 2  T by blocked forward substitution in fp32: the four 16 x 16 diagonal blocks
+//            D_a = (I + A_aa)^-1 one per warp (registers), then T_ab = -D_a sum_{b<=c<a} A_ac T_cb
+//            by sub-diagonal level (levels 1, 2, 3: 3, 2, 1 blocks, one warp each)
+//   phase 3  Tb1 = T Beta (and gdn: Tb2 = T Beta e^G) as 16-bit operands; kda: Kd out, K <- K e^G
+//   phase 4  W = Tb2 K (gdn) or Tb1 (K e^G) (kda), U = Tb1 V on tensor cores; store
+// ============================================================================================
+template <class T, bool kKda>
+__global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, const float* __restrict__ G,
+                                                            T* __restrict__ W, T* __restrict__ U,
+                                                            T* __restrict__ Kd, float* __restrict__ Tinv) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int Kp = args.Kp, Vp = args.Vp;
+  const WyLayout L = wy_layout(Kp, Vp, sizeof(T), kKda);
+  T* Ks = reinterpret_cast<T*>(smem + L.k);
+  T* Vs = reinterpret_cast<T*>(smem + L.v);
+  float* beta_s = reinterpret_cast<float*>(smem + L.beta);
+  float* g_s = reinterpret_cast<float*>(smem + L.g);
+  float* eg_s = reinterpret_cast<float*>(smem + L.eg);
+  float* Gk = reinterpret_cast<float*>(smem + L.gk);
+  float* As = reinterpret_cast<float*>(smem + L.a);
+  T* Xr = reinterpret_cast<T*>(smem + L.xr);
+  T* Yr = reinterpret_cast<T*>(smem + L.yr);
+  float* Ts = reinterpret_cast<float*>(smem + L.t);
+  T* Tb1 = reinterpret_cast<T*>(smem + L.tb1);
+  T* Tb2 = reinterpret_cast<T*>(smem + L.tb2);
+  float* scr = reinterpret_cast<float*>(smem + L.scr);
+  const int lda = L.lda, ldt = L.ldt, ldk = L.ldk, ldv = L.ldv;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const ChunkEntry ce = args.chunks[blockIdx.x];
+  const int64_t hv = blockIdx.y, hk = hv / args.group, HV = args.HV;
+  const int len = static_cast<int>(ce.len);
+
+  // ---- phase 0: loads ----
+  {
+    const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
+    load_tile(Ks, ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
+    cp_async_commit();
+    const T* vsrc = args.v.at(ce.batch, ce.t0, hv);
+    load_tile(Vs, ldv, vsrc, args.v.st, len, kBT, static_cast<int>(args.V), Vp, vec_ok(vsrc, args.v.st));
+    cp_async_commit();
+  }
+  if (tid < kBT) beta_s[tid] = tid < len ? to_f(*args.beta.at(ce.batch, ce.t0 + tid, hv)) : 0.f;
+  if constexpr (kKda) {
+    load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);
+  } else {
+    load_scalar_gate<T>(g_s, eg_s, G, ce.row0, HV, hv, len, args.has_gate);
+  }
+  cp_async_wait<1>();  // the K tile (V may still be in flight)
+  __syncthreads();
+
+  // ---- phase 1: A (strictly lower; row block a is written in columns < 16 (a + 1)) ----
+  if constexpr (kKda) {
+    kda_scores<T>(Ks, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/false,
+                  [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; });
+  } else {
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = 2 * (warp + 1);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::colmajor>(acc, Ks, ldk, 16 * warp, Ks, ldk, 0, 0, Kp, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * warp + acc_row(0, e), j = acc_col(nt, e);
+          // mask before the exponential: for j >= i the exponent may be positive
+          As[i * lda + j] = (j < i) ? beta_s[i] * exp_t<T>(g_s[i] - g_s[j]) * acc[0][nt][e] : 0.f;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 2: T = (I + A)^-1 ----
+  // Blocks above the block diagonal are zero.
+  for (int idx = tid; idx < kBT * kBT; idx += kThreads) {
+    const int i = idx / kBT, j = idx - i * kBT;
+    if ((j >> 4) > (i >> 4)) Ts[i * lda + j] = 0.f;
+  }
+  {
+    // D_a = (I + A_aa)^-1, a = warp: lane column c (lanes 16..31 duplicate lanes 0..15), rows in
+    // registers: d[i] = -sum_{c <= j < i} A[i][j] d[j] for i > c, d[c] = 1, d[i < c] = 0.
+    const int a = warp, c = lane & 15;
+    const float* Ab = As + (16 * a) * lda + 16 * a;
+    float d[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < i; ++j) s = fmaf(Ab[i * lda + j], d[j], s);
+      d[i] = (i == c) ? 1.f : (i > c ? -s : 0.f);
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) Ts[(16 * a + i) * lda + 16 * a + c] = d[i];
+    }
+  }
+  __syncthreads();
+  for (int level = 1; level < 4; ++level) {
+    if (warp < 4 - level) {
+      // block (a, b) = (warp + level, warp): P = A[a rows, 16b .. 16a) T[16b .. 16a, b cols]
+      const int a = warp + level, b = warp;
+      const int r = lane >> 1, c0 = (lane & 1) * 8;  // the lane's row and 8 columns of the block
+      float acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      for (int kb = b; kb < a; ++kb) {  // 16-wide k blocks, unrolled so the loads pipeline
+#pragma unroll
+        for (int kk = 0; kk < 16; ++kk) {
+          const int k = 16 * kb + kk;
+          const float av = As[(16 * a + r) * lda + k];
+          float tv[8];
+          load8f(Ts + k * lda + 16 * b + c0, tv);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = fmaf(av, tv[e], acc[e]);
+        }
+      }
+      float* P = scr + warp * 256;  // this warp's 16 x 16 scratch
+#pragma unroll
+      for (int e = 0; e < 8; ++e) P[r * 16 + c0 + e] = acc[e];
+      __syncwarp();
+      // T_ab = -D_a P
+      float out[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) out[e] = 0.f;
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const float dv = Ts[(16 * a + r) * lda + 16 * a + k];
+        float pv[8];
+        load8f(P + k * 16 + c0, pv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) out[e] = fmaf(dv, pv[e], out[e]);
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) Ts[(16 * a + r) * lda + 16 * b + c0 + e] = -out[e];
+    }
+    __syncthreads();
+  }
+  if (Tinv) {
+    for (int idx = tid; idx < len * kBT; idx += kThreads) {
+      const int i = idx / kBT, j = idx - i * kBT;
+      Tinv[((ce.row0 + i) * HV + hv) * kBT + j] = j < len ? Ts[i * lda + j] : 0.f;
+    }
+  }
+
+  // ---- phase 3: 16-bit operands ----
+  for (int idx = tid; idx < kBT * kBT; idx += kThreads) {
+    const int i = idx / kBT, j = idx - i * kBT;
+    const float t = Ts[i * lda + j] * beta_s[j];
+    Tb1[i * ldt + j] = from_f<T>(t);
+    if constexpr (!kKda) Tb2[i * ldt + j] = from_f<T>(t * eg_s[j]);
+  }
+  if constexpr (kKda) {
+    // Kd = K e^(G_last - G) for stage 3 (exponent <= 0), then K <- K e^G in place for W.
+    const float* Glast = Gk + (len - 1) * L.ldg;
+    for (int idx = tid; idx < kBT * Kp; idx += kThreads) {
+      const int i = idx / Kp, d = idx - i * Kp;
+      const float kv = to_f(Ks[i * ldk + d]);
+      const float gi = Gk[i * L.ldg + d];
+      if (i < len) Kd[((ce.row0 + i) * HV + hv) * Kp + d] = from_f<T>(kv * exp_t<T>(Glast[d] - gi));
+      Ks[i * ldk + d] = from_f<T>(kv * exp_t<T>(gi));
+    }
+  }
+  cp_async_wait<0>();  // the V tile
+  __syncthreads();
+
+  // ---- phase 4: W, U (row block `warp` of T has nonzeros only in columns < 16 (warp + 1)) ----
+  const int kend = 16 * (warp + 1);
+  const T* TW = kKda ? Tb1 : Tb2;
+  for (int n0 = 0; n0 < Kp; n0 += 64) {
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = min(8, (Kp - n0) / 8);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, TW, ldt, 16 * warp, Ks, ldk, n0, 0, kend, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = 16 * warp + acc_row(0, 2 * h2);
+          if (i < len)
+            store_pair(W + ((ce.row0 + i) * HV + hv) * Kp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
+                       acc[0][nt][2 * h2 + 1]);
+        }
+      }
+    }
+  }
+  for (int n0 = 0; n0 < Vp; n0 += 64) {
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = min(8, (Vp - n0) / 8);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tb1, ldt, 16 * warp, Vs, ldv, n0, 0, kend, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = 16 * warp + acc_row(0, 2 * h2);
+          if (i < len)
+            store_pair(U + ((ce.row0 + i) * HV + hv) * Vp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
+                       acc[0][nt][2 * h2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+// ============================================================================================
+// Stage 3: the state scan. One CTA per (sequence, value head, BV-wide column tile of the state),
+// sequential over the sequence's chunks. The state tile S (Kp x BV) lives in fp32 registers as
+// mma accumulators: warp w owns rows [16 KMT w, 16 KMT (w + 1)). Per chunk:
+//   (a) S -> Sb (16-bit operand) ; h_c = Sb to global
+//   (b) Vn = U - W Sb (tensor cores, k = Kp) ; Vn to global ; Vns = Vn e^(G_n - G) (gdn) or Vn (kda)
+//   (c) S = D_n S + Kd^T Vns   (Kd = K for gdn/delta, K e^(G_n - G) from stage 2 for kda; k = 64)
+// The next chunk's W, U, G are prefetched (cp.async) during (c), its K during the next (a), (b).
+// ============================================================================================
+template <class T, bool kKda, int BV, int KMT>
+__global__ void __launch_bounds__(kThreads, 4)
+    chunk_state_scan_kernel(FwdArgs<T> args, const float* __restrict__ G, const T* __restrict__ W,
+                            const T* __restrict__ U, const T* __restrict__ Kd, T* __restrict__ h,
+                            T* __restrict__ vnew, const float* __restrict__ h0, float* __restrict__ ht) {
+  constexpr int NT = BV / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int Kp = args.Kp, Vp = args.Vp;
+  const ScanLayout L = scan_layout(Kp, BV, sizeof(T));
+  T* Ws = reinterpret_cast<T*>(smem + L.w);
+  T* Ks = reinterpret_cast<T*>(smem + L.k);
+  T* Us = reinterpret_cast<T*>(smem + L.u);
+  T* Sb = reinterpret_cast<T*>(smem + L.s);
+  T* Vns = reinterpret_cast<T*>(smem + L.vn);
+  float* gbuf = reinterpret_cast<float*>(smem + L.gbuf);
+  const int ldk = L.ldk, ldb = L.ldb;
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int64_t n = blockIdx.x, hv = blockIdx.y, HV = args.HV, K = args.K, V = args.V;
+  const int v0 = blockIdx.z * BV;
+  const int64_t hk = hv / args.group;
+  const SeqEntry se = args.seqs[n];
+  const int cs = args.chunk_size;
+  const int m0 = 16 * KMT * warp;                                   // first state row of this warp
+  const int mt_active = max(0, min(KMT, Kp / 16 - KMT * warp));    // its m-tiles inside Kp
+  const int bv_valid = min(BV, Vp - v0);                            // columns of this tile inside Vp
+
+  // S from h0 (fp32 [N, HV, K, V]) or zero.
+  float S[KMT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < KMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t d = m0 + acc_row(mt, e), v = v0 + acc_col(nt, e);
+        S[mt][nt][e] = (h0 != nullptr && d < K && v < V) ? h0[((n * HV + hv) * K + d) * V + v] : 0.f;
+      }
+
+  auto chunk_row0 = [&](int64_t c) { return se.batch * args.Tlen + se.bos + c * cs; };
+  auto chunk_len = [&](int64_t c) { return static_cast<int>(min(static_cast<int64_t>(cs), se.len - c * cs)); };
+  // W, U and the chunk's gate values.
+  auto issue_wu = [&](int64_t c) {
+    const int64_t row0 = chunk_row0(c);
+    const int len = chunk_len(c);
+    load_tile(Ws, ldk, W + (row0 * HV + hv) * Kp, HV * Kp, len, kBT, Kp, Kp, true);
+    load_tile(Us, ldb, U + (row0 * HV + hv) * Vp + v0, HV * Vp, len, kBT, bv_valid, BV, true);
+    if constexpr (kKda) {
+      // G of the chunk's last row, per key dimension (zero past K)
+      for (int d = tid; d < Kp; d += kThreads) {
+        if (d < K) {
+          cp_async_4(gbuf + d, G + ((row0 + len - 1) * HV + hv) * K + d);
+        } else {
+          gbuf[d] = 0.f;
+        }
+      }
+    } else {
+      if (tid < kBT) {
+        if (args.has_gate) {
+          cp_async_4(gbuf + tid, G + (row0 + min(tid, len - 1)) * HV + hv);
+        } else {
+          gbuf[tid] = 0.f;
+        }
+      }
+    }
+  };
+  auto issue_k = [&](int64_t c) {
+    const int len = chunk_len(c);
+    if constexpr (kKda) {
+      load_tile(Ks, ldk, Kd + (chunk_row0(c) * HV + hv) * Kp, HV * Kp, len, kBT, Kp, Kp, true);
+    } else {
+      const T* src = args.k.at(se.batch, se.bos + c * cs, hk);
+      load_tile(Ks, ldk, src, args.k.st, len, kBT, static_cast<int>(K), Kp, vec_ok(src, args.k.st));
+    }
+  };
+
+  const int64_t nchunks = se.num_chunks;
+  if (nchunks > 0) {
+    issue_wu(0);
+    cp_async_commit();
+    issue_k(0);
+    cp_async_commit();
+  }
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t row0 = chunk_row0(c);
+    const int len = chunk_len(c);
+    const int64_t fc = se.first_chunk + c;
+
+    // (a) S -> Sb
+#pragma unroll
+    for (int mt = 0; mt < KMT; ++mt) {
+      if (mt < mt_active) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2)
+            store_pair(Sb + (m0 + acc_row(mt, 2 * h2)) * ldb + acc_col(nt, 0), S[mt][nt][2 * h2],
+                       S[mt][nt][2 * h2 + 1]);
+      }
+    }
+    cp_async_wait<1>();  // W, U, gates of chunk c (its K may still be in flight)
+    __syncthreads();
+    {
+      // h_c = S (columns v0 .. v0 + bv_valid of rows < Kp), 16-byte pieces
+      constexpr int kPiece = 16 / sizeof(T);
+      const int pieces = bv_valid / kPiece;
+      T* hdst = h + (fc * HV + hv) * Kp * Vp + v0;
+      for (int idx = tid; idx < Kp * pieces; idx += kThreads) {
+        const int d = idx / pieces, pc = (idx - d * pieces) * kPiece;
+        *reinterpret_cast<uint4*>(hdst + static_cast<int64_t>(d) * Vp + pc) =
+            *reinterpret_cast<const uint4*>(Sb + d * ldb + pc);
+      }
+    }
+    // (b) Vn = U - W Sb
+    float glast = 0.f;
+    float dec[KMT][2];  // kda: e^(G_last, d) for this lane's state rows
+    if constexpr (kKda) {
+#pragma unroll
+      for (int mt = 0; mt < KMT; ++mt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) dec[mt][h2] = exp_t<T>(gbuf[min(m0 + acc_row(mt, 2 * h2), Kp - 1)]);
+    } else {
+      glast = gbuf[len - 1];
+    }
+    {
+      float acc[1][NT][4];
+      zero_acc(acc);
+      warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, Ws, ldk, 16 * warp, Sb, ldb, 0, 0, Kp);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = 16 * warp + acc_row(0, 2 * h2), col = acc_col(nt, 0);
+          const float vn0 = to_f(Us[i * ldb + col]) - acc[0][nt][2 * h2];
+          const float vn1 = to_f(Us[i * ldb + col + 1]) - acc[0][nt][2 * h2 + 1];
+          if (i < len && col < bv_valid) store_pair(vnew + ((row0 + i) * HV + hv) * Vp + v0 + col, vn0, vn1);
+          float f = 1.f;
+          if constexpr (!kKda) f = exp_t<T>(glast - gbuf[i]);  // rows past len: e^0, and Vn = 0 there
+          store_pair(Vns + i * ldb + col, vn0 * f, vn1 * f);
+        }
+    }
+    __syncthreads();  // Ws, Us, gbuf are free; Vns is complete
+    if (c + 1 < nchunks) issue_wu(c + 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // K of chunk c
+    __syncthreads();
+    // (c) S = D_n S + Kd^T Vns
+    {
+      const float eg = exp_t<T>(glast);
+#pragma unroll
+      for (int mt = 0; mt < KMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[mt][nt][e] *= kKda ? dec[mt][e >> 1] : eg;
+      if (mt_active > 0)
+        warp_mma<T, KMT, NT, Lay::colmajor, Lay::rowmajor>(S, Ks, ldk, m0, Vns, ldb, 0, 0, kBT, mt_active, NT);
+    }
+    __syncthreads();  // Ks, Vns are free
+    if (c + 1 < nchunks) issue_k(c + 1);
+    cp_async_commit();
+  }
+
+  if (ht != nullptr) {
+#pragma unroll
+    for (int mt = 0; mt < KMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t d = m0 + acc_row(mt, e), v = v0 + acc_col(nt, e);
+          if (d < K && v < V) ht[((n * HV + hv) * K + d) * V + v] = S[mt][nt][e];
+        }
+  }
+}
+
+// ============================================================================================
+// Stage 4: O = scale ((Q e^G) h_c + P Vn),  P = tril((Q e^G)(K e^-G)^T) (diagonal included).
+// One CTA per (chunk, value head); warp w owns output rows 16 w .. 16 w + 15. The value columns go
+// by slabs of kOutSlab: h_c[:, slab] and Vn[:, slab] are loaded into one shared buffer pair (gdn:
+// slab 0 is prefetched with Q and K; kda: after the scores, whose scratch shares the buffers).
+// ============================================================================================
+template <class T, bool kKda>
+__global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args, const float* __restrict__ G,
+                                                                const T* __restrict__ h,
+                                                                const T* __restrict__ vnew) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int Kp = args.Kp, Vp = args.Vp;
+  const OutLayout L = out_layout(Kp, sizeof(T), kKda);
+  T* Qs = reinterpret_cast<T*>(smem + L.q);
+  T* Ks = reinterpret_cast<T*>(smem + L.k);
+  T* Pb = reinterpret_cast<T*>(smem + L.p);
+  float* g_s = reinterpret_cast<float*>(smem + L.g);
+  float* eg_s = reinterpret_cast<float*>(smem + L.eg);
+  float* Gk = reinterpret_cast<float*>(smem + L.gk);
+  T* Hs = reinterpret_cast<T*>(smem + L.h);
+  T* Vns = reinterpret_cast<T*>(smem + L.vn);
+  T* Xr = reinterpret_cast<T*>(smem + L.xr);
+  T* Yr = reinterpret_cast<T*>(smem + L.yr);
+  const int ldk = L.ldk, ldp = L.ldp, lds = L.lds;
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int64_t c = blockIdx.x;
+  const ChunkEntry ce = args.chunks[c];
+  const int64_t hv = blockIdx.y, hk = hv / args.group, HV = args.HV;
+  const int len = static_cast<int>(ce.len);
+  const T* hsrc = h + (c * HV + hv) * Kp * Vp;      // h_c: Kp x Vp, row-major
+  const T* vsrc = vnew + (ce.row0 * HV + hv) * Vp;  // Vn rows of the chunk, HV * Vp apart
+  // Issues the cp.async copies of slab [n0, n0 + width) of h_c and Vn (width a multiple of 16).
+  auto issue_slab = [&](int n0) {
+    const int width = min(kOutSlab, Vp - n0);
+    load_tile(Hs, lds, hsrc + n0, Vp, Kp, Kp, width, width, true);
+    load_tile(Vns, lds, vsrc + n0, HV * Vp, len, kBT, width, width, true);
+  };
+
+  {
+    const T* qsrc = args.q.at(ce.batch, ce.t0, hk);
+    const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
+    load_tile(Qs, ldk, qsrc, args.q.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(qsrc, args.q.st));
+    load_tile(Ks, ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
+    cp_async_commit();
+    if constexpr (!kKda) issue_slab(0);
+    cp_async_commit();
+  }
+  if constexpr (kKda) {
+    load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);
+  } else {
+    load_scalar_gate<T>(g_s, eg_s, G, ce.row0, HV, hv, len, args.has_gate);
+  }
+  cp_async_wait<1>();  // Q, K
+  __syncthreads();
+
+  // P (16-bit operand); row block w is written in columns < 16 (w + 1)
+  if constexpr (kKda) {
+    kda_scores<T>(Qs, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/true,
+                  [&](int i, int j, float x) { Pb[i * ldp + j] = from_f<T>(x); });
+    // The scratch (Xr, Yr) is free after kda_scores' last __syncthreads: slab 0 may land there.
+    issue_slab(0);
+    cp_async_commit();
+    __syncthreads();
+    // Q <- Q e^G in place (e^G alone is at most 1 for g <= 0)
+    for (int idx = tid; idx < kBT * Kp; idx += kThreads) {
+      const int i = idx / Kp, d = idx - i * Kp;
+      Qs[i * ldk + d] = from_f<T>(to_f(Qs[i * ldk + d]) * exp_t<T>(Gk[i * L.ldg + d]));
+    }
+  } else {
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = 2 * (warp + 1);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::colmajor>(acc, Qs, ldk, 16 * warp, Ks, ldk, 0, 0, Kp, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 16 * warp + acc_row(0, e), j = acc_col(nt, e);
+          // mask before the exponential: for j > i the exponent may be positive
+          Pb[i * ldp + j] = from_f<T>((j <= i) ? exp_t<T>(g_s[i] - g_s[j]) * acc[0][nt][e] : 0.f);
+        }
+      }
+    }
+  }
+
+  const int kend = 16 * (warp + 1);
+  for (int n0 = 0; n0 < Vp; n0 += kOutSlab) {
+    if (n0 > 0) {
+      __syncthreads();  // every warp is done with the previous slab
+      issue_slab(n0);
+      cp_async_commit();
+    }
+    cp_async_wait<0>();  // this slab
+    __syncthreads();     // (and, the first time, P and the scaled Q of every warp)
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = min(kOutSlab, Vp - n0) / 8;
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Qs, ldk, 16 * warp, Hs, lds, 0, 0, Kp, 1, nt_active);
+    if constexpr (!kKda) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][nt][e] *= eg_s[16 * warp + acc_row(0, e)];
+    }
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Pb, ldp, 16 * warp, Vns, lds, 0, 0, kend, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = 16 * warp + acc_row(0, 2 * h2);
+          const int col = n0 + acc_col(nt, 0);
+          if (i < len) {
+            T* dst = args.o.at(ce.batch, ce.t0 + i, hv) + col;
+            const float x0 = args.scale * acc[0][nt][2 * h2], x1 = args.scale * acc[0][nt][2 * h2 + 1];
+            if (args.o_pairs && col + 1 < args.V) {
+              store_pair(dst, x0, x1);
+            } else {
+              if (col < args.V) store_f(dst, x0);
+              if (col + 1 < args.V) store_f(dst + 1, x1);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- host helpers ---------------------------------------------------------------------------
+int max_smem_optin() {
+  int dev = 0, bytes = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return bytes;
+}
+int sm_count() {
+  int dev = 0, n = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+// Opts the kernel into `bytes` of dynamic shared memory; names the arguments when it cannot fit.
+template <class Kernel>
+void prepare_smem(Kernel kernel, int bytes, const Params& p, const char* stage) {
+  const int limit = max_smem_optin();
+  if (bytes > limit) {
+    throw_error("K", "the tiled tier's ", stage, " needs ", bytes, " bytes of shared memory for K = ", p.K,
+                ", V = ", p.V, " and dtype ", to_string(p.dtype), "; this GPU allows ", limit);
+  }
+  DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+// Grid dimensions y and z are limited to 65535.
+void check_grid_yz(int64_t y, const char* what) {
+  DELTACP_CHECK(y <= 65535, what, "expected at most 65535 for the tiled tier's grid, got ", y);
+}
+
+template <class F>
+void dispatch_kda(Variant v, F&& f) {
+  if (v == Variant::kda) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+}  // namespace
+
+// ---- the stage launchers (fwd_stages.cuh) ---------------------------------------------------
+FwdSizes fwd_sizes(const Params& p, const ChunkTable& table) {
+  const int64_t R = p.B * p.T, Kp = padded_dim(p.K), Vp = padded_dim(p.V);
+  FwdSizes s;
+  s.G = p.variant == Variant::gdn ? R * p.HV : (p.variant == Variant::kda ? R * p.HV * p.K : 0);
+  s.W = R * p.HV * Kp;
+  s.U = R * p.HV * Vp;
+  s.Kd = p.variant == Variant::kda ? R * p.HV * Kp : 0;
+  s.Tinv = R * p.HV * kTileRows;
+  s.v_new = R * p.HV * Vp;
+  s.h = table.num_chunks() * p.HV * Kp * Vp;
+  return s;
+}
+
+FwdCost fwd_cost(const Params& p, const ChunkTable& table) {
+  const double K = static_cast<double>(p.K), V = static_cast<double>(p.V), HV = static_cast<double>(p.HV);
+  const double es = static_cast<double>(dtype_size(p.dtype));
+  const bool kda = p.variant == Variant::kda, gdn = p.variant == Variant::gdn;
+  FwdCost c;
+  for (const ChunkEntry& ch : table.host_chunks()) {
+    const double n = static_cast<double>(ch.len);
+    c.flops += HV * (2 * n * n * K + 2 * n * n * (K + V)  // A; W, U
+                     + 4 * n * K * V                       // stage 3: W S, K^T Vn
+                     + 2 * n * K * V + 2 * n * n * (K + V));  // stage 4: Q h; Q K^T, P Vn
+    double b = es * (n * (K + V) + n * (K + V) + n)   // stage 2: k, v in; W, U out; beta
+               + es * (n * (2 * K + V) + n * V + K * V)  // stage 3: W, k, U in; Vn, h out
+               + es * (n * (2 * K + V) + K * V + n * V);  // stage 4: q, k, Vn, h in; o out
+    if (gdn) b += es * n + 4 * n + 3 * 4 * n;                      // g in, G out; G read by stages 2-4
+    if (kda) b += es * n * K + 4 * n * K + 2 * 4 * n * K + 2 * es * n * K;  // g, G, G x2; Kd out + in
+    c.bytes += HV * b;
+  }
+  const double state_bytes = 4.0 * static_cast<double>(p.num_seqs) * HV * K * V;
+  if (p.h0) c.bytes += state_bytes;
+  if (p.ht) c.bytes += state_bytes;
+  return c;
+}
+
+void check_tiled_supported(const Params& p) {
+  DELTACP_CHECK(p.variant == Variant::gdn || p.variant == Variant::kda || p.variant == Variant::delta, "variant",
+                "expected gdn, kda or delta for the tiled tier, got ", to_string(p.variant));
+  DELTACP_CHECK(p.dtype == DType::f32 || p.dtype == DType::bf16 || p.dtype == DType::f16, "dtype",
+                "expected f32, bf16 or f16 on the GPU, got ", to_string(p.dtype));
+  DELTACP_CHECK(p.state_dtype == DType::f32 || (p.h0 == nullptr && p.ht == nullptr), "state_dtype",
+                "expected f32 states on the GPU, got ", to_string(p.state_dtype));
+  DELTACP_CHECK(p.K >= 1 && p.K <= kMaxHeadDim, "K", "expected 1 <= K <= ", kMaxHeadDim,
+                " for the tiled tier, got ", p.K);
+  DELTACP_CHECK(p.V >= 1 && p.V <= kMaxHeadDim, "V", "expected 1 <= V <= ", kMaxHeadDim,
+                " for the tiled tier, got ", p.V);
+  DELTACP_CHECK(p.chunk_size >= 1 && p.chunk_size <= kTileRows, "chunk_size", "expected 1 <= chunk_size <= ",
+                kTileRows, " for the tiled tier, got ", p.chunk_size);
+  DELTACP_CHECK(p.H >= 1 && p.HV % p.H == 0, "HV", "expected a multiple of H = ", p.H, ", got ", p.HV);
+  check_grid_yz(p.HV, "HV");
+}
+
+void launch_chunk_cumsum(const Params& p, const ChunkTable& table, float* G, cudaStream_t stream) {
+  if (table.num_chunks() == 0 || p.variant == Variant::delta) return;
+  const int64_t Dg = p.variant == Variant::kda ? p.K : 1;
+  const int64_t cols = p.HV * Dg;
+  const int64_t gy = (cols + kThreads - 1) / kThreads;
+  check_grid_yz(gy, "HV");
+  // g has its own dtype (p.gate_dtype(): fp32 beside 16-bit inputs, as FLA keeps it).
+  dispatch_dtype(p.gate_dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(gy));
+    chunk_cumsum_kernel<T><<<grid, kThreads, 0, stream>>>(dev_rows<const T>(p.g), table.chunks(), p.HV, Dg, G);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
+                     float* Tinv, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_kda(p.variant, [&](auto kda) {
+      constexpr bool kKda = decltype(kda)::value;
+      const FwdArgs<T> args = make_args<T>(p, table);
+      const WyLayout L = wy_layout(args.Kp, args.Vp, sizeof(T), kKda);
+      auto kernel = chunk_wy_kernel<T, kKda>;
+      prepare_smem(kernel, L.bytes, p, "A/T/W/U stage");
+      const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+      kernel<<<grid, kThreads, L.bytes, stream>>>(args, G, static_cast<T*>(W), static_cast<T*>(U),
+                                                  static_cast<T*>(Kd), Tinv);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const float* G, const void* W,
+                             const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
+                             cudaStream_t stream) {
+  if (table.num_seqs() == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_kda(p.variant, [&](auto kda) {
+      constexpr bool kKda = decltype(kda)::value;
+      const FwdArgs<T> args = make_args<T>(p, table);
+      // BV = 32 when that still gives two CTAs per SM, else 16 (more CTAs for few (sequence, head)
+      // pairs); K > 128 needs 4 m-tiles per warp and takes BV = 16 to bound registers.
+      const int64_t tiles32 = (args.Vp + 31) / 32;
+      const bool wide = p.K <= 128 && table.num_seqs() * p.HV * tiles32 >= 2 * sm_count();
+      auto launch = [&](auto kernel, int BV) {
+        const ScanLayout L = scan_layout(args.Kp, BV, sizeof(T));
+        prepare_smem(kernel, L.bytes, p, "state scan");
+        const int64_t gz = (args.Vp + BV - 1) / BV;
+        check_grid_yz(gz, "V");
+        const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
+                        static_cast<unsigned>(gz));
+        kernel<<<grid, kThreads, L.bytes, stream>>>(args, G, static_cast<const T*>(W), static_cast<const T*>(U),
+                                                    static_cast<const T*>(Kd), static_cast<T*>(h),
+                                                    static_cast<T*>(v_new), h0, ht);
+        DELTACP_CUDA_CHECK_LAUNCH();
+      };
+      if (p.K <= 64) {
+        if (wide) launch(chunk_state_scan_kernel<T, kKda, 32, 1>, 32);
+        else launch(chunk_state_scan_kernel<T, kKda, 16, 1>, 16);
+      } else if (p.K <= 128) {
+        if (wide) launch(chunk_state_scan_kernel<T, kKda, 32, 2>, 32);
+        else launch(chunk_state_scan_kernel<T, kKda, 16, 2>, 16);
+      } else {
+        launch(chunk_state_scan_kernel<T, kKda, 16, 4>, 16);
+      }
+    });
+  });
+}
+
+void launch_chunk_output(const Params& p, const ChunkTable& table, const float* G, const void* h,
+                         const void* v_new, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_kda(p.variant, [&](auto kda) {
+      constexpr bool kKda = decltype(kda)::value;
+      const FwdArgs<T> args = make_args<T>(p, table);
+      const OutLayout L = out_layout(args.Kp, sizeof(T), kKda);
+      auto kernel = chunk_output_kernel<T, kKda>;
+      prepare_smem(kernel, L.bytes, p, "output stage");
+      const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+      kernel<<<grid, kThreads, L.bytes, stream>>>(args, G, static_cast<const T*>(h), static_cast<const T*>(v_new));
+      DELTACP_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+// ---- the tier entry point -------------------------------------------------------------------
+void run_forward(const Params& p) {
+  check_tiled_supported(p);
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const ChunkTable table(p, p.chunk_size, stream);
+  if (table.num_seqs() == 0) return;
+
+  const FwdSizes sz = fwd_sizes(p, table);
+  const int64_t esize = dtype_size(p.dtype);
+  // One workspace allocation, carved into 256-byte aligned pieces.
+  auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
+  const int64_t bytes_G = align(sz.G * 4), bytes_W = align(sz.W * esize), bytes_U = align(sz.U * esize),
+                bytes_Kd = align(sz.Kd * esize), bytes_vn = align(sz.v_new * esize), bytes_h = align(sz.h * esize);
+  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_Kd + bytes_vn + bytes_h;
+  char* ws = nullptr;
+  if (total > 0) DELTACP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), static_cast<size_t>(total), stream));
+  char* at = ws;
+  auto take = [&](int64_t b) {
+    char* r = b > 0 ? at : nullptr;
+    at += b;
+    return r;
+  };
+  float* G = reinterpret_cast<float*>(take(bytes_G));
+  void* W = take(bytes_W);
+  void* U = take(bytes_U);
+  void* Kd = take(bytes_Kd);
+  void* vn = take(bytes_vn);
+  void* h = take(bytes_h);
+  try {
+    launch_chunk_cumsum(p, table, G, stream);
+    launch_chunk_wy(p, table, G, W, U, Kd, /*Tinv=*/nullptr, stream);
+    launch_chunk_state_scan(p, table, G, W, U, Kd, h, vn, static_cast<const float*>(p.h0),
+                            static_cast<float*>(p.ht), stream);
+    launch_chunk_output(p, table, G, h, vn, stream);
+  } catch (...) {
+    if (ws) cudaFreeAsync(ws, stream);
+    throw;
+  }
+  if (ws) DELTACP_CUDA_CHECK(cudaFreeAsync(ws, stream));
+}
+
+}  // namespace deltacp::cuda::tiled
+
+namespace deltacp::cuda {
+void tiled_forward(const Params& p) { tiled::run_forward(p); }
+}  // namespace deltacp::cuda

@@ -1,0 +1,78 @@
+// deltacp/distributed/cp.h — context parallelism on GPUs: the pre-pass, merge and NCCL exchange.
+//
+// The host API of distributed/ (DESIGN.md section 4; the math is in cp_body.h):
+//
+//   prepass_forward   [H | M] of one span (a rank's last local segment)     [HV, K, V + K] fp32
+//   prepass_backward  [dH | M^T] of one span (a rank's first local segment) [HV, K, V + K] fp32
+//   merge             S = 0; S <- A_j S + B_j over gathered buffers j         [HV, K, V] fp32
+//   NcclComm          a non-blocking NCCL communicator whose every wait has a timeout: on a stall
+//                     it aborts the communicator and throws CommTimeout instead of hanging
+//
+// Device pointers everywhere; `stream` is a cudaStream_t (nullptr = the legacy default stream).
+// Launches are asynchronous; workspace comes from cudaMallocAsync on the stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "deltacp/distributed/cp_body.h"
+
+namespace deltacp::dist {
+
+// start: [HV, K, V] fp32 initial state of the span (null = 0). out: [HV, K, V + K] = [H | M] with
+// S_end = M S_start + H for S_start = 0, i.e. H includes `start`. Throws deltacp::Error on bad sizes.
+void prepass_forward(const Span& span, const float* start, float* out, void* stream);
+
+// dend: [HV, K, V] fp32 gradient arriving at the span end (null = 0). out: [HV, K, V + K] =
+// [dH | M^T] with dS_start = M^T dS_end + dH (dH includes M^T dend and the span's own outputs).
+void prepass_backward(const Span& span, const float* dend, float* out, void* stream);
+
+// gathered: [world, HV, K, V + K] fp32, [B_j | A_j] per rank j. out: [HV, K, V] fp32, the fold
+// S = 0; for j = first, first + step, ... (count terms): S <- A_j S + B_j. count may be 0 (out = 0).
+void merge(const float* gathered, int64_t HV, int64_t K, int64_t V, int64_t first, int64_t count, int64_t step,
+           float* out, void* stream);
+
+// A collective did not finish within the communicator's timeout (the communicator is aborted).
+class CommTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The ncclUniqueId as raw bytes (rank 0 makes it; the others receive it, e.g. through torch.distributed).
+std::string nccl_unique_id();
+
+class NcclComm {
+ public:
+  // Non-blocking init (ncclCommInitRankConfig, blocking = 0), polled up to timeout_s seconds.
+  NcclComm(const std::string& unique_id, int rank, int world, int device, double timeout_s);
+  ~NcclComm();
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  // recv[world * count] <- every rank's send[count], elements of type dtype (kF32 / kF64 / kBf16 /
+  // kF16, cp_body.h), enqueued on `stream`. With wait = true the host waits (polling, with the
+  // timeout) until the collective has completed on the stream.
+  void all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait = true);
+  // In place: buf[count] int64 <- max over ranks. Waits like all_gather.
+  void all_reduce_max_i64(int64_t* buf, size_t count, void* stream);
+  // Waits (with the timeout) until everything enqueued on `stream` has completed.
+  void wait(void* stream, const std::string& what);
+  void abort();
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  double timeout() const { return timeout_s_; }
+  bool aborted() const { return comm_ == nullptr; }
+
+ private:
+  // Polls the communicator until ready() (and no asynchronous NCCL error) or the timeout.
+  template <class Ready>
+  void poll(const std::string& what, Ready ready);
+  void* comm_ = nullptr;  // ncclComm_t
+  int rank_ = 0, world_ = 1, device_ = 0;
+  double timeout_s_ = 300.0;
+};
+
+}  // namespace deltacp::dist

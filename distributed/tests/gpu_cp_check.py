@@ -1,0 +1,258 @@
+"""GPU checks of context parallelism (run by run_gpu_cp.sh under torchrun on 2+ GPUs).
+
+    torchrun --nproc_per_node=2 distributed/tests/gpu_cp_check.py check        [--out DIR]
+    torchrun --nproc_per_node=2 distributed/tests/gpu_cp_check.py sleep|exit   [--out DIR]
+
+check: (1) the CP pre-pass kernels ([H | M], [dH | M^T]) against the CPU reference's augmented run,
+       every variant, fp32 and bf16 inputs; (2) CP over NCCL against one GPU (the same CUDA tier, whole
+       batch) on o, every gradient, summed final states and initial-state gradients: fp32 1e-5,
+       bf16 3e-3 (gdn) / 8e-3 (kda, dplr, delta), relative per tensor; shapes: a sequence spanning
+       every rank, many short sequences, cuts inside a chunk, T not divisible by the chunk; (3) bitwise
+       identical results run to run; (4) mismatched cu_seqlens -> the same ValueError on every rank.
+sleep / exit: rank 1 stalls (or exits) between the fingerprint check and the all-gather; every other
+       rank must raise within the context's timeout (10 s) instead of hanging.
+Each rank writes cp_gpu_<mode>_rank<r>.json under --out (default $OUT or .); exit status non-zero
+on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import deltacp
+import deltacp.cp as cp
+from deltacp.cp import ops as cp_ops
+
+TOL = {"float32": 1e-5, "bfloat16": {"gdn": 3e-3, "kda": 8e-3, "dplr": 8e-3, "delta": 8e-3}}
+FAULT_TIMEOUT_S = 10.0
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def inputs(variant, seqlens, H, HV, K, V, dtype, device, seed=0, states=True):
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for s in seqlens:
+        cu.append(cu[-1] + s)
+    T, N = cu[-1], len(seqlens)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = {"q": rnd(1, T, H, K), "k": F.normalize(rnd(1, T, H, K), dim=-1), "v": rnd(1, T, HV, V)}
+    if variant == "gdn":
+        x["g"] = F.logsigmoid(rnd(1, T, HV) + 3.0) * 0.5
+    elif variant in ("kda", "dplr"):
+        x["g"] = F.logsigmoid(rnd(1, T, HV, K) + 3.0) * 0.5
+    if variant == "dplr":
+        kk = F.normalize(rnd(1, T, HV, K), dim=-1)
+        x["a"], x["b"] = -kk * 0.5, kk * 0.5 * torch.sigmoid(rnd(1, T, HV, 1))
+    else:
+        x["beta"] = torch.sigmoid(rnd(1, T, HV))
+    x = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+    if states:
+        x["h0"] = (rnd(N, HV, K, V) * 0.5).to(device=device, dtype=torch.float32)
+    do = rnd(1, T, HV, V).to(device=device, dtype=dtype)
+    dht = rnd(N, HV, K, V).to(device=device, dtype=torch.float32) if states else None
+    return cu, x, do, dht
+
+
+def call(variant, x, chunk, states, cp_context=None, cu=None):
+    kw = dict(initial_state=x.get("h0"), output_final_state=states, chunk_size=chunk)
+    if cp_context is not None:
+        kw["cp_context"] = cp_context
+        fns = {"gdn": cp.chunk_gated_delta_rule_cp, "kda": cp.chunk_kda_cp, "delta": cp.chunk_delta_rule_cp,
+               "dplr": cp.chunk_dplr_cp}
+    else:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64, device=x["q"].device)
+        fns = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule,
+               "dplr": deltacp.chunk_dplr}
+    if variant == "dplr":
+        return fns[variant](x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], **kw)
+    if variant == "delta":
+        return fns[variant](x["q"], x["k"], x["v"], x["beta"], **kw)
+    return fns[variant](x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+
+class _Cfg:  # the fields of deltacp.cp.ops._Cfg the pre-pass reads
+    pass
+
+
+def check_prepass(device, report):
+    """The pre-pass kernels against the reference's augmented run on the CPU (fp32)."""
+    from deltacp.cp import nccl_backend
+
+    out = []
+    for variant in ("gdn", "kda", "delta", "dplr"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in (1, 63, 64, 65, 300):
+                H, HV, K, V = (2, 2, 64, 32) if variant == "dplr" else (2, 4, 64, 32)
+                cu, x, do, _ = inputs(variant, [n], H, HV, K, V, dtype, device, seed=n)
+                cfg = _Cfg()
+                cfg.variant, cfg.scale, cfg.chunk_size = variant, None, 64
+                cfg.H, cfg.HV, cfg.K, cfg.V = H, HV, K, V
+                cfg.state_dtype, cfg.compute, cfg.gate_name = torch.float32, "float32", "gk" if variant == "dplr" else "g"
+                start = torch.randn(HV, K, V, device=device)
+                g, beta, a, b = x.get("g"), x.get("beta"), x.get("a"), x.get("b")
+                gpu_f = nccl_backend.prepass_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start)
+                gpu_b = nccl_backend.prepass_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start)
+                cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+                cfg.device, cfg.fwd_method, cfg.bwd_method = torch.device("cpu"), "chunked", "chunked"
+                ref_f = cp_ops._augmented_forward(cfg, *[cpu(t) for t in (x["q"], x["k"], x["v"], g, beta, a, b)],
+                                                  start.cpu())
+                ref_b = cp_ops._augmented_backward(cfg, *[cpu(t) for t in (x["q"], x["k"], x["v"], g, beta, a, b)],
+                                                   do.cpu(), start.cpu())
+                ef, eb = rel(gpu_f, ref_f), rel(gpu_b, ref_b)
+                ok = ef <= 1e-5 and eb <= 1e-5
+                out.append(dict(variant=variant, dtype=str(dtype), n=n, err_fwd=ef, err_bwd=eb, ok=ok))
+    report["prepass"] = out
+    return all(r["ok"] for r in out)
+
+
+def check_cp(device, world, report):
+    ok_all = True
+    T = 1000 * world + 24  # T / world not a multiple of the chunk: cuts inside chunks
+    span = [37, T - 37 - 11, 11]  # the middle sequence spans every rank
+    many = [7, 1, 64, 65, 3, 128, 17] * 4
+    many.append(T - sum(many))
+    rows = []
+    for variant in ("gdn", "kda", "dplr", "delta"):
+        if not deltacp._core.cuda_supports(variant, "tiled", True) and not deltacp._core.cuda_supports(
+                variant, "naive", True):
+            rows.append(dict(variant=variant, skipped="no CUDA tier with a backward for this variant"))
+            continue
+        for dtype_name, seqlens, states in (("float32", span, True), ("bfloat16", span, True),
+                                            ("float32", many, False), ("bfloat16", many, True)):
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+            H, HV, K, V = (4, 4, 64, 64) if variant == "dplr" else (4, 8, 64, 64)
+            cu, x, do, dht = inputs(variant, seqlens, H, HV, K, V, dtype, device, seed=7, states=states)
+            ctx = cp.build_context(torch.tensor(cu), device=device, timeout=60)
+
+            def cp_run():
+                loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone().requires_grad_()
+                       for n, t in x.items()}
+                o, ht = call(variant, loc, 64, states, cp_context=ctx)
+                loss = (o.float() * cp.split_even(do, ctx).float()).sum()
+                if ht is not None:
+                    loss = loss + (ht * dht).sum()
+                loss.backward()
+                torch.cuda.synchronize(device)
+                return o.detach(), ht, {n: loc[n].grad for n in loc}
+
+            o, ht, grads = cp_run()
+            o2, ht2, grads2 = cp_run()
+            bitwise = bool(torch.equal(o, o2) and all(torch.equal(grads[n], grads2[n]) for n in grads))
+            full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+            o_ref, ht_ref = call(variant, full, 64, states, cu=cu)
+            loss = (o_ref.float() * do.float()).sum()
+            if ht_ref is not None:
+                loss = loss + (ht_ref * dht).sum()
+            loss.backward()
+            err = {"o": rel(o, cp.split_even(o_ref, ctx))}
+            for n in full:
+                if n == "h0":
+                    total = grads[n].clone()
+                    dist.all_reduce(total)
+                    err["dh0"] = rel(total, full[n].grad)
+                else:
+                    err["d" + n] = rel(grads[n], cp.split_even(full[n].grad, ctx))
+            if ht is not None:
+                total = ht.detach().clone()
+                dist.all_reduce(total)
+                err["ht"] = rel(total, ht_ref)
+            tol = TOL[dtype_name] if dtype_name == "float32" else TOL[dtype_name][variant]
+            ok = all(e <= tol for e in err.values()) and bitwise
+            ok_all &= ok
+            rows.append(dict(variant=variant, dtype=dtype_name, seqlens=len(seqlens), states=states, errors=err,
+                             tol=tol, bitwise=bitwise, ok=ok, plan=ctx.describe(),
+                             exchange_bytes=dict(cp.last_stats)))
+    report["cp"] = rows
+    # mismatched cu_seqlens: the same ValueError naming cu_seqlens on every rank
+    cu_bad = [0, 64 * world] if dist.get_rank() == 0 else [0, 32, 64 * world]
+    try:
+        cp.build_context(torch.tensor(cu_bad), device=device, timeout=30)
+        report["mismatch"] = dict(raised=None, ok=False)
+    except ValueError as exc:
+        report["mismatch"] = dict(raised="ValueError", message=str(exc), ok="'cu_seqlens'" in str(exc))
+    ok_all &= report["mismatch"]["ok"]
+    return ok_all
+
+
+def fault(mode, device, world, report):
+    rank = dist.get_rank()
+    cu, x, do, dht = inputs("gdn", [100, 2048 * world - 100], 4, 4, 64, 64, torch.bfloat16, device)
+    ctx = cp.build_context(torch.tensor(cu), device=device, timeout=FAULT_TIMEOUT_S)
+    if rank == 1:
+        original = cp_ops._prepass_forward
+
+        def stalled(*args, **kwargs):
+            if mode == "exit":
+                sys.stdout.flush()
+                os._exit(0)
+            time.sleep(3 * FAULT_TIMEOUT_S)
+            return original(*args, **kwargs)
+
+        cp_ops._prepass_forward = stalled
+    loc = {n: (t if n == "h0" else cp.split_even(t, ctx)) for n, t in x.items()}
+    t0 = time.time()
+    try:
+        call("gdn", loc, 64, True, cp_context=ctx)
+        torch.cuda.synchronize(device)
+        report.update(raised=None, seconds=time.time() - t0)
+    except Exception as exc:  # noqa: BLE001
+        report.update(raised=type(exc).__name__, message=str(exc), seconds=time.time() - t0)
+    if rank == 1:
+        report["ok"] = True  # the victim itself is not judged
+    else:
+        report["ok"] = (report["raised"] in ("CPTimeoutError", "RuntimeError")
+                        and report["seconds"] < FAULT_TIMEOUT_S + 10)
+    return report["ok"]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("check", "sleep", "exit"))
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120), device_id=device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from deltacp.cp import nccl_backend
+
+    report = {"mode": args.mode, "rank": rank, "world": world, "device": torch.cuda.get_device_name(device)}
+
+    report["nccl_module"] = nccl_backend.available()
+    ok = False
+    try:
+        if args.mode == "check":
+            ok = check_prepass(device, report) if nccl_backend.available() else True
+            ok = check_cp(device, world, report) and ok
+        else:
+            ok = fault(args.mode, device, world, report)
+    except Exception as exc:  # noqa: BLE001
+        import traceback
+
+        report["exception"] = traceback.format_exc()
+        print(report["exception"], file=sys.stderr)
+    report["ok"] = bool(ok)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"cp_gpu_{args.mode}_rank{rank}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"[rank {rank}] {args.mode}: {'OK' if ok else 'FAIL'}", flush=True)
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)  # no NCCL teardown after a fault
+
+
+if __name__ == "__main__":
+    main()

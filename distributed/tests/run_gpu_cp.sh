@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# distributed/tests/run_gpu_cp.sh — context parallelism on 2 GPUs (nvidia-h200-x2), JSON under $OUT.
+#
+#   bash distributed/tests/run_gpu_cp.sh            # from the repository root, on a machine with >= 2 GPUs
+#
+# 1. builds (if needed) and installs the package with deltacp._cp_nccl: pip install --no-build-isolation .
+#    (scikit-build-core; the CMake target deltacp_core pulls deltacp_cp_nccl in when NCCL is found)
+#    and the host check of the kernel bodies (CMake target deltacp_cp_body_host_test);
+# 2. the pre-pass kernels vs the reference, CP over NCCL vs one GPU (fp32 1e-5, bf16 3e-3 / 8e-3),
+#    bitwise determinism, mismatched cu_seqlens            -> cp_gpu_check_rank*.json
+# 3. faults: a rank that sleeps / exits mid-exchange       -> cp_gpu_sleep_rank*.json, cp_gpu_exit_rank*.json
+# 4. the torchrun examples on GPUs (tables)                -> cp_examples.txt
+# Exit status non-zero when any step fails; every step runs regardless.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/cp_gpu_out}
+mkdir -p "$OUT"
+NPROC=${NPROC:-2}
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
+status=0
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "== $name: $*"
+  if "$@" > "$OUT/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (see $OUT/$name.log)"; tail -n 30 "$OUT/$name.log"; status=1; fi
+}
+
+if ! python -c "import deltacp._cp_nccl" 2>/dev/null; then
+  step install pip install --no-build-isolation -v .
+fi
+python -c "import deltacp, deltacp._cp_nccl; print('deltacp', deltacp.__file__, 'cuda tiers:', deltacp.built_with_cuda())" \
+  | tee "$OUT/cp_build.txt" || status=1
+
+step host_body bash -c "cmake -S . -B build-cp-gpu -G Ninja -DDELTACP_BUILD_BENCH=OFF > /dev/null && \
+  cmake --build build-cp-gpu --target deltacp_cp_body_host_test && ./build-cp-gpu/distributed/deltacp_cp_body_host_test"
+
+step check timeout 900 torchrun --nproc_per_node="$NPROC" --master_port=29631 distributed/tests/gpu_cp_check.py check --out "$OUT"
+step fault_sleep timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29632 distributed/tests/gpu_cp_check.py sleep --out "$OUT"
+step fault_exit timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29633 distributed/tests/gpu_cp_check.py exit --out "$OUT"
+
+for args in "gdn_cp --dtype bfloat16" "gdn_cp --dtype float32" "kda_cp --dtype bfloat16" \
+            "gdn_cp --dtype bfloat16 --seqlens 32768,32768 --heads 16 --head-dim 128 --no-initial-state"; do
+  name=example_$(echo "$args" | tr ' ,-' '___' | tr -s _)
+  step "$name" timeout 600 torchrun --nproc_per_node="$NPROC" --master_port=29634 -m deltacp.examples.$args --device cuda
+  cat "$OUT/$name.log" >> "$OUT/cp_examples.txt"
+done
+
+# The fault runs judge only the healthy ranks (rank 1 is the victim): require their JSON to say ok.
+python - "$OUT" <<'PY' || status=1
+import glob, json, sys
+bad = []
+for f in sorted(glob.glob(sys.argv[1] + "/cp_gpu_*_rank*.json")):
+    r = json.load(open(f))
+    if not r.get("ok"):
+        bad.append(f)
+print("cp GPU JSON reports:", "all ok" if not bad else "FAILED: " + ", ".join(bad))
+sys.exit(1 if bad else 0)
+PY
+echo "run_gpu_cp.sh: $([ $status = 0 ] && echo OK || echo FAILED)  (results in $OUT)"
+exit $status

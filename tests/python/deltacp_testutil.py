@@ -1,0 +1,93 @@
+"""Shared helpers for the deltacp Python tests: random problems in FLA's layouts and the error metric."""
+
+from __future__ import annotations
+
+import numpy as np
+
+VARIANTS = ("delta", "gdn", "kda", "dplr")
+
+
+def rel_err(x, ref) -> float:
+    """||x - ref|| / ||ref|| (DESIGN.md section 7); absolute when ref is zero."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(x - ref)
+    return float(num / den) if den > 0 else float(num)
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _normalize(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def make_problem(variant, B=2, T=37, H=2, K=8, V=6, HV=None, seed=0, cu_seqlens=None, h0=True):
+    """Random float64 inputs: dict(q, k, v, [g], [beta], [a, b], initial_state, cu_seqlens) in FLA's layouts.
+
+    Keys are L2-normalised, gates are log-sigmoids (<= 0), beta in (0, 1); dplr uses a = -kk,
+    b = kk * sigmoid(.) with a unit kk so its transition diag(e^gk) - s kk kk^T stays contractive.
+    dplr ignores HV (it needs HV == H).
+    """
+    rng = np.random.default_rng(seed)
+    HV = H if (HV is None or variant == "dplr") else HV  # dplr has no grouped values
+    if cu_seqlens is not None:
+        B = 1
+        T = int(cu_seqlens[-1])
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    p = {
+        "q": rng.standard_normal((B, T, H, K)),
+        "k": _normalize(rng.standard_normal((B, T, H, K))),
+        "v": rng.standard_normal((B, T, HV, V)),
+    }
+    if variant == "gdn":
+        p["g"] = np.log(_sigmoid(rng.standard_normal((B, T, HV)) + 2.0))
+    elif variant in ("kda", "dplr"):
+        p["g"] = np.log(_sigmoid(rng.standard_normal((B, T, HV, K)) + 2.0))
+    if variant == "dplr":
+        kk = _normalize(rng.standard_normal((B, T, HV, K)))
+        p["a"] = -kk
+        p["b"] = kk * _sigmoid(rng.standard_normal((B, T, HV, 1)))
+    else:
+        p["beta"] = _sigmoid(rng.standard_normal((B, T, HV)))
+    p["initial_state"] = 0.5 * rng.standard_normal((N, HV, K, V)) if h0 else None
+    p["cu_seqlens"] = None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64)
+    return p
+
+
+def ref_forward(ref, variant, p, **kw):
+    """Calls deltacp.reference's forward of `variant` on a make_problem dict."""
+    common = dict(initial_state=p["initial_state"], cu_seqlens=p["cu_seqlens"], **kw)
+    if variant == "gdn":
+        return ref.gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"], **common)
+    if variant == "kda":
+        return ref.kda(p["q"], p["k"], p["v"], p["g"], p["beta"], **common)
+    if variant == "delta":
+        return ref.delta_rule(p["q"], p["k"], p["v"], p["beta"], **common)
+    return ref.dplr(p["q"], p["k"], p["v"], p["a"], p["b"], p["g"], **common)
+
+
+def ref_backward(ref, variant, p, do, dht=None, **kw):
+    """Calls deltacp.reference's backward of `variant`; dplr's dgk is renamed dg for uniform checks."""
+    common = dict(dht=dht, initial_state=p["initial_state"], cu_seqlens=p["cu_seqlens"], **kw)
+    if variant == "gdn":
+        return ref.gated_delta_rule_backward(p["q"], p["k"], p["v"], p["g"], p["beta"], do, **common)
+    if variant == "kda":
+        return ref.kda_backward(p["q"], p["k"], p["v"], p["g"], p["beta"], do, **common)
+    if variant == "delta":
+        return ref.delta_rule_backward(p["q"], p["k"], p["v"], p["beta"], do, **common)
+    grads = ref.dplr_backward(p["q"], p["k"], p["v"], p["a"], p["b"], p["g"], do, **common)
+    grads["dg"] = grads.pop("dgk")
+    return grads
+
+
+def input_names(variant):
+    """The differentiable inputs of a make_problem dict, in order."""
+    names = ["q", "k", "v"]
+    if variant != "delta":
+        names.append("g")
+    names += ["a", "b"] if variant == "dplr" else ["beta"]
+    return names

@@ -1,0 +1,369 @@
+"""Context parallelism on CPUs: 2 and 4 gloo processes against one process (deltacp.cp).
+
+Each test launches `world` worker processes on localhost (this file run as a script, a free port,
+the rank in the environment) and reads their JSON reports. Checked:
+
+  * CP equals the single-process run on o, ht, and every gradient (dq, dk, dv, dg / dgk, dbeta or
+    da, db, dh0): float64 to 1e-11, float32 to 1e-5, bfloat16 within 3e-3 (gdn) / 8e-3 (kda), relative
+    ||cp - single|| / ||single|| per tensor; shapes: a sequence spanning 3+ ranks, many short sequences,
+    cuts inside a chunk, T not divisible by the chunk, empty sequences, grouped value heads, with and
+    without initial / final states; variants gdn, kda, dplr and delta;
+  * results are bitwise identical run to run;
+  * faults: a rank that sleeps or exits mid-exchange makes every other rank raise a clear error
+    within the (10 s) timeout; mismatched cu_seqlens / dtypes raise the same ValueError on every rank
+    naming the argument; T not divisible by the world size is rejected naming cu_seqlens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+THIS = Path(__file__).resolve()
+TOL = {"float64": 1e-11, "float32": 1e-5, "bfloat16": {"gdn": 3e-3, "kda": 8e-3}}
+FAULT_TIMEOUT_S = 10.0  # the CP context's timeout in the fault tests
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases every world size runs (kept small: the whole file runs in well under a minute)
+# ---------------------------------------------------------------------------------------------
+def cases(world):
+    T = 26 * world  # rank cuts at multiples of 26: inside chunks of 16 and 32; T and T / world not multiples of 16
+    many = [3, 1, 7, 2, 5, 1, 4, 6, 2, 3, 1, 8, 2, 3]  # many short sequences
+    many.append(T - sum(many))
+    span = [5, T - 9, 4]  # the middle sequence spans every rank (3+ ranks at world 4)
+    with_empty = [T // 2 + 3, 0, T // 2 - 3]  # an empty sequence at a cut
+    out = []
+    for variant in ("gdn", "kda", "dplr", "delta"):
+        for dtype in ("float64", "float32"):
+            out.append(dict(name=f"{variant}-{dtype}-span", variant=variant, dtype=dtype, seqlens=span, states=True,
+                            HV_mult=1, chunk=16))
+    out.append(dict(name="gdn-float32-many-short", variant="gdn", dtype="float32", seqlens=many, states=True,
+                    HV_mult=1, chunk=16))
+    out.append(dict(name="kda-float64-many-short", variant="kda", dtype="float64", seqlens=many, states=False,
+                    HV_mult=1, chunk=16))
+    out.append(dict(name="gdn-float64-grouped-empty", variant="gdn", dtype="float64", seqlens=with_empty, states=True,
+                    HV_mult=2, chunk=32))
+    out.append(dict(name="gdn-float32-nostates", variant="gdn", dtype="float32", seqlens=span, states=False,
+                    HV_mult=1, chunk=64))
+    out.append(dict(name="gdn-bfloat16-span", variant="gdn", dtype="bfloat16", seqlens=span, states=True, HV_mult=1,
+                    chunk=16))
+    out.append(dict(name="kda-bfloat16-span", variant="kda", dtype="bfloat16", seqlens=span, states=True, HV_mult=1,
+                    chunk=16))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker (this file run as a script in each rank's process)
+# ---------------------------------------------------------------------------------------------
+def _inputs(case, device="cpu"):
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(1234)
+    seqlens = case["seqlens"]
+    cu = [0]
+    for s in seqlens:
+        cu.append(cu[-1] + s)
+    T, N = cu[-1], len(seqlens)
+    H, K, V = 2, 8, 6
+    HV = H * case["HV_mult"]
+    variant = case["variant"]
+    dt = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
+    sdt = torch.float64 if dt == torch.float64 else torch.float32
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x = {"q": rnd(1, T, H, K), "k": F.normalize(rnd(1, T, H, K), dim=-1), "v": rnd(1, T, HV, V)}
+    if variant == "gdn":
+        x["g"] = F.logsigmoid(rnd(1, T, HV) + 2.0)
+    elif variant in ("kda", "dplr"):
+        x["g"] = F.logsigmoid(rnd(1, T, HV, K) + 2.0)
+    if variant == "dplr":
+        kk = F.normalize(rnd(1, T, HV, K), dim=-1)
+        x["a"], x["b"] = -kk * 0.5, kk * 0.5 * torch.sigmoid(rnd(1, T, HV, 1))
+    else:
+        x["beta"] = torch.sigmoid(rnd(1, T, HV))
+    x = {n: t.to(dt) for n, t in x.items()}
+    if case["states"]:
+        x["h0"] = (rnd(N, HV, K, V) * 0.5).to(sdt)
+    do = rnd(1, T, HV, V).to(dt)
+    dht = rnd(N, HV, K, V).to(sdt) if case["states"] else None
+    return cu, x, do, dht
+
+
+def _call(variant, x, *, cp_context=None, cu=None, chunk, states):
+    import deltacp
+    import deltacp.cp as cp
+
+    kw = dict(initial_state=x.get("h0"), output_final_state=states, chunk_size=chunk)
+    if cp_context is not None:
+        kw["cp_context"] = cp_context
+        fns = {"gdn": cp.chunk_gated_delta_rule_cp, "kda": cp.chunk_kda_cp, "delta": cp.chunk_delta_rule_cp,
+               "dplr": cp.chunk_dplr_cp}
+    else:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64)
+        fns = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule,
+               "dplr": deltacp.chunk_dplr}
+    if variant == "dplr":
+        return fns[variant](x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], **kw)
+    if variant == "delta":
+        return fns[variant](x["q"], x["k"], x["v"], x["beta"], **kw)
+    return fns[variant](x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _compare(case, rank, world):
+    import deltacp.cp as cp
+
+    cu, x, do, dht = _inputs(case)
+    ctx = cp.build_context(cu, timeout=60)
+    names = list(x)
+
+    def cp_run():
+        loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone().requires_grad_() for n, t in x.items()}
+        o, ht = _call(case["variant"], loc, cp_context=ctx, chunk=case["chunk"], states=case["states"])
+        loss = (o.double() * cp.split_even(do, ctx).double()).sum()
+        if ht is not None:
+            loss = loss + (ht.double() * dht.double()).sum()
+        loss.backward()
+        return o.detach(), (None if ht is None else ht.detach()), {n: loc[n].grad for n in names}
+
+    o, ht, grads = cp_run()
+    o2, ht2, grads2 = cp_run()  # determinism: bitwise equal run to run
+    bitwise = bool(torch.equal(o, o2) and all(torch.equal(grads[n], grads2[n]) for n in names)
+                   and (ht is None or torch.equal(ht, ht2)))
+
+    full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    o_ref, ht_ref = _call(case["variant"], full, cu=cu, chunk=case["chunk"], states=case["states"])
+    loss = (o_ref.double() * do.double()).sum()
+    if ht_ref is not None:
+        loss = loss + (ht_ref.double() * dht.double()).sum()
+    loss.backward()
+
+    err = {"o": _rel(o, cp.split_even(o_ref, ctx))}
+    for n in names:
+        if n == "h0":  # each rank holds the rows of the sequences starting on it: the sum is the gradient
+            total = grads[n].clone()
+            dist.all_reduce(total)
+            err["dh0"] = _rel(total, full[n].grad)
+        else:
+            err["d" + n] = _rel(grads[n], cp.split_even(full[n].grad, ctx))
+    if ht is not None:  # each rank holds the rows of the sequences ending on it
+        total = ht.clone()
+        dist.all_reduce(total)
+        err["ht"] = _rel(total, ht_ref)
+        # rows this rank does not own are exactly zero
+        owned = [ctx.seq_ids[i] for i in range(ctx.num_local_seqs) if ctx.ends_here[i]] + list(ctx.empty_seqs)
+        others = [n for n in range(ctx.num_seqs) if n not in owned]
+        err["ht_foreign_rows_zero"] = 0.0 if not others or bool((ht[others] == 0).all()) else 1.0
+    return {"errors": err, "bitwise": bitwise, "plan": ctx.describe()}
+
+
+def _fault(scenario, rank, world, victim):
+    """Runs one fault scenario; returns what this rank saw (exception type and text, seconds)."""
+    import deltacp.cp as cp
+    from deltacp.cp import ops as cp_ops
+
+    case = dict(variant="gdn", dtype="float32", seqlens=[7, 24 * world - 7], states=True, HV_mult=1, chunk=16)
+    cu, x, do, dht = _inputs(case)
+    if scenario == "mismatch_cu" and rank == victim:
+        cu = [0, 8, cu[-1]]
+    if scenario == "indivisible":
+        cu = [0, 5, 24 * world + 1]
+    t0 = time.time()
+    try:
+        ctx = cp.build_context(cu, timeout=FAULT_TIMEOUT_S)
+        if scenario in ("sleep", "exit") and rank == victim:
+            original = cp_ops._prepass_forward
+
+            def stalled(*args, **kwargs):  # after the fingerprint check, before the all-gather
+                if scenario == "exit":
+                    sys.stdout.flush()
+                    os._exit(0)
+                time.sleep(3 * FAULT_TIMEOUT_S)
+                return original(*args, **kwargs)
+
+            cp_ops._prepass_forward = stalled
+        loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone() for n, t in x.items()}
+        if scenario == "mismatch_dtype" and rank == victim:
+            loc = {n: t.double() for n, t in loc.items()}
+        _call("gdn", loc, cp_context=ctx, chunk=16, states=True)
+        return {"raised": None, "seconds": time.time() - t0}
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"raised": type(exc).__name__, "is_value_error": isinstance(exc, ValueError),
+                "message": str(exc), "seconds": time.time() - t0}
+
+
+def worker_main(argv):
+    """python test_cp_gloo.py worker <json spec> <out dir>; rank and world from the environment."""
+    spec = json.loads(argv[0])
+    out_dir = Path(argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    if spec["kind"] == "compare":
+        report = {c["name"]: _compare(c, rank, world) for c in cases(world)}
+    else:
+        report = _fault(spec["kind"], rank, world, spec.get("victim", 1))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)  # no teardown: after a fault the process group cannot be destroyed cleanly
+
+
+# ---------------------------------------------------------------------------------------------
+# the launcher and the tests
+# ---------------------------------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world, spec, timeout=240, wait_for=None):
+    """Runs `world` workers; returns ({rank: report} of the ranks that wrote one, logs). With
+    `wait_for` (ranks), the others are killed as soon as those have finished (a stalled victim)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, str(THIS), "worker", json.dumps(spec), tmp], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = []
+        deadline = time.time() + timeout
+        waited = set(range(world) if wait_for is None else wait_for)
+        for rank in sorted(range(world), key=lambda r: r not in waited):
+            p = procs[rank]
+            if rank not in waited:
+                p.kill()
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+            logs.append(out)
+        reports = {}
+        for rank in range(world):
+            f = Path(tmp) / f"rank{rank}.json"
+            if f.exists():
+                reports[rank] = json.loads(f.read_text())
+        if not reports:
+            raise AssertionError("no worker reported; logs:\n" + "\n".join(logs))
+        return reports, logs
+
+
+_COMPARE = {}
+
+
+def compare_reports(world):
+    if world not in _COMPARE:
+        reports, logs = launch(world, {"kind": "compare"})
+        assert len(reports) == world, "a worker failed; logs:\n" + "\n".join(logs)
+        _COMPARE[world] = reports
+    return _COMPARE[world]
+
+
+def _tol(case):
+    t = TOL[case["dtype"]]
+    return t[case["variant"]] if isinstance(t, dict) else t
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_equals_single_process(world):
+    reports = compare_reports(world)
+    failures = []
+    for case in cases(world):
+        tol = _tol(case)
+        for rank, rep in reports.items():
+            r = rep[case["name"]]
+            for name, e in r["errors"].items():
+                if not e <= tol:
+                    failures.append(f"{case['name']} rank {rank} ({r['plan']}): {name} error {e:.3e} > {tol:g}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_bitwise_deterministic(world):
+    reports = compare_reports(world)
+    bad = [f"{name} rank {rank}" for rank, rep in reports.items() for name, r in rep.items() if not r["bitwise"]]
+    assert not bad, "results differ run to run: " + ", ".join(bad)
+
+
+def test_cp_sequence_spans_three_ranks():
+    reports = compare_reports(4)
+    plans = [reports[r]["gdn-float64-span"]["plan"] for r in range(4)]
+    # ranks 1 and 2 have the middle sequence arriving from before and leaving to after
+    assert "pre_ranks 1, post_ranks 2" in plans[1] and "pre_ranks 2, post_ranks 1" in plans[2], plans
+
+
+@pytest.mark.parametrize("world,victim", [(2, 1), (4, 2)])
+def test_cp_stalled_rank_times_out(world, victim):
+    others = [r for r in range(world) if r != victim]
+    reports, logs = launch(world, {"kind": "sleep", "victim": victim}, timeout=120, wait_for=others)
+    for r in others:
+        assert r in reports, f"rank {r} did not report; logs:\n" + "\n".join(logs)
+        rep = reports[r]
+        assert rep["raised"] in ("CPTimeoutError", "RuntimeError"), rep
+        assert "context parallelism" in rep["message"] and "all-gather" in rep["message"], rep["message"]
+        assert rep["seconds"] < FAULT_TIMEOUT_S + 8, rep  # within the timeout (plus start-up)
+
+
+def test_cp_exited_rank_fails_fast():
+    reports, logs = launch(2, {"kind": "exit", "victim": 1}, timeout=120)
+    rep = reports.get(0)
+    assert rep is not None, "rank 0 did not report; logs:\n" + "\n".join(logs)
+    assert rep["raised"] in ("CPTimeoutError", "RuntimeError"), rep
+    assert "context parallelism" in rep["message"], rep["message"]
+    assert rep["seconds"] < FAULT_TIMEOUT_S + 8, rep
+
+
+def test_cp_mismatched_cu_seqlens_same_error_everywhere():
+    reports, logs = launch(4, {"kind": "mismatch_cu", "victim": 3}, timeout=120)
+    assert len(reports) == 4, "\n".join(logs)
+    messages = {rep["message"] for rep in reports.values()}
+    assert all(rep["is_value_error"] for rep in reports.values()), reports
+    assert len(messages) == 1, messages
+    assert "'cu_seqlens'" in messages.pop()
+
+
+def test_cp_mismatched_dtype_raises_on_every_rank():
+    reports, logs = launch(2, {"kind": "mismatch_dtype", "victim": 1}, timeout=120)
+    assert len(reports) == 2, "\n".join(logs)
+    for rep in reports.values():
+        assert rep["is_value_error"] and "'q'" in rep["message"], rep
+
+
+def test_cp_indivisible_tokens_rejected():
+    reports, logs = launch(2, {"kind": "indivisible"}, timeout=120)
+    assert len(reports) == 2, "\n".join(logs)
+    messages = {rep["message"] for rep in reports.values()}
+    assert len(messages) == 1, messages
+    msg = messages.pop()
+    assert "'cu_seqlens'" in msg and "divisible" in msg, msg
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "worker":
+        worker_main(sys.argv[2:])

@@ -1,0 +1,165 @@
+"""The torch ops on CUDA tensors through the CUDA tiers (backend="naive" / "tiled" / "fused"), autograd
+included, against the float64 reference evaluated on the same (rounded) inputs. Tolerances from
+DESIGN.md section 7: fp32 inputs 1e-5 relative, bf16 1e-2. Skipped without a CUDA device; a tier
+(variant, direction) that this build does not implement is skipped with the reason."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deltacp  # noqa: E402
+import deltacp.reference as ref  # noqa: E402
+from deltacp_testutil import VARIANTS, input_names, make_problem, ref_backward, ref_forward, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+TIERS = ("naive", "tiled", "fused")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# (B, T, H, HV, K, V, cu_seqlens): K != V, K in {32, 64, 128}, grouped values, varlen with T = 1
+# sequences and lengths around the chunk size.
+SHAPES = {
+    "fixed": (2, 100, 2, 4, 32, 64, None),
+    "varlen": (1, None, 2, 2, 64, 32, [0, 1, 17, 81, 145, 146]),
+    "k128": (1, 65, 1, 1, 128, 128, None),
+}
+
+
+def _require_cuda_build():
+    if not deltacp.built_with_cuda():
+        if os.environ.get("DELTACP_ALLOW_NO_CUDA_BUILD") == "1":
+            pytest.skip("deltacp built without CUDA (DELTACP_ALLOW_NO_CUDA_BUILD=1)")
+        pytest.fail("a CUDA device is present but deltacp was built without the CUDA tiers (nvcc not found?)")
+
+
+def _op(variant):
+    return {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule,
+            "dplr": deltacp.chunk_dplr}[variant]
+
+
+def _call(variant, t, **kw):
+    op = _op(variant)
+    if variant == "delta":
+        return op(t["q"], t["k"], t["v"], t["beta"], **kw)
+    if variant == "dplr":
+        return op(t["q"], t["k"], t["v"], t["a"], t["b"], t["g"], **kw)
+    return op(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+
+
+def _poison_cache(nbytes):
+    """Fill freed allocator blocks with NaN so an output element the kernel never writes shows up."""
+    junk = torch.full((nbytes // 4 + 1,), float("nan"), dtype=torch.float32, device="cuda")
+    del junk
+
+
+def _problem(variant, shape_name, seed):
+    B, T, H, HV, K, V, cu = SHAPES[shape_name]
+    return make_problem(variant, B=B, T=T or 0, H=H, HV=HV, K=K, V=V, cu_seqlens=cu, seed=seed)
+
+
+def test_cuda_build_present():
+    _require_cuda_build()
+    assert deltacp.cuda_available()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tier_against_reference(variant, tier, shape_name, dtype):
+    _check_tier(variant, tier, shape_name, dtype, gate_dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda", "dplr"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_tier_gate_in_fp32(variant, tier):
+    """bf16 q, k, v beside a float32 log decay (FLA's usual setup): dg comes back in float32."""
+    _check_tier(variant, tier, "varlen", torch.bfloat16, gate_dtype=torch.float32)
+
+
+def _check_tier(variant, tier, shape_name, dtype, gate_dtype):
+    _require_cuda_build()
+    if not deltacp._core.cuda_supports(variant, tier, False):
+        pytest.skip(f"tier {tier} does not implement {variant} forward in this build")
+    with_backward = deltacp._core.cuda_supports(variant, tier, True)
+    p = _problem(variant, shape_name, seed=40)
+    names = input_names(variant)
+    t = {name: torch.tensor(p[name], dtype=gate_dtype if name == "g" else dtype, device="cuda",
+                            requires_grad=with_backward) for name in names}
+    h0 = torch.tensor(p["initial_state"], dtype=torch.float32, device="cuda", requires_grad=with_backward)
+    cu = None if p["cu_seqlens"] is None else torch.tensor(p["cu_seqlens"], device="cuda")
+    # the reference sees exactly the rounded inputs the kernel sees
+    rounded = dict(p, **{name: t[name].detach().double().cpu().numpy() for name in names})
+    rounded["initial_state"] = h0.detach().double().cpu().numpy()
+    o_ref, ht_ref = ref_forward(ref, variant, rounded)
+
+    _poison_cache(4 * sum(x.numel() for x in t.values()))
+    o, ht = _call(variant, t, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=tier)
+    torch.cuda.synchronize()
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    tol = TOL[dtype]
+    assert rel_err(o.detach().double().cpu().numpy(), o_ref) < tol
+    assert rel_err(ht.detach().double().cpu().numpy(), ht_ref) < tol
+    if not with_backward:
+        return
+    rng = np.random.default_rng(41)
+    do = torch.tensor(rng.standard_normal(o.shape), dtype=dtype, device="cuda")
+    dht = torch.tensor(rng.standard_normal(ht.shape), dtype=torch.float32, device="cuda")
+    grads_ref = ref_backward(ref, variant, rounded, do.double().cpu().numpy(), dht.double().cpu().numpy())
+    ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+    torch.cuda.synchronize()
+    for name in names:
+        assert t[name].grad.dtype == t[name].dtype, f"d{name} dtype"
+        err = rel_err(t[name].grad.double().cpu().numpy(), grads_ref["d" + name])
+        assert err < tol, f"d{name}: {err:.3e}"
+    assert rel_err(h0.grad.double().cpu().numpy(), grads_ref["dh0"]) < tol
+
+
+def test_default_backend_and_streams():
+    """backend=None picks a CUDA tier; work goes to torch's current stream (a side stream gives the
+    same result as the default one)."""
+    _require_cuda_build()
+    if not any(deltacp._core.cuda_supports("gdn", tier, False) for tier in TIERS):
+        pytest.skip("no CUDA tier implements gdn in this build")
+    p = make_problem("gdn", B=2, T=70, H=2, K=32, V=32, seed=42)
+    t = {name: torch.tensor(p[name], dtype=torch.float32, device="cuda") for name in ("q", "k", "v", "g", "beta")}
+    o_default, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        o_side, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"])
+    side.synchronize()
+    assert torch.equal(o_default, o_side)
+    o_ref, _ = ref.gated_delta_rule(*(t[n].double().cpu().numpy() for n in ("q", "k", "v", "g", "beta")))
+    assert rel_err(o_default.double().cpu().numpy(), o_ref) < 1e-5
+
+
+def test_views_on_cuda():
+    _require_cuda_build()
+    if not any(deltacp._core.cuda_supports("gdn", tier, False) for tier in TIERS):
+        pytest.skip("no CUDA tier implements gdn in this build")
+    p = make_problem("gdn", B=1, T=40, H=2, K=32, V=32, seed=43)
+    fused = torch.tensor(np.concatenate([p["q"], p["k"], p["v"]], axis=-1), dtype=torch.float32, device="cuda")
+    q, k, v = fused[..., :32], fused[..., 32:64], fused[..., 64:]
+    g = torch.tensor(p["g"], dtype=torch.float32, device="cuda")
+    beta = torch.tensor(p["beta"], dtype=torch.float32, device="cuda")
+    o_view, _ = deltacp.chunk_gated_delta_rule(q, k, v, g, beta)
+    o_copy, _ = deltacp.chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta)
+    assert torch.equal(o_view, o_copy)
+
+
+def test_cuda_bad_input():
+    _require_cuda_build()
+    p = make_problem("gdn", B=1, T=8, H=1, K=32, V=32, seed=44)
+    t = {name: torch.tensor(p[name], dtype=torch.float32, device="cuda") for name in ("q", "k", "v", "g", "beta")}
+    with pytest.raises(ValueError, match="'backend'"):
+        deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], backend="reference")
+    with pytest.raises(ValueError, match="'k'.*device"):
+        deltacp.chunk_gated_delta_rule(t["q"], t["k"].cpu(), t["v"], t["g"], t["beta"])
+    with pytest.raises(ValueError, match="'initial_state'.*device"):
+        deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                       initial_state=torch.zeros((1, 1, 32, 32)))
