@@ -183,6 +183,31 @@ def main():
         results["local_forward"] = time_it(local_forward, args.repeat, args.warmup)
         results["overlap_forward_plus_exchange"] = time_it(overlapped, args.repeat, args.warmup)
 
+        # Parallel efficiency (issue 5's measure): one rank's CP step, forward + backward through the
+        # autograd op, against the same per-rank work on one GPU without CP (the plain op on the
+        # rank's slice). g in fp32 as FLA keeps it.
+        import deltacp
+
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        g32 = g.detach().float().requires_grad_(True)
+        b_ = beta.detach().clone().requires_grad_(True)
+        do = torch.randn_like(v)
+
+        def cp_step(direction):
+            o, _ = cp.chunk_gated_delta_rule_cp(*leaves, g32, b_, cp_context=ctx)
+            if direction == "fwd+bwd":
+                o.backward(do)
+
+        def single_step(direction):
+            o, _ = deltacp.chunk_gated_delta_rule(*leaves, g32, b_)
+            if direction == "fwd+bwd":
+                o.backward(do)
+
+        for direction in ("fwd", "fwd+bwd"):
+            with torch.set_grad_enabled(direction == "fwd+bwd"):
+                results[f"cp_step_{direction}"] = time_it(lambda: cp_step(direction), args.repeat, args.warmup)
+                results[f"single_gpu_{direction}"] = time_it(lambda: single_step(direction), args.repeat, args.warmup)
+
     rows = [None] * world
     dist.all_gather_object(rows, dict(rank=rank, times=results, errors=errors))
     if rank == 0:
@@ -195,6 +220,15 @@ def main():
         for n in names:
             worst = max(r["times"].get(n, 0.0) for r in rows) * 1e3
             print(f"  {n:<32} {worst:9.3f} ms")
+        for d in ("fwd", "fwd+bwd"):
+            cpt = max(r["times"].get(f"cp_step_{d}", 0.0) for r in rows)
+            one = max(r["times"].get(f"single_gpu_{d}", 0.0) for r in rows)
+            if cpt > 0:
+                print(f"  parallel efficiency {d:8} single-GPU per-rank work / CP step = {one / cpt:6.1%}")
+        ag = max(r["times"].get("allgather", 0.0) for r in rows)
+        if ag > 0:
+            print(f"  all-gather + merge bus bandwidth (nccl-tests busbw = algbw (world-1)/world): "
+                  f"{bytes_ag / ag * (world - 1) / world / 1e9:.1f} GB/s")
         print(f"  bytes received per rank: allgather {bytes_ag}, ring {bytes_ring} (world - 1 serial hops), "
               f"scan {bytes_scan} (ceil(log2 world) rounds)")
         print("  initial-state error vs allgather: " + ", ".join(

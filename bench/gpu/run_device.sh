@@ -5,7 +5,8 @@
 #                                            (default build,test,sanitize,pytest,bench)
 # FLA's Triton source, when carried in fla_src/ (ignored by git), is put on PYTHONPATH for the
 # side-by-side benchmark. Files written to $OUT (at most 8 come back): summary.txt, build.log,
-# ctest_gpu.log, sanitizer.log, pytest_gpu.log, bench_gpu.json, bench_gpu.log, cp_gpu.log.
+# ctest_gpu.log, sanitizer.log, pytest_gpu.log, bench_gpu.json, bench_gpu.log (bench step), or
+# cp_gpu.log, bench_cp.json, bench_cp.log, cp_results.tar.gz (cp step).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/deltacp-out}
@@ -80,10 +81,20 @@ if has bench; then
 fi
 
 if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
+  # The CP scripts call `python` and `torchrun`; the image has python3 (with torch) for sure.
+  mkdir -p /tmp/bin && ln -sf "$(command -v python3)" /tmp/bin/python &&
+    printf '#!/bin/sh\nexec python3 -m torch.distributed.run "$@"\n' >/tmp/bin/torchrun && chmod +x /tmp/bin/torchrun
+  export PATH=/tmp/bin:$PATH
   t0=$(date +%s)
-  bash distributed/tests/run_gpu_cp.sh >"$OUT/cp_gpu.log" 2>&1
+  mkdir -p /tmp/cpout
+  OUT=/tmp/cpout NPROC=$(nvidia-smi -L | grep -c '^GPU') bash distributed/tests/run_gpu_cp.sh >"$OUT/cp_gpu.log" 2>&1
   say "cp (gpu): rc=$? in $(( $(date +%s) - t0 )) s"
-  tail -30 "$OUT/cp_gpu.log"
+  t0=$(date +%s)
+  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$(nvidia-smi -L | grep -c '^GPU') \
+    bench/cp/bench_cp.py --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
+  say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  tar -czf "$OUT/cp_results.tar.gz" -C /tmp cpout 2>/dev/null
+  tail -25 "$OUT/cp_gpu.log"; tail -25 "$OUT/bench_cp.log"
 fi
 say "== total $(( $(date +%s) - t_start )) s"
 cat "$SUM"
