@@ -185,21 +185,21 @@ def main():
 
         # Parallel efficiency (issue 5's measure): one rank's CP step, forward + backward through the
         # autograd op, against the same per-rank work on one GPU without CP (the plain op on the
-        # rank's slice). g in fp32 as FLA keeps it.
+        # rank's slice). g has q's dtype here: the CP ops do not take the fp32 gate yet.
         import deltacp
 
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        g32 = g.detach().float().requires_grad_(True)
+        gg = g.detach().clone().requires_grad_(True)
         b_ = beta.detach().clone().requires_grad_(True)
         do = torch.randn_like(v)
 
         def cp_step(direction):
-            o, _ = cp.chunk_gated_delta_rule_cp(*leaves, g32, b_, cp_context=ctx)
+            o, _ = cp.chunk_gated_delta_rule_cp(*leaves, gg, b_, cp_context=ctx)
             if direction == "fwd+bwd":
                 o.backward(do)
 
         def single_step(direction):
-            o, _ = deltacp.chunk_gated_delta_rule(*leaves, g32, b_)
+            o, _ = deltacp.chunk_gated_delta_rule(*leaves, gg, b_)
             if direction == "fwd+bwd":
                 o.backward(do)
 
