@@ -45,12 +45,12 @@ import torch.distributed as dist
 
 from .. import _core
 from .._describe import torch_desc
+from ..ops import _l2norm, _tensor  # the same argument checks as the single-device ops
 from .context import CPContext, agree, wait_collective
 
 __all__ = ["chunk_gated_delta_rule_cp", "chunk_kda_cp", "chunk_delta_rule_cp", "chunk_dplr_cp", "cp_apply",
            "exchange_bytes", "last_stats"]
 
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _CUDA_TIERS = ("fused", "tiled", "naive")
 
 # Filled by each call (for the examples' tables): bytes received by the all-gathers, per direction.
@@ -355,30 +355,6 @@ class _CPFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # argument checks and the public ops
 # ---------------------------------------------------------------------------------------------
-def _tensor(t, name, ref=None, optional=False):
-    if t is None:
-        if optional:
-            return None
-        raise ValueError(f"deltacp: argument '{name}': is required")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"deltacp: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
-    if ref is None:
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"deltacp: argument '{name}': expected dtype float64, float32, bfloat16 or float16, "
-                            f"got {t.dtype}")
-        return t
-    if t.device != ref.device:
-        raise ValueError(f"deltacp: argument '{name}': expected device {ref.device} (like q), got {t.device}")
-    if t.dtype != ref.dtype:
-        raise TypeError(f"deltacp: argument '{name}': expected dtype {ref.dtype} (like q), got {t.dtype}")
-    return t
-
-
-def _l2norm(x):
-    xf = x if x.dtype == torch.float64 else x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
 def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
     if device.type == "cpu":
         if backend not in (None, "reference"):
