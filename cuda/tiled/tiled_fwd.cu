@@ -59,6 +59,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "../common/check.h"
@@ -1035,7 +1036,9 @@ void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const flo
       // BV = 32 when that still gives two CTAs per SM, else 16 (more CTAs for few (sequence, head)
       // pairs); K > 128 needs 4 m-tiles per warp and takes BV = 16 to bound registers.
       const int64_t tiles32 = (args.Vp + 31) / 32;
-      const bool wide = p.K <= 128 && table.num_seqs() * p.HV * tiles32 >= 2 * sm_count();
+      bool wide = p.K <= 128 && table.num_seqs() * p.HV * tiles32 >= 2 * sm_count();
+      // DELTACP_TILED_SCAN_BV=16|32 overrides the choice (tests and tuning runs exercise both paths).
+      if (const char* env = std::getenv("DELTACP_TILED_SCAN_BV")) wide = p.K <= 128 && std::atoi(env) == 32;
       auto launch = [&](auto kernel, int BV) {
         const ScanLayout L = scan_layout(args.Kp, BV, sizeof(T));
         prepare_smem(kernel, L.bytes, p, "state scan");

@@ -190,3 +190,15 @@ def test_torch_bad_upstream_gradient_is_reported():
     o, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"])
     with pytest.raises(ValueError, match="'do'"):
         o.backward(torch.full_like(o, float("nan")))
+
+
+def test_cp_context_refuses_cu_seqlens_cpu():
+    """With cp_context the rank-local offsets come from the context; a host copy given beside it is
+    an error, not silently ignored. (The check runs before the context is used.)"""
+    torch = pytest.importorskip("torch")
+    import deltacp
+
+    x = torch.zeros(1, 4, 1, 8, dtype=torch.float64)
+    g, beta = torch.zeros(1, 4, 1, dtype=torch.float64), torch.full((1, 4, 1), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'cu_seqlens_cpu'"):
+        deltacp.chunk_gated_delta_rule(x, x, x, g, beta, cp_context=object(), cu_seqlens_cpu=torch.tensor([0, 4]))

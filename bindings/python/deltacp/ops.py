@@ -232,6 +232,9 @@ def _offsets(cu_seqlens, cu_seqlens_cpu, device):
 def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
            chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu, gate_name="g"):
     if cp_context is not None:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("deltacp: argument 'cu_seqlens_cpu': expected None with cp_context (the CP context "
+                             "carries the rank-local offsets and their host copy), got a tensor")
         # Context parallelism lives in deltacp.cp (its own autograd Function and exchange).
         try:
             from .cp import cp_apply

@@ -1,0 +1,57 @@
+"""Per-kernel CUDA time of one deltacp tiled forward (torch.profiler), for tuning.
+
+    python3 bench/gpu/stage_times.py --shape 2,16384,16,128 [--variant gdn] [--backward]
+Prints each kernel's total CUDA time per call (median of --repeat profiled calls) and the sum.
+"""
+import argparse
+import collections
+
+import torch
+import torch.nn.functional as F
+
+import deltacp
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="2,16384,16,128")
+    ap.add_argument("--variant", default="gdn")
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args()
+    B, T, H, D = map(int, a.shape.split(","))
+    q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn((B, T, H, D) if a.variant == "kda" else (B, T, H), device="cuda"))
+    beta = torch.rand(B, T, H, device="cuda").sigmoid().bfloat16()
+    op = deltacp.chunk_gated_delta_rule if a.variant == "gdn" else deltacp.chunk_kda
+    xs = [q, k, v, g, beta]
+    if a.backward:
+        xs = [x.requires_grad_(True) for x in xs]
+
+    def step():
+        o, _ = op(*xs, backend="tiled")
+        if a.backward:
+            o.backward(torch.ones_like(o))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.repeat):
+            step()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA or getattr(e, "self_device_time_total", 0) > 0:
+            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            per[e.key[:70]] += t / a.repeat / 1e3
+    total = sum(per.values())
+    print(f"{a.variant} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}: {total:.3f} ms of kernels per call")
+    for name, ms in sorted(per.items(), key=lambda x: -x[1])[:12]:
+        print(f"  {ms:8.3f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main()
