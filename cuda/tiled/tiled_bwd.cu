@@ -42,7 +42,9 @@
 // Not done: kda's decay-masked products (P, and B4's three products) run element by element with one
 // exponential per (i, j, d) instead of FLA's sub-chunk factorisation onto tensor cores.
 //
-// Measured: not yet (no GPU timing recorded; the GPU and shape go here when measured).
+// Measured (NVIDIA H200, 2026-11-22, bf16 GDN (2,16384,16,128), torch.profiler): forward+backward
+// 29.95 ms of kernels (FLA 4.08 ms): bwd_dh_scan 12.0 ms (~47 us per sequential chunk step: the hot
+// spot), bwd_dqkg 6.3, bwd_decay 3.5, bwd_wy 3.0, the forward recompute's scan 2.1, bwd_dv_local 0.9.
 #include <cuda_runtime.h>
 
 #include <climits>

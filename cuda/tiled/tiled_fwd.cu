@@ -51,10 +51,13 @@
 // fp32 inputs need about twice the shared memory; fp32 with K or V = 256 does not fit (an Error
 // names K). bf16/fp16 fit up to K = V = 256 (kda: 186 KB) on an H100/H200.
 //
-// Measured: not yet (no GPU run so far). Predicted at (B,T,H,D) = (1,8192,96,128) bf16 GDN on an
-// H200: stage 2 ~0.25 ms, stage 3 ~0.3 ms (latency of 128 sequential chunk steps, 384 CTAs),
-// stage 4 ~0.3 ms, stage 1 ~0.01 ms: ~0.9-1.1 ms (FLA: 1.408 ms). At (2,16384,16,128): stage 3
-// ~0.4 ms (256 steps, 256 CTAs of BV = 16), stages 2 + 4 ~0.4 ms: ~0.8-0.9 ms (FLA: 1.040 ms).
+// Measured (NVIDIA H200, 2026-11-22, bf16 GDN, median of do_bench; docs/perf.md):
+//   (B,T,H,D) = (4,2048,16,128) 0.443 ms (FLA 0.460), (1,8192,96,128) 1.963 ms (FLA 1.406),
+//   (2,16384,16,128) 1.911 ms (FLA 1.039), (4,4096,64,128) 2.664 ms (FLA 1.712); KDA (4,2048,16,128)
+//   1.595 ms (FLA 1.305). Per kernel at (2,16384,16,128): scan 1.05 ms, wy 0.44, output 0.38; at
+//   (1,8192,96,128): scan 0.74 (BV 32; 1.41 with BV 16), wy 0.63, output 0.56. The prediction was
+//   ~0.4 ms for the scan at (2,16384,16,128): each of its 256 sequential chunk steps takes ~4 us
+//   (latency-bound; BV 16 and 32 give the same time there), which is what to attack next.
 #include <cuda_runtime.h>
 
 #include <algorithm>
