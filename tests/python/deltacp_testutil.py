@@ -91,3 +91,16 @@ def input_names(variant):
         names.append("g")
     names += ["a", "b"] if variant == "dplr" else ["beta"]
     return names
+
+
+def call_torch_op(variant, t, **kw):
+    """Calls deltacp's torch op for the variant with FLA's positional order (t: tensors by name)."""
+    import deltacp
+
+    op = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule,
+          "dplr": deltacp.chunk_dplr}[variant]
+    if variant == "delta":
+        return op(t["q"], t["k"], t["v"], t["beta"], **kw)
+    if variant == "dplr":
+        return op(t["q"], t["k"], t["v"], t["a"], t["b"], t["g"], **kw)
+    return op(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)

@@ -10,22 +10,9 @@ torch = pytest.importorskip("torch")
 
 import deltacp  # noqa: E402
 import deltacp.reference as ref  # noqa: E402
-from deltacp_testutil import VARIANTS, input_names, make_problem, ref_backward, ref_forward, rel_err  # noqa: E402
+from deltacp_testutil import VARIANTS, call_torch_op as _call, input_names, make_problem, ref_backward, ref_forward, rel_err  # noqa: E402
 
 
-def _op(variant):
-    return {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule,
-            "dplr": deltacp.chunk_dplr}[variant]
-
-
-def _call(variant, t, **kw):
-    """Calls the torch op with FLA's positional order for the variant."""
-    op = _op(variant)
-    if variant == "delta":
-        return op(t["q"], t["k"], t["v"], t["beta"], **kw)
-    if variant == "dplr":
-        return op(t["q"], t["k"], t["v"], t["a"], t["b"], t["g"], **kw)
-    return op(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
 
 
 def _tensors(p, variant, requires_grad=True, dtype=torch.float64):

@@ -59,10 +59,11 @@ def _run(cfg: _Config, direction: str, method: str, descs: dict) -> None:
         _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
 
 
-def _input_descs(cfg: _Config, q, k, v, g, beta, a, b, h0) -> dict:
+def tensor_descs(gate_name, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
+    """The descriptions _core.run takes for the inputs (the single-device and the CP ops share it)."""
     d = {"q": torch_desc(q, "q"), "k": torch_desc(k, "k"), "v": torch_desc(v, "v")}
     if g is not None:
-        d["g"] = torch_desc(g, cfg.gate_name)
+        d["g"] = torch_desc(g, gate_name)
     if beta is not None:
         d["beta"] = torch_desc(beta, "beta")
     if a is not None:
@@ -70,11 +71,15 @@ def _input_descs(cfg: _Config, q, k, v, g, beta, a, b, h0) -> dict:
         d["b"] = torch_desc(b, "b")
     if h0 is not None:
         d["h0"] = torch_desc(h0, "initial_state")
-    if cfg.cu is not None:
-        d["cu_seqlens"] = torch_desc(cfg.cu, "cu_seqlens")
-        if cfg.cu_host is not None and cfg.cu_host is not cfg.cu:
-            d["cu_seqlens_host"] = torch_desc(cfg.cu_host, "cu_seqlens")
+    if cu is not None:
+        d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
+        if cu_host is not None and cu_host is not cu:
+            d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
     return d
+
+
+def _input_descs(cfg: _Config, q, k, v, g, beta, a, b, h0) -> dict:
+    return tensor_descs(cfg.gate_name, q, k, v, g, beta, a, b, h0, cfg.cu, cfg.cu_host)
 
 
 def _num_seqs(cfg: _Config, q) -> int:

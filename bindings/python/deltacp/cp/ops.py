@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from .. import _core
 from .._describe import torch_desc
-from ..ops import _l2norm, _tensor  # the same argument checks as the single-device ops
+# The single-device ops' argument checks, tensor descriptions and kernel call, shared.
+from ..ops import _l2norm, _run, _tensor, tensor_descs
 from .context import CPContext, agree, wait_collective
 
 __all__ = ["chunk_gated_delta_rule_cp", "chunk_kda_cp", "chunk_delta_rule_cp", "chunk_dplr_cp", "cp_apply",
@@ -69,35 +70,8 @@ class _Cfg:
                  "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0")
 
 
-# ---------------------------------------------------------------------------------------------
-# running the local kernel through deltacp._core (reference on CPU, CUDA tier on GPU)
-# ---------------------------------------------------------------------------------------------
-def _run(cfg: _Cfg, direction: str, method: str, descs: dict) -> None:
-    if cfg.device.type == "cuda":
-        with torch.cuda.device(cfg.device):
-            stream = torch.cuda.current_stream(cfg.device).cuda_stream
-            _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
-                      False)
-    else:
-        _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
-
-
 def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
-    d = {"q": torch_desc(q, "q"), "k": torch_desc(k, "k"), "v": torch_desc(v, "v")}
-    if g is not None:
-        d["g"] = torch_desc(g, cfg.gate_name)
-    if beta is not None:
-        d["beta"] = torch_desc(beta, "beta")
-    if a is not None:
-        d["a"] = torch_desc(a, "a")
-        d["b"] = torch_desc(b, "b")
-    if h0 is not None:
-        d["h0"] = torch_desc(h0, "initial_state")
-    if cu is not None:
-        d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
-        if cu_host is not None and cu_host is not cu:
-            d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
-    return d
+    return tensor_descs(cfg.gate_name, q, k, v, g, beta, a, b, h0, cu, cu_host)
 
 
 def _seg(t, s0, s1):
