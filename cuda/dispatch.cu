@@ -5,7 +5,9 @@
 //   2. GPU-specific checks: inputs f32/bf16/f16 ('dtype'), states f32 ('state_dtype'),
 //      a varlen batch carries cu_seqlens_host ('cu_seqlens_host': launchers size grids from it,
 //      and validation must never read the device array on the host)
-//   3. deltacp::validate_forward / validate_backward (shapes, sizes, cu_seqlens, required tensors)
+//   3. deltacp::validate_forward / validate_backward (shapes, sizes, cu_seqlens, required tensors;
+//      they accept the state-only modes of params.h: a forward with o null and ht given, a backward
+//      with every input gradient null and dh0 given, which every tier implements)
 //   4. the tier implements the variant             else deltacp::Error naming 'variant'
 //   5. every pointer the call reads or writes is GPU-accessible memory (device, managed or pinned
 //      host), else deltacp::Error naming it: a host pointer would otherwise become an illegal

@@ -3,7 +3,9 @@
 //   run(direction, variant, method, compute, tensors, scale, chunk_size, cuts, stream, want_exchange)
 //
 // direction  "forward" writes o (and ht); "backward" writes dq, dk, dv, dg, dbeta, da, db, dh0 — the
-//            gradients of L = sum(o * dout) + sum(ht * dht).
+//            gradients of L = sum(o * dout) + sum(ht * dht). The state-only modes of params.h are
+//            reached by leaving tensors out: a forward without "o" but with "ht" writes only ht; a
+//            backward without any input gradient but with "dh0" writes only dh0 (the CP pre-pass).
 // method     host:  "recurrent" | "chunked" | "affine"   -> deltacp::ref::forward/backward<S>
 //                   "cp" (with cuts)                      -> deltacp::ref::cp_forward/cp_backward<S>
 //            CUDA:  "naive" | "tiled" | "fused"           -> deltacp::cuda::forward/backward

@@ -296,23 +296,37 @@ Params build_params(const std::string& variant, const std::string& direction,
   p.h0 = c.state("h0", state_shape, &state_dtype, &state_dtype_set);
 
   if (!backward) {
-    if (!c.find("o")) throw Error("o", "internal: the output is required");
+    // o may be left out only for the final-state-only forward (ht given; params.h).
+    if (!c.find("o") && !c.find("ht")) {
+      throw Error("o", "internal: the output is required (it may be omitted only when ht is given: the "
+                       "final-state-only forward)");
+    }
     p.o = c.data("o", vo_shape, "[B, T, HV, V]");
     p.ht = c.state("ht", state_shape, &state_dtype, &state_dtype_set);
   } else {
     if (!c.find("dout")) throw Error(public_name("dout"), "is required");
-    for (const char* f : {"dq", "dk", "dv"}) {
-      if (!c.find(f)) throw Error(f, "internal: the gradient output is required");
+    // dh0-only backward (params.h): dh0 given and no input gradient at all. Otherwise every
+    // gradient the variant has is required (a partial set names the first missing one).
+    bool any_grad = false;
+    for (const char* f : {"dq", "dk", "dv", "dg", "dbeta", "da", "db"}) any_grad = any_grad || c.find(f);
+    const bool dh0_only = !any_grad && c.find("dh0");
+    if (!dh0_only) {
+      for (const char* f : {"dq", "dk", "dv"}) {
+        if (!c.find(f)) {
+          throw Error(f, "internal: the gradient output is required (all input gradients may be omitted together "
+                         "only when dh0 is given: the dh0-only backward)");
+        }
+      }
+      require("dg", has_g, " (internal: its gradient output)");
+      require("dbeta", has_beta, " (internal: its gradient output)");
+      require("da", has_ab, " (internal: its gradient output)");
+      require("db", has_ab, " (internal: its gradient output)");
     }
     p.dout = c.data("dout", vo_shape, "[B, T, HV, V]");
     p.dht = c.state("dht", state_shape, &state_dtype, &state_dtype_set);
     p.dq = c.data("dq", qk_shape, "[B, T, H, K]");
     p.dk = c.data("dk", qk_shape, "[B, T, H, K]");
     p.dv = c.data("dv", vo_shape, "[B, T, HV, V]");
-    require("dg", has_g, " (internal: its gradient output)");
-    require("dbeta", has_beta, " (internal: its gradient output)");
-    require("da", has_ab, " (internal: its gradient output)");
-    require("db", has_ab, " (internal: its gradient output)");
     p.dg = c.data("dg", g_shape, g_pattern, &p.g_fp32, /*gate_seen=*/p.g.defined());
     p.dbeta = c.data("dbeta", head_shape, "[B, T, HV]");
     p.da = c.data("da", key_shape, "[B, T, HV, K]");

@@ -47,7 +47,8 @@ DType parse_float_dtype(const std::string& dtype, const std::string& argument);
 enum class Place { host, cuda };
 
 // Fills a Params from the descriptions. `direction` is "forward" or "backward" (which tensors are
-// allowed). Sizes come from q [B, T, H, K] and v [B, T, HV, V]; N from cu_seqlens or B.
+// allowed). A forward may leave out "o" when "ht" is given (final-state-only forward); a backward
+// may leave out every input gradient when "dh0" is given (dh0-only backward; params.h). Sizes come from q [B, T, H, K] and v [B, T, HV, V]; N from cu_seqlens or B.
 // No scale means K^-1/2.
 Params build_params(const std::string& variant, const std::string& direction,
                     const std::map<std::string, TensorDesc>& descs, std::optional<double> scale, int chunk_size,

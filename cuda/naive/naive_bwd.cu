@@ -32,6 +32,10 @@
 // Memory: checkpoints (B*T/C + N) HV V K floats, scratch N HV V min(C, longest) K floats,
 // partials (#grads) ceil(V/BV) B*T HV K floats; compute is two forwards plus the reverse walk.
 //
+// dh0-only backward (params.h: dh0 given, every input gradient null; the CP backward pre-pass):
+// the same reverse walk of dS, but no dv store, no per-token block reduction (no barriers, no
+// shared memory), no partials workspace and no reduce kernels; only dh0 is written.
+//
 // What changed from the previous tier: first tier (mirrors the reference's recurrent_backward,
 // which keeps every state on the host; here only checkpoints and one interval of states).
 // Measured (NVIDIA H200, 2026-11-22, bf16, forward+backward at (4,2048,16,128)): GDN 30.6 ms,
@@ -87,6 +91,7 @@ struct GradArgs {
   int64_t tokens;            // B * T (the flat token axis of the partials)
   int64_t num_vtiles;
   int64_t scratch_tokens;    // min(C, longest sequence), >= 1
+  bool input_grads;          // false: dh0-only backward (dv, partials unused and null)
 };
 
 template <Variant VAR, class T, int KPT>
@@ -182,7 +187,7 @@ __global__ void __launch_bounds__(kBwdThreads) naive_backward_kernel(Inputs<T> i
       load_token<VAR, true>(tk, in, sp.batch, t, h, hv, lane);
       const T* vrow = in.v.at(sp.batch, t, hv);
       const T* dorow = gr.dout.at(sp.batch, t, hv);
-      T* dvrow = gr.dv.at(sp.batch, t, hv);
+      T* dvrow = gr.input_grads ? gr.dv.at(sp.batch, t, hv) : nullptr;
 
       // Per-lane sums over this warp's columns of the gradients that reduce over V.
       float acc[Slots::kVec][KPT];
@@ -228,7 +233,7 @@ __global__ void __launch_bounds__(kBwdThreads) naive_backward_kernel(Inputs<T> i
           }
           dvj = warp_sum(dvj);
           w = warp_sum(w);
-          if (lane == 0) store_f(dvrow + col, dvj);
+          if (lane == 0 && dvrow) store_f(dvrow + col, dvj);
 #pragma unroll
           for (int i = 0; i < KPT; ++i) {
             acc[3][i] += sc[i] * w;
@@ -253,7 +258,7 @@ __global__ void __launch_bounds__(kBwdThreads) naive_backward_kernel(Inputs<T> i
             du += tk.k[i] * dsc[i];
           }
           du = warp_sum(du);
-          if (lane == 0) store_f(dvrow + col, tk.beta * du);
+          if (lane == 0 && dvrow) store_f(dvrow + col, tk.beta * du);
           dbeta_acc += du * resid;
           const float dpred = -tk.beta * du;
 #pragma unroll
@@ -267,6 +272,9 @@ __global__ void __launch_bounds__(kBwdThreads) naive_backward_kernel(Inputs<T> i
         }
       }
 
+      // dh0-only backward: nothing reduces over V (uniform over the grid, so no barrier is skipped
+      // by only part of a block).
+      if (!gr.input_grads) continue;
       // Add the warps: each writes its partial sums into the current buffer, then the block
       // sums the kBwdWarps copies in warp order and writes this tile's partial to global memory.
       // Double buffering makes one barrier per token enough: a warp can only write buffer b again
@@ -325,6 +333,7 @@ __global__ void reduce_partials_kernel(const float* partial, int64_t num_vtiles,
 template <class T>
 void launch_reduce(const float* partial, int64_t num_vtiles, int64_t tokens, int64_t HV, int64_t D,
                    int64_t heads_out, int64_t group, int64_t seq_len, const TensorRef& out, cudaStream_t stream) {
+  if (!out.defined()) return;  // not asked for (validate_backward allows only the dh0-only mode)
   constexpr int kThreads = 256;
   const int64_t total = tokens * heads_out * D;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, int64_t{1} << 20);
@@ -345,6 +354,30 @@ void launch_gate_reduce(const Params& p, const float* partial, int64_t num_vtile
   }
 }
 
+// The reduce kernels of every gradient that sums over value columns (not for dh0-only).
+template <Variant VAR, class T>
+void launch_grad_reductions(const Params& p, const GradArgs<T>& gr, int64_t num_vtiles, int64_t tokens,
+                            cudaStream_t stream) {
+  const int64_t group = p.HV / p.H;
+  const float* vec = gr.partial_vec;
+  const int64_t vec_stride = num_vtiles * tokens * p.HV * p.K;  // one gradient's partials
+  launch_reduce<T>(vec + 0 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.H, group, p.T, p.dq, stream);
+  launch_reduce<T>(vec + 1 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.H, group, p.T, p.dk, stream);
+  if constexpr (VAR == Variant::kda || VAR == Variant::dplr)
+    launch_gate_reduce<T>(p, vec + 2 * vec_stride, num_vtiles, tokens, p.K, stream);
+  if constexpr (VAR == Variant::dplr) {
+    launch_reduce<T>(vec + 3 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.HV, 1, p.T, p.da, stream);
+    launch_reduce<T>(vec + 4 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.HV, 1, p.T, p.db, stream);
+  }
+  const float* scal = gr.partial_scalar;
+  const int64_t scalar_stride = num_vtiles * tokens * p.HV;
+  if constexpr (VAR != Variant::dplr)
+    launch_reduce<T>(scal + 0 * scalar_stride, num_vtiles, tokens, p.HV, 1, p.HV, 1, p.T, p.dbeta, stream);
+  if constexpr (VAR == Variant::gdn)
+  launch_gate_reduce<T>(p, scal + 1 * scalar_stride, num_vtiles, tokens, 1, stream);
+}
+
+
 template <Variant VAR, class T, int KPT>
 void launch_backward(const Params& p, cudaStream_t stream) {
   using Slots = GradSlots<VAR>;
@@ -359,10 +392,12 @@ void launch_backward(const Params& p, cudaStream_t stream) {
   const int64_t tokens = p.B * p.T;
   const int64_t slots = tokens / kCheckpointInterval + p.num_seqs;
   const int64_t scratch_tokens = std::max<int64_t>(1, std::min(kCheckpointInterval, max_sequence_length(bounds)));
+  const bool input_grads = !p.dh0_only();
 
-  // One workspace: partials (vector then scalar), checkpoints, scratch (all fp32).
-  const int64_t vec_floats = Slots::kVec * num_vtiles * tokens * p.HV * p.K;
-  const int64_t scalar_floats = Slots::kScalar * num_vtiles * tokens * p.HV;
+  // One workspace: partials (vector then scalar; none for the dh0-only backward), checkpoints,
+  // scratch (all fp32).
+  const int64_t vec_floats = input_grads ? Slots::kVec * num_vtiles * tokens * p.HV * p.K : 0;
+  const int64_t scalar_floats = input_grads ? Slots::kScalar * num_vtiles * tokens * p.HV : 0;
   const int64_t checkpoint_floats = slots * p.HV * p.V * p.K;
   const int64_t scratch_floats = blocks * scratch_tokens * BV * p.K;
   const int64_t total_floats = vec_floats + scalar_floats + checkpoint_floats + scratch_floats;
@@ -382,8 +417,9 @@ void launch_backward(const Params& p, cudaStream_t stream) {
   gr.tokens = tokens;
   gr.num_vtiles = num_vtiles;
   gr.scratch_tokens = scratch_tokens;
+  gr.input_grads = input_grads;
 
-  const size_t smem = sizeof(float) * 2 * kBwdWarps * (Slots::kVec * KP + Slots::kScalar);
+  const size_t smem = input_grads ? sizeof(float) * 2 * kBwdWarps * (Slots::kVec * KP + Slots::kScalar) : 0;
   try {
     auto kernel = naive_backward_kernel<VAR, T, KPT>;
     if (smem > 48 * 1024)
@@ -391,24 +427,7 @@ void launch_backward(const Params& p, cudaStream_t stream) {
                                               static_cast<int>(smem)));
     kernel<<<static_cast<unsigned>(blocks), kBwdThreads, smem, stream>>>(make_inputs<T>(p), gr);
     DELTACP_CUDA_CHECK_LAUNCH();
-
-    const int64_t group = p.HV / p.H;
-    const float* vec = gr.partial_vec;
-    const int64_t vec_stride = num_vtiles * tokens * p.HV * p.K;  // one gradient's partials
-    launch_reduce<T>(vec + 0 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.H, group, p.T, p.dq, stream);
-    launch_reduce<T>(vec + 1 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.H, group, p.T, p.dk, stream);
-    if constexpr (VAR == Variant::kda || VAR == Variant::dplr)
-      launch_gate_reduce<T>(p, vec + 2 * vec_stride, num_vtiles, tokens, p.K, stream);
-    if constexpr (VAR == Variant::dplr) {
-      launch_reduce<T>(vec + 3 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.HV, 1, p.T, p.da, stream);
-      launch_reduce<T>(vec + 4 * vec_stride, num_vtiles, tokens, p.HV, p.K, p.HV, 1, p.T, p.db, stream);
-    }
-    const float* scal = gr.partial_scalar;
-    const int64_t scalar_stride = num_vtiles * tokens * p.HV;
-    if constexpr (VAR != Variant::dplr)
-      launch_reduce<T>(scal + 0 * scalar_stride, num_vtiles, tokens, p.HV, 1, p.HV, 1, p.T, p.dbeta, stream);
-    if constexpr (VAR == Variant::gdn)
-      launch_gate_reduce<T>(p, scal + 1 * scalar_stride, num_vtiles, tokens, 1, stream);
+    if (input_grads) launch_grad_reductions<VAR, T>(p, gr, num_vtiles, tokens, stream);
   } catch (...) {
     cudaFreeAsync(workspace, stream);  // best effort; the original error is the one to report
     throw;

@@ -5,7 +5,9 @@
 //   gdn, kda, delta:  Sd = D_t S;  u = beta_t (v_t - Sd^T k_t);  S = Sd + k_t u^T
 //   dplr:             S = D_t S + k_t v_t^T + b_t (a_t^T S)
 //   o_t = S^T (scale q_t)
-// starting from h0 (or zero) and writing ht = S after the last token when asked.
+// starting from h0 (or zero) and writing ht = S after the last token when asked. With o null (the
+// final-state-only forward of params.h, the CP pre-pass) the output dot products and stores are
+// skipped: only ht is written.
 //
 // Work split (naive_common.cuh): the block owns kFwdWarps * CPW value columns; each warp owns CPW
 // of them; lane l holds rows l, l + 32, ... of each column (KPT rows, K <= 32 KPT). A column's
@@ -61,22 +63,24 @@ __global__ void __launch_bounds__(kFwdThreads)
 
   float s[CPW][KPT];
   load_state_columns<CPW, KPT>(s, in.h0, n, hv, col0, lane, in.HV, in.K, in.V);
+  const bool write_o = o.ptr != nullptr;  // false: final-state-only forward (uniform over the grid)
 
   for (int64_t t = sp.bos; t < sp.eos; ++t) {
     TokenKeys<KPT> tk;
     load_token<VAR, true>(tk, in, sp.batch, t, h, hv, lane);
     const T* vrow = in.v.at(sp.batch, t, hv);
-    T* orow = o.at(sp.batch, t, hv);
 #pragma unroll
     for (int c = 0; c < CPW; ++c) {
       const int64_t col = col0 + c;
       if (col < in.V) {  // uniform across the warp: the warp sums inside stay convergent
         step_column<VAR, KPT>(s[c], tk, load_f(vrow + col));
-        float out = 0.f;
+        if (write_o) {
+          float out = 0.f;
 #pragma unroll
-        for (int i = 0; i < KPT; ++i) out += tk.q[i] * s[c][i];
-        out = warp_sum(out);
-        if (lane == 0) store_f(orow + col, out);
+          for (int i = 0; i < KPT; ++i) out += tk.q[i] * s[c][i];
+          out = warp_sum(out);
+          if (lane == 0) store_f(o.at(sp.batch, t, hv) + col, out);
+        }
       }
     }
   }

@@ -38,7 +38,6 @@ constexpr int kRows = 64;                  // tile rows: one chunk of up to 64 t
 constexpr int kThreads = 256;              // every backward kernel runs 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxKeyDim = 128;            // KP in {64, 128}
-constexpr int kScanCols = 32;              // V columns per CTA of the sequential dh scan
 constexpr int kVTile = 32;                 // V columns per step of the per-chunk kernels' V loops
 
 // Leading dimension of a tile of `cols` columns stored as E.
@@ -53,9 +52,11 @@ struct Args {
   int64_t group = 1;        // HV / H: value head hv reads query/key head hv / group
   int64_t num_chunks = 0;   // chunks in the table (all sequences)
   int64_t Kp = 0, Vp = 0;   // padded K, V of the forward stages' W / v_new / h buffers
+  int chunk_size = 64;      // tokens per chunk (the last chunk of a sequence may be shorter)
   float scale = 1.f;
   bool gated = false;       // gdn and kda: a log decay g exists
   bool g_fp32 = false;      // g and dg are fp32 (Params::g_fp32), whatever the input dtype
+  bool dh0_only = false;    // Params::dh0_only: stages B0 and B1 only, B1 writes dh0 and nothing else
   // Inputs and outputs: [B, T, heads, D] views in the input dtype (see params.h).
   TensorRef q, k, v, g, beta, dout;
   TensorRef dq, dk, dv, dg, dbeta;
@@ -69,6 +70,8 @@ struct Args {
   const void* W = nullptr;      // input dtype [R, HV, Kp]
   const void* vnew = nullptr;   // input dtype [R, HV, Vp]
   const void* h = nullptr;      // input dtype [num_chunks, HV, Kp, Vp]: state at each chunk's start
+  const void* Kd = nullptr;     // kda: input dtype [R, HV, Kp]: K e^(Gn - G) (the forward's stage 2)
+  void* Qg = nullptr;           // kda: input dtype [R, HV, Kp]: Q e^G (written by B0, read by B1)
   // Backward workspaces, fp32:
   float* dh = nullptr;     // [num_chunks, HV, K, V]: dL/d(end state of chunk c)
   float* dvnew = nullptr;  // [R, HV, V]: dL/dVn

@@ -8,7 +8,7 @@
 //   gdn / delta: P = (Q K^T) o E with the scalar decay E_ij = e^(G_i - G_j): one tensor-core product.
 //   kda:         the decay differs per key column, so P is summed element by element
 //                (2080 pairs x K exponentials per chunk); see "what is not done" in tiled_bwd.cu.
-// Writes a.dvnew (fp32) for every token of the chunk and every V column.
+// Writes a.dvnew (fp32) for every token of the chunk and every V column, and for kda a.Qg = Q e^G.
 // Measured: not yet (no GPU timing recorded; see tiled_bwd.cu).
 #pragma once
 
@@ -68,6 +68,17 @@ __global__ void __launch_bounds__(kThreads) bwd_dv_local_kernel(const Args a) {
     }
   }
   __syncthreads();
+  if constexpr (PERKEY) {
+    // Q e^G for the dh scan (B1), which cannot fold a per-key-column decay into its narrow operands.
+    Op* qg = static_cast<Op*>(a.Qg);
+    for (int e = tid; e < kRows * a.Kp; e += kThreads) {
+      const int i = e / a.Kp, d = e % a.Kp;
+      if (i < len) {
+        const float x = d < K ? to_f(qs[i * PK + d]) * exp_t<Op>(Gs[i * PG + d]) : 0.f;
+        qg[ws_row(ch, i, a.HV, hv, a.Kp) + d] = from_f<Op>(x);
+      }
+    }
+  }
 
   // P, masked to j <= i < len (the exponential is evaluated only inside the mask).
   if constexpr (!PERKEY) {

@@ -236,13 +236,20 @@ __device__ __forceinline__ void store_pair(T* p, float x0, float x1) {
 // multiple of 16. When `vec` is true (src 16-byte aligned, src_ld * sizeof(T) a multiple of 16),
 // full 16-byte pieces go through cp.async (the caller commits and waits); the rest is copied with
 // ordinary loads. All threads of the block call it with the same arguments; src_ld is int64.
-template <class T>
+// kThreadsHint: the block size when the caller knows it at compile time (0: blockDim.x); with it and
+// constant rows_total / cols_pad the loop has a constant trip count and unrolls.
+template <class T, int kThreadsHint = 0>
 __device__ __forceinline__ void load_tile(T* dst, int lds, const T* src, int64_t src_ld, int rows_valid,
                                           int rows_total, int cols_valid, int cols_pad, bool vec) {
   constexpr int kPiece = 16 / sizeof(T);  // elements per 16-byte piece
   const int pieces_per_row = cols_pad / kPiece;
   const int total = rows_total * pieces_per_row;
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+  const int nthreads = kThreadsHint > 0 ? kThreadsHint : static_cast<int>(blockDim.x);
+  const int iters = (total + nthreads - 1) / nthreads;
+#pragma unroll 4
+  for (int it = 0; it < iters; ++it) {
+    const int i = static_cast<int>(threadIdx.x) + it * nthreads;
+    if (i >= total) break;
     const int r = i / pieces_per_row;
     const int c = (i - r * pieces_per_row) * kPiece;
     T* d = dst + r * lds + c;

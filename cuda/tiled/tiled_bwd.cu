@@ -43,12 +43,16 @@
 // exponential per (i, j, d) instead of FLA's sub-chunk factorisation onto tensor cores.
 //
 // Measured (NVIDIA H200, 2026-11-22, bf16 GDN (2,16384,16,128), torch.profiler): forward+backward
-// 29.95 ms of kernels (FLA 4.08 ms): bwd_dh_scan 12.0 ms (~47 us per sequential chunk step: the hot
-// spot), bwd_dqkg 6.3, bwd_decay 3.5, bwd_wy 3.0, the forward recompute's scan 2.1, bwd_dv_local 0.9.
+// 17.9 ms of kernels (FLA 4.08 ms; docs/perf.md): bwd_dqkg 6.3 ms, bwd_decay 3.5, bwd_wy 3.0, the
+// forward's two scans 1.0, bwd_dh_scan 0.94 (was 12.0 ms, ~47 us per chunk step, before it kept dS
+// in registers and double-buffered its tiles: bwd_dh_scan.cuh), chunk_wy 0.9, bwd_dv_local 0.9,
+// reduce 0.6. The per-chunk stages B2-B4 are next: they accumulate in fp32 shared memory through
+// element-wise epilogues and load tiles element by element.
 #include <cuda_runtime.h>
 
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 
 #include "../common/check.h"
 #include "../common/load_store.cuh"
@@ -93,6 +97,21 @@ int max_smem_optin() {
   return bytes;
 }
 
+int sm_count() {
+  int dev = 0, n = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+// CTAs of `bytes` dynamic shared memory one SM holds (1 KB per CTA is reserved).
+int ctas_per_sm(size_t bytes) {
+  int dev = 0, per_sm = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  const int n = static_cast<int>(per_sm / (bytes + 1024));
+  return n > 1 ? n : 1;
+}
+
 template <class Kernel>
 void prepare(Kernel kernel, size_t bytes, const char* stage) {
   const int limit = max_smem_optin();
@@ -102,14 +121,52 @@ void prepare(Kernel kernel, size_t bytes, const char* stage) {
   DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
+// B1, the sequential dh scan: BV = 64 (8 warps for KP = 128) while that still gives a CTA per two SMs,
+// else 32 (DELTACP_TILED_SCAN_BV=32|64 forces); two load stages where they fit and add no wave of
+// CTAs (DELTACP_TILED_SCAN_STAGES=1|2 forces).
+template <class Op, int KP, bool PERKEY, int BV, int NW>
+void launch_dh_scan_bv(const Args& a, int64_t num_seqs, cudaStream_t stream) {
+  constexpr DhScanSmem<Op, KP, 1, BV> L1{};
+  constexpr DhScanSmem<Op, KP, 2, BV> L2{};
+  const int64_t nvt = (a.V + BV - 1) / BV, ctas = num_seqs * a.HV * nvt;
+  const int limit = max_smem_optin();
+  auto waves = [&](size_t bytes) {
+    const int64_t slots = int64_t(sm_count()) * ctas_per_sm(bytes);
+    return (ctas + slots - 1) / slots;
+  };
+  bool two = L2.total <= static_cast<size_t>(limit) && waves(L2.total) <= waves(L1.total);
+  if (const char* env = std::getenv("DELTACP_TILED_SCAN_STAGES"))
+    two = std::atoi(env) == 2 && L2.total <= static_cast<size_t>(limit);
+  DELTACP_CHECK(a.HV <= 65535 && nvt <= 65535, "HV", "expected at most 65535 value heads and V slices, got ", a.HV,
+                " and ", nvt);
+  const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(a.HV), static_cast<unsigned>(nvt));
+  if (two) {
+    auto k = bwd_dh_scan_kernel<Op, KP, PERKEY, 2, BV, NW>;
+    prepare(k, L2.total, "dh scan");
+    k<<<grid, 32 * NW, L2.total, stream>>>(a);
+  } else {
+    auto k = bwd_dh_scan_kernel<Op, KP, PERKEY, 1, BV, NW>;
+    prepare(k, L1.total, "dh scan");
+    k<<<grid, 32 * NW, L1.total, stream>>>(a);
+  }
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+template <class Op, int KP, bool PERKEY>
+void launch_dh_scan(const Args& a, int64_t num_seqs, cudaStream_t stream) {
+  auto ctas_of = [&](int64_t bv) { return num_seqs * a.HV * ((a.V + bv - 1) / bv); };
+  bool wide = ctas_of(64) * 2 >= sm_count();
+  if (const char* env = std::getenv("DELTACP_TILED_SCAN_BV")) wide = std::atoi(env) == 64;
+  constexpr int NW = KP / 16;  // one 16-row m-tile of the state per warp
+  if (wide) launch_dh_scan_bv<Op, KP, PERKEY, 64, NW>(a, num_seqs, stream);
+  else launch_dh_scan_bv<Op, KP, PERKEY, 32, NW>(a, num_seqs, stream);
+}
+
 template <class Op, int KP, bool PERKEY>
 void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream) {
   const int64_t NC = a.num_chunks;
   const dim3 chunk_grid(static_cast<unsigned>(NC), static_cast<unsigned>(a.HV));
-  const int64_t nvt = (a.V + kScanCols - 1) / kScanCols;
-  const int64_t scan_blocks = num_seqs * a.HV * nvt;
-  DELTACP_CHECK(scan_blocks <= INT_MAX, "B", "expected at most ", INT_MAX,
-                " (sequence, head, V slice) blocks for the tiled backward scan, got ", scan_blocks);
+  DELTACP_CHECK(num_seqs <= INT_MAX, "B", "expected at most ", INT_MAX,
+                " sequences for the tiled backward scan, got ", num_seqs);
 
   if (NC > 0) {
     constexpr DvLocalSmem<Op, KP, PERKEY> L{};
@@ -118,13 +175,8 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream) {
     k<<<chunk_grid, kThreads, L.total, stream>>>(a);
     DELTACP_CUDA_CHECK_LAUNCH();
   }
-  if (scan_blocks > 0) {
-    constexpr DhScanSmem<Op, KP> L{};
-    auto k = bwd_dh_scan_kernel<Op, KP, PERKEY>;
-    prepare(k, L.total, "dh scan");
-    k<<<static_cast<unsigned>(scan_blocks), kThreads, L.total, stream>>>(a);
-    DELTACP_CUDA_CHECK_LAUNCH();
-  }
+  if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
+  if (a.dh0_only) return;  // B2-B5 produce the input gradients, which this mode does not want
   if (NC > 0) {
     {
       constexpr DqkgSmem<Op, KP> L{};
@@ -203,12 +255,16 @@ void run_backward(const Params& p) {
   Workspace ws(stream);
   // Forward recompute.
   const int64_t bG = fs.G * 4, bW = fs.W * es, bU = fs.U * es, bKd = fs.Kd * es, bT = fs.Tinv * 4,
-                bvn = fs.v_new * es, bh = fs.h * es;
+                bvn = p.dh0_only() ? 0 : fs.v_new * es, bh = p.dh0_only() ? 0 : fs.h * es;
   const size_t oG = ws.plan(bG), oW = ws.plan(bW), oU = ws.plan(bU), oKd = ws.plan(bKd), oT = ws.plan(bT),
                ovn = ws.plan(bvn), oh = ws.plan(bh);
+  const int64_t bQg = p.variant == Variant::kda ? R * p.HV * padded_dim(p.K) * es : 0;  // Q e^G (B0 -> B1)
+  const size_t oQg = ws.plan(bQg);
   // Backward (fp32).
-  const int64_t bdh = NC * p.HV * p.K * p.V * 4, bdvn = R * p.HV * p.V * 4, bkey = R * p.HV * p.K * 4,
-                bmat = NC * p.HV * kRows * kRows * 4, bdG = gated ? bkey : 0, bdb = R * p.HV * 4;
+  const bool skip = p.dh0_only();  // no dh, dW, dP, dA, dq/dk/dG/dbeta workspaces
+  const int64_t bdh = skip ? 0 : NC * p.HV * p.K * p.V * 4, bdvn = R * p.HV * p.V * 4,
+                bkey = skip ? 0 : R * p.HV * p.K * 4, bmat = skip ? 0 : NC * p.HV * kRows * kRows * 4,
+                bdG = gated ? bkey : 0, bdb = skip ? 0 : R * p.HV * 4;
   const size_t odh = ws.plan(bdh), odvn = ws.plan(bdvn), odW = ws.plan(bkey), odP = ws.plan(bmat),
                odA = ws.plan(bmat), odq = ws.plan(bkey), odk = ws.plan(bkey), odG = ws.plan(bdG),
                odb = ws.plan(bdb);
@@ -222,9 +278,15 @@ void run_backward(const Params& p) {
   void* vnew = ws.at<void>(ovn, bvn);
   void* h = ws.at<void>(oh, bh);
 
+  // dh0-only (Params::dh0_only, the CP backward pre-pass): dh0 needs only W, Kd (B1's operands) and
+  // B0's dVn_local, so the forward's state scan (h, v_new) and stages B2-B5 are skipped, and B1
+  // writes neither dh per chunk nor dVn.
+  const bool dh0_only = p.dh0_only();
   launch_chunk_cumsum(p, table, G, stream);
   launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream);
-  launch_chunk_state_scan(p, table, G, W, U, Kd, h, vnew, static_cast<const float*>(p.h0), /*ht=*/nullptr, stream);
+  if (!dh0_only)
+    launch_chunk_state_scan(p, table, G, W, U, Kd, h, vnew, static_cast<const float*>(p.h0), /*ht=*/nullptr,
+                            stream);
 
   Args a;
   a.B = p.B;
@@ -260,7 +322,11 @@ void run_backward(const Params& p) {
   a.W = W;
   a.vnew = vnew;
   a.h = h;
-  a.dh = ws.at<float>(odh, bdh);
+  a.Kd = Kd;
+  a.Qg = ws.at<void>(oQg, bQg);
+  a.chunk_size = p.chunk_size;
+  a.dh = dh0_only ? nullptr : ws.at<float>(odh, bdh);
+  a.dh0_only = dh0_only;
   a.dvnew = ws.at<float>(odvn, bdvn);
   a.dW = ws.at<float>(odW, bkey);
   a.dP = ws.at<float>(odP, bmat);

@@ -43,21 +43,22 @@
 //   at ~3 TB/s on an H100; its 1.4e11 FLOPs are ~0.2-0.3 ms of mma.sync. So: memory-bound.
 //
 // Kernels, dynamic shared memory (bf16, K = V = 128) and registers (nvcc 13.0 --resource-usage,
-// sm_80 and sm_90; no spills on the 16-bit paths except <= 4 B in the sm_80 kda chunk_wy_kernel):
+// sm_90; the 16-bit paths spill at most a few bytes, up to ~100 B in the BV = 64 two-stage scan):
 //   chunk_cumsum_kernel       128 thr   0 KB                     32 regs
 //   chunk_wy_kernel           128 thr   74 KB (3 CTAs/SM)        72-80 regs   (kda 107 KB)
-//   chunk_state_scan_kernel   128 thr   BV 32: 54.5 KB, BV 16: 46.5 KB (4 CTAs/SM)  112-128 regs
+//   chunk_state_scan_kernel   256 thr   BV 32: 96 KB with two load stages (2 CTAs/SM); BV 64: 117 KB
+//                                       (128 thr and 4 CTAs/SM for K <= 64)          <= 128 regs
 //   chunk_output_kernel       128 thr   70.5 KB (3 CTAs/SM)      71-72 regs   (kda 103.5 KB)
-// fp32 inputs need about twice the shared memory; fp32 with K or V = 256 does not fit (an Error
-// names K). bf16/fp16 fit up to K = V = 256 (kda: 186 KB) on an H100/H200.
+// fp32 inputs need about twice the shared memory (the scan then runs one load stage); fp32 with
+// K or V = 256 does not fit an sm_80 (an Error names K). bf16/fp16 fit up to K = V = 256.
 //
-// Measured (NVIDIA H200, 2026-11-22, bf16 GDN, median of do_bench; docs/perf.md):
-//   (B,T,H,D) = (4,2048,16,128) 0.443 ms (FLA 0.460), (1,8192,96,128) 1.963 ms (FLA 1.406),
-//   (2,16384,16,128) 1.911 ms (FLA 1.039), (4,4096,64,128) 2.664 ms (FLA 1.712); KDA (4,2048,16,128)
-//   1.595 ms (FLA 1.305). Per kernel at (2,16384,16,128): scan 1.05 ms, wy 0.44, output 0.38; at
-//   (1,8192,96,128): scan 0.74 (BV 32; 1.41 with BV 16), wy 0.63, output 0.56. The prediction was
-//   ~0.4 ms for the scan at (2,16384,16,128): each of its 256 sequential chunk steps takes ~4 us
-//   (latency-bound; BV 16 and 32 give the same time there), which is what to attack next.
+// Measured (NVIDIA H200, 2026-11-22, bf16 GDN, median of do_bench, FLA 0.5.2 in the same run;
+// docs/perf.md): (B,T,H,D) = (4,2048,16,128) 0.387 ms (FLA 0.436), (1,8192,96,128) 1.941 ms (FLA
+// 1.405), (2,16384,16,128) 1.410 ms (FLA 1.040), (4,4096,64,128) 2.369 ms (FLA 1.712); KDA
+// (4,2048,16,128) 1.595 ms (FLA 1.305, before the scan rework). Per kernel at (2,16384,16,128):
+// scan 0.50 ms (was 1.05: see stage 3 below for why), wy 0.44, output 0.38. Nsight Compute puts
+// the wy and output stages at ~0.4 issued instructions per scheduler cycle with 12 warps per SM:
+// issue-bound on their element-wise tile loops; they are what to attack next.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -180,13 +181,16 @@ __host__ __device__ inline WyLayout wy_layout(int Kp, int Vp, int esize, bool kd
   return L;
 }
 
-// Stage 3.
+// Stage 3. The chunk inputs (W, K, U tiles and the gate values) are NS-deep ring buffers: with
+// NS = 2 chunk c + 1 loads while chunk c computes.
 struct ScanLayout {
   int ldk, ldb;  // W/K tiles (T); the BV-wide tiles U, S, Vn (T)
-  int w, k, u, s, vn, gbuf;
+  int w, k, u, gbuf;  // stage 0's buffers; stage s adds s * stage
+  int stage;
+  int s, vn;
   int bytes;
 };
-__host__ __device__ inline ScanLayout scan_layout(int Kp, int BV, int esize) {
+__host__ __device__ inline ScanLayout scan_layout(int Kp, int BV, int esize, int NS) {
   ScanLayout L;
   L.ldk = Kp + 8;
   L.ldb = BV + 8;
@@ -194,9 +198,11 @@ __host__ __device__ inline ScanLayout scan_layout(int Kp, int BV, int esize) {
   L.w = carve(o, kBT * L.ldk * esize);
   L.k = carve(o, kBT * L.ldk * esize);
   L.u = carve(o, kBT * L.ldb * esize);
+  L.gbuf = carve(o, (Kp > kBT ? Kp : kBT) * 4);  // gdn: G of the chunk's rows; kda: G of its last row
+  L.stage = o;
+  o *= NS;
   L.s = carve(o, Kp * L.ldb * esize);
   L.vn = carve(o, kBT * L.ldb * esize);
-  L.gbuf = carve(o, (Kp > kBT ? Kp : kBT) * 4);  // gdn: G of the chunk's rows; kda: G of its last row
   L.bytes = o;
   return L;
 }
@@ -584,29 +590,39 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
 }
 
 // ============================================================================================
-// Stage 3: the state scan. One CTA per (sequence, value head, BV-wide column tile of the state),
-// sequential over the sequence's chunks. The state tile S (Kp x BV) lives in fp32 registers as
-// mma accumulators: warp w owns rows [16 KMT w, 16 KMT (w + 1)). Per chunk:
-//   (a) S -> Sb (16-bit operand) ; h_c = Sb to global
-//   (b) Vn = U - W Sb (tensor cores, k = Kp) ; Vn to global ; Vns = Vn e^(G_n - G) (gdn) or Vn (kda)
+// Stage 3: the state scan. One CTA of NW warps per (sequence, value head, BV-wide column tile of
+// the state), sequential over the sequence's chunks. The state tile S (Kp x BV) lives in fp32
+// registers as mma accumulators: warp w owns rows [16 KMT w, 16 KMT (w + 1)). Per chunk:
+//   (a) S -> Sb (16-bit operand) ; h_c = Sb to global (skipped when h is null: final state only)
+//   (b) Vn = U - W Sb (tensor cores, k = Kp) ; Vn to global (unless null) ; Vns = Vn e^(G_n - G) (gdn) or Vn (kda)
 //   (c) S = D_n S + Kd^T Vns   (Kd = K for gdn/delta, K e^(G_n - G) from stage 2 for kda; k = 64)
-// The next chunk's W, U, G are prefetched (cp.async) during (c), its K during the next (a), (b).
+// Every CTA of a head reads the head's whole W and K tiles, so the scan moves (Vp / BV) x their
+// bytes through L2: with BV = 16 at (2,16384,16,128) that is ~2.1 GB, and the scan ran at the
+// ~2.5 TB/s that L2 delivered (4 us per chunk step) whatever the load latency hiding. Hence wide
+// tiles (BV = 64: 4x less traffic) on 8 warps for K <= 128: warp w computes rows 16 (w % 4) of Vn
+// for half of the columns in (b) and owns 16 state rows in (c). With NS = 2 stages chunk c + 1's
+// W, K, U and gates are issued (cp.async) before chunk c starts computing.
 // ============================================================================================
-template <class T, bool kKda, int BV, int KMT>
-__global__ void __launch_bounds__(kThreads, 4)
+template <class T, bool kKda, int BV, int KMT, int NS, int NW>
+__global__ void __launch_bounds__(32 * NW, NW == 4 ? 4 : 2)
     chunk_state_scan_kernel(FwdArgs<T> args, const float* __restrict__ G, const T* __restrict__ W,
                             const T* __restrict__ U, const T* __restrict__ Kd, T* __restrict__ h,
                             T* __restrict__ vnew, const float* __restrict__ h0, float* __restrict__ ht) {
-  constexpr int NT = BV / 8;
+  static_assert(NS == 1 || NS == 2, "one or two stages");
+  static_assert(NW == 4 || NW == 8, "4 or 8 warps");
+  constexpr int NT = BV / 8;                  // n-tiles of the state slice (step (c))
+  constexpr int NTB = NT / (NW / 4);          // n-tiles of a warp's share of Vn (step (b))
+  constexpr int kScanThreads = 32 * NW;
+  // The warps' rows cover KPT >= Kp state rows; tiles are KPT wide (a compile-time width: the
+  // step is issue-bound, and constant tile loops cost a fraction of the instructions). Rows and
+  // columns in [Kp, KPT) are zero in every tile and stay zero in S.
+  constexpr int KPT = 16 * KMT * NW;
+  static_assert(!kIs16Bit<T> || NTB % 2 == 0, "16-bit products take n-tiles in pairs");
   extern __shared__ __align__(128) unsigned char smem[];
   const int Kp = args.Kp, Vp = args.Vp;
-  const ScanLayout L = scan_layout(Kp, BV, sizeof(T));
-  T* Ws = reinterpret_cast<T*>(smem + L.w);
-  T* Ks = reinterpret_cast<T*>(smem + L.k);
-  T* Us = reinterpret_cast<T*>(smem + L.u);
+  const ScanLayout L = scan_layout(KPT, BV, sizeof(T), NS);
   T* Sb = reinterpret_cast<T*>(smem + L.s);
   T* Vns = reinterpret_cast<T*>(smem + L.vn);
-  float* gbuf = reinterpret_cast<float*>(smem + L.gbuf);
   const int ldk = L.ldk, ldb = L.ldb;
 
   const int tid = threadIdx.x, warp = tid >> 5;
@@ -616,7 +632,6 @@ __global__ void __launch_bounds__(kThreads, 4)
   const SeqEntry se = args.seqs[n];
   const int cs = args.chunk_size;
   const int m0 = 16 * KMT * warp;                                   // first state row of this warp
-  const int mt_active = max(0, min(KMT, Kp / 16 - KMT * warp));    // its m-tiles inside Kp
   const int bv_valid = min(BV, Vp - v0);                            // columns of this tile inside Vp
 
   // S from h0 (fp32 [N, HV, K, V]) or zero.
@@ -633,15 +648,21 @@ __global__ void __launch_bounds__(kThreads, 4)
 
   auto chunk_row0 = [&](int64_t c) { return se.batch * args.Tlen + se.bos + c * cs; };
   auto chunk_len = [&](int64_t c) { return static_cast<int>(min(static_cast<int64_t>(cs), se.len - c * cs)); };
-  // W, U and the chunk's gate values.
-  auto issue_wu = [&](int64_t c) {
+  auto stage_ptr = [&](int base, int64_t c) { return smem + base + static_cast<int>(c % NS) * L.stage; };
+  // Chunk c's W, K (Kd for kda), U and gate values into stage c % NS; one cp.async group.
+  auto issue = [&](int64_t c) {
     const int64_t row0 = chunk_row0(c);
     const int len = chunk_len(c);
-    load_tile(Ws, ldk, W + (row0 * HV + hv) * Kp, HV * Kp, len, kBT, Kp, Kp, true);
-    load_tile(Us, ldb, U + (row0 * HV + hv) * Vp + v0, HV * Vp, len, kBT, bv_valid, BV, true);
+    T* Ws = reinterpret_cast<T*>(stage_ptr(L.w, c));
+    T* Ks = reinterpret_cast<T*>(stage_ptr(L.k, c));
+    T* Us = reinterpret_cast<T*>(stage_ptr(L.u, c));
+    float* gbuf = reinterpret_cast<float*>(stage_ptr(L.gbuf, c));
+    load_tile<T, kScanThreads>(Ws, ldk, W + (row0 * HV + hv) * Kp, HV * Kp, len, kBT, Kp, KPT, true);
+    load_tile<T, kScanThreads>(Us, ldb, U + (row0 * HV + hv) * Vp + v0, HV * Vp, len, kBT, bv_valid, BV, true);
     if constexpr (kKda) {
+      load_tile<T, kScanThreads>(Ks, ldk, Kd + (row0 * HV + hv) * Kp, HV * Kp, len, kBT, Kp, KPT, true);
       // G of the chunk's last row, per key dimension (zero past K)
-      for (int d = tid; d < Kp; d += kThreads) {
+      for (int d = tid; d < KPT; d += kScanThreads) {
         if (d < K) {
           cp_async_4(gbuf + d, G + ((row0 + len - 1) * HV + hv) * K + d);
         } else {
@@ -649,6 +670,8 @@ __global__ void __launch_bounds__(kThreads, 4)
         }
       }
     } else {
+      const T* src = args.k.at(se.batch, se.bos + c * cs, hk);
+      load_tile<T, kScanThreads>(Ks, ldk, src, args.k.st, len, kBT, static_cast<int>(K), KPT, vec_ok(src, args.k.st));
       if (tid < kBT) {
         if (args.has_gate) {
           cp_async_4(gbuf + tid, G + (row0 + min(tid, len - 1)) * HV + hv);
@@ -657,52 +680,48 @@ __global__ void __launch_bounds__(kThreads, 4)
         }
       }
     }
-  };
-  auto issue_k = [&](int64_t c) {
-    const int len = chunk_len(c);
-    if constexpr (kKda) {
-      load_tile(Ks, ldk, Kd + (chunk_row0(c) * HV + hv) * Kp, HV * Kp, len, kBT, Kp, Kp, true);
-    } else {
-      const T* src = args.k.at(se.batch, se.bos + c * cs, hk);
-      load_tile(Ks, ldk, src, args.k.st, len, kBT, static_cast<int>(K), Kp, vec_ok(src, args.k.st));
-    }
+    cp_async_commit();
   };
 
   const int64_t nchunks = se.num_chunks;
-  if (nchunks > 0) {
-    issue_wu(0);
-    cp_async_commit();
-    issue_k(0);
-    cp_async_commit();
-  }
+  if (nchunks > 0) issue(0);
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t row0 = chunk_row0(c);
     const int len = chunk_len(c);
     const int64_t fc = se.first_chunk + c;
+    const T* Ws = reinterpret_cast<const T*>(stage_ptr(L.w, c));
+    const T* Ks = reinterpret_cast<const T*>(stage_ptr(L.k, c));
+    const T* Us = reinterpret_cast<const T*>(stage_ptr(L.u, c));
+    const float* gbuf = reinterpret_cast<const float*>(stage_ptr(L.gbuf, c));
+    // Stage (c + 1) % 2 was last read by chunk c - 1, which the barrier ending its step released.
+    if constexpr (NS == 2) {
+      if (c + 1 < nchunks) issue(c + 1);
+      else cp_async_commit();  // an empty group keeps the count below uniform
+    }
 
     // (a) S -> Sb
 #pragma unroll
-    for (int mt = 0; mt < KMT; ++mt) {
-      if (mt < mt_active) {
+    for (int mt = 0; mt < KMT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2)
-            store_pair(Sb + (m0 + acc_row(mt, 2 * h2)) * ldb + acc_col(nt, 0), S[mt][nt][2 * h2],
-                       S[mt][nt][2 * h2 + 1]);
-      }
-    }
-    cp_async_wait<1>();  // W, U, gates of chunk c (its K may still be in flight)
+        for (int h2 = 0; h2 < 2; ++h2)
+          store_pair(Sb + (m0 + acc_row(mt, 2 * h2)) * ldb + acc_col(nt, 0), S[mt][nt][2 * h2],
+                     S[mt][nt][2 * h2 + 1]);
+    cp_async_wait<NS - 1>();  // chunk c's group (chunk c + 1's may still be in flight)
     __syncthreads();
-    {
+    if (h != nullptr) {
       // h_c = S (columns v0 .. v0 + bv_valid of rows < Kp), 16-byte pieces
-      constexpr int kPiece = 16 / sizeof(T);
-      const int pieces = bv_valid / kPiece;
+      constexpr int kPiece = 16 / sizeof(T), kPieces = BV / kPiece;
       T* hdst = h + (fc * HV + hv) * Kp * Vp + v0;
-      for (int idx = tid; idx < Kp * pieces; idx += kThreads) {
-        const int d = idx / pieces, pc = (idx - d * pieces) * kPiece;
-        *reinterpret_cast<uint4*>(hdst + static_cast<int64_t>(d) * Vp + pc) =
-            *reinterpret_cast<const uint4*>(Sb + d * ldb + pc);
+      constexpr int kIters = (KPT * kPieces + kScanThreads - 1) / kScanThreads;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int idx = tid + it * kScanThreads;
+        const int d = idx / kPieces, pc = (idx % kPieces) * kPiece;
+        if (idx < KPT * kPieces && d < Kp && pc < bv_valid)
+          *reinterpret_cast<uint4*>(hdst + static_cast<int64_t>(d) * Vp + pc) =
+              *reinterpret_cast<const uint4*>(Sb + d * ldb + pc);
       }
     }
     // (b) Vn = U - W Sb
@@ -712,32 +731,31 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
       for (int mt = 0; mt < KMT; ++mt)
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) dec[mt][h2] = exp_t<T>(gbuf[min(m0 + acc_row(mt, 2 * h2), Kp - 1)]);
+        for (int h2 = 0; h2 < 2; ++h2) dec[mt][h2] = exp_t<T>(gbuf[m0 + acc_row(mt, 2 * h2)]);
     } else {
       glast = gbuf[len - 1];
     }
     {
-      float acc[1][NT][4];
+      // warp w: rows 16 (w % 4) .. + 15 of Vn, columns nb .. nb + 8 NTB (all BV of them with 4 warps)
+      const int rb = 16 * (warp & 3), nb = 8 * NTB * (warp >> 2);
+      float acc[1][NTB][4];
       zero_acc(acc);
-      warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, Ws, ldk, 16 * warp, Sb, ldb, 0, 0, Kp);
+      warp_mma<T, 1, NTB, Lay::rowmajor, Lay::rowmajor>(acc, Ws, ldk, rb, Sb, ldb, nb, 0, KPT);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTB; ++nt)
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = 16 * warp + acc_row(0, 2 * h2), col = acc_col(nt, 0);
+          const int i = rb + acc_row(0, 2 * h2), col = nb + acc_col(nt, 0);
           const float vn0 = to_f(Us[i * ldb + col]) - acc[0][nt][2 * h2];
           const float vn1 = to_f(Us[i * ldb + col + 1]) - acc[0][nt][2 * h2 + 1];
-          if (i < len && col < bv_valid) store_pair(vnew + ((row0 + i) * HV + hv) * Vp + v0 + col, vn0, vn1);
+          if (vnew != nullptr && i < len && col < bv_valid)
+            store_pair(vnew + ((row0 + i) * HV + hv) * Vp + v0 + col, vn0, vn1);
           float f = 1.f;
           if constexpr (!kKda) f = exp_t<T>(glast - gbuf[i]);  // rows past len: e^0, and Vn = 0 there
           store_pair(Vns + i * ldb + col, vn0 * f, vn1 * f);
         }
     }
-    __syncthreads();  // Ws, Us, gbuf are free; Vns is complete
-    if (c + 1 < nchunks) issue_wu(c + 1);
-    cp_async_commit();
-    cp_async_wait<1>();  // K of chunk c
-    __syncthreads();
+    __syncthreads();  // Vns is complete; Sb is free
     // (c) S = D_n S + Kd^T Vns
     {
       const float eg = exp_t<T>(glast);
@@ -747,12 +765,12 @@ __global__ void __launch_bounds__(kThreads, 4)
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) S[mt][nt][e] *= kKda ? dec[mt][e >> 1] : eg;
-      if (mt_active > 0)
-        warp_mma<T, KMT, NT, Lay::colmajor, Lay::rowmajor>(S, Ks, ldk, m0, Vns, ldb, 0, 0, kBT, mt_active, NT);
+      warp_mma<T, KMT, NT, Lay::colmajor, Lay::rowmajor>(S, Ks, ldk, m0, Vns, ldb, 0, 0, kBT);
     }
-    __syncthreads();  // Ks, Vns are free
-    if (c + 1 < nchunks) issue_k(c + 1);
-    cp_async_commit();
+    __syncthreads();  // stage c % NS and Vns are free
+    if constexpr (NS == 1) {
+      if (c + 1 < nchunks) issue(c + 1);
+    }
   }
 
   if (ht != nullptr) {
@@ -911,6 +929,13 @@ int sm_count() {
   DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
   return n;
 }
+// How many CTAs of `bytes` dynamic shared memory (and at most `cap` by registers) one SM holds.
+int ctas_per_sm(int bytes, int cap) {
+  int dev = 0, per_sm = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  return std::max(1, std::min(cap, per_sm / (bytes + 1024)));  // 1 KB per CTA is reserved
+}
 
 // Opts the kernel into `bytes` of dynamic shared memory; names the arguments when it cannot fit.
 template <class Kernel>
@@ -1036,33 +1061,55 @@ void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const flo
     dispatch_kda(p.variant, [&](auto kda) {
       constexpr bool kKda = decltype(kda)::value;
       const FwdArgs<T> args = make_args<T>(p, table);
-      // BV = 32 when that still gives two CTAs per SM, else 16 (more CTAs for few (sequence, head)
-      // pairs); K > 128 needs 4 m-tiles per warp and takes BV = 16 to bound registers.
-      const int64_t tiles32 = (args.Vp + 31) / 32;
-      bool wide = p.K <= 128 && table.num_seqs() * p.HV * tiles32 >= 2 * sm_count();
-      // DELTACP_TILED_SCAN_BV=16|32 overrides the choice (tests and tuning runs exercise both paths).
-      if (const char* env = std::getenv("DELTACP_TILED_SCAN_BV")) wide = p.K <= 128 && std::atoi(env) == 32;
-      auto launch = [&](auto kernel, int BV) {
-        const ScanLayout L = scan_layout(args.Kp, BV, sizeof(T));
+      // BV: the widest of 64, 32 (, 16 for K <= 64) that still gives at least one CTA per two SMs;
+      // DELTACP_TILED_SCAN_BV=16|32|64 overrides (tests and tuning runs exercise every path).
+      auto ctas_of = [&](int bv) { return table.num_seqs() * p.HV * ((args.Vp + bv - 1) / bv); };
+      int bv = ctas_of(64) * 2 >= sm_count() ? 64 : ctas_of(32) * 2 >= sm_count() || p.K > 64 ? 32 : 16;
+      if (const char* env = std::getenv("DELTACP_TILED_SCAN_BV")) {
+        bv = std::atoi(env);
+        DELTACP_CHECK(bv == 16 || bv == 32 || bv == 64, "DELTACP_TILED_SCAN_BV", "expected 16, 32 or 64, got ", env);
+        if (bv == 16 && p.K > 64 && p.K <= 128) bv = 32;  // 8 warps need two n-tiles each
+      }
+      if (p.K > 128) bv = 16;
+      // Two stages (chunk c + 1 loading while chunk c computes) where they fit in shared memory and
+      // do not add a wave of CTAs (they halve the CTAs per SM); DELTACP_TILED_SCAN_STAGES=1|2 forces.
+      auto launch = [&](auto kernel1, auto kernel2, int BV, int NW, int KPT) {
+        const int64_t ctas = ctas_of(BV);
+        const int cap = NW == 4 ? 4 : 2;  // CTAs per SM allowed by the launch bounds' registers
+        auto waves = [&](int ns) {
+          const int64_t slots =
+              int64_t(sm_count()) * ctas_per_sm(scan_layout(KPT, BV, sizeof(T), ns).bytes, cap);
+          return (ctas + slots - 1) / slots;
+        };
+        bool two = scan_layout(KPT, BV, sizeof(T), 2).bytes <= max_smem_optin() && waves(2) <= waves(1);
+        if (const char* env = std::getenv("DELTACP_TILED_SCAN_STAGES"))
+          two = std::atoi(env) == 2 && scan_layout(KPT, BV, sizeof(T), 2).bytes <= max_smem_optin();
+        const ScanLayout L = scan_layout(KPT, BV, sizeof(T), two ? 2 : 1);
+        auto kernel = two ? kernel2 : kernel1;
         prepare_smem(kernel, L.bytes, p, "state scan");
         const int64_t gz = (args.Vp + BV - 1) / BV;
         check_grid_yz(gz, "V");
         const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
                         static_cast<unsigned>(gz));
-        kernel<<<grid, kThreads, L.bytes, stream>>>(args, G, static_cast<const T*>(W), static_cast<const T*>(U),
-                                                    static_cast<const T*>(Kd), static_cast<T*>(h),
-                                                    static_cast<T*>(v_new), h0, ht);
+        kernel<<<grid, 32 * NW, L.bytes, stream>>>(args, G, static_cast<const T*>(W), static_cast<const T*>(U),
+                                                   static_cast<const T*>(Kd), static_cast<T*>(h),
+                                                   static_cast<T*>(v_new), h0, ht);
         DELTACP_CUDA_CHECK_LAUNCH();
       };
-      if (p.K <= 64) {
-        if (wide) launch(chunk_state_scan_kernel<T, kKda, 32, 1>, 32);
-        else launch(chunk_state_scan_kernel<T, kKda, 16, 1>, 16);
-      } else if (p.K <= 128) {
-        if (wide) launch(chunk_state_scan_kernel<T, kKda, 32, 2>, 32);
-        else launch(chunk_state_scan_kernel<T, kKda, 16, 2>, 16);
-      } else {
-        launch(chunk_state_scan_kernel<T, kKda, 16, 4>, 16);
+#define DELTACP_SCAN(BV, KMT, NW)                                                    \
+  launch(chunk_state_scan_kernel<T, kKda, BV, KMT, 1, NW>, chunk_state_scan_kernel<T, kKda, BV, KMT, 2, NW>, \
+         BV, NW, 16 * (KMT) * (NW))
+      if (p.K <= 64) {  // 4 warps x 16 rows
+        if (bv == 64) DELTACP_SCAN(64, 1, 4);
+        else if (bv == 32) DELTACP_SCAN(32, 1, 4);
+        else DELTACP_SCAN(16, 1, 4);
+      } else if (p.K <= 128) {  // 8 warps x 16 rows
+        if (bv == 64) DELTACP_SCAN(64, 1, 8);
+        else DELTACP_SCAN(32, 1, 8);
+      } else {  // 4 warps x 64 rows
+        DELTACP_SCAN(16, 4, 4);
       }
+#undef DELTACP_SCAN
     });
   });
 }
@@ -1097,7 +1144,11 @@ void run_forward(const Params& p) {
   // One workspace allocation, carved into 256-byte aligned pieces.
   auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t bytes_G = align(sz.G * 4), bytes_W = align(sz.W * esize), bytes_U = align(sz.U * esize),
-                bytes_Kd = align(sz.Kd * esize), bytes_vn = align(sz.v_new * esize), bytes_h = align(sz.h * esize);
+                bytes_Kd = align(sz.Kd * esize);
+  // Final-state-only (Params::final_state_only, the CP pre-pass): no output stage, so neither h per
+  // chunk nor v_new is stored (the scan skips those writes).
+  const bool states_only = p.final_state_only();
+  const int64_t bytes_vn = states_only ? 0 : align(sz.v_new * esize), bytes_h = states_only ? 0 : align(sz.h * esize);
   const int64_t total = bytes_G + bytes_W + bytes_U + bytes_Kd + bytes_vn + bytes_h;
   char* ws = nullptr;
   if (total > 0) DELTACP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), static_cast<size_t>(total), stream));
@@ -1118,7 +1169,7 @@ void run_forward(const Params& p) {
     launch_chunk_wy(p, table, G, W, U, Kd, /*Tinv=*/nullptr, stream);
     launch_chunk_state_scan(p, table, G, W, U, Kd, h, vn, static_cast<const float*>(p.h0),
                             static_cast<float*>(p.ht), stream);
-    launch_chunk_output(p, table, G, h, vn, stream);
+    if (!states_only) launch_chunk_output(p, table, G, h, vn, stream);
   } catch (...) {
     if (ws) cudaFreeAsync(ws, stream);
     throw;

@@ -8,13 +8,16 @@
 //   unique_id() -> bytes                            rank 0 makes it; torch.distributed broadcasts it
 //   Communicator(unique_id, rank, world, device, timeout_s)
 //       .all_gather(send, recv, count, dtype, stream, wait=True)
-//       .all_reduce_max_i64(buf, count, stream)   .wait(stream, what)   .abort()   .aborted
-//   prepass(direction, variant, dtype, n, H, HV, K, V, chunk, scale, tensors, init, out, stream)
-//       tensors: {"q"|"k"|"v"|"g"|"beta"|"a"|"b"|"do": (ptr, stride_t, stride_h)} of the span
+//       .all_reduce_max_i64(buf, count, stream)   .wait(stream, what)
+//       .abort(reason)   .aborted   .failure      (a failed communicator is dead for good: cp.h)
+//   prepass(direction, variant, dtype, n, H, HV, K, V, chunk, scale, tensors, init, out, stream, g_dtype="")
+//       tensors: {"q"|"k"|"v"|"g"|"beta"|"a"|"b"|"do": (ptr, stride_t, stride_h)} of the span;
+//       g_dtype: g's dtype when it differs from `dtype` ("float32" beside bfloat16/float16 inputs)
 //   merge(gathered, HV, K, V, first, count, step, out, stream)
 //
 // deltacp::Error -> _cp_nccl.Error (a ValueError); CommTimeout -> _cp_nccl.CommTimeout (a
-// RuntimeError); other failures -> RuntimeError. The GIL is released while waiting.
+// RuntimeError); CommDead (any call after the communicator failed) -> _cp_nccl.CommDead (a
+// RuntimeError); other failures -> RuntimeError. The GIL is released while waiting and aborting.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -46,10 +49,18 @@ using View = std::tuple<uintptr_t, int64_t, int64_t>;  // (ptr, stride_t, stride
 
 void run_prepass(const std::string& direction, const std::string& variant, const std::string& dtype, int64_t n,
                  int64_t H, int64_t HV, int64_t K, int64_t V, int chunk, double scale,
-                 const std::map<std::string, View>& tensors, uintptr_t init, uintptr_t out, uintptr_t stream) {
+                 const std::map<std::string, View>& tensors, uintptr_t init, uintptr_t out, uintptr_t stream,
+                 const std::string& g_dtype) {
   dist::Span s;
   s.variant = static_cast<int>(variant_from_string(variant));
   s.dtype = dtype_code(dtype);
+  if (!g_dtype.empty() && g_dtype != dtype) {
+    const int code = dtype_code(g_dtype);
+    if (code != dist::kF32) {
+      throw Error("g", "expected g in the inputs' dtype " + dtype + " or float32, got " + g_dtype);
+    }
+    s.g_dtype = code;
+  }
   s.n = n;
   s.H = H;
   s.HV = HV;
@@ -87,6 +98,7 @@ PYBIND11_MODULE(_cp_nccl, m) {
   m.doc() = "deltacp context parallelism on GPUs: NCCL communicator with timeouts, CP pre-pass and merge";
   py::register_exception<Error>(m, "Error", PyExc_ValueError);
   py::register_exception<dist::CommTimeout>(m, "CommTimeout", PyExc_RuntimeError);
+  py::register_exception<dist::CommDead>(m, "CommDead", PyExc_RuntimeError);
 
   m.def("unique_id", [] { return py::bytes(dist::nccl_unique_id()); }, "A new ncclUniqueId as bytes (on rank 0).");
 
@@ -121,15 +133,22 @@ PYBIND11_MODULE(_cp_nccl, m) {
             c.wait(as_ptr(stream), what);
           },
           py::arg("stream"), py::arg("what"))
-      .def("abort", &dist::NcclComm::abort)
+      .def(
+          "abort",
+          [](dist::NcclComm& c, const std::string& reason) {
+            py::gil_scoped_release nogil;
+            c.abort(reason);
+          },
+          py::arg("reason") = "abort() was called")
       .def_property_readonly("aborted", &dist::NcclComm::aborted)
+      .def_property_readonly("failure", &dist::NcclComm::failure)
       .def_property_readonly("rank", &dist::NcclComm::rank)
       .def_property_readonly("world", &dist::NcclComm::world)
       .def_property_readonly("timeout", &dist::NcclComm::timeout);
 
   m.def("prepass", &run_prepass, py::arg("direction"), py::arg("variant"), py::arg("dtype"), py::arg("n"),
         py::arg("H"), py::arg("HV"), py::arg("K"), py::arg("V"), py::arg("chunk"), py::arg("scale"),
-        py::arg("tensors"), py::arg("init"), py::arg("out"), py::arg("stream"),
+        py::arg("tensors"), py::arg("init"), py::arg("out"), py::arg("stream"), py::arg("g_dtype") = "",
         "The CP pre-pass over one span: out [HV, K, V + K] fp32 = [H | M] (forward) or [dH | M^T] (backward).");
   m.def(
       "merge",

@@ -1,16 +1,33 @@
-// distributed/src/comm.cpp — a non-blocking NCCL communicator whose every wait has a timeout.
+// distributed/src/comm.cpp — a non-blocking NCCL communicator whose every wait has a timeout and
+// whose failure is final (the life cycle is spelled out in deltacp/distributed/cp.h).
 //
 // NCCL's blocking calls can hang forever when a peer stalls or dies. Here the communicator is made
 // with ncclCommInitRankConfig(blocking = 0); every call is followed by polling
 // ncclCommGetAsyncError (and, for completion, cudaEventQuery on an event recorded after the
 // collective) until it succeeds, fails, or the timeout passes. On a failure or a timeout the
-// communicator is aborted (ncclCommAbort) and CommTimeout / std::runtime_error is thrown with the
-// rank, the collective and the time waited — every healthy rank does the same within the timeout.
+// communicator becomes dead: it is stopped once (ncclCommRevoke, or ncclCommAbort when the loaded
+// NCCL has no revoke) under the lock that serialises all NCCL calls on it, and CommTimeout /
+// std::runtime_error is thrown with the rank, the collective and the time waited. Every later call
+// throws CommDead before touching NCCL or CUDA; the destructor of a dead communicator does nothing.
+//
+// Why (the GPU fault tests' healthy rank died with SIGSEGV at the timeout instead of raising; the
+// causes below are from reading the code and NCCL's documented abort rules, not yet confirmed on
+// GPUs): the previous version ran the collective on the caller's stream (torch's legacy default stream), called
+// ncclCommAbort — which frees the communicator's device, host and IPC memory at once — while the
+// all-gather kernel was still in flight on that stream and the peer was stalled or gone, left the
+// communicator alive after a CUDA error in the wait (so the destructor later ran
+// ncclCommFinalize/Destroy, a graceful teardown, on a broken communicator, possibly from the
+// garbage collector), and let abort() race with a wait in another thread (the GIL is released while
+// waiting). docs/context-parallel.md (the GPU fault tests) has the diagnosis.
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
-#include <sstream>
+#include <cstdlib>
+#include <cstring>
+#include <cstdio>
 #include <thread>
 
 #include "deltacp/distributed/cp.h"
@@ -19,7 +36,12 @@
 namespace deltacp::dist {
 namespace {
 
+constexpr double kStopWaitS = 10.0;      // at most this long for a revoke to quiesce
+constexpr double kTeardownWaitS = 30.0;  // at most this long for the destructor's finalize
+
 ncclComm_t as_comm(void* c) { return static_cast<ncclComm_t>(c); }
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
 
 ncclDataType_t nccl_type(int dtype) {
   switch (dtype) {
@@ -46,6 +68,48 @@ struct DeviceGuard {
   ~DeviceGuard() { cudaSetDevice(previous); }
 };
 
+// The same, for code that must not throw (errors are ignored: the device is best effort there).
+struct QuietDeviceGuard {
+  int previous = -1;
+  explicit QuietDeviceGuard(int device) {
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    (void)cudaSetDevice(device);
+  }
+  ~QuietDeviceGuard() {
+    if (previous >= 0) (void)cudaSetDevice(previous);
+  }
+};
+
+// "12.5": error messages are built from std::string and snprintf, never iostreams. On the 2-GPU
+// fault test the healthy rank crashed (SIGSEGV in std::ostream::_M_insert<long>, cuda-gdb backtrace
+// from NcclComm::finish) formatting its timeout message through std::ostringstream inside the
+// Python extension: the only iostream use in the module, reached only on that path.
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", s);
+  return buf;
+}
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// ncclCommRevoke, looked up at run time in the libnccl this module is bound to (torch may have
+// loaded an NCCL older than the headers this was compiled against; then there is no revoke and the
+// stop falls back to ncclCommAbort). DELTACP_NCCL_STOP=abort disables it.
+using RevokeFn = ncclResult_t (*)(ncclComm_t, int);
+RevokeFn find_revoke() {
+  static const RevokeFn fn = []() -> RevokeFn {
+    const char* mode = std::getenv("DELTACP_NCCL_STOP");
+    if (mode && std::strcmp(mode, "abort") == 0) return nullptr;
+    Dl_info info{};
+    if (!dladdr(reinterpret_cast<void*>(&ncclCommAbort), &info) || !info.dli_fname) return nullptr;
+    void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (!lib) return nullptr;
+    return reinterpret_cast<RevokeFn>(dlsym(lib, "ncclCommRevoke"));  // the handle stays open
+  }();
+  return fn;
+}
+
 }  // namespace
 
 std::string nccl_unique_id() {
@@ -55,32 +119,115 @@ std::string nccl_unique_id() {
   return std::string(id.internal, sizeof(id.internal));
 }
 
+std::string NcclComm::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+void NcclComm::throw_dead(const std::string& what) const {
+  std::string first;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first = failure_;
+  }
+  throw CommDead("deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
+                 ": the NCCL communicator of this CP context was shut down after an earlier failure (" + first +
+                 "); nothing more can run on it: build a new context with deltacp.cp.build_context");
+}
+
+// DELTACP_NCCL_STOP=none: a failed communicator is only marked dead (no revoke, no abort; its
+// kernels and memory are left to the process's exit). A diagnostic switch for the fault tests.
+bool stop_disabled() {
+  const char* mode = std::getenv("DELTACP_NCCL_STOP");
+  return mode && std::strcmp(mode, "none") == 0;
+}
+void NcclComm::stop_locked(Stop stop) noexcept {
+  if (!comm_ || stop == Stop::none || stop_disabled()) return;
+  QuietDeviceGuard guard(device_);
+  if (stop == Stop::revoke_or_abort) {
+    if (RevokeFn revoke = find_revoke()) {
+      const ncclResult_t r = revoke(as_comm(comm_), 0 /* NCCL_REVOKE_DEFAULT */);
+      if (r == ncclSuccess || r == ncclInProgress) {
+        // In-flight kernels quit on the abort flag; wait (bounded) until NCCL reports quiescence.
+        // The communicator is then kept, unused, until the process exits.
+        const auto t0 = std::chrono::steady_clock::now();
+        for (;;) {
+          ncclResult_t async = ncclSuccess;
+          if (ncclCommGetAsyncError(as_comm(comm_), &async) != ncclSuccess || async != ncclInProgress) break;
+          if (seconds_since(t0) > std::min(timeout_s_, kStopWaitS)) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        return;
+      }
+      // Revoke refused (for instance an older NCCL that cannot revoke in this state): abort.
+    }
+  }
+  ncclCommAbort(as_comm(comm_));  // frees the communicator
+  comm_ = nullptr;
+}
+
+void NcclComm::fail(const std::string& reason, Stop stop) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (dead_.load()) return;
+    failure_ = reason;
+    dead_.store(true);  // from here on no caller reaches NCCL or the private stream
+    stop_locked(stop);
+  } catch (...) {
+    dead_.store(true);  // std::string / mutex failures: still never use the communicator again
+  }
+}
+
+void NcclComm::abort(const std::string& reason) { fail(reason, Stop::revoke_or_abort); }
+
 template <class Ready>
-void NcclComm::poll(const std::string& what, Ready ready) {
-  DELTACP_CHECK(comm_ != nullptr, "communicator", "the NCCL communicator was aborted by an earlier failure; "
-                                                   "create a new CP context");
+void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop stop) {
   const auto start = std::chrono::steady_clock::now();
   for (int spin = 0;; ++spin) {
-    ncclResult_t async = ncclSuccess;
-    const ncclResult_t q = ncclCommGetAsyncError(as_comm(comm_), &async);
+    ncclResult_t async = ncclSuccess, q = ncclSuccess;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (dead_.load() || !comm_) {  // another thread stopped it (abort()) while this one waited
+        if (!dead_.load()) {
+          failure_ = "the communicator is gone";
+          dead_.store(true);
+        }
+        lock.unlock();
+        throw_dead(what);
+      }
+      q = ncclCommGetAsyncError(as_comm(comm_), &async);
+    }
     if (q != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
       const ncclResult_t bad = q != ncclSuccess ? q : async;
-      std::ostringstream os;
-      os << "deltacp: context parallelism: " << what << " on rank " << rank_ << " failed: " << ncclGetErrorString(bad)
-         << " (" << ncclGetLastError(as_comm(comm_)) << "); the communicator was aborted";
-      abort();
-      throw std::runtime_error(os.str());
+      const char* last = ncclGetLastError(nullptr);
+      const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
+                              " failed: " + ncclGetErrorString(bad) + " (" + (last ? last : "") +
+                              "); the NCCL communicator was shut down";
+      fail(msg, stop);
+      throw std::runtime_error(msg);
     }
-    if (async == ncclSuccess && ready()) return;
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited > timeout_s_) {
-      std::ostringstream os;
-      os << "deltacp: context parallelism: " << what << " on rank " << rank_ << " of " << world_
-         << " did not complete within " << timeout_s_
-         << " s (another rank stalled, exited or called a different collective); the NCCL communicator was "
-            "aborted";
-      abort();
-      throw CommTimeout(os.str());
+    if (async == ncclSuccess) {
+      bool done = false;
+      try {
+        done = ready();
+      } catch (const std::exception& e) {
+        // A CUDA error while waiting (for instance a fault of the collective): the communicator
+        // cannot be trusted any more either.
+        const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
+                                " failed: " + e.what() + "; the NCCL communicator was shut down";
+        fail(msg, stop);
+        throw std::runtime_error(msg);
+      }
+      if (done) return;
+    }
+    const double waited = seconds_since(start);
+    if (waited > limit_s) {
+      const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
+                              " of " + std::to_string(world_) + " did not complete within " + seconds_text(limit_s) +
+                              " s (another rank stalled, exited or called a different collective); the NCCL "
+                              "communicator was shut down";
+      fail(msg, stop);
+      throw CommTimeout(msg);
     }
     if (spin > 100) std::this_thread::sleep_for(std::chrono::microseconds(spin > 10000 ? 1000 : 50));
   }
@@ -94,6 +241,25 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device
                 rank);
   DELTACP_CHECK(timeout_s > 0, "timeout", "expected a positive number of seconds, got ", timeout_s);
   DeviceGuard guard(device);
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ev_in = nullptr, ev_done = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  stream_ = stream;
+  auto release_cuda = [&] {
+    if (ev_in) cudaEventDestroy(ev_in);
+    if (ev_done) cudaEventDestroy(ev_done);
+    cudaStreamDestroy(stream);
+  };
+  try {
+    cuda_check(cudaEventCreateWithFlags(&ev_in, cudaEventDisableTiming), "cudaEventCreate");
+    cuda_check(cudaEventCreateWithFlags(&ev_done, cudaEventDisableTiming), "cudaEventCreate");
+  } catch (...) {
+    release_cuda();
+    throw;
+  }
+  ev_in_ = ev_in;
+  ev_done_ = ev_done;
+
   ncclUniqueId id;
   std::copy(unique_id.begin(), unique_id.end(), id.internal);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -101,44 +267,110 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device
   ncclComm_t comm = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
   if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm) ncclCommAbort(comm);
+    release_cuda();
     throw std::runtime_error(std::string("deltacp: ncclCommInitRankConfig on rank ") + std::to_string(rank) + ": " +
                              ncclGetErrorString(r));
   }
   comm_ = comm;
-  poll("creating the NCCL communicator", [] { return true; });
+  try {
+    // An init that fails or times out is aborted (and freed): no collective ever ran on it.
+    poll("creating the NCCL communicator", [] { return true; }, timeout_s_, Stop::abort);
+  } catch (...) {
+    // The destructor does not run after a throwing constructor; nothing was enqueued on the stream.
+    if (!comm_) release_cuda();
+    throw;
+  }
 }
 
 NcclComm::~NcclComm() {
-  if (!comm_) return;
+  if (dead_.load()) return;  // stopped after a failure: deliberately kept (cp.h)
   try {
     DeviceGuard guard(device_);
-    ncclCommFinalize(as_comm(comm_));  // non-blocking: completes asynchronously
-    poll("finalizing the communicator", [] { return true; });
-    if (comm_) ncclCommDestroy(as_comm(comm_));
+    // Everything enqueued was waited for (or ordered before later work on the caller's stream):
+    // finalize flushes NCCL's side, destroy frees it. A finalize that fails or hangs (a peer died
+    // meanwhile) leaves the communicator dead and kept instead of tearing it down under the peer.
+    const ncclResult_t r = ncclCommFinalize(as_comm(comm_));
+    if (r != ncclSuccess && r != ncclInProgress) {
+      fail(std::string("ncclCommFinalize: ") + ncclGetErrorString(r), Stop::none);
+      return;
+    }
+    poll("finalizing the communicator", [] { return true; }, std::min(timeout_s_, kTeardownWaitS), Stop::none);
+    std::lock_guard<std::mutex> lock(mu_);
+    ncclCommDestroy(as_comm(comm_));
+    comm_ = nullptr;
+    dead_.store(true);
+    failure_ = "the communicator was destroyed";
+    cudaStreamSynchronize(as_stream(stream_));
+    cudaEventDestroy(as_event(ev_in_));
+    cudaEventDestroy(as_event(ev_done_));
+    cudaStreamDestroy(as_stream(stream_));
   } catch (...) {
-    // poll() aborted the communicator already; a destructor must not throw.
+    // poll() marked it dead already (Stop::none: nothing freed); a destructor must not throw.
   }
-  comm_ = nullptr;
 }
 
-void NcclComm::abort() {
-  if (!comm_) return;
-  ncclCommAbort(as_comm(comm_));
-  comm_ = nullptr;
+template <class Launch>
+void NcclComm::enqueue(const std::string& what, void* user_stream, Launch launch) {
+  ncclResult_t r = ncclSuccess;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!dead_.load() && comm_) {
+      DeviceGuard guard(device_);
+      // The collective reads what the caller enqueued before it: private stream after the caller's.
+      cuda_check(cudaEventRecord(as_event(ev_in_), as_stream(user_stream)), "cudaEventRecord");
+      cuda_check(cudaStreamWaitEvent(as_stream(stream_), as_event(ev_in_), 0), "cudaStreamWaitEvent");
+      r = launch(as_comm(comm_), as_stream(stream_));
+      if (r == ncclSuccess || r == ncclInProgress) return;
+    }
+  }
+  if (r == ncclSuccess) throw_dead(what);  // it was dead before anything was enqueued
+  const std::string msg = "deltacp: context parallelism: enqueuing " + what + " on rank " + std::to_string(rank_) +
+                          " failed: " + ncclGetErrorString(r) + "; the NCCL communicator was shut down";
+  fail(msg, Stop::revoke_or_abort);
+  throw std::runtime_error(msg);
+}
+
+void NcclComm::finish(const std::string& what, void* user_stream, bool wait_done) {
+  // Non-blocking communicator: the enqueue may still be running in NCCL's background thread.
+  poll("enqueuing " + what, [] { return true; }, timeout_s_);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (dead_.load()) {
+      lock.unlock();
+      throw_dead(what);
+    }
+    DeviceGuard guard(device_);
+    cuda_check(cudaEventRecord(as_event(ev_done_), as_stream(stream_)), "cudaEventRecord");
+    // Asynchronous use: later work on the caller's stream waits for the collective on the GPU.
+    // (With wait_done the host confirms completion first, so a stuck collective never blocks the
+    // caller's stream.)
+    if (!wait_done)
+      cuda_check(cudaStreamWaitEvent(as_stream(user_stream), as_event(ev_done_), 0), "cudaStreamWaitEvent");
+  }
+  if (!wait_done) return;
+  DeviceGuard guard(device_);
+  poll(what, [&] {
+    const cudaError_t e = cudaEventQuery(as_event(ev_done_));
+    if (e == cudaErrorNotReady) return false;
+    cuda_check(e, "cudaEventQuery");
+    return true;
+  }, timeout_s_);
 }
 
 void NcclComm::wait(void* stream, const std::string& what) {
+  if (dead_.load()) throw_dead(what);
   DeviceGuard guard(device_);
   cudaEvent_t done = nullptr;
   cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-  cuda_check(cudaEventRecord(done, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
   try {
+    cuda_check(cudaEventRecord(done, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
     poll(what, [&] {
       const cudaError_t e = cudaEventQuery(done);
       if (e == cudaErrorNotReady) return false;
       cuda_check(e, "cudaEventQuery");
       return true;
-    });
+    }, timeout_s_);
   } catch (...) {
     cudaEventDestroy(done);
     throw;
@@ -147,31 +379,19 @@ void NcclComm::wait(void* stream, const std::string& what) {
 }
 
 void NcclComm::all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait_done) {
-  DeviceGuard guard(device_);
-  DELTACP_CHECK(comm_ != nullptr, "communicator", "the NCCL communicator was aborted by an earlier failure");
-  const ncclResult_t r =
-      ncclAllGather(send, recv, count, nccl_type(dtype), as_comm(comm_), static_cast<cudaStream_t>(stream));
-  if (r != ncclSuccess && r != ncclInProgress) {
-    const std::string text = ncclGetErrorString(r);
-    abort();
-    throw std::runtime_error("deltacp: ncclAllGather on rank " + std::to_string(rank_) + ": " + text);
-  }
-  poll("enqueuing the all-gather", [] { return true; });
-  if (wait_done) wait(stream, "the all-gather of the CP states");
+  const ncclDataType_t type = nccl_type(dtype);  // bad arguments: deltacp::Error, nothing enqueued
+  const std::string what = "the all-gather of the CP states";
+  if (dead_.load()) throw_dead(what);
+  enqueue(what, stream, [&](ncclComm_t comm, cudaStream_t s) { return ncclAllGather(send, recv, count, type, comm, s); });
+  finish(what, stream, wait_done);
 }
 
 void NcclComm::all_reduce_max_i64(int64_t* buf, size_t count, void* stream) {
-  DeviceGuard guard(device_);
-  DELTACP_CHECK(comm_ != nullptr, "communicator", "the NCCL communicator was aborted by an earlier failure");
-  const ncclResult_t r = ncclAllReduce(buf, buf, count, ncclInt64, ncclMax, as_comm(comm_),
-                                       static_cast<cudaStream_t>(stream));
-  if (r != ncclSuccess && r != ncclInProgress) {
-    const std::string text = ncclGetErrorString(r);
-    abort();
-    throw std::runtime_error("deltacp: ncclAllReduce on rank " + std::to_string(rank_) + ": " + text);
-  }
-  poll("enqueuing the fingerprint all-reduce", [] { return true; });
-  wait(stream, "the fingerprint all-reduce");
+  const std::string what = "the fingerprint all-reduce";
+  if (dead_.load()) throw_dead(what);
+  enqueue(what, stream,
+          [&](ncclComm_t comm, cudaStream_t s) { return ncclAllReduce(buf, buf, count, ncclInt64, ncclMax, comm, s); });
+  finish(what, stream, true);
 }
 
 }  // namespace deltacp::dist

@@ -69,6 +69,8 @@ void check_span(const Span& s) {
                 s.chunk);
   DELTACP_CHECK(s.variant >= kDelta && s.variant <= kDplr, "variant", "expected 0..3, got ", s.variant);
   DELTACP_CHECK(s.dtype >= kF64 && s.dtype <= kF16, "dtype", "expected 0..3, got ", s.dtype);
+  DELTACP_CHECK(s.g_dtype == -1 || s.g_dtype == s.dtype || s.g_dtype == kF32, "g",
+                "expected g in the inputs' dtype or float32, got dtype code ", s.g_dtype);
 }
 
 void run_prepass(const Span& s, bool backward, const float* init, float* out, void* stream_ptr) {

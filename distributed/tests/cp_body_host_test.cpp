@@ -11,6 +11,7 @@
 // Exit status non-zero on any failure; prints one line per case.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -117,8 +118,9 @@ ref::HeadInputs<double> head(const Problem& p, int64_t hv) {
 }
 
 // Runs prep over every (chunk, head) and the scan over every (column tile, head), as the kernels do.
-std::vector<float> run_prepass(const Problem& p, bool backward, int64_t CT) {
-  const dist::Span s = span_of(p);
+// `span` overrides span_of(p) (same sizes, other element types).
+std::vector<float> run_prepass(const Problem& p, bool backward, int64_t CT, const dist::Span* span = nullptr) {
+  const dist::Span s = span ? *span : span_of(p);
   const int64_t NC = s.nchunks(), rows = (p.variant == dist::kDplr && !backward) ? 2 * p.chunk : p.chunk;
   std::vector<float> Wx(p.HV * NC * rows * p.K), Ux(p.HV * NC * rows * p.V), Kbx(Wx.size()), Qg(Wx.size()),
       dO(Ux.size()), d(p.HV * NC * p.K);
@@ -134,6 +136,9 @@ std::vector<float> run_prepass(const Problem& p, bool backward, int64_t CT) {
       dist::scan_body({0, 1}, s, w, hv, col0, CT, backward, init, out.data(), smem.data());
   return out;
 }
+
+// The larger error, NaN if either is NaN (std::max(a, NaN) would return a and hide it).
+double worst(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
 
 double rel_err(const Mat<double>& got, const Mat<double>& want) {
   return (got - want).norm() / std::max(want.norm(), 1e-300);
@@ -167,18 +172,77 @@ void run_case(int variant, const char* name, int64_t n, int64_t H, int64_t HV, i
     const ref::HeadInputs<double> x = head(p, hv);
     const ref::Affine<double> f = ref::span_affine(x, 0, n, chunk);
     const Mat<double> S0 = state(p.start, hv, K, V);
-    ef = std::max(ef, rel_err(block(fwd, hv, K, V + K, 0, V), f.M * S0 + f.H));
-    ef = std::max(ef, rel_err(block(fwd, hv, K, V + K, V, K), f.M));
+    ef = worst(ef, rel_err(block(fwd, hv, K, V + K, 0, V), f.M * S0 + f.H));
+    ef = worst(ef, rel_err(block(fwd, hv, K, V + K, V, K), f.M));
     Mat<double> dout(n, V);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t j = 0; j < V; ++j) dout(t, j) = p.dout[(t * HV + hv) * V + j];
     const ref::AffineBackward<double> bk = ref::span_affine_backward(x, 0, n, dout, chunk);
     const Mat<double> dend = state(p.dend, hv, K, V);
-    eb = std::max(eb, rel_err(block(bwd, hv, K, V + K, 0, V), bk.Mt * dend + bk.dH));
-    eb = std::max(eb, rel_err(block(bwd, hv, K, V + K, V, K), bk.Mt));
+    eb = worst(eb, rel_err(block(bwd, hv, K, V + K, 0, V), bk.Mt * dend + bk.dH));
+    eb = worst(eb, rel_err(block(bwd, hv, K, V + K, V, K), bk.Mt));
   }
   check("forward [H | M]", name, n, ef, 2e-5);
   check("backward [dH | M^T]", name, n, eb, 2e-5);
+}
+
+// bf16 bits of x, round to nearest even (finite inputs).
+uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+float from_bf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// bf16 q, k, v, beta, a, b, do beside a float32 g (FLA's usual setup): the bodies must read g in
+// its own dtype. Reference: the same bodies on fp32 copies of the bf16 values (every bf16 value
+// is exact in fp32, so the two runs do identical arithmetic and must agree bitwise).
+void run_case_fp32_gate(int variant, const char* name) {
+  const int64_t n = 40, H = variant == dist::kDplr ? 2 : 1, HV = 2, K = 8, V = 6;
+  Problem p = make(variant, n, H, HV, K, V, 16, 99u + unsigned(variant));
+  std::vector<std::vector<uint16_t>> bits;
+  auto round_all = [&](std::vector<float>& x) {
+    bits.emplace_back(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      bits.back()[i] = to_bf16(x[i]);
+      x[i] = from_bf16(bits.back()[i]);
+    }
+    return bits.back().data();
+  };
+  const uint16_t* q = round_all(p.q);
+  const uint16_t* k = round_all(p.k);
+  const uint16_t* v = round_all(p.v);
+  const uint16_t* beta = round_all(p.beta);
+  const uint16_t* a = round_all(p.a);
+  const uint16_t* b = round_all(p.b);
+  const uint16_t* dout = round_all(p.dout);
+  for (auto& e : p.g) e *= 1.0f + 1e-3f;  // g keeps bits a bf16 read would lose (not bf16-exact)
+  dist::Span s16 = span_of(p);
+  s16.dtype = dist::kBf16;
+  s16.g_dtype = dist::kF32;  // s16.g still points at the fp32 g
+  s16.q.ptr = q;
+  s16.k.ptr = k;
+  s16.v.ptr = v;
+  s16.beta.ptr = beta;
+  s16.a.ptr = a;
+  s16.b.ptr = b;
+  s16.dout.ptr = dout;
+  for (bool backward : {false, true}) {
+    const std::vector<float> want = run_prepass(p, backward, 5);
+    const std::vector<float> got = run_prepass(p, backward, 5, &s16);
+    double diff = 0;  // max |got - want|, NaN as soon as one element is NaN
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double d = std::fabs(double(got[i]) - double(want[i]));
+      if (!(d <= diff)) diff = d;
+    }
+    check(backward ? "bf16 + fp32 g backward" : "bf16 + fp32 g forward", name, n, diff, 0.0);
+  }
 }
 
 void run_merge() {
@@ -207,7 +271,7 @@ void run_merge() {
           }
           S = A * S + B;
         }
-        err = std::max(err, rel_err(state(out, hv, K, V), S));
+        err = worst(err, rel_err(state(out, hv, K, V), S));
       }
       check(step > 0 ? "merge ascending" : "merge descending", "all", count, err, 1e-5);
     }
@@ -224,6 +288,7 @@ int main() {
     const int64_t H = v.variant == dist::kDplr ? 2 : 1, HV = 2;  // grouped values except for dplr
     for (int64_t n : {1, 15, 16, 17, 40}) run_case(v.variant, v.name, n, H, HV, 16, 5);
     run_case(v.variant, v.name, 70, H, HV, 32, 14);
+    if (v.variant != dist::kDelta) run_case_fp32_gate(v.variant, v.name);
   }
   run_merge();
   std::printf("%s: %d failure(s)\n", failures ? "FAIL" : "OK", failures);

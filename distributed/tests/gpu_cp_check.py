@@ -10,7 +10,9 @@ check: (1) the CP pre-pass kernels ([H | M], [dH | M^T]) against the CPU referen
        every rank, many short sequences, cuts inside a chunk, T not divisible by the chunk; (3) bitwise
        identical results run to run; (4) mismatched cu_seqlens -> the same ValueError on every rank.
 sleep / exit: rank 1 stalls (or exits) between the fingerprint check and the all-gather; every other
-       rank must raise within the context's timeout (10 s) instead of hanging.
+       rank must raise within the context's timeout (10 s) instead of hanging or crashing, and a second
+       call on the same context must raise at once (the communicator is dead for good) naming the
+       first failure. faulthandler is on: a crash prints every thread's Python stack to the log.
 Each rank writes cp_gpu_<mode>_rank<r>.json under --out (default $OUT or .); exit status non-zero
 on any failure.
 """
@@ -19,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import sys
 import time
+
+faulthandler.enable(all_threads=True)  # a SIGSEGV / SIGABRT prints the Python stacks to stderr
 
 import torch
 import torch.distributed as dist
@@ -113,7 +118,18 @@ def check_prepass(device, report):
                                                    do.cpu(), start.cpu())
                 ef, eb = rel(gpu_f, ref_f), rel(gpu_b, ref_b)
                 ok = ef <= 1e-5 and eb <= 1e-5
-                out.append(dict(variant=variant, dtype=str(dtype), n=n, err_fwd=ef, err_bwd=eb, ok=ok))
+                row = dict(variant=variant, dtype=str(dtype), n=n, err_fwd=ef, err_bwd=eb, ok=ok)
+                # The route deltacp.cp takes for tiled variants: the tiled tier's state-only modes
+                # (final-state-only forward, dh0-only backward) on the augmented problem.
+                if deltacp._core.cuda_supports(variant, "tiled", True):
+                    cfg.device = device
+                    tf = cp_ops._augmented_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start, method="tiled")
+                    tb = cp_ops._augmented_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start,
+                                                    method="tiled")
+                    tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit operands in the tensor-core products
+                    row.update(err_fwd_tiled=rel(tf, ref_f), err_bwd_tiled=rel(tb, ref_b), tol_tiled=tol)
+                    row["ok"] = ok and row["err_fwd_tiled"] <= tol and row["err_bwd_tiled"] <= tol
+                out.append(row)
     report["prepass"] = out
     return all(r["ok"] for r in out)
 
@@ -210,11 +226,28 @@ def fault(mode, device, world, report):
         report.update(raised=None, seconds=time.time() - t0)
     except Exception as exc:  # noqa: BLE001
         report.update(raised=type(exc).__name__, message=str(exc), seconds=time.time() - t0)
+    print(f"[rank {rank}] {mode}: first call -> {report.get('raised')} after {report['seconds']:.1f} s", flush=True)
+    if rank != 1 and report["raised"] is not None:
+        # The communicator is dead for good: a second call must raise at once, before any NCCL or
+        # CUDA work, naming the first failure; CUDA itself must still be usable.
+        t1 = time.time()
+        try:
+            call("gdn", loc, 64, True, cp_context=ctx)
+            report.update(second_raised=None)
+        except Exception as exc:  # noqa: BLE001
+            report.update(second_raised=type(exc).__name__, second_message=str(exc))
+        report["second_seconds"] = time.time() - t1
+        report["cuda_usable_after"] = bool(torch.ones(4, device=device).sum().item() == 4.0)
+        report["communicator_failure"] = ctx.nccl.failure if ctx.nccl is not None else None
     if rank == 1:
         report["ok"] = True  # the victim itself is not judged
     else:
         report["ok"] = (report["raised"] in ("CPTimeoutError", "RuntimeError")
-                        and report["seconds"] < FAULT_TIMEOUT_S + 10)
+                        and report["seconds"] < FAULT_TIMEOUT_S + 10
+                        and (ctx.nccl is None or (report.get("second_raised") == "RuntimeError"
+                                                  and "shut down" in report.get("second_message", "")
+                                                  and report["second_seconds"] < 5.0))
+                        and report.get("cuda_usable_after", False))
     return report["ok"]
 
 

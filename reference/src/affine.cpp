@@ -70,14 +70,14 @@ Affine<S> span_affine_tokens(const HeadInputs<S>& x, int64_t t0, int64_t t1) {
 }
 
 template <class S>
-HeadOutputs<S> affine_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size) {
+HeadOutputs<S> affine_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size, bool with_outputs) {
   HeadOutputs<S> out;
-  out.o.resize(x.n(), x.V());
+  if (with_outputs) out.o.resize(x.n(), x.V());
   Mat<S> St = h0.size() ? h0 : Mat<S>(Mat<S>::Zero(x.K(), x.V()));
   for (auto [t0, t1] : chunk_ranges(x.n(), chunk_size)) {
     const HeadInputs<S> c = x.slice(t0, t1);
     const ChunkWY<S> wy = chunk_wy(c);
-    out.o.middleRows(t0, t1 - t0) = chunk_step(c, wy, St).o;  // outputs from the chunk formula
+    if (with_outputs) out.o.middleRows(t0, t1 - t0) = chunk_step(c, wy, St).o;  // outputs from the chunk formula
     St = chunk_affine(c, wy).apply(St);                       // state from the affine map
   }
   out.ht = St;
@@ -102,7 +102,7 @@ AffineBackward<S> span_affine_backward(const HeadInputs<S>& x, int64_t t0, int64
   template Affine<S> chunk_affine<S>(const HeadInputs<S>&, const ChunkWY<S>&);                         \
   template Affine<S> span_affine<S>(const HeadInputs<S>&, int64_t, int64_t, int);                      \
   template Affine<S> span_affine_tokens<S>(const HeadInputs<S>&, int64_t, int64_t);                    \
-  template HeadOutputs<S> affine_forward<S>(const HeadInputs<S>&, const Mat<S>&, int);                 \
+  template HeadOutputs<S> affine_forward<S>(const HeadInputs<S>&, const Mat<S>&, int, bool);           \
   template AffineBackward<S> span_affine_backward<S>(const HeadInputs<S>&, int64_t, int64_t, const Mat<S>&, int);
 DELTACP_INSTANTIATE(double)
 DELTACP_INSTANTIATE(float)

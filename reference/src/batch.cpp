@@ -168,21 +168,29 @@ void forward(const Params& p, Method method) {
   validate_forward(p);
   check_finite_host(p, /*backward=*/false);
   const int C = p.chunk_size;
+  // Final-state-only forward (o null, ht given; params.h): every telling skips its outputs.
+  const bool with_o = p.o.defined();
   switch (method) {
     case Method::recurrent:
-      return forward_each<S>(p, [](const HeadInputs<S>& x, const Mat<S>& h0) { return recurrent_forward(x, h0); });
+      return forward_each<S>(p, [with_o](const HeadInputs<S>& x, const Mat<S>& h0) {
+        return recurrent_forward(x, h0, with_o);
+      });
     case Method::chunked:
-      return forward_each<S>(p, [C](const HeadInputs<S>& x, const Mat<S>& h0) {
-        ChunkedForward<S> f = chunked_forward(x, h0, C);
+      return forward_each<S>(p, [C, with_o](const HeadInputs<S>& x, const Mat<S>& h0) {
+        ChunkedForward<S> f = chunked_forward(x, h0, C, with_o);
         return HeadOutputs<S>{std::move(f.o), std::move(f.states.back())};
       });
     case Method::affine:
-      return forward_each<S>(p, [C](const HeadInputs<S>& x, const Mat<S>& h0) { return affine_forward(x, h0, C); });
+      return forward_each<S>(p, [C, with_o](const HeadInputs<S>& x, const Mat<S>& h0) {
+        return affine_forward(x, h0, C, with_o);
+      });
     default:
       throw_error("method", "expected recurrent, chunked or affine for the reference, got ", to_string(method));
   }
 }
 
+// dh0-only backward (every input gradient null, dh0 given; params.h): the tellings compute all
+// gradients anyway (dL/dh0 needs most of the same chain); store_grads writes only dh0.
 template <class S>
 void backward(const Params& p, Method method) {
   validate_backward(p);
@@ -267,7 +275,8 @@ void cp_forward(const Params& p, const std::vector<int64_t>& cuts, CpExchange<S>
       for (int64_t i = 0; i < pl.num_local_seqs(); ++i) {
         const Segment s = segment(pl, cu, i);
         Mat<S> h0 = i == 0 ? init[pl.rank] : gather_state<S>(p.h0, p.state_dtype, p, s.n, hv);
-        ChunkedForward<S> f = chunked_forward(gather_head<S>(p, s.n, hv, s.t0, s.t1), h0, p.chunk_size);
+        ChunkedForward<S> f =
+            chunked_forward(gather_head<S>(p, s.n, hv, s.t0, s.t1), h0, p.chunk_size, p.o.defined());
         store_rows<S>(p, p.o, s.n, hv, s.t0, f.o);
         if (s.t1 == cu[s.n + 1] - cu[s.n]) scatter_state<S>(p.ht, p.state_dtype, p, s.n, hv, f.states.back());
       }

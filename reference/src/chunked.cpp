@@ -212,7 +212,7 @@ std::vector<std::pair<int64_t, int64_t>> chunk_ranges(int64_t n, int chunk_size)
 // v_new = U - W S, S <- D_n S + (K e^(G_n - G))^T v_new; (3) every chunk's output from its
 // start state, in parallel again.
 template <class S>
-ChunkedForward<S> chunked_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size) {
+ChunkedForward<S> chunked_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size, bool with_outputs) {
   DELTACP_CHECK(chunk_size == 16 || chunk_size == 32 || chunk_size == 64, "chunk_size",
                 "expected 16, 32 or 64, got ", chunk_size);
   const auto ranges = chunk_ranges(x.n(), chunk_size);
@@ -225,7 +225,6 @@ ChunkedForward<S> chunked_forward(const HeadInputs<S>& x, const Mat<S>& h0, int 
     wy[c] = chunk_wy(chunks[c]);
   }
   ChunkedForward<S> f;
-  f.o.resize(x.n(), x.V());
   f.v_new.resize(x.n(), x.V());
   f.states.push_back(h0.size() ? h0 : Mat<S>(Mat<S>::Zero(x.K(), x.V())));
   for (int64_t c = 0; c < nc; ++c) {
@@ -233,6 +232,8 @@ ChunkedForward<S> chunked_forward(const HeadInputs<S>& x, const Mat<S>& h0, int 
     f.v_new.middleRows(ranges[c].first, chunks[c].n()) = st.v_new;
     f.states.push_back(std::move(st.S_end));
   }
+  if (!with_outputs) return f;
+  f.o.resize(x.n(), x.V());
 #pragma omp parallel for schedule(dynamic) if (nc >= 8)
   for (int64_t c = 0; c < nc; ++c)
     f.o.middleRows(ranges[c].first, chunks[c].n()) =
@@ -353,7 +354,7 @@ HeadGrads<S> chunk_backward(const HeadInputs<S>& c, const Mat<S>& S0, const Mat<
 template <class S>
 HeadGrads<S> chunked_backward(const HeadInputs<S>& x, const Mat<S>& h0, const Mat<S>& dout, const Mat<S>& dht,
                               int chunk_size) {
-  const ChunkedForward<S> f = chunked_forward(x, h0, chunk_size);  // chunk-start states
+  const ChunkedForward<S> f = chunked_forward(x, h0, chunk_size, /*with_outputs=*/false);  // chunk-start states
   const auto ranges = chunk_ranges(x.n(), chunk_size);
   HeadGrads<S> gr = HeadGrads<S>::zeros_like(x);
   Mat<S> dS = dht.size() ? dht : Mat<S>(Mat<S>::Zero(x.K(), x.V()));
@@ -374,7 +375,7 @@ HeadGrads<S> chunked_backward(const HeadInputs<S>& x, const Mat<S>& h0, const Ma
   template ChunkStep<S> chunk_step<S>(const HeadInputs<S>&, const ChunkWY<S>&, const Mat<S>&);              \
   template ChunkStep<S> chunk_state_update<S>(const HeadInputs<S>&, const ChunkWY<S>&, const Mat<S>&);      \
   template Mat<S> chunk_output<S>(const HeadInputs<S>&, const ChunkWY<S>&, const Mat<S>&, const Mat<S>&);   \
-  template ChunkedForward<S> chunked_forward<S>(const HeadInputs<S>&, const Mat<S>&, int);                  \
+  template ChunkedForward<S> chunked_forward<S>(const HeadInputs<S>&, const Mat<S>&, int, bool);            \
   template HeadGrads<S> chunk_backward<S>(const HeadInputs<S>&, const Mat<S>&, const Mat<S>&, const Mat<S>&); \
   template HeadGrads<S> chunked_backward<S>(const HeadInputs<S>&, const Mat<S>&, const Mat<S>&, const Mat<S>&, int);
 DELTACP_INSTANTIATE(double)

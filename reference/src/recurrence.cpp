@@ -46,14 +46,14 @@ Mat<S> token_step(const HeadInputs<S>& x, int64_t t, const Mat<S>& Sprev) {
 }  // namespace
 
 template <class S>
-HeadOutputs<S> recurrent_forward(const HeadInputs<S>& x, const Mat<S>& h0) {
+HeadOutputs<S> recurrent_forward(const HeadInputs<S>& x, const Mat<S>& h0, bool with_outputs) {
   const int64_t n = x.n(), K = x.K(), V = x.V();
   HeadOutputs<S> out;
-  out.o.resize(n, V);
+  if (with_outputs) out.o.resize(n, V);
   Mat<S> St = initial(h0, K, V);
   for (int64_t t = 0; t < n; ++t) {
     St = token_step(x, t, St);
-    out.o.row(t) = (St.transpose() * (x.scale * x.q.row(t).transpose())).transpose();
+    if (with_outputs) out.o.row(t) = (St.transpose() * (x.scale * x.q.row(t).transpose())).transpose();
   }
   out.ht = St;
   return out;
@@ -116,7 +116,7 @@ HeadGrads<S> recurrent_backward(const HeadInputs<S>& x, const Mat<S>& h0, const 
 }
 
 #define DELTACP_INSTANTIATE(S)                                                              \
-  template HeadOutputs<S> recurrent_forward<S>(const HeadInputs<S>&, const Mat<S>&);        \
+  template HeadOutputs<S> recurrent_forward<S>(const HeadInputs<S>&, const Mat<S>&, bool);  \
   template HeadGrads<S> recurrent_backward<S>(const HeadInputs<S>&, const Mat<S>&, const Mat<S>&, \
                                               const Mat<S>&);
 DELTACP_INSTANTIATE(double)

@@ -94,21 +94,30 @@ void validate_inputs(const Params& p) {
 
 void validate_forward(const Params& p) {
   validate_inputs(p);
-  require(p.o, "o", "output buffer [B, T, HV, V]");
+  // o may be left out only for the final-state-only forward (ht given; params.h).
+  if (!p.final_state_only())
+    require(p.o, "o", "output buffer [B, T, HV, V]; it may be omitted only when ht is given (final-state-only forward)");
 }
 
 void validate_backward(const Params& p) {
   validate_inputs(p);
   const Variant v = p.variant;
   require(p.dout, "do", "upstream gradient of o [B, T, HV, V]");
-  require(p.dq, "dq", "gradient buffer [B, T, H, K]");
-  require(p.dk, "dk", "gradient buffer [B, T, H, K]");
-  require(p.dv, "dv", "gradient buffer [B, T, HV, V]");
-  if (has_gate(v)) require(p.dg, "dg", "gradient buffer shaped like g");
-  if (has_beta(v)) require(p.dbeta, "dbeta", "gradient buffer shaped like beta");
+  if (p.dh0_only()) return;  // only dL/dh0 is wanted (params.h): no input gradient buffers at all
+  const char* why_qk = "gradient buffer [B, T, H, K]; all input gradients may be omitted together only when dh0 is "
+                       "given (dh0-only backward)";
+  const char* why_v = "gradient buffer [B, T, HV, V]; all input gradients may be omitted together only when dh0 is "
+                      "given (dh0-only backward)";
+  const char* why_other = "gradient buffer shaped like its input; all input gradients may be omitted together only "
+                          "when dh0 is given (dh0-only backward)";
+  require(p.dq, "dq", why_qk);
+  require(p.dk, "dk", why_qk);
+  require(p.dv, "dv", why_v);
+  if (has_gate(v)) require(p.dg, v == Variant::dplr ? "dgk" : "dg", why_other);
+  if (has_beta(v)) require(p.dbeta, "dbeta", why_other);
   if (has_ab(v)) {
-    require(p.da, "da", "gradient buffer shaped like a");
-    require(p.db, "db", "gradient buffer shaped like b");
+    require(p.da, "da", why_other);
+    require(p.db, "db", why_other);
   }
 }
 

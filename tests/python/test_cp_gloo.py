@@ -9,6 +9,9 @@ the rank in the environment) and reads their JSON reports. Checked:
     cuts inside a chunk, T not divisible by the chunk, empty sequences, grouped value heads, with and
     without initial / final states; variants gdn, kda, dplr and delta;
   * results are bitwise identical run to run;
+  * a float32 g (log decay) beside bfloat16 / float64 q, k, v, as the single-device ops accept it:
+    CP equals the single-process run with the same dtypes; a g of another dtype is a TypeError naming
+    'g' on every rank, and ranks that disagree on g's dtype raise the same ValueError naming 'g';
   * faults: a rank that sleeps or exits mid-exchange makes every other rank raise a clear error
     within the (10 s) timeout; mismatched cu_seqlens / dtypes raise the same ValueError on every rank
     naming the argument; T not divisible by the world size is rejected naming cu_seqlens.
@@ -64,6 +67,13 @@ def cases(world):
                     chunk=16))
     out.append(dict(name="kda-bfloat16-span", variant="kda", dtype="bfloat16", seqlens=span, states=True, HV_mult=1,
                     chunk=16))
+    # g kept in float32 beside 16-bit (or float64) q, k, v: FLA's usual setup.
+    out.append(dict(name="gdn-bfloat16-fp32gate-span", variant="gdn", dtype="bfloat16", seqlens=span, states=True,
+                    HV_mult=1, chunk=16, gate_fp32=True))
+    out.append(dict(name="kda-bfloat16-fp32gate-many-short", variant="kda", dtype="bfloat16", seqlens=many,
+                    states=True, HV_mult=1, chunk=16, gate_fp32=True))
+    out.append(dict(name="dplr-float64-fp32gate-span", variant="dplr", dtype="float64", seqlens=span, states=True,
+                    HV_mult=1, chunk=16, gate_fp32=True))
     return out
 
 
@@ -99,6 +109,8 @@ def _inputs(case, device="cpu"):
     else:
         x["beta"] = torch.sigmoid(rnd(1, T, HV))
     x = {n: t.to(dt) for n, t in x.items()}
+    if case.get("gate_fp32"):
+        x["g"] = x["g"].to(torch.float32)
     if case["states"]:
         x["h0"] = (rnd(N, HV, K, V) * 0.5).to(sdt)
     do = rnd(1, T, HV, V).to(dt)
@@ -184,6 +196,8 @@ def _fault(scenario, rank, world, victim):
     from deltacp.cp import ops as cp_ops
 
     case = dict(variant="gdn", dtype="float32", seqlens=[7, 24 * world - 7], states=True, HV_mult=1, chunk=16)
+    if scenario in ("bad_gate_dtype", "mismatch_gate_dtype"):
+        case["dtype"] = "bfloat16"
     cu, x, do, dht = _inputs(case)
     if scenario == "mismatch_cu" and rank == victim:
         cu = [0, 8, cu[-1]]
@@ -206,11 +220,15 @@ def _fault(scenario, rank, world, victim):
         loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone() for n, t in x.items()}
         if scenario == "mismatch_dtype" and rank == victim:
             loc = {n: t.double() for n, t in loc.items()}
+        if scenario == "bad_gate_dtype":  # float16 g beside bfloat16 q: neither q's dtype nor float32
+            loc["g"] = loc["g"].to(torch.float16)
+        if scenario == "mismatch_gate_dtype" and rank == victim:  # float32 g here, bfloat16 elsewhere
+            loc["g"] = loc["g"].to(torch.float32)
         _call("gdn", loc, cp_context=ctx, chunk=16, states=True)
         return {"raised": None, "seconds": time.time() - t0}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return {"raised": type(exc).__name__, "is_value_error": isinstance(exc, ValueError),
-                "message": str(exc), "seconds": time.time() - t0}
+                "is_type_error": isinstance(exc, TypeError), "message": str(exc), "seconds": time.time() - t0}
 
 
 def worker_main(argv):
@@ -353,6 +371,30 @@ def test_cp_mismatched_dtype_raises_on_every_rank():
     assert len(reports) == 2, "\n".join(logs)
     for rep in reports.values():
         assert rep["is_value_error"] and "'q'" in rep["message"], rep
+
+
+def test_cp_accepts_fp32_gate_beside_bf16_inputs():
+    reports = compare_reports(2)
+    for rank, rep in reports.items():
+        for name in ("gdn-bfloat16-fp32gate-span", "kda-bfloat16-fp32gate-many-short", "dplr-float64-fp32gate-span"):
+            assert name in rep, f"rank {rank}: case {name} missing"
+            assert "dg" in rep[name]["errors"], rep[name]
+
+
+def test_cp_gate_of_another_dtype_is_a_type_error_naming_g():
+    reports, logs = launch(2, {"kind": "bad_gate_dtype"}, timeout=120)
+    assert len(reports) == 2, "\n".join(logs)
+    for rep in reports.values():
+        assert rep["is_type_error"] and "'g'" in rep["message"] and "float32" in rep["message"], rep
+
+
+def test_cp_ranks_disagreeing_on_the_gate_dtype_raise_naming_g():
+    reports, logs = launch(2, {"kind": "mismatch_gate_dtype", "victim": 1}, timeout=120)
+    assert len(reports) == 2, "\n".join(logs)
+    messages = {rep["message"] for rep in reports.values()}
+    assert all(rep["is_value_error"] for rep in reports.values()), reports
+    assert len(messages) == 1, messages
+    assert "'g'" in messages.pop()
 
 
 def test_cp_indivisible_tokens_rejected():

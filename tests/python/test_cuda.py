@@ -151,3 +151,76 @@ def test_cuda_bad_input():
     with pytest.raises(ValueError, match="'initial_state'.*device"):
         deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
                                        initial_state=torch.zeros((1, 1, 32, 32)))
+
+
+# ---- the state-only modes (Params::final_state_only / dh0_only: the CP pre-pass) on the CUDA tiers ----
+def _cuda_problem(variant, dtype):
+    from deltacp._describe import torch_desc
+
+    p = make_problem(variant, cu_seqlens=[0, 1, 64, 130, 200], H=2, HV=4, K=64, V=48, seed=11)
+    t = {n: torch.as_tensor(np.ascontiguousarray(p[n])).to("cuda") for n in ("q", "k", "v", "g", "beta", "a", "b")
+         if p.get(n) is not None}
+    t = {n: (x.to(dtype) if n != "g" else x.float()) for n, x in t.items()}
+    h0 = torch.as_tensor(p["initial_state"]).float().cuda()
+    cu = torch.as_tensor(np.asarray(p["cu_seqlens"], dtype=np.int64)).cuda()
+    gname = "gk" if variant == "dplr" else "g"
+    d = {n: torch_desc(x, gname if n == "g" else n) for n, x in t.items()}
+    d["h0"] = torch_desc(h0, "initial_state")
+    d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
+    cu_host = cu.cpu()
+    d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
+    t["_alive"] = (h0, cu, cu_host)  # the descriptions hold raw pointers: keep their tensors alive
+    return t, h0, d, torch_desc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tier", ["naive", "tiled"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_state_only_modes_equal_the_full_run(variant, tier, dtype):
+    """Final-state-only forward gives the full forward's ht, and dh0-only backward its dh0, bit for bit."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    for direction in ("forward", "backward"):
+        if not _core.cuda_supports(variant, tier, direction == "backward"):
+            pytest.skip(f"{tier} has no {variant} {direction}")
+    t, h0, d, desc = _cuda_problem(variant, dtype)
+    N, HV, K, V = h0.shape
+    compute = "float32"
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def forward(with_o):
+        dd = dict(d)
+        ht = torch.full((N, HV, K, V), float("nan"), device="cuda")
+        dd["ht"] = desc(ht, "ht")
+        if with_o:
+            o = torch.empty_like(t["v"])
+            dd["o"] = desc(o, "o")
+        _core.run("forward", variant, tier, compute, dd, None, 64, None, stream, False)
+        return ht
+
+    def backward(with_grads):
+        dd = dict(d)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        do = torch.randn(t["v"].shape, device="cuda", generator=gen).to(dtype)
+        dht = torch.randn((N, HV, K, V), device="cuda", generator=gen)
+        dh0 = torch.full((N, HV, K, V), float("nan"), device="cuda")
+        dd.update(dout=desc(do, "do"), dht=desc(dht, "dht"), dh0=desc(dh0, "dh0"))
+        keep = []
+        if with_grads:
+            for n, x in t.items():
+                if n == "_alive":
+                    continue
+                keep.append(torch.empty_like(x))
+                dd["d" + n] = desc(keep[-1], "d" + ("gk" if variant == "dplr" and n == "g" else n))
+        _core.run("backward", variant, tier, compute, dd, None, 64, None, stream, False)
+        return dh0
+
+    ht_full, ht_only = forward(True), forward(False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(ht_full).all()
+    assert torch.equal(ht_only, ht_full)
+    dh0_full, dh0_only = backward(True), backward(False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(dh0_full).all()
+    assert torch.equal(dh0_only, dh0_full)

@@ -92,14 +92,32 @@ struct Params {
   TensorRef q, k, v, g, beta, a, b;
   const void* h0 = nullptr;  // optional [N, HV, K, V]
   // Forward outputs.
+  //   Full forward: o is required, ht optional.
+  //   Final-state-only forward: o null and ht given. Only ht is computed; no output is written
+  //   (and no output buffer needs to exist). This is what the context-parallel pre-pass runs: the
+  //   final state of a span whose values are augmented with K zero columns is [H | M], the affine
+  //   map S_end = M S_start + H of the span (DESIGN.md section 4). Every backend supports it.
   TensorRef o;
   void* ht = nullptr;  // optional [N, HV, K, V]
 
-  // Backward: upstream gradients in, input gradients out (all optional except dout and dq/dk/dv).
+  // Backward: upstream gradients in, input gradients out.
+  //   Full backward: dout and dq, dk, dv are required, plus the variant's dg (gdn, kda, dplr),
+  //   dbeta (gdn, kda, delta), da and db (dplr); dh0 is optional.
+  //   dh0-only backward: dh0 given and EVERY input gradient (dq, dk, dv, dg, dbeta, da, db) null.
+  //   Only dL/dh0 is computed (dout and dht are read as usual). The CP backward pre-pass runs it:
+  //   with values [v | 0], upstream [do | 0] and dht = [dend | I], dh0 is [dH | M^T].
+  //   A partial set (for instance dq given and dk null) is an error naming the missing gradient.
   TensorRef dout;             // dL/do, like o
   const void* dht = nullptr;  // dL/dht, like ht
   TensorRef dq, dk, dv, dg, dbeta, da, db;
   void* dh0 = nullptr;
+
+  // The two state-only modes above (validate_forward / validate_backward accept exactly these).
+  bool final_state_only() const { return !o.defined() && ht != nullptr; }
+  bool dh0_only() const {
+    return dh0 != nullptr && !dq.defined() && !dk.defined() && !dv.defined() && !dg.defined() &&
+           !dbeta.defined() && !da.defined() && !db.defined();
+  }
 
   // For the CUDA backends: the stream to launch on (cudaStream_t), nullptr = default stream.
   void* stream = nullptr;

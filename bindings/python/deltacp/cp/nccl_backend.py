@@ -6,7 +6,11 @@ process group instead. What it adds:
 
   * a non-blocking NCCL communicator of deltacp's own, made from a unique id that rank 0 creates
     and the context's torch.distributed group (any backend) broadcasts; every wait polls with the
-    context's timeout and aborts the communicator on a stall (CPTimeoutError on every healthy rank);
+    context's timeout and shuts the communicator down for good on a stall or an error
+    (CPTimeoutError / RuntimeError on every healthy rank, raised before any further CUDA work);
+    every later call on that context raises a RuntimeError naming the first failure (the context
+    must be rebuilt). The buffers of a failed collective are kept alive until the process exits so
+    that torch never hands memory that NCCL might still write to another tensor;
   * the CP pre-pass kernels ([H | M] of the last local segment, [dH | M^T] of the first) and the
     merge kernel, launched on torch's current stream.
 """
@@ -39,9 +43,18 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _translate(exc: Exception, what: str):
-    if _cp_nccl is not None and isinstance(exc, _cp_nccl.CommTimeout):
-        return CPTimeoutError(str(exc))
+# Buffers of collectives that failed: never freed (see the module docstring).
+_QUARANTINE = []
+
+
+def _translate(exc: Exception, what: str, *buffers):
+    if _cp_nccl is not None and isinstance(exc, (_cp_nccl.CommTimeout, _cp_nccl.CommDead)):
+        _QUARANTINE.extend(b for b in buffers if b is not None)
+        if isinstance(exc, _cp_nccl.CommTimeout):
+            return CPTimeoutError(str(exc))
+        return RuntimeError(str(exc))
+    if isinstance(exc, RuntimeError):  # an NCCL or CUDA failure: the communicator is shut down
+        _QUARANTINE.extend(b for b in buffers if b is not None)
     return exc
 
 
@@ -77,10 +90,12 @@ def _prepass(direction, cfg, q, k, v, g, beta, a, b, do, init):
         init = init.to(torch.float32).contiguous()
     views = _views(q=q, k=k, v=v, g=g, beta=beta, a=a, b=b, **({"do": do} if do is not None else {}))
     scale = cfg.scale if cfg.scale is not None else cfg.K ** -0.5
+    # g may be float32 beside 16-bit q, k, v (the kernels read it in its own dtype).
+    g_dtype = "" if g is None else _dtype_name(g)
     with torch.cuda.device(q.device):
         _cp_nccl.prepass(direction, cfg.variant, _dtype_name(q), int(q.shape[1]), cfg.H, cfg.HV, cfg.K, cfg.V,
                          cfg.chunk_size, float(scale), views, 0 if init is None else int(init.data_ptr()),
-                         int(out.data_ptr()), _stream(q.device))
+                         int(out.data_ptr()), _stream(q.device), g_dtype)
     if init is not None:
         init.record_stream(torch.cuda.current_stream(q.device))
     return out
@@ -102,7 +117,7 @@ def all_gather(ctx, x: torch.Tensor, what: str) -> torch.Tensor:
         ctx.nccl.all_gather(int(x.data_ptr()), int(out.data_ptr()), x.numel(), _dtype_name(x), _stream(x.device),
                             True)
     except Exception as exc:  # noqa: BLE001
-        raise _translate(exc, what) from exc
+        raise _translate(exc, what, x, out) from exc
     return out
 
 
@@ -111,7 +126,7 @@ def all_reduce_max_i64(ctx, values: torch.Tensor, what: str) -> torch.Tensor:
     try:
         ctx.nccl.all_reduce_max_i64(int(buf.data_ptr()), buf.numel(), _stream(ctx.device))
     except Exception as exc:  # noqa: BLE001
-        raise _translate(exc, what) from exc
+        raise _translate(exc, what, buf) from exc
     return buf.cpu()
 
 

@@ -25,6 +25,30 @@ dS <- M_j^T dS + dH_j (j = r + post_ranks down to r + 1), and run the local back
 last segment's dL/dS_end. Only one merged initial state is kept for the backward (the seeds'
 compress_h0): the rest of the local initial states are rebuilt from the user's initial_state.
 
+Why the augmented run is exact: every update of the state is affine in S with coefficients that do
+not depend on S (S <- P_t S + B_t with P_t, B_t built from k, g, beta, a, b and v), so for the
+V + K columns of X = [S | Y] with values [v | 0]: the first V columns follow the real recurrence and
+the last K follow Y <- P_t Y (no value term). From Y_0 = I they hold the product M = P_n ... P_1, and
+from S_0 = start the first V columns end at M start + H. The backward is the transpose: from
+dS_end = [dend | I] the gradient reaching the span start is [M^T dend + dH | M^T].
+
+How the pre-pass runs (the state-only modes of deltacp::Params, params.h): the forward is a
+final-state-only forward (no "o": only ht = [H | M] is written) and the backward a dh0-only backward
+(no input gradients: only dh0 = [dH | M^T] is written), both through the normal chunked kernels:
+
+  * CPU tensors: the chunked Eigen reference;
+  * CUDA tensors, variants whose chosen tier is "tiled" (gdn, kda, delta) and V + K <= 256 (the
+    tiled tier's widest value tile): the tiled tier itself (tensor cores; fp32 state, operands in
+    the input dtype exactly like the local kernel). A tiled launch that does not fit the GPU's
+    shared memory (fp32 inputs with V + K near 256) falls back to the loop kernels once and is
+    remembered for that shape;
+  * otherwise (dplr, the naive tier, V + K > 256): the fp32 loop kernels of deltacp._cp_nccl
+    (distributed/src/cp_kernels.cu, exact fp32), or the chunked CUDA tier when that module is absent.
+
+DELTACP_CP_PREPASS=auto (default) | chunked | loops overrides the CUDA choice (loops needs
+deltacp._cp_nccl). float32 g (the log decay) beside bf16/fp16 q, k, v is accepted as in the
+single-device ops, on every path.
+
 States: ``initial_state`` [N, HV, K, V] (N = number of GLOBAL sequences, the same tensor on every
 rank); row n is read by the rank holding sequence n's first token. The returned final state is
 [N, HV, K, V] with the rows of the sequences ENDING on this rank filled and zeros elsewhere (sum over
@@ -38,6 +62,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -78,54 +103,101 @@ def _seg(t, s0, s1):
     return None if t is None else t[:, s0:s1]
 
 
-def _identity_block(cfg: _Cfg) -> torch.Tensor:
+def _identity_block(cfg: _Cfg, device=None) -> torch.Tensor:
     """I_K for every value head: [HV, K, K] in the state dtype."""
-    eye = torch.eye(cfg.K, dtype=cfg.state_dtype, device=cfg.device)
+    eye = torch.eye(cfg.K, dtype=cfg.state_dtype, device=cfg.device if device is None else device)
     return eye.unsqueeze(0).expand(cfg.HV, cfg.K, cfg.K)
 
 
-def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: torch.Tensor) -> torch.Tensor:
-    """Final state of a span run with values [v | 0] from [start | I]: [HV, K, V + K] = [H | M]."""
+def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
+                       method: Optional[str] = None) -> torch.Tensor:
+    """Final state of a span run with values [v | 0] from [start or 0 | I]: [HV, K, V + K] = [H | M].
+
+    A final-state-only forward (no output buffer): only ht is computed."""
     n = q.shape[1]
+    if start is None:
+        start = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
     zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
     v_aug = torch.cat([v, zeros_v], dim=-1)
-    h0_aug = torch.cat([start, _identity_block(cfg)], dim=-1).unsqueeze(0).contiguous()
-    o_aug = torch.empty((1, n, cfg.HV, cfg.V + cfg.K), dtype=v.dtype, device=v.device)
+    h0_aug = torch.cat([start.to(cfg.state_dtype), _identity_block(cfg, v.device)], dim=-1).unsqueeze(0).contiguous()
     ht_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
     descs = _descs(cfg, q, k, v_aug, g, beta, a, b, h0=h0_aug)
-    descs["o"] = torch_desc(o_aug, "o")
-    descs["ht"] = torch_desc(ht_aug, "ht")
-    _run(cfg, "forward", cfg.fwd_method, descs)
+    descs["ht"] = torch_desc(ht_aug, "ht")  # and no "o"
+    _run(cfg, "forward", method or cfg.fwd_method, descs)
     return ht_aug[0]
 
 
-def _augmented_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: torch.Tensor) -> torch.Tensor:
-    """dL/dS_start of a span run with values [v | 0], upstream [do | 0] and dL/dS_end = [dend | I]:
-    [HV, K, V + K] = [dH | M^T] (independent of the start state, so none is given)."""
+def _augmented_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor],
+                        method: Optional[str] = None) -> torch.Tensor:
+    """dL/dS_start of a span run with values [v | 0], upstream [do | 0] and dL/dS_end = [dend or 0 | I]:
+    [HV, K, V + K] = [dH | M^T] (independent of the start state, so none is given).
+
+    A dh0-only backward (no input gradient buffers): only dh0 is computed."""
     n = q.shape[1]
+    if dend is None:
+        dend = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
     zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
     v_aug = torch.cat([v, zeros_v], dim=-1)
-    do_aug = torch.cat([do, zeros_v], dim=-1)
-    dht_aug = torch.cat([dend, _identity_block(cfg)], dim=-1).unsqueeze(0).contiguous()
+    do_aug = torch.cat([do.to(v.dtype), zeros_v], dim=-1)
+    dht_aug = torch.cat([dend.to(cfg.state_dtype), _identity_block(cfg, v.device)], dim=-1).unsqueeze(0).contiguous()
+    dh0_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
     descs = _descs(cfg, q, k, v_aug, g, beta, a, b)
     descs["dout"] = torch_desc(do_aug, "do")
     descs["dht"] = torch_desc(dht_aug, "dht")
-    scratch = []  # the input gradients of this auxiliary run are not needed, but must stay alive
-    for name, t in (("q", q), ("k", k), ("v", v_aug), ("g", g), ("beta", beta), ("a", a), ("b", b)):
-        if t is not None:
-            scratch.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
-            descs["d" + name] = torch_desc(scratch[-1], "d" + name)
-    dh0_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
-    descs["dh0"] = torch_desc(dh0_aug, "dh0")
-    _run(cfg, "backward", cfg.bwd_method, descs)
+    descs["dh0"] = torch_desc(dh0_aug, "dh0")  # and no dq, dk, dv, ...
+    _run(cfg, "backward", method or cfg.bwd_method, descs)
     return dh0_aug[0]
 
 
 # ---------------------------------------------------------------------------------------------
 # the exchange: pre-pass, all-gather, merge
 # ---------------------------------------------------------------------------------------------
+_PREPASS_MODES = ("auto", "chunked", "loops")
+_TILED_MAX_WIDTH = 256  # the tiled tier's widest value dimension (kMaxHeadDim): V + K must fit
+_TILED_PREPASS_UNFIT = set()  # (direction, variant, dtype, g dtype, K, V) whose tiled run did not fit the GPU
+
+
 def _use_nccl_kernels(cfg: _Cfg) -> bool:
     return cfg.device.type == "cuda" and cfg.ctx.nccl is not None
+
+
+def _prepass_mode() -> str:
+    mode = os.environ.get("DELTACP_CP_PREPASS", "auto").strip().lower() or "auto"
+    if mode not in _PREPASS_MODES:
+        raise ValueError(f"deltacp: environment variable 'DELTACP_CP_PREPASS': expected one of {_PREPASS_MODES}, "
+                         f"got {mode!r}")
+    return mode
+
+
+def _prepass_route(cfg: _Cfg, direction: str, q, g) -> str:
+    """'chunked' (the state-only modes of the chunked kernels) or 'loops' (deltacp._cp_nccl's fp32 loops)."""
+    if not _use_nccl_kernels(cfg):
+        return "chunked"  # CPU tensors, or CUDA without deltacp._cp_nccl
+    mode = _prepass_mode()
+    if mode != "auto":
+        return mode
+    method = cfg.fwd_method if direction == "forward" else cfg.bwd_method
+    key = (direction, cfg.variant, str(q.dtype), None if g is None else str(g.dtype), cfg.K, cfg.V)
+    if method == "tiled" and cfg.V + cfg.K <= _TILED_MAX_WIDTH and key not in _TILED_PREPASS_UNFIT:
+        return "chunked"
+    return "loops"
+
+
+def _prepass_chunked_or_loops(cfg: _Cfg, direction: str, chunked, loops, q, g):
+    """Runs the route _prepass_route picks; a tiled run that does not fit the GPU's shared memory
+    (a deltacp.Error naming the shared-memory limit, raised before anything is launched) falls back
+    to the loop kernels, once per shape."""
+    route = _prepass_route(cfg, direction, q, g)
+    if route == "loops":
+        return loops()
+    try:
+        return chunked()
+    except ValueError as exc:
+        if not (_use_nccl_kernels(cfg) and _prepass_mode() == "auto" and "shared memory" in str(exc)):
+            raise
+        _TILED_PREPASS_UNFIT.add((direction, cfg.variant, str(q.dtype), None if g is None else str(g.dtype), cfg.K,
+                                  cfg.V))
+        return loops()
 
 
 def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0) -> torch.Tensor:
@@ -138,16 +210,14 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0) -> torch.Tensor:
     start = None
     if h0 is not None and ctx.starts_here[-1]:
         start = h0[ctx.seq_ids[-1]]
-    if _use_nccl_kernels(cfg):
+    span = [_seg(t, s0, s1) for t in (q, k, v, g, beta, a, b)]
+
+    def loops():
         from . import nccl_backend
 
-        return nccl_backend.prepass_forward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1),
-                                            _seg(g, s0, s1), _seg(beta, s0, s1), _seg(a, s0, s1),
-                                            _seg(b, s0, s1), start)
-    if start is None:
-        start = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
-    return _augmented_forward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1), _seg(g, s0, s1),
-                              _seg(beta, s0, s1), _seg(a, s0, s1), _seg(b, s0, s1), start)
+        return nccl_backend.prepass_forward(cfg, *span, start)
+
+    return _prepass_chunked_or_loops(cfg, "forward", lambda: _augmented_forward(cfg, *span, start), loops, q, g)
 
 
 def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht) -> torch.Tensor:
@@ -161,16 +231,16 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht) -> torch.Tenso
     dend = None
     if dht is not None and ctx.ends_here[0]:
         dend = dht[ctx.seq_ids[0]]
-    if _use_nccl_kernels(cfg):
+    span = [_seg(t, s0, s1) for t in (q, k, v, g, beta, a, b)]
+    do_span = _seg(do, s0, s1)
+
+    def loops():
         from . import nccl_backend
 
-        return nccl_backend.prepass_backward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1),
-                                             _seg(g, s0, s1), _seg(beta, s0, s1), _seg(a, s0, s1),
-                                             _seg(b, s0, s1), _seg(do, s0, s1), dend)
-    if dend is None:
-        dend = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
-    return _augmented_backward(cfg, _seg(q, s0, s1), _seg(k, s0, s1), _seg(v, s0, s1), _seg(g, s0, s1),
-                               _seg(beta, s0, s1), _seg(a, s0, s1), _seg(b, s0, s1), _seg(do, s0, s1), dend)
+        return nccl_backend.prepass_backward(cfg, *span, do_span, dend)
+
+    return _prepass_chunked_or_loops(cfg, "backward", lambda: _augmented_backward(cfg, *span, do_span, dend), loops,
+                                     q, g)
 
 
 def _all_gather(cfg: _Cfg, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -367,7 +437,8 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     q = _tensor(q, "q")
     k = _tensor(k, "k", q)
     v = _tensor(v, "v", q)
-    g = _tensor(g, gate_name, q, optional=True)
+    # The log decay may stay in float32 beside 16-bit q, k, v (as in the single-device ops).
+    g = _tensor(g, gate_name, q, optional=True, allow_fp32=True)
     beta = _tensor(beta, "beta", q, optional=True)
     a = _tensor(a, "a", q, optional=True)
     b = _tensor(b, "b", q, optional=True)
@@ -406,6 +477,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     fields = {
         "q": ("ok" if "q" not in local_errors else "bad", str(q.dtype), tuple(q.shape[2:]) if q.dim() == 4 else ()),
         "v": ("ok" if "v" not in local_errors else "bad", tuple(v.shape[2:]) if v.dim() == 4 else ()),
+        gate_name: None if g is None else str(g.dtype),  # float32 or q's dtype, the same on every rank
         "variant": variant,
         "chunk_size": int(chunk_size),
         "scale": None if scale is None else float(scale),

@@ -6,14 +6,16 @@
 //   prepass_backward  [dH | M^T] of one span (a rank's first local segment) [HV, K, V + K] fp32
 //   merge             S = 0; S <- A_j S + B_j over gathered buffers j         [HV, K, V] fp32
 //   NcclComm          a non-blocking NCCL communicator whose every wait has a timeout: on a stall
-//                     it aborts the communicator and throws CommTimeout instead of hanging
+//                     it stops the communicator for good and throws CommTimeout instead of hanging
 //
 // Device pointers everywhere; `stream` is a cudaStream_t (nullptr = the legacy default stream).
 // Launches are asynchronous; workspace comes from cudaMallocAsync on the stream.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -34,8 +36,14 @@ void prepass_backward(const Span& span, const float* dend, float* out, void* str
 void merge(const float* gathered, int64_t HV, int64_t K, int64_t V, int64_t first, int64_t count, int64_t step,
            float* out, void* stream);
 
-// A collective did not finish within the communicator's timeout (the communicator is aborted).
+// A collective did not finish within the communicator's timeout (the communicator is shut down).
 class CommTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The communicator was shut down by an earlier failure (or abort()): nothing runs on it any more.
+class CommDead : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
@@ -43,6 +51,21 @@ class CommTimeout : public std::runtime_error {
 // The ncclUniqueId as raw bytes (rank 0 makes it; the others receive it, e.g. through torch.distributed).
 std::string nccl_unique_id();
 
+// A non-blocking NCCL communicator whose every wait has a timeout, and whose failure is final.
+//
+// Life cycle: alive -> (a failure: async NCCL error, timeout, CUDA error while waiting, or abort())
+// -> dead. On the transition the communicator is STOPPED once, under the lock that serialises every
+// NCCL call on it (NCCL requires that no other thread uses a communicator while it is aborted):
+// ncclCommRevoke when the loaded NCCL has it (in-flight kernels quit on the abort flag, NCCL's
+// streams and proxy quiesce; nothing is freed), else ncclCommAbort. A dead communicator is never
+// used again and never freed by this class: every later call throws CommDead naming the first
+// failure, and the destructor does nothing (freeing NCCL resources while a stalled or dead peer or
+// an in-flight kernel may still touch them is what crashes processes; the OS reclaims them at exit).
+// DELTACP_NCCL_STOP=abort forces ncclCommAbort (frees at once) instead of the revoke.
+//
+// Collectives run on a private non-blocking stream joined to the caller's stream by events, so a
+// stuck NCCL kernel never sits in the caller's (often the legacy default) stream, which would block
+// every later CUDA call of the process, including the error handling after the timeout.
 class NcclComm {
  public:
   // Non-blocking init (ncclCommInitRankConfig, blocking = 0), polled up to timeout_s seconds.
@@ -52,25 +75,45 @@ class NcclComm {
   NcclComm& operator=(const NcclComm&) = delete;
 
   // recv[world * count] <- every rank's send[count], elements of type dtype (kF32 / kF64 / kBf16 /
-  // kF16, cp_body.h), enqueued on `stream`. With wait = true the host waits (polling, with the
-  // timeout) until the collective has completed on the stream.
+  // kF16, cp_body.h), ordered after the work already enqueued on `stream`. With wait = true the host
+  // waits (polling, with the timeout) until the collective has completed; with wait = false later
+  // work on `stream` is ordered after it instead.
   void all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait = true);
   // In place: buf[count] int64 <- max over ranks. Waits like all_gather.
   void all_reduce_max_i64(int64_t* buf, size_t count, void* stream);
   // Waits (with the timeout) until everything enqueued on `stream` has completed.
   void wait(void* stream, const std::string& what);
-  void abort();
+  // Stops the communicator (see above); later calls throw CommDead. Safe from any thread, any time.
+  void abort(const std::string& reason = "abort() was called");
 
   int rank() const { return rank_; }
   int world() const { return world_; }
   double timeout() const { return timeout_s_; }
-  bool aborted() const { return comm_ == nullptr; }
+  bool aborted() const { return dead_.load(); }
+  std::string failure() const;  // the first failure ("" while alive)
 
  private:
-  // Polls the communicator until ready() (and no asynchronous NCCL error) or the timeout.
+  enum class Stop { revoke_or_abort, abort, none };
+  // Polls until ready() (and no asynchronous NCCL error) or `limit_s`; a failure makes the
+  // communicator dead (stopped with `stop`) and throws.
   template <class Ready>
-  void poll(const std::string& what, Ready ready);
-  void* comm_ = nullptr;  // ncclComm_t
+  void poll(const std::string& what, Ready ready, double limit_s, Stop stop = Stop::revoke_or_abort);
+  // alive -> dead with `reason`, stopping the communicator; idempotent, never throws.
+  void fail(const std::string& reason, Stop stop) noexcept;
+  void stop_locked(Stop stop) noexcept;
+  [[noreturn]] void throw_dead(const std::string& what) const;
+  // Enqueues `launch(comm, private stream)` after the work on `user_stream`; throws on failure.
+  template <class Launch>
+  void enqueue(const std::string& what, void* user_stream, Launch launch);
+  void finish(const std::string& what, void* user_stream, bool wait_done);
+
+  mutable std::mutex mu_;          // serialises every NCCL call on comm_ and the alive -> dead step
+  std::atomic<bool> dead_{false};
+  std::string failure_;            // guarded by mu_
+  void* comm_ = nullptr;           // ncclComm_t (kept, unused, after a revoke; null after an abort)
+  void* stream_ = nullptr;         // cudaStream_t: private, non-blocking
+  void* ev_in_ = nullptr;          // cudaEvent_t: caller's stream -> stream_
+  void* ev_done_ = nullptr;        // cudaEvent_t: the collective's completion on stream_
   int rank_ = 0, world_ = 1, device_ = 0;
   double timeout_s_ = 300.0;
 };

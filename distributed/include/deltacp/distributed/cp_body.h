@@ -112,6 +112,9 @@ DELTACP_HD inline float load_f32(const void* p, int64_t idx, int dt) {
 // One span (B = 1, tokens [0, n) of the given views) and its sizes.
 struct Span {
   int variant = kGdn, dtype = kF32;
+  // Element type of g (the log decay): -1 = like dtype, or kF32 beside 16-bit q, k, v (FLA keeps
+  // the log decay in fp32; deltacp::Params::g_fp32).
+  int g_dtype = -1;
   int64_t n = 0, H = 1, HV = 1, K = 0, V = 0;
   int chunk = 64;
   float scale = 1.f;
@@ -125,6 +128,10 @@ struct Span {
   // Element (t, head, d) of a view; q, k are indexed by the key head hv / (HV / H).
   DELTACP_HD float at(const Ref& r, int64_t t, int64_t head, int64_t d) const {
     return load_f32(r.ptr, t * r.stride_t + head * r.stride_h + d, dtype);
+  }
+  // Element (t, hv, d) of g, in g's own element type.
+  DELTACP_HD float gate(int64_t t, int64_t hv, int64_t d) const {
+    return load_f32(g.ptr, t * g.stride_t + hv * g.stride_h + d, g_dtype < 0 ? dtype : g_dtype);
   }
   DELTACP_HD int64_t key_head(int64_t hv) const { return hv / (HV / H); }
 };
@@ -210,7 +217,7 @@ DELTACP_HD inline void prep_body(Lane L, const Span& s, const Work& w, int64_t c
       if (s.variant == kDelta) {
         run = 0.f;
       } else {
-        run += scalar_gate ? s.at(s.g, t0 + i, hv, 0) : s.at(s.g, t0 + i, hv, d);
+        run += scalar_gate ? s.gate(t0 + i, hv, 0) : s.gate(t0 + i, hv, d);
       }
       sG[i * K + d] = run;
     }

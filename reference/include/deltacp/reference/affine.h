@@ -39,8 +39,9 @@ Affine<S> span_affine_tokens(const HeadInputs<S>& x, int64_t t0, int64_t t1);
 
 // Forward through affine folds: chunk-start states S_{c+1} = M_c S_c + H_c, then each chunk's
 // outputs from the chunk formula. Same results as chunked_forward, computed the CP way.
+// with_outputs = false: only the final state (o stays empty).
 template <class S>
-HeadOutputs<S> affine_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size);
+HeadOutputs<S> affine_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size, bool with_outputs = true);
 
 // Backward map of a span: dS_start = Mt dS_end + dH (Mt = M^T). dout covers the span's rows.
 template <class S>

@@ -68,15 +68,17 @@ ChunkStep<S> chunk_state_update(const HeadInputs<S>& chunk, const ChunkWY<S>& wy
 template <class S>
 Mat<S> chunk_output(const HeadInputs<S>& chunk, const ChunkWY<S>& wy, const Mat<S>& S0, const Mat<S>& v_new);
 
-// The whole slice, chunk by chunk from h0 (may be empty = zero).
+// The whole slice, chunk by chunk from h0 (may be empty = zero). With with_outputs = false the
+// output stage is skipped (o stays empty): the final-state-only forward and the backward's
+// recompute of the chunk-start states need only `states`.
 template <class S>
 struct ChunkedForward {
   std::vector<Mat<S>> states;  // state at the start of each chunk, then the final state (nchunks + 1)
   Mat<S> v_new;                // n x V
-  Mat<S> o;                    // n x V
+  Mat<S> o;                    // n x V (empty when with_outputs is false)
 };
 template <class S>
-ChunkedForward<S> chunked_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size);
+ChunkedForward<S> chunked_forward(const HeadInputs<S>& x, const Mat<S>& h0, int chunk_size, bool with_outputs = true);
 
 // Backward of one chunk: given the chunk's start state S0, dL/dO (n x V) and dL/dS_end, returns
 // the gradients of the chunk's inputs and, in dh0, dL/dS0. Derived by reverse-mode through the

@@ -12,9 +12,9 @@
 
 namespace deltacp::ref {
 
-// h0 may be empty (zero initial state).
+// h0 may be empty (zero initial state). with_outputs = false: only the final state (o stays empty).
 template <class S>
-HeadOutputs<S> recurrent_forward(const HeadInputs<S>& x, const Mat<S>& h0);
+HeadOutputs<S> recurrent_forward(const HeadInputs<S>& x, const Mat<S>& h0, bool with_outputs = true);
 
 // dht may be empty (zero). Returns every gradient including dh0.
 template <class S>

@@ -1,0 +1,215 @@
+"""The state-only modes of deltacp::Params through the bindings (bindings/src/tensor_desc.cpp), and the
+CP pre-pass that runs on them (deltacp.cp.ops): CPU only.
+
+  * a forward without "o" but with "ht" (final-state-only) gives exactly the full run's ht;
+  * a backward without any input gradient but with "dh0" (dh0-only) gives exactly the full run's dh0;
+  * leaving out o without ht, or a partial set of gradients, raises ValueError naming the argument;
+  * the augmented pre-pass ([v | 0] from [start | I]) equals the reference's span maps (M, H);
+  * the CUDA pre-pass route: tiled variants with V + K <= 256 take the state-only chunked path,
+    dplr / the naive tier / wider problems take deltacp._cp_nccl's loop kernels, the environment
+    override and the shared-memory fallback work (decided on the host: no GPU needed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import deltacp
+import deltacp.reference as ref
+from deltacp import _core
+from deltacp._describe import numpy_desc
+from deltacp_testutil import VARIANTS, make_problem
+
+FIELDS = {"q": "q", "k": "k", "v": "v", "g": "g", "beta": "beta", "a": "a", "b": "b"}
+
+
+def _inputs(variant, p):
+    d = {}
+    for name, field in FIELDS.items():
+        if p.get(name) is not None:
+            d[field] = numpy_desc(np.ascontiguousarray(p[name]), "gk" if (variant == "dplr" and name == "g") else name)
+    if p["initial_state"] is not None:
+        d["h0"] = numpy_desc(p["initial_state"], "initial_state")
+    if p["cu_seqlens"] is not None:
+        d["cu_seqlens"] = numpy_desc(p["cu_seqlens"], "cu_seqlens")
+    return d
+
+
+def _problem(variant):
+    return make_problem(variant, cu_seqlens=[0, 30, 30, 71, 100], H=2, HV=4, K=8, V=6, seed=5)
+
+
+def _forward(variant, p, method, with_o=True):
+    B, T, HV, V = p["v"].shape
+    N, K = p["initial_state"].shape[0], p["q"].shape[-1]
+    d = _inputs(variant, p)
+    o = np.full((B, T, HV, V), np.nan)
+    ht = np.full((N, HV, K, V), np.nan)
+    if with_o:
+        d["o"] = numpy_desc(o, "o")
+    d["ht"] = numpy_desc(ht, "ht")
+    _core.run("forward", variant, method, "float64", d, None, 16, None, 0, False)
+    return o, ht
+
+
+def _backward(variant, p, method, grads=True, only=None):
+    rng = np.random.default_rng(3)
+    do = rng.standard_normal(p["v"].shape)
+    dht = rng.standard_normal(p["initial_state"].shape)
+    d = _inputs(variant, p)
+    d["dout"] = numpy_desc(do, "do")
+    d["dht"] = numpy_desc(dht, "dht")
+    out = {"dh0": np.full(p["initial_state"].shape, np.nan)}
+    d["dh0"] = numpy_desc(out["dh0"], "dh0")
+    names = [n for n in FIELDS if p.get(n) is not None]
+    for n in names if grads else (only or []):
+        out["d" + n] = np.full(p[n].shape, np.nan)
+        d["d" + n] = numpy_desc(out["d" + n], "d" + n)
+    _core.run("backward", variant, method, "float64", d, None, 16, None, 0, False)
+    return out
+
+
+@pytest.mark.parametrize("method", ["recurrent", "chunked", "affine"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_final_state_only_forward_equals_full_run(variant, method):
+    p = _problem(variant)
+    _, ht_full = _forward(variant, p, method)
+    o, ht = _forward(variant, p, method, with_o=False)
+    assert np.array_equal(ht, ht_full)
+    assert np.isnan(o).all()
+
+
+@pytest.mark.parametrize("method", ["recurrent", "chunked"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dh0_only_backward_equals_full_run(variant, method):
+    p = _problem(variant)
+    full = _backward(variant, p, method)
+    only = _backward(variant, p, method, grads=False)
+    assert set(only) == {"dh0"}
+    assert np.array_equal(only["dh0"], full["dh0"])
+
+
+def test_forward_without_output_or_final_state_names_o():
+    p = _problem("gdn")
+    d = _inputs("gdn", p)
+    with pytest.raises(ValueError, match=r"'o'.*only when ht is given"):
+        _core.run("forward", "gdn", "chunked", "float64", d, None, 16, None, 0, False)
+
+
+def test_partial_gradients_name_the_missing_one():
+    p = _problem("gdn")
+    with pytest.raises(ValueError, match=r"'dk'.*dh0-only"):
+        _backward("gdn", p, "chunked", grads=False, only=["q"])
+    with pytest.raises(ValueError, match=r"'dg'"):
+        _backward("gdn", p, "chunked", grads=False, only=["q", "k", "v", "beta"])
+
+
+def test_no_gradients_and_no_dh0_names_dq():
+    p = _problem("kda")
+    rng = np.random.default_rng(0)
+    d = _inputs("kda", p)
+    d["dout"] = numpy_desc(rng.standard_normal(p["v"].shape), "do")
+    with pytest.raises(ValueError, match=r"'dq'.*dh0"):
+        _core.run("backward", "kda", "chunked", "float64", d, None, 16, None, 0, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the CP pre-pass on the state-only modes (CPU: the chunked reference)
+# ---------------------------------------------------------------------------------------------
+torch = pytest.importorskip("torch")
+from deltacp.cp import ops as cp_ops  # noqa: E402
+
+
+def _cfg(variant, H, HV, K, V, device="cpu", fwd="chunked", bwd="chunked", ctx=None):
+    cfg = cp_ops._Cfg()
+    cfg.variant, cfg.gate_name, cfg.scale, cfg.chunk_size = variant, "gk" if variant == "dplr" else "g", None, 16
+    cfg.compute, cfg.state_dtype, cfg.device = "float64", torch.float64, torch.device(device)
+    cfg.H, cfg.HV, cfg.K, cfg.V = H, HV, K, V
+    cfg.fwd_method, cfg.bwd_method, cfg.ctx = fwd, bwd, ctx
+    return cfg
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_augmented_prepass_gives_the_span_maps(variant):
+    p = make_problem(variant, B=1, T=45, H=1, HV=1, K=5, V=4, seed=9)
+    t = {n: (None if p.get(n) is None else torch.from_numpy(np.ascontiguousarray(p[n]))) for n in FIELDS}
+    cfg = _cfg(variant, 1, 1, 5, 4)
+    rng = np.random.default_rng(1)
+    start = torch.from_numpy(rng.standard_normal((1, 5, 4)))
+    dend = torch.from_numpy(rng.standard_normal((1, 5, 4)))
+    do = torch.from_numpy(rng.standard_normal((1, 45, 1, 4)))
+    args = [t[n] for n in ("q", "k", "v", "g", "beta", "a", "b")]
+    fwd = cp_ops._augmented_forward(cfg, *args, start).numpy()
+    bwd = cp_ops._augmented_backward(cfg, *args, do, dend).numpy()
+    # (M, H) and (M^T, dH) of the span from the per-head reference pieces.
+    head = {n: p[n][0, :, 0] for n in ("q", "k", "v", "g", "beta", "a", "b") if p.get(n) is not None}
+    M, H = ref.span_affine(variant, chunk_size=16, **head)
+    Mt, dH = ref.span_affine_backward(variant, do=do.numpy()[0, :, 0], chunk_size=16, **head)
+    np.testing.assert_allclose(fwd[0, :, :4], M @ start.numpy()[0] + H, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(fwd[0, :, 4:], M, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(bwd[0, :, :4], Mt @ dend.numpy()[0] + dH, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(bwd[0, :, 4:], Mt, rtol=1e-11, atol=1e-12)
+
+
+class _FakeCtx:
+    nccl = object()  # "deltacp._cp_nccl is built": the loop kernels are available
+
+
+@pytest.mark.parametrize("variant,fwd,K,V,route", [
+    ("gdn", "tiled", 128, 128, "chunked"),
+    ("kda", "tiled", 64, 192, "chunked"),
+    ("delta", "tiled", 128, 129, "loops"),  # V + K > 256: wider than the tiled tier's value tile
+    ("dplr", "naive", 64, 64, "loops"),    # no tiled dplr
+    ("gdn", "naive", 64, 64, "loops"),     # backend="naive": the fp32 loops beat the token loop
+])
+def test_cuda_prepass_route(monkeypatch, variant, fwd, K, V, route):
+    monkeypatch.delenv("DELTACP_CP_PREPASS", raising=False)
+    cfg = _cfg(variant, 2, 2, K, V, device="cuda", fwd=fwd, bwd=fwd, ctx=_FakeCtx())
+    q = torch.empty(0, dtype=torch.bfloat16)
+    assert cp_ops._prepass_route(cfg, "forward", q, None) == route
+    assert cp_ops._prepass_route(cfg, "backward", q, None) == route
+    monkeypatch.setenv("DELTACP_CP_PREPASS", "loops")
+    assert cp_ops._prepass_route(cfg, "forward", q, None) == "loops"
+    monkeypatch.setenv("DELTACP_CP_PREPASS", "chunked")
+    assert cp_ops._prepass_route(cfg, "forward", q, None) == "chunked"
+    monkeypatch.setenv("DELTACP_CP_PREPASS", "fast")
+    with pytest.raises(ValueError, match="DELTACP_CP_PREPASS"):
+        cp_ops._prepass_route(cfg, "forward", q, None)
+
+
+def test_cuda_prepass_route_without_the_nccl_module_is_chunked():
+    class NoNccl:
+        nccl = None
+
+    cfg = _cfg("dplr", 2, 2, 64, 64, device="cuda", fwd="naive", bwd="naive", ctx=NoNccl())
+    assert cp_ops._prepass_route(cfg, "forward", torch.empty(0), None) == "chunked"
+    assert cp_ops._prepass_route(_cfg("gdn", 2, 2, 8, 8), "forward", torch.empty(0), None) == "chunked"  # CPU
+
+
+def test_tiled_prepass_that_does_not_fit_falls_back_to_the_loops(monkeypatch):
+    monkeypatch.delenv("DELTACP_CP_PREPASS", raising=False)
+    cfg = _cfg("kda", 2, 2, 128, 128, device="cuda", fwd="tiled", bwd="tiled", ctx=_FakeCtx())
+    q = torch.empty(0, dtype=torch.float32)
+    calls = []
+
+    def too_big():
+        calls.append("chunked")
+        raise ValueError("deltacp: argument 'K': the tiled tier's A/T/W/U stage needs 200000 bytes of shared memory")
+
+    def loops():
+        calls.append("loops")
+        return "loops-result"
+
+    cp_ops._TILED_PREPASS_UNFIT.clear()
+    assert cp_ops._prepass_chunked_or_loops(cfg, "forward", too_big, loops, q, None) == "loops-result"
+    assert calls == ["chunked", "loops"]
+    assert cp_ops._prepass_route(cfg, "forward", q, None) == "loops"  # remembered for this shape
+    assert cp_ops._prepass_route(cfg, "backward", q, None) == "chunked"  # per direction
+
+    def bad_input():
+        raise ValueError("deltacp: argument 'g': expected shape [B, T, HV, K]")
+
+    with pytest.raises(ValueError, match="'g'"):  # other errors are never swallowed
+        cp_ops._prepass_chunked_or_loops(cfg, "backward", bad_input, loops, q, None)
+    cp_ops._TILED_PREPASS_UNFIT.clear()
