@@ -55,6 +55,7 @@
 #include <cstdlib>
 
 #include "../common/check.h"
+#include "../common/device_info.h"
 #include "../common/load_store.cuh"
 #include "bwd_common.cuh"
 #include "bwd_decay.cuh"
@@ -88,28 +89,6 @@ __global__ void __launch_bounds__(kThreads) bwd_reduce_heads_kernel(const Args a
     st<Op>(a.dq, off(a.dq, b, t, hk) + d, sq);
     st<Op>(a.dk, off(a.dk, b, t, hk) + d, sk);
   }
-}
-
-int max_smem_optin() {
-  int dev = 0, bytes = 0;
-  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
-  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return bytes;
-}
-
-int sm_count() {
-  int dev = 0, n = 0;
-  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
-  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-// CTAs of `bytes` dynamic shared memory one SM holds (1 KB per CTA is reserved).
-int ctas_per_sm(size_t bytes) {
-  int dev = 0, per_sm = 0;
-  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
-  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  const int n = static_cast<int>(per_sm / (bytes + 1024));
-  return n > 1 ? n : 1;
 }
 
 template <class Kernel>

@@ -67,6 +67,7 @@
 #include <type_traits>
 
 #include "../common/check.h"
+#include "../common/device_info.h"
 #include "../common/load_store.cuh"
 #include "chunk_table.cuh"
 #include "deltacp/cuda/tiers.h"
@@ -917,26 +918,6 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
 }
 
 // ---- host helpers ---------------------------------------------------------------------------
-int max_smem_optin() {
-  int dev = 0, bytes = 0;
-  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
-  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return bytes;
-}
-int sm_count() {
-  int dev = 0, n = 0;
-  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
-  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-// How many CTAs of `bytes` dynamic shared memory (and at most `cap` by registers) one SM holds.
-int ctas_per_sm(int bytes, int cap) {
-  int dev = 0, per_sm = 0;
-  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
-  DELTACP_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
-  return std::max(1, std::min(cap, per_sm / (bytes + 1024)));  // 1 KB per CTA is reserved
-}
-
 // Opts the kernel into `bytes` of dynamic shared memory; names the arguments when it cannot fit.
 template <class Kernel>
 void prepare_smem(Kernel kernel, int bytes, const Params& p, const char* stage) {
