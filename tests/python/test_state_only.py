@@ -213,3 +213,24 @@ def test_tiled_prepass_that_does_not_fit_falls_back_to_the_loops(monkeypatch):
     with pytest.raises(ValueError, match="'g'"):  # other errors are never swallowed
         cp_ops._prepass_chunked_or_loops(cfg, "backward", bad_input, loops, q, None)
     cp_ops._TILED_PREPASS_UNFIT.clear()
+
+
+def test_grid_pad_realigns_the_first_segment_with_the_one_device_chunks():
+    """cp/ops.py _grid_pad: tokens up to the one-device chunk boundary, 0 where nothing needs aligning."""
+    from types import SimpleNamespace
+
+    from deltacp.cp import ops as cp_ops
+
+    def pad(begin, seq_start, seg_len, chunk=64, method="tiled", continues=True):
+        ctx = SimpleNamespace(first_continues=continues, cu_seqlens_list=[0, seg_len, seg_len + 7], begin=begin,
+                              cu_seqlens_global_list=[0, seq_start, 10 ** 6], seq_ids=[1])
+        return cp_ops._grid_pad(SimpleNamespace(ctx=ctx, fwd_method=method, chunk_size=chunk))
+
+    assert pad(1012, 0, 1000) == 12  # 1012 + 12 = 1024, the next chunk boundary of the sequence
+    assert pad(1012, 100, 1000) == 48  # offset 912 -> 960
+    assert pad(1012, 0, 1000, chunk=16) == 12
+    assert pad(1024, 0, 1000) == 0  # the rank boundary is a chunk boundary already
+    assert pad(1012, 0, 12) == 0 and pad(1012, 0, 5) == 0  # the segment ends before the next boundary
+    assert pad(1012, 0, 1000, continues=False) == 0  # the sequence starts on this rank
+    assert pad(1012, 0, 1000, method="recurrent") == 0 and pad(1012, 0, 1000, method="naive") == 0  # no grid
+    assert pad(1012, 0, 1000, method="chunked") == 12

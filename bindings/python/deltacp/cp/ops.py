@@ -16,7 +16,9 @@ Forward, on every rank r (the same algorithm as the simulated CP of reference/sr
   3. merge: the initial state of the FIRST local segment, when it continues a sequence from earlier
      ranks, is S = 0 folded through the earlier ranks j = r - pre_ranks .. r - 1: S <- M_j S + H_j;
   4. the local chunked kernel over all local segments (the reference on the CPU, the fastest CUDA
-     tier on GPUs) from those initial states.
+     tier on GPUs) from those initial states. When the first segment continues a sequence mid-chunk,
+     its tokens up to the one-device chunk boundary run first as a separate piece (_grid_pad), so
+     the rest is chunked exactly as on one device (the same 16-bit rounding, tile for tile).
 
 Backward mirrored: over the FIRST local segment (when it continues from earlier ranks) dS_start =
 M_r^T dS_end + dH_r, computed as one backward of the [v | 0] problem with upstream [do | 0] and
@@ -110,8 +112,9 @@ def _identity_block(cfg: _Cfg, device=None) -> torch.Tensor:
 
 
 def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
-                       method: Optional[str] = None) -> torch.Tensor:
+                       method: Optional[str] = None, start_aug: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Final state of a span run with values [v | 0] from [start or 0 | I]: [HV, K, V + K] = [H | M].
+    start_aug: a whole augmented start state [HV, K, V + K] instead (to continue an earlier span).
 
     A final-state-only forward (no output buffer): only ht is computed."""
     n = q.shape[1]
@@ -119,7 +122,11 @@ def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.
         start = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
     zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
     v_aug = torch.cat([v, zeros_v], dim=-1)
-    h0_aug = torch.cat([start.to(cfg.state_dtype), _identity_block(cfg, v.device)], dim=-1).unsqueeze(0).contiguous()
+    if start_aug is not None:
+        h0_aug = start_aug.to(cfg.state_dtype).unsqueeze(0).contiguous()
+    else:
+        h0_aug = torch.cat([start.to(cfg.state_dtype), _identity_block(cfg, v.device)],
+                           dim=-1).unsqueeze(0).contiguous()
     ht_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
     descs = _descs(cfg, q, k, v_aug, g, beta, a, b, h0=h0_aug)
     descs["ht"] = torch_desc(ht_aug, "ht")  # and no "o"
@@ -128,9 +135,10 @@ def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.
 
 
 def _augmented_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor],
-                        method: Optional[str] = None) -> torch.Tensor:
+                        method: Optional[str] = None, dend_aug: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dL/dS_start of a span run with values [v | 0], upstream [do | 0] and dL/dS_end = [dend or 0 | I]:
     [HV, K, V + K] = [dH | M^T] (independent of the start state, so none is given).
+    dend_aug: a whole augmented dL/dS_end [HV, K, V + K] instead (to continue a later span).
 
     A dh0-only backward (no input gradient buffers): only dh0 is computed."""
     n = q.shape[1]
@@ -139,7 +147,11 @@ def _augmented_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[to
     zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
     v_aug = torch.cat([v, zeros_v], dim=-1)
     do_aug = torch.cat([do.to(v.dtype), zeros_v], dim=-1)
-    dht_aug = torch.cat([dend.to(cfg.state_dtype), _identity_block(cfg, v.device)], dim=-1).unsqueeze(0).contiguous()
+    if dend_aug is not None:
+        dht_aug = dend_aug.to(cfg.state_dtype).unsqueeze(0).contiguous()
+    else:
+        dht_aug = torch.cat([dend.to(cfg.state_dtype), _identity_block(cfg, v.device)],
+                            dim=-1).unsqueeze(0).contiguous()
     dh0_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
     descs = _descs(cfg, q, k, v_aug, g, beta, a, b)
     descs["dout"] = torch_desc(do_aug, "do")
@@ -200,6 +212,57 @@ def _prepass_chunked_or_loops(cfg: _Cfg, direction: str, chunked, loops, q, g):
         return loops()
 
 
+# ---------------------------------------------------------------------------------------------
+# the chunk grid across a rank boundary
+# ---------------------------------------------------------------------------------------------
+_CHUNKED_METHODS = ("chunked", "tiled", "fused")
+
+
+def _grid_pad(cfg: _Cfg) -> int:
+    """Tokens at the start of the first local segment that complete the chunk a rank boundary cut.
+
+    A chunked kernel cuts each sequence into chunks from the sequence's first token. A rank whose first
+    segment continues a sequence would, left alone, restart that grid at its own first token, so every
+    one of its chunks would hold different tokens than the one-device run's chunks. In exact arithmetic
+    that changes nothing. With 16-bit operands (W, U, h are rounded per chunk) the two runs would round
+    different tiles, and their difference would be about sqrt(2) times each run's own error. So the
+    first `pad` tokens, up to the next one-device chunk boundary, run as a separate short piece whose
+    final state starts the rest. That re-aligns the grid, and the rest rounds exactly like the one
+    device. 0 when the segment starts its sequence, the boundary is already aligned, the segment ends
+    before the next boundary, or the method has no chunk grid."""
+    ctx = cfg.ctx
+    if not ctx.first_continues or cfg.fwd_method not in _CHUNKED_METHODS:
+        return 0
+    seg_len = ctx.cu_seqlens_list[1] - ctx.cu_seqlens_list[0]
+    offset = ctx.begin - ctx.cu_seqlens_global_list[ctx.seq_ids[0]]  # tokens of the sequence on earlier ranks
+    pad = (-offset) % cfg.chunk_size
+    return pad if 0 < pad < seg_len else 0
+
+
+def _body_cu_seqlens(cfg: _Cfg, pad: int):
+    """Rank-local cu_seqlens of tokens [pad, T_local) (the first segment shortened by pad): (device, host)."""
+    ctx = cfg.ctx
+    host = torch.tensor([0] + [c - pad for c in ctx.cu_seqlens_list[1:]], dtype=torch.int64)
+    return (host.to(ctx.cu_seqlens.device) if ctx.cu_seqlens.device.type != "cpu" else host), host
+
+
+def _head_forward(cfg: _Cfg, head, start: torch.Tensor, o_view: Optional[torch.Tensor]) -> torch.Tensor:
+    """The pad-token head piece (one sequence) from `start`: fills o_view when given (else a final-state-only
+    run) and returns its final state [HV, K, V]."""
+    h0 = start.unsqueeze(0).contiguous()  # the descriptions hold raw pointers: keep every tensor referenced
+    descs = _descs(cfg, *head, h0=h0)
+    if o_view is not None:
+        descs["o"] = torch_desc(o_view, "o")
+    ht = torch.empty((1, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+    descs["ht"] = torch_desc(ht, "ht")
+    _run(cfg, "forward", cfg.fwd_method, descs)
+    return ht[0]
+
+
+def _split(ts, s0, s1):
+    return [_seg(t, s0, s1) for t in ts]
+
+
 def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0) -> torch.Tensor:
     """[H_r | M_r] of the last local segment, or [0 | I] when it does not continue (nobody reads it)."""
     ctx = cfg.ctx
@@ -210,14 +273,22 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0) -> torch.Tensor:
     start = None
     if h0 is not None and ctx.starts_here[-1]:
         start = h0[ctx.seq_ids[-1]]
-    span = [_seg(t, s0, s1) for t in (q, k, v, g, beta, a, b)]
+    xs = (q, k, v, g, beta, a, b)
+    span = _split(xs, s0, s1)
+    pad = _grid_pad(cfg) if s0 == 0 else 0  # the last segment is also the first, continuing one
+
+    def chunked():
+        if not pad:
+            return _augmented_forward(cfg, *span, start)
+        head = _augmented_forward(cfg, *_split(xs, 0, pad), start)  # on the one-device chunk grid
+        return _augmented_forward(cfg, *_split(xs, pad, s1), None, start_aug=head)
 
     def loops():
         from . import nccl_backend
 
         return nccl_backend.prepass_forward(cfg, *span, start)
 
-    return _prepass_chunked_or_loops(cfg, "forward", lambda: _augmented_forward(cfg, *span, start), loops, q, g)
+    return _prepass_chunked_or_loops(cfg, "forward", chunked, loops, q, g)
 
 
 def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht) -> torch.Tensor:
@@ -231,16 +302,24 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht) -> torch.Tenso
     dend = None
     if dht is not None and ctx.ends_here[0]:
         dend = dht[ctx.seq_ids[0]]
-    span = [_seg(t, s0, s1) for t in (q, k, v, g, beta, a, b)]
+    xs = (q, k, v, g, beta, a, b)
+    span = _split(xs, s0, s1)
     do_span = _seg(do, s0, s1)
+    pad = _grid_pad(cfg)
+
+    def chunked():
+        if not pad:
+            return _augmented_backward(cfg, *span, do_span, dend)
+        # on the one-device chunk grid: the body [pad, s1) first, then the head piece from its result
+        body = _augmented_backward(cfg, *_split(xs, pad, s1), _seg(do, pad, s1), dend)
+        return _augmented_backward(cfg, *_split(xs, 0, pad), _seg(do, 0, pad), None, dend_aug=body)
 
     def loops():
         from . import nccl_backend
 
         return nccl_backend.prepass_backward(cfg, *span, do_span, dend)
 
-    return _prepass_chunked_or_loops(cfg, "backward", lambda: _augmented_backward(cfg, *span, do_span, dend), loops,
-                                     q, g)
+    return _prepass_chunked_or_loops(cfg, "backward", chunked, loops, q, g)
 
 
 def _all_gather(cfg: _Cfg, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -313,11 +392,19 @@ class _CPFunction(torch.autograd.Function):
         gathered = _all_gather(cfg, sent, "the forward all-gather of [H | M]")
         last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
         merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
-        # 4: the local kernel over every local segment.
+        # 4: the local kernel over every local segment (after the head piece that re-aligns the chunk
+        # grid with the one-device run's, when the first segment continues mid-chunk: _grid_pad).
+        xs, T_loc = (q, k, v, g, beta, a, b), q.shape[1]
         h0_local = _local_initial_states(cfg, h0, merged)
-        descs = _descs(cfg, q, k, v, g, beta, a, b, h0=h0_local, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
-        o = torch.empty((1, q.shape[1], cfg.HV, cfg.V), dtype=q.dtype, device=q.device)
-        descs["o"] = torch_desc(o, "o")
+        o = torch.empty((1, T_loc, cfg.HV, cfg.V), dtype=q.dtype, device=q.device)
+        pad = _grid_pad(cfg)
+        cu, cu_host, body, o_body = ctx.cu_seqlens, ctx.cu_seqlens_cpu, xs, o
+        if pad:
+            h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), merged, o[:, :pad])
+            cu, cu_host = _body_cu_seqlens(cfg, pad)
+            body, o_body = _split(xs, pad, T_loc), o[:, pad:]
+        descs = _descs(cfg, *body, h0=h0_local, cu=cu, cu_host=cu_host)
+        descs["o"] = torch_desc(o_body, "o")
         ht = None
         if cfg.output_final_state:
             ht_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
@@ -355,8 +442,16 @@ class _CPFunction(torch.autograd.Function):
         gathered = _all_gather(cfg, sent, "the backward all-gather of [dH | M^T]")
         last_stats["backward_bytes"] = gathered.numel() * gathered.element_size()
         dS_last = _merge_backward(cfg, gathered) if ctx.last_continues else None
-        # 4: the local backward from the rebuilt initial states (expand_h0).
+        # 4: the local backward from the rebuilt initial states (expand_h0), on the same chunk grid as the
+        # forward: the body [pad, T_local), then the head piece with the body's dL/d(its start state).
+        xs, T_loc = (q, k, v, g, beta, a, b), q.shape[1]
         h0_local = _local_initial_states(cfg, h0, ctx_.merged)
+        pad = _grid_pad(cfg)
+        cu, cu_host, body, do_body = ctx.cu_seqlens, ctx.cu_seqlens_cpu, xs, do
+        if pad:
+            h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), ctx_.merged, None)  # recomputed, not saved
+            cu, cu_host = _body_cu_seqlens(cfg, pad)
+            body, do_body = _split(xs, pad, T_loc), _seg(do, pad, T_loc)
         dht_local = None
         if dht is not None or dS_last is not None:
             dht_local = torch.zeros((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
@@ -367,23 +462,34 @@ class _CPFunction(torch.autograd.Function):
                     dht_local[idx] = dht[[ctx.seq_ids[i] for i in idx]]
             if dS_last is not None:
                 dht_local[-1] = dS_last
-        descs = _descs(cfg, q, k, v, g, beta, a, b, h0=h0_local, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
-        descs["dout"] = torch_desc(do, "do")
+        fields = (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name), ("beta", beta, "beta"),
+                  ("a", a, "a"), ("b", b, "b"))
+        grads = {field: None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                 for field, t, _ in fields}
+
+        def grad_descs(descs, s0, s1):
+            for field, t, name in fields:
+                if t is not None:
+                    descs["d" + field] = torch_desc(_seg(grads[field], s0, s1), "d" + name)
+
+        descs = _descs(cfg, *body, h0=h0_local, cu=cu, cu_host=cu_host)
+        descs["dout"] = torch_desc(do_body, "do")
         if dht_local is not None:
             descs["dht"] = torch_desc(dht_local, "dht")
-        grads = {}
-        for field, t, name in (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name),
-                               ("beta", beta, "beta"), ("a", a, "a"), ("b", b, "b")):
-            grads[field] = None
-            if t is not None:
-                grads[field] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-                descs["d" + field] = torch_desc(grads[field], "d" + name)
+        grad_descs(descs, pad, T_loc)
         dh0_local = None
-        if h0 is not None:
+        if h0 is not None or pad:
             dh0_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
                                     device=q.device)
             descs["dh0"] = torch_desc(dh0_local, "dh0")
         _run(cfg, "backward", cfg.bwd_method, descs)
+        if pad:  # the head piece, from the merged state, with dL/d(its final state) = the body's dh0
+            head_h0, head_dht = ctx_.merged.unsqueeze(0).contiguous(), dh0_local[0:1].contiguous()
+            head = _descs(cfg, *_split(xs, 0, pad), h0=head_h0)
+            head["dout"] = torch_desc(_seg(do, 0, pad), "do")
+            head["dht"] = torch_desc(head_dht, "dht")
+            grad_descs(head, 0, pad)
+            _run(cfg, "backward", cfg.bwd_method, head)
         dh0 = None
         if h0 is not None:
             dh0 = torch.zeros_like(h0)
