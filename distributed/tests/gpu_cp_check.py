@@ -188,9 +188,25 @@ def check_cp(device, world, report):
             tol = TOL[dtype_name] if dtype_name == "float32" else TOL[dtype_name][variant]
             ok = all(e <= tol for e in err.values()) and bitwise
             ok_all &= ok
-            rows.append(dict(variant=variant, dtype=dtype_name, seqlens=len(seqlens), states=states, errors=err,
-                             tol=tol, bitwise=bitwise, ok=ok, plan=ctx.describe(),
-                             exchange_bytes=dict(cp.last_stats)))
+            row = dict(variant=variant, dtype=dtype_name, seqlens=len(seqlens), states=states, errors=err,
+                       tol=tol, bitwise=bitwise, ok=ok, plan=ctx.describe(), exchange_bytes=dict(cp.last_stats))
+            if dtype_name == "bfloat16":
+                # For the record (not judged): each side's own error against the fp64 reference on the same
+                # bf16-rounded inputs (CPU), to tell a CP error from the two runs' independent roundings.
+                exact = {n: t.detach().double().cpu().requires_grad_() for n, t in x.items()}
+                o64, ht64 = call(variant, exact, 64, states, cu=cu)
+                loss = (o64 * do.double().cpu()).sum()
+                if ht64 is not None:
+                    loss = loss + (ht64 * dht.double().cpu()).sum()
+                loss.backward()
+                row["vs_fp64"] = {
+                    "cp_o": rel(o.double().cpu(), cp.split_even(o64, ctx)),
+                    "single_o": rel(cp.split_even(o_ref, ctx).double().cpu(), cp.split_even(o64, ctx)),
+                    "cp_dk": rel(grads["k"].double().cpu(), cp.split_even(exact["k"].grad, ctx)),
+                    "single_dk": rel(cp.split_even(full["k"].grad, ctx).double().cpu(),
+                                     cp.split_even(exact["k"].grad, ctx)),
+                }
+            rows.append(row)
     report["cp"] = rows
     # mismatched cu_seqlens: the same ValueError naming cu_seqlens on every rank
     cu_bad = [0, 64 * world] if dist.get_rank() == 0 else [0, 32, 64 * world]
