@@ -47,7 +47,7 @@
 //   chunk_cumsum_kernel       128 thr   0 KB                     32 regs
 //   chunk_wy_kernel           128 thr   74 KB (3 CTAs/SM)        72-80 regs   (kda 107 KB)
 //   chunk_state_scan_kernel   256 thr   BV 32: 96 KB with two load stages (2 CTAs/SM); BV 64: 117 KB
-//                                       (128 thr and 4 CTAs/SM for K <= 64)          <= 128 regs
+//                                       (1 CTA/SM); K <= 64 runs 128 threads       <= 128 regs
 //   chunk_output_kernel       128 thr   70.5 KB (3 CTAs/SM)      71-72 regs   (kda 103.5 KB)
 // fp32 inputs need about twice the shared memory (the scan then runs one load stage); fp32 with
 // K or V = 256 does not fit an sm_80 (an Error names K). bf16/fp16 fit up to K = V = 256.
