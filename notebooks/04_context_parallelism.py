@@ -311,7 +311,7 @@ Kc = Vc = 64
 Cc, n_maps = 64, 1024
 REGIMES = {"fast writes, beta~U(0.1,0.9), delta": ("delta", (0.1, 0.9)),
            "slow writes, beta~U(0.002,0.01), delta": ("delta", (0.002, 0.01))}
-errors = {}
+errors, maps_by_regime = {}, {}
 for label, (variant, beta_range) in REGIMES.items():
     x = head_inputs(variant, Cc * n_maps, Kc, Vc, beta=beta_range)
     chunk_maps = [ref.chunk_affine(variant, **rows(x, c * Cc, (c + 1) * Cc)) for c in range(n_maps)]
@@ -331,6 +331,7 @@ for label, (variant, beta_range) in REGIMES.items():
     _, S_rec = ref.recurrent_forward(variant, **x)
     assert rel_err(S64, S_rec) < 1e-12  # the fp64 fold is the truth
     errors[label] = {name: np.array(e) for name, e in err.items()}
+    maps_by_regime[label] = (chunk_maps, S64)
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
 for ax, (label, err) in zip(axes, errors.items()):
@@ -371,3 +372,69 @@ assert slow["fp32"][-1] > 5 * slow["fp32"][0]
 # **Take away.** CP for delta-rule attention exchanges one $[K, V+K]$ fp32 map per rank and head,
 # reproduces the single-process forward and backward to about $10^{-15}$ in fp64, and needs fp32 for
 # the chain.
+
+# %% [markdown]
+# ## A tree instead of a chain: what a chunk-parallel pre-pass would cost in precision
+#
+# On a GPU the pre-pass is a *sequential* scan over the rank's chunks, like the local forward (see
+# "How the GPU pre-pass computes $(M, H)$" above). Composition is associative, so the same
+# $(M, H)$ can come from a log-depth tree. Each chunk's $(M_c, H_c)$ comes from its WY factors, all
+# chunks at once, and pairs are then composed level by level:
+#
+# $$(M_2, H_2)\circ(M_1, H_1) = (M_2 M_1,\; M_2 H_1 + H_2).$$
+#
+# That is $\lceil\log_2 n\rceil$ rounds of batched $K\times K\times(K+V)$ products, all on tensor cores,
+# instead of $n$ dependent steps. Tensor cores take 16-bit operands, so the question is what rounding
+# the maps to bf16 at every composition does to the result. fp32 accumulation and storage are kept,
+# which is what an mma with bf16 inputs gives. We compare against the sequential fp32 chain and the
+# chain with bf16 maps from above. The chain's rounding of each map happens once; the tree's
+# intermediate products are rounded again at every level.
+
+# %%
+def tree_fold(maps, operand):
+    """Compose [(M_1, H_1), ..., (M_n, H_n)] (applied in that order) pairwise, level by level."""
+    level = [(operand(M), operand(H)) for M, H in maps]
+    while len(level) > 1:
+        nxt = []
+        for i in range(0, len(level) - 1, 2):
+            (M1, H1), (M2, H2) = level[i], level[i + 1]
+            M2o = operand(M2)
+            nxt.append((operand(M2o @ operand(M1)), operand(M2o @ operand(H1) + H2)))
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
+
+
+fp32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+tree_err = {}
+for label, (chunk_maps, S_true) in maps_by_regime.items():
+    _, H_tree32 = tree_fold(chunk_maps, fp32)
+    _, H_tree16 = tree_fold(chunk_maps, to_bf16)  # operands rounded to bf16, products accumulated in fp32
+    tree_err[label] = {"tree fp32": rel_err(H_tree32, S_true), "tree bf16 operands": rel_err(H_tree16, S_true),
+                       "chain fp32": errors[label]["fp32"][-1],
+                       "chain bf16 maps": errors[label]["bf16 maps, fp32 state"][-1]}
+    print(label)
+    for name, e in tree_err[label].items():
+        print(f"   {name:20s} {e:.1e}")
+flops = (n_maps - 1) * 2 * Kc * Kc * (Kc + Vc)
+print(f"tree work for {n_maps} chunks at K = V = {Kc}: {flops / 1e9:.2f} GFLOP per head, "
+      f"{int(np.ceil(np.log2(n_maps)))} dependent rounds instead of {n_maps} steps")
+for err in tree_err.values():
+    assert err["tree fp32"] < 3 * err["chain fp32"] < 1e-5  # the tree is as accurate as the chain in fp32
+    assert err["tree bf16 operands"] < 4 * err["chain bf16 maps"]  # and about as inaccurate with bf16 operands
+    assert err["tree bf16 operands"] > 100 * err["tree fp32"]
+
+# %% [markdown]
+# **Reading it.**
+#
+# - **fp32.** The tree is as accurate as the chain (about $10^{-7}$ to $10^{-6}$); the order of the
+#   additions hardly matters.
+# - **bf16 operands.** The tree lands at the chain-with-bf16-maps level: a few $10^{-3}$ when the
+#   state forgets quickly, about $10^{-2}$ when it remembers long. Re-rounding at each of the ten
+#   levels adds little to the first rounding of the maps.
+# - **What that means for a tensor-core tree pre-pass.** bf16 products are not good enough: they
+#   would be worse than the tiled scan's own state error, about $2\times10^{-3}$ (docs/perf.md).
+#   The compositions need tf32, or bf16 split into two halves (three products). The per-chunk maps
+#   can come from the same 16-bit WY factors the local kernel uses.
+# - **Cost.** About 1 GFLOP per head here, in 10 dependent rounds instead of 1024 sequential steps.
