@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(32 * NW) bwd_dh_scan_kernel(const Args a) {
   const int64_t state0 = (n * a.HV + hv) * a.K * a.V;  // [N, HV, K, V] offset of (n, hv)
   const int m0 = 16 * KMT * warp;                      // this warp's first state row
 
-  // dS from dht, or zero.
+  // dS from dht, or zero. (Written out rather than fwd_mma.cuh's load_acc / store_acc, which the
+  // forward scan uses: with them nvcc 13.0 spills 20-32 bytes in this kernel's bf16 instantiations.)
   float dS[KMT][NT][4];
 #pragma unroll
   for (int mt = 0; mt < KMT; ++mt)

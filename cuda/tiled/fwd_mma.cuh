@@ -193,6 +193,36 @@ __device__ __forceinline__ void zero_acc(float (&acc)[MT][NT][4]) {
 __device__ __forceinline__ int acc_row(int mt, int e) { return 16 * mt + ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int acc_col(int nt, int e) { return 8 * nt + 2 * (threadIdx.x & 3) + (e & 1); }
 
+// An fp32 state tile held as accumulators (rows m0 + 16 mt + .., columns 8 nt + ..) <-> a row-major
+// fp32 matrix g (leading dimension ld), only rows < rows and columns < cols: the scans' h0 / dht in
+// and ht / dh0 out. A null g loads zeros.
+template <int MT, int NT>
+__device__ __forceinline__ void load_acc(float (&acc)[MT][NT][4], const float* g, int64_t ld, int m0, int rows,
+                                         int cols) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + acc_row(mt, e), c = acc_col(nt, e);
+        acc[mt][nt][e] = (g != nullptr && r < rows && c < cols) ? g[int64_t(r) * ld + c] : 0.f;
+      }
+}
+template <int MT, int NT>
+__device__ __forceinline__ void store_acc(const float (&acc)[MT][NT][4], float* g, int64_t ld, int m0, int rows,
+                                          int cols) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + acc_row(mt, e), c = acc_col(nt, e);
+        if (r < rows && c < cols) g[int64_t(r) * ld + c] = acc[mt][nt][e];
+      }
+}
+
 // ---- element helpers ------------------------------------------------------------------------
 template <class T>
 __device__ __forceinline__ T from_f(float x);

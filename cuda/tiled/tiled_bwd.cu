@@ -67,6 +67,7 @@
 #include "deltacp/cuda/tiers.h"
 #include "deltacp/error.h"
 #include "fwd_stages.cuh"
+#include "scan_config.h"
 
 namespace deltacp::cuda {
 namespace tiled::bwd {
@@ -100,22 +101,13 @@ void prepare(Kernel kernel, size_t bytes, const char* stage) {
   DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-// B1, the sequential dh scan: BV = 64 (8 warps for KP = 128) while that still gives a CTA per two SMs,
-// else 32 (DELTACP_TILED_SCAN_BV=32|64 forces); two load stages where they fit and add no wave of
-// CTAs (DELTACP_TILED_SCAN_STAGES=1|2 forces).
+// B1, the sequential dh scan: column tile BV 64 or 32 and one or two load stages (scan_config.h).
 template <class Op, int KP, bool PERKEY, int BV, int NW>
 void launch_dh_scan_bv(const Args& a, int64_t num_seqs, cudaStream_t stream) {
   constexpr DhScanSmem<Op, KP, 1, BV> L1{};
   constexpr DhScanSmem<Op, KP, 2, BV> L2{};
   const int64_t nvt = (a.V + BV - 1) / BV, ctas = num_seqs * a.HV * nvt;
-  const int limit = max_smem_optin();
-  auto waves = [&](size_t bytes) {
-    const int64_t slots = int64_t(sm_count()) * ctas_per_sm(bytes);
-    return (ctas + slots - 1) / slots;
-  };
-  bool two = L2.total <= static_cast<size_t>(limit) && waves(L2.total) <= waves(L1.total);
-  if (const char* env = std::getenv("DELTACP_TILED_SCAN_STAGES"))
-    two = std::atoi(env) == 2 && L2.total <= static_cast<size_t>(limit);
+  const bool two = scan_two_stages(ctas, L1.total, L2.total, /*cap=*/32);
   DELTACP_CHECK(a.HV <= 65535 && nvt <= 65535, "HV", "expected at most 65535 value heads and V slices, got ", a.HV,
                 " and ", nvt);
   const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(a.HV), static_cast<unsigned>(nvt));
@@ -133,10 +125,8 @@ void launch_dh_scan_bv(const Args& a, int64_t num_seqs, cudaStream_t stream) {
 template <class Op, int KP, bool PERKEY>
 void launch_dh_scan(const Args& a, int64_t num_seqs, cudaStream_t stream) {
   auto ctas_of = [&](int64_t bv) { return num_seqs * a.HV * ((a.V + bv - 1) / bv); };
-  bool wide = ctas_of(64) * 2 >= sm_count();
-  if (const char* env = std::getenv("DELTACP_TILED_SCAN_BV")) wide = std::atoi(env) == 64;
   constexpr int NW = KP / 16;  // one 16-row m-tile of the state per warp
-  if (wide) launch_dh_scan_bv<Op, KP, PERKEY, 64, NW>(a, num_seqs, stream);
+  if (scan_tile_width({64, 32}, ctas_of) == 64) launch_dh_scan_bv<Op, KP, PERKEY, 64, NW>(a, num_seqs, stream);
   else launch_dh_scan_bv<Op, KP, PERKEY, 32, NW>(a, num_seqs, stream);
 }
 
@@ -231,19 +221,22 @@ void run_backward(const Params& p) {
   const int64_t es = dtype_size(p.dtype);
   const FwdSizes fs = fwd_sizes(p, table);
 
+  // dh0-only (Params::dh0_only, the CP backward pre-pass): dh0 needs only W, Kd (B1's operands) and
+  // B0's dVn_local, so the forward's state scan (h, v_new) and stages B2-B5 are skipped with their
+  // workspaces, and B1 writes neither dh per chunk nor dVn.
+  const bool dh0_only = p.dh0_only();
   Workspace ws(stream);
   // Forward recompute.
   const int64_t bG = fs.G * 4, bW = fs.W * es, bU = fs.U * es, bKd = fs.Kd * es, bT = fs.Tinv * 4,
-                bvn = p.dh0_only() ? 0 : fs.v_new * es, bh = p.dh0_only() ? 0 : fs.h * es;
+                bvn = dh0_only ? 0 : fs.v_new * es, bh = dh0_only ? 0 : fs.h * es;
   const size_t oG = ws.plan(bG), oW = ws.plan(bW), oU = ws.plan(bU), oKd = ws.plan(bKd), oT = ws.plan(bT),
                ovn = ws.plan(bvn), oh = ws.plan(bh);
   const int64_t bQg = p.variant == Variant::kda ? R * p.HV * padded_dim(p.K) * es : 0;  // Q e^G (B0 -> B1)
   const size_t oQg = ws.plan(bQg);
   // Backward (fp32).
-  const bool skip = p.dh0_only();  // no dh, dW, dP, dA, dq/dk/dG/dbeta workspaces
-  const int64_t bdh = skip ? 0 : NC * p.HV * p.K * p.V * 4, bdvn = R * p.HV * p.V * 4,
-                bkey = skip ? 0 : R * p.HV * p.K * 4, bmat = skip ? 0 : NC * p.HV * kRows * kRows * 4,
-                bdG = gated ? bkey : 0, bdb = skip ? 0 : R * p.HV * 4;
+  const int64_t bdh = dh0_only ? 0 : NC * p.HV * p.K * p.V * 4, bdvn = R * p.HV * p.V * 4,
+                bkey = dh0_only ? 0 : R * p.HV * p.K * 4, bmat = dh0_only ? 0 : NC * p.HV * kRows * kRows * 4,
+                bdG = gated ? bkey : 0, bdb = dh0_only ? 0 : R * p.HV * 4;
   const size_t odh = ws.plan(bdh), odvn = ws.plan(bdvn), odW = ws.plan(bkey), odP = ws.plan(bmat),
                odA = ws.plan(bmat), odq = ws.plan(bkey), odk = ws.plan(bkey), odG = ws.plan(bdG),
                odb = ws.plan(bdb);
@@ -257,10 +250,6 @@ void run_backward(const Params& p) {
   void* vnew = ws.at<void>(ovn, bvn);
   void* h = ws.at<void>(oh, bh);
 
-  // dh0-only (Params::dh0_only, the CP backward pre-pass): dh0 needs only W, Kd (B1's operands) and
-  // B0's dVn_local, so the forward's state scan (h, v_new) and stages B2-B5 are skipped, and B1
-  // writes neither dh per chunk nor dVn.
-  const bool dh0_only = p.dh0_only();
   launch_chunk_cumsum(p, table, G, stream);
   launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream);
   if (!dh0_only)
@@ -304,7 +293,7 @@ void run_backward(const Params& p) {
   a.Kd = Kd;
   a.Qg = ws.at<void>(oQg, bQg);
   a.chunk_size = p.chunk_size;
-  a.dh = dh0_only ? nullptr : ws.at<float>(odh, bdh);
+  a.dh = ws.at<float>(odh, bdh);  // null in the dh0-only mode (bdh = 0)
   a.dh0_only = dh0_only;
   a.dvnew = ws.at<float>(odvn, bdvn);
   a.dW = ws.at<float>(odW, bkey);

@@ -75,6 +75,7 @@
 #include "deltacp/params.h"
 #include "fwd_mma.cuh"
 #include "fwd_stages.cuh"
+#include "scan_config.h"
 
 namespace deltacp::cuda::tiled {
 namespace {
@@ -636,16 +637,9 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 4 : 2)
   const int bv_valid = min(BV, Vp - v0);                            // columns of this tile inside Vp
 
   // S from h0 (fp32 [N, HV, K, V]) or zero.
+  const int64_t state0 = (n * HV + hv) * K * V + v0;  // (n, hv, 0, v0) of h0 / ht
   float S[KMT][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < KMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t d = m0 + acc_row(mt, e), v = v0 + acc_col(nt, e);
-        S[mt][nt][e] = (h0 != nullptr && d < K && v < V) ? h0[((n * HV + hv) * K + d) * V + v] : 0.f;
-      }
+  load_acc(S, h0 != nullptr ? h0 + state0 : nullptr, V, m0, static_cast<int>(K), static_cast<int>(V - v0));
 
   auto chunk_row0 = [&](int64_t c) { return se.batch * args.Tlen + se.bos + c * cs; };
   auto chunk_len = [&](int64_t c) { return static_cast<int>(min(static_cast<int64_t>(cs), se.len - c * cs)); };
@@ -774,17 +768,7 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 4 : 2)
     }
   }
 
-  if (ht != nullptr) {
-#pragma unroll
-    for (int mt = 0; mt < KMT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t d = m0 + acc_row(mt, e), v = v0 + acc_col(nt, e);
-          if (d < K && v < V) ht[((n * HV + hv) * K + d) * V + v] = S[mt][nt][e];
-        }
-  }
+  if (ht != nullptr) store_acc(S, ht + state0, V, m0, static_cast<int>(K), static_cast<int>(V - v0));
 }
 
 // ============================================================================================
@@ -1042,29 +1026,16 @@ void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const flo
     dispatch_kda(p.variant, [&](auto kda) {
       constexpr bool kKda = decltype(kda)::value;
       const FwdArgs<T> args = make_args<T>(p, table);
-      // BV: the widest of 64, 32 (, 16 for K <= 64) that still gives at least one CTA per two SMs;
-      // DELTACP_TILED_SCAN_BV=16|32|64 overrides (tests and tuning runs exercise every path).
+      // Column tile and load stages: scan_config.h (K <= 64: 4 warps, BV 64/32/16; K <= 128: 8 warps,
+      // BV 64/32; K > 128: 4 warps of 64 rows, BV 16).
       auto ctas_of = [&](int bv) { return table.num_seqs() * p.HV * ((args.Vp + bv - 1) / bv); };
-      int bv = ctas_of(64) * 2 >= sm_count() ? 64 : ctas_of(32) * 2 >= sm_count() || p.K > 64 ? 32 : 16;
-      if (const char* env = std::getenv("DELTACP_TILED_SCAN_BV")) {
-        bv = std::atoi(env);
-        DELTACP_CHECK(bv == 16 || bv == 32 || bv == 64, "DELTACP_TILED_SCAN_BV", "expected 16, 32 or 64, got ", env);
-        if (bv == 16 && p.K > 64 && p.K <= 128) bv = 32;  // 8 warps need two n-tiles each
-      }
-      if (p.K > 128) bv = 16;
-      // Two stages (chunk c + 1 loading while chunk c computes) where they fit in shared memory and
-      // do not add a wave of CTAs (they halve the CTAs per SM); DELTACP_TILED_SCAN_STAGES=1|2 forces.
+      const int bv = p.K <= 64    ? scan_tile_width({64, 32, 16}, ctas_of)
+                     : p.K <= 128 ? scan_tile_width({64, 32}, ctas_of)
+                                  : scan_tile_width({16}, ctas_of);
       auto launch = [&](auto kernel1, auto kernel2, int BV, int NW, int KPT) {
-        const int64_t ctas = ctas_of(BV);
         const int cap = NW == 4 ? 4 : 2;  // CTAs per SM allowed by the launch bounds' registers
-        auto waves = [&](int ns) {
-          const int64_t slots =
-              int64_t(sm_count()) * ctas_per_sm(scan_layout(KPT, BV, sizeof(T), ns).bytes, cap);
-          return (ctas + slots - 1) / slots;
-        };
-        bool two = scan_layout(KPT, BV, sizeof(T), 2).bytes <= max_smem_optin() && waves(2) <= waves(1);
-        if (const char* env = std::getenv("DELTACP_TILED_SCAN_STAGES"))
-          two = std::atoi(env) == 2 && scan_layout(KPT, BV, sizeof(T), 2).bytes <= max_smem_optin();
+        const bool two = scan_two_stages(ctas_of(BV), scan_layout(KPT, BV, sizeof(T), 1).bytes,
+                                         scan_layout(KPT, BV, sizeof(T), 2).bytes, cap);
         const ScanLayout L = scan_layout(KPT, BV, sizeof(T), two ? 2 : 1);
         auto kernel = two ? kernel2 : kernel1;
         prepare_smem(kernel, L.bytes, p, "state scan");

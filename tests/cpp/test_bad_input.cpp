@@ -8,23 +8,13 @@
 #include "deltacp/cp_plan.h"
 #include "deltacp/error.h"
 #include "deltacp/reference/batch.h"
+#include "expect_error.h"
 #include "shapes.h"
 
 using namespace deltacp;
 using namespace deltacp::test;
 
 namespace {
-
-// Runs fn, expects deltacp::Error for `argument` whose message contains `words`.
-void expect_error(const std::function<void()>& fn, const std::string& argument, const std::string& words) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected deltacp::Error for '" << argument << "', nothing was thrown";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), argument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << "message: " << e.what();
-  }
-}
 
 struct BadInput : testing::Test {
   Problem pr{Variant::gdn, varlen({0, 10, 25}, 2, 2, 8, 4), 1};

@@ -16,6 +16,7 @@
 
 #include "deltacp/error.h"
 #include "deltacp/reference/batch.h"
+#include "expect_error.h"
 #include "shapes.h"
 
 using namespace deltacp;
@@ -160,16 +161,6 @@ INSTANTIATE_TEST_SUITE_P(Reference, StateOnlyByVariant,
                          [](const testing::TestParamInfo<Variant>& i) { return to_string(i.param); });
 
 // ---- bad input ------------------------------------------------------------------------------
-void expect_error(const std::function<void()>& fn, const std::string& argument, const std::string& words) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected deltacp::Error for '" << argument << "', nothing was thrown";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), argument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << "message: " << e.what();
-  }
-}
-
 struct StateOnlyBadInput : testing::Test {
   Problem pr{Variant::gdn, varlen({0, 10, 25}, 2, 2, 8, 4), 1};
 };
