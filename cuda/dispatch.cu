@@ -20,6 +20,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "common/workspace_pool.h"
 #include "deltacp/cuda/api.h"
 #include "deltacp/cuda/tiers.h"
 #include "deltacp/error.h"
@@ -124,6 +125,8 @@ bool device_available() {
   }
   return count > 0;
 }
+
+void release_workspace() { release_workspace_memory(); }
 
 bool supports(Variant v, Method tier, bool backward) {
   const bool known = v == Variant::delta || v == Variant::gdn || v == Variant::kda || v == Variant::dplr;

@@ -47,7 +47,12 @@ def parse():
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
-    return p.parse_args()
+    p.add_argument("--pieces", default="0,2048,4096,8192,16384",
+                   help="pre-pass piece lengths (tokens) to time; 0 = one sequential scan over the span")
+    p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of the CP and one-GPU steps")
+    a = p.parse_args()
+    a.pieces = [int(x) for x in a.pieces.split(",") if x.strip()]
+    return a
 
 
 def timer(device):
@@ -67,6 +72,28 @@ def timer(device):
         return statistics.median(times)
 
     return run
+
+
+def kernel_times(fn, device, calls=3):
+    """[(kernel name, ms per call)] of fn's CUDA kernels, largest first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0.0)
+        if t > 0:
+            rows.append((e.key, t / calls / 1e3))
+    dist.barrier()
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def main():
@@ -102,11 +129,42 @@ def main():
     cfg.fwd_method, cfg.bwd_method = cp_ops._methods("gdn", None, device, False)
     use_kernels = device.type == "cuda" and nccl_backend.available()
 
-    results = {}
-    prepass = lambda: cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None)  # noqa: E731
-    X = prepass()  # [HV, K, V + K] fp32 = [H | M]
+    results, profiles = {}, {}
+    # The forward pre-pass as the CP forward runs it: [H | M] of the last segment, plus the first segment's
+    # per-piece transitions for the backward pre-pass where the first segment continues (rank > 0).
+    want_maps = ctx.first_continues
+    prepass = lambda: cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None,  # noqa: E731
+                                              want_first_maps=want_maps)
+    do_pre = torch.randn(1, T_rank, HV, V, generator=gen).to(device, dtype)
+    first_maps = [None]
+    prepass_bwd = lambda: cp_ops._prepass_backward(cfg, q, k, v, g, beta, None, None, do_pre, None,  # noqa: E731
+                                                   first_maps=first_maps[0])
+    prepass_bwd_widened = lambda: cp_ops._prepass_backward(cfg, q, k, v, g, beta, None, None,  # noqa: E731
+                                                           do_pre, None)
+    errors = {}
     if use_kernels:
+        # The pre-pass in pieces of P tokens run side by side and composed in fp32 (cp/ops.py
+        # _piece_bounds); 0 = the whole span as one sequential scan. Both directions, each piece length.
+        whole = {}
+        for piece in args.pieces:
+            os.environ["DELTACP_CP_PREPASS_PIECE"] = str(piece)
+            first_maps[0] = prepass()[1]
+            for name, fn in (("fwd", lambda: prepass()[0]), ("bwd", prepass_bwd)):
+                got = fn()
+                whole.setdefault(name, got)
+                errors[f"prepass_{name}_piece{piece}"] = float((got - whole[name]).norm() /
+                                                                whole[name].norm().clamp_min(1e-30))
+                results[f"prepass_{name}_piece{piece}"] = time_it(fn, args.repeat, args.warmup)
+        # The CP steps below use the library's default piece length (cp/ops.py _piece_bounds).
+        os.environ.pop("DELTACP_CP_PREPASS_PIECE", None)
+        piece_default = cp_ops._piece_tokens(cfg, T_rank)
         results["prepass"] = time_it(prepass, args.repeat, args.warmup)
+        first_maps[0] = prepass()[1]
+        results["prepass_bwd"] = time_it(prepass_bwd, args.repeat, args.warmup)
+        results["prepass_bwd_widened"] = time_it(prepass_bwd_widened, args.repeat, args.warmup)
+        errors["prepass_bwd_widened"] = float((prepass_bwd_widened() - prepass_bwd()).norm() /
+                                              prepass_bwd().norm().clamp_min(1e-30))
+    X = prepass()[0]  # [HV, K, V + K] fp32 = [H | M]
 
     def allgather():
         gathered = cp_ops._all_gather(cfg, X, "bench all-gather")
@@ -154,7 +212,6 @@ def main():
         return S
 
     S_ref = allgather()
-    errors = {}
     for name, fn in (("allgather", allgather), ("ring", ring), ("scan", scan)):
         S = fn()
         errors[name] = 0.0 if rank == 0 else float((S - S_ref).norm() / S_ref.norm().clamp_min(1e-30))
@@ -208,14 +265,23 @@ def main():
                 results[f"cp_step_{direction}"] = time_it(lambda: cp_step(direction), args.repeat, args.warmup)
                 results[f"single_gpu_{direction}"] = time_it(lambda: single_step(direction), args.repeat, args.warmup)
 
+        if args.profile:
+            for name, fn in (("cp_step_fwd+bwd", lambda: cp_step("fwd+bwd")),
+                             ("single_gpu_fwd+bwd", lambda: single_step("fwd+bwd")),
+                             ("prepass_fwd", prepass), ("prepass_bwd", prepass_bwd)):
+                profiles[name] = kernel_times(fn, device)
+
     rows = [None] * world
-    dist.all_gather_object(rows, dict(rank=rank, times=results, errors=errors))
+    dist.all_gather_object(rows, dict(rank=rank, times=results, errors=errors, profiles=profiles,
+                                      piece_default=piece_default if use_kernels else None))
     if rank == 0:
         bytes_ag = world * HV * K * (V + K) * 4
         bytes_ring = HV * K * V * 4
         bytes_scan = math.ceil(math.log2(world)) * HV * K * (V + K) * 4 if world > 1 else 0
         print(f"CP exchange, {world} ranks ({device.type}), GDN {args.dtype}, H={H} K=V={K}, {T_rank} tokens/rank, "
               f"one sequence over every rank; median of {args.repeat} (ms, max over ranks)")
+        if rows[0]["piece_default"] is not None:
+            print(f"  (pre-pass pieces in the CP steps and 'prepass': the default, {rows[0]['piece_default']} tokens)")
         names = sorted({n for r in rows for n in r["times"]})
         for n in names:
             worst = max(r["times"].get(n, 0.0) for r in rows) * 1e3
@@ -231,8 +297,17 @@ def main():
                   f"{bytes_ag / ag * (world - 1) / world / 1e9:.1f} GB/s")
         print(f"  bytes received per rank: allgather {bytes_ag}, ring {bytes_ring} (world - 1 serial hops), "
               f"scan {bytes_scan} (ceil(log2 world) rounds)")
+        piece_errs = sorted({n for r in rows for n in r["errors"] if n.startswith("prepass_")})
+        if piece_errs:
+            print("  pre-pass in pieces vs the first piece length (relative): " + ", ".join(
+                f"{n[8:]} {max(r['errors'].get(n, 0.0) for r in rows):.1e}" for n in piece_errs))
         print("  initial-state error vs allgather: " + ", ".join(
             f"{n} {max(r['errors'][n] for r in rows):.1e}" for n in ("ring", "scan")))
+        for r in rows:
+            for name, table in r["profiles"].items():
+                total = sum(t for _, t in table)
+                print(f"  profile rank {r['rank']} {name}: {total:.3f} ms of kernels per call; top: " +
+                      ", ".join(f"{n[:48]} {t:.3f}" for n, t in table[:8]))
         out = args.json or os.path.join(os.environ.get("OUT", "."), "bench_cp.json")
         with open(out, "w") as f:
             json.dump(dict(world=world, device=str(device.type), config=vars(args), ranks=rows,

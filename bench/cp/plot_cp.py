@@ -40,9 +40,11 @@ def main():
     ax1.set_title("parallel efficiency (one GPU / CP step)")
     ax1.legend(fontsize=8)
 
-    parts = ["prepass", "allgather", "ring", "scan", "local_forward"]
-    names = ["pre-pass [H|M]", "all-gather + merge", "ring pass", "log-depth scan", "local forward"]
-    ax2.barh(names, [worst(r, p) for p in parts])
+    parts = ["prepass", "prepass_bwd", "allgather", "ring", "scan", "local_forward"]
+    names = ["pre-pass [H|M]", "backward pre-pass [dH|M^T]", "all-gather + merge", "ring pass", "log-depth scan",
+             "local forward"]
+    have = [i for i, p in enumerate(parts) if all(p in rank["times"] for rank in r["ranks"])]
+    ax2.barh([names[i] for i in have], [worst(r, parts[i]) for i in have])
     ax2.set_xlabel("ms (max over ranks)")
     ax2.set_title("exchange alternatives and the local forward")
     fig.suptitle(f"{r['world']} x {a.gpu}, GDN {c['dtype']}, H={c['heads']}, "

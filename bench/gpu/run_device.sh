@@ -91,7 +91,7 @@ if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
   say "cp (gpu): rc=$? in $(( $(date +%s) - t0 )) s"
   t0=$(date +%s)
   timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$(nvidia-smi -L | grep -c '^GPU') \
-    bench/cp/bench_cp.py --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
+    bench/cp/bench_cp.py --profile --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
   say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
   tar -czf "$OUT/cp_results.tar.gz" -C /tmp cpout 2>/dev/null
   tail -25 "$OUT/cp_gpu.log"; tail -25 "$OUT/bench_cp.log"

@@ -137,6 +137,12 @@ bool cuda_available() {
 #endif
 }
 
+void cuda_release_workspace() {
+#ifdef DELTACP_WITH_CUDA
+  cuda::release_workspace();
+#endif
+}
+
 bool cuda_supports(const std::string& variant, const std::string& tier, bool backward) {
 #ifdef DELTACP_WITH_CUDA
   return cuda::supports(variant_from_string(variant), method_from_string(tier), backward);
@@ -174,6 +180,8 @@ void register_batch_api(py::module_& m) {
         "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp).");
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA tiers were compiled into this module.");
   m.def("cuda_available", &cuda_available, "True when the CUDA tiers are built and a device is usable.");
+  m.def("cuda_release_workspace", &cuda_release_workspace,
+        "Hand the CUDA kernels' cached workspace memory back to the driver (no-op without CUDA).");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),
         "Whether the CUDA tier implements (variant, direction) in this build.");
   m.def(

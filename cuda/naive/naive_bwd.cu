@@ -49,6 +49,7 @@
 #include "../common/check.h"
 #include "../common/load_store.cuh"
 #include "../common/seq_bounds.h"
+#include "../common/workspace_pool.h"
 #include "deltacp/cuda/tiers.h"
 #include "naive_common.cuh"
 
@@ -402,8 +403,7 @@ void launch_backward(const Params& p, cudaStream_t stream) {
   const int64_t scratch_floats = blocks * scratch_tokens * BV * p.K;
   const int64_t total_floats = vec_floats + scalar_floats + checkpoint_floats + scratch_floats;
   float* workspace = nullptr;
-  DELTACP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&workspace),
-                                     static_cast<size_t>(total_floats) * sizeof(float), stream));
+  workspace = static_cast<float*>(workspace_alloc(static_cast<size_t>(total_floats) * sizeof(float), stream));
 
   GradArgs<T> gr;
   gr.dout = strided<const T>(p.dout);
@@ -429,10 +429,10 @@ void launch_backward(const Params& p, cudaStream_t stream) {
     DELTACP_CUDA_CHECK_LAUNCH();
     if (input_grads) launch_grad_reductions<VAR, T>(p, gr, num_vtiles, tokens, stream);
   } catch (...) {
-    cudaFreeAsync(workspace, stream);  // best effort; the original error is the one to report
+    workspace_free(workspace, stream);  // best effort; the original error is the one to report
     throw;
   }
-  DELTACP_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  workspace_free(workspace, stream);
 }
 
 }  // namespace

@@ -20,9 +20,9 @@
 // initial state).
 //
 // The table is built on the host from p.cu_seqlens_host (varlen) or from B and T (fixed batches),
-// and uploaded with cudaMemcpyAsync on the given stream into memory from cudaMallocAsync; the
-// ChunkTable object owns that memory and frees it with cudaFreeAsync on the same stream when it is
-// destroyed, so kernels launched on that stream before the destructor runs may use it.
+// and uploaded with cudaMemcpyAsync on the given stream into stream-ordered memory from deltacp's
+// workspace pool (../common/workspace_pool.h); the ChunkTable object owns that memory and frees it on
+// the same stream when it is destroyed, so kernels launched on that stream before the destructor runs may use it.
 //
 // Everything is int64 (DESIGN.md section 6).
 //
@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "../common/check.h"
+#include "../common/workspace_pool.h"
 #include "deltacp/error.h"
 #include "deltacp/params.h"
 
@@ -128,8 +129,8 @@ class ChunkTable {
   // Stream-ordered free: kernels already launched on stream_ finish reading first. Errors are
   // ignored here (a destructor must not throw); a failing stream reports at the next check.
   void release() {
-    if (chunks_) cudaFreeAsync(chunks_, stream_);
-    if (seqs_) cudaFreeAsync(seqs_, stream_);
+    workspace_free(chunks_, stream_);
+    workspace_free(seqs_, stream_);
     chunks_ = nullptr;
     seqs_ = nullptr;
   }
@@ -138,7 +139,7 @@ class ChunkTable {
   void upload(const std::vector<E>& host, E** device) {
     if (host.empty()) return;
     const size_t bytes = host.size() * sizeof(E);
-    DELTACP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(device), bytes, stream_));
+    *device = static_cast<E*>(workspace_alloc(bytes, stream_));
     // From pageable memory the runtime stages the bytes before returning, and host_ lives as long as
     // the table anyway.
     DELTACP_CUDA_CHECK(cudaMemcpyAsync(*device, host.data(), bytes, cudaMemcpyHostToDevice, stream_));

@@ -181,7 +181,7 @@ class Workspace {
  public:
   explicit Workspace(cudaStream_t s) : stream_(s) {}
   ~Workspace() {
-    if (base_) cudaFreeAsync(base_, stream_);  // errors surface at the next checked call
+    workspace_free(base_, stream_);  // errors surface at the next checked call
   }
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
@@ -192,7 +192,7 @@ class Workspace {
     return o;
   }
   void allocate() {
-    if (size_ > 0) DELTACP_CUDA_CHECK(cudaMallocAsync(&base_, size_, stream_));
+    base_ = workspace_alloc(size_, stream_);
   }
   template <class E>
   E* at(size_t offset, int64_t bytes) const {

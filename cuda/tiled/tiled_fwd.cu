@@ -1103,7 +1103,7 @@ void run_forward(const Params& p) {
   const int64_t bytes_vn = states_only ? 0 : align(sz.v_new * esize), bytes_h = states_only ? 0 : align(sz.h * esize);
   const int64_t total = bytes_G + bytes_W + bytes_U + bytes_Kd + bytes_vn + bytes_h;
   char* ws = nullptr;
-  if (total > 0) DELTACP_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&ws), static_cast<size_t>(total), stream));
+  if (total > 0) ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
   char* at = ws;
   auto take = [&](int64_t b) {
     char* r = b > 0 ? at : nullptr;
@@ -1123,10 +1123,10 @@ void run_forward(const Params& p) {
                             static_cast<float*>(p.ht), stream);
     if (!states_only) launch_chunk_output(p, table, G, h, vn, stream);
   } catch (...) {
-    if (ws) cudaFreeAsync(ws, stream);
+    workspace_free(ws, stream);
     throw;
   }
-  if (ws) DELTACP_CUDA_CHECK(cudaFreeAsync(ws, stream));
+  workspace_free(ws, stream);
 }
 
 }  // namespace deltacp::cuda::tiled

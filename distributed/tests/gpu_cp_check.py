@@ -129,6 +129,15 @@ def check_prepass(device, report):
                     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit operands in the tensor-core products
                     row.update(err_fwd_tiled=rel(tf, ref_f), err_bwd_tiled=rel(tb, ref_b), tol_tiled=tol)
                     row["ok"] = ok and row["err_fwd_tiled"] <= tol and row["err_bwd_tiled"] <= tol
+                    # The same in pieces run side by side (one varlen call) and composed in fp32.
+                    bounds = {65: [0, 64, 65], 300: [0, 20, 84, 212, 300]}.get(n)
+                    if bounds:
+                        pf = cp_ops._augmented_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start,
+                                                       method="tiled", bounds=bounds)
+                        pb = cp_ops._augmented_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start,
+                                                        method="tiled", bounds=bounds)
+                        row.update(err_fwd_pieces=rel(pf, ref_f), err_bwd_pieces=rel(pb, ref_b), bounds=bounds)
+                        row["ok"] = row["ok"] and row["err_fwd_pieces"] <= tol and row["err_bwd_pieces"] <= tol
                 out.append(row)
     report["prepass"] = out
     return all(r["ok"] for r in out)

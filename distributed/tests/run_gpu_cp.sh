@@ -18,6 +18,7 @@ mkdir -p "$OUT"
 NPROC=${NPROC:-2}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 status=0
+PY=${PYTHON:-python3}  # the interpreter that has torch (a bare `python` may be another one)
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember failures
   local name=$1; shift
   echo "== $name: $*"
@@ -25,10 +26,10 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember failures
 }
 
 # torch first: it loads the libnccl / libcudart that the module links against.
-if ! python -c "import torch, deltacp._cp_nccl" 2>/dev/null; then
-  step install pip install --no-build-isolation -v .
+if ! "$PY" -c "import torch, deltacp._cp_nccl" 2>/dev/null; then
+  step install "$PY" -m pip install --no-build-isolation -v .
 fi
-python -c "import torch, deltacp, deltacp._cp_nccl; print('deltacp', deltacp.__file__, 'cuda tiers:', deltacp.built_with_cuda())" \
+"$PY" -c "import torch, deltacp, deltacp._cp_nccl; print('deltacp', deltacp.__file__, 'cuda tiers:', deltacp.built_with_cuda())" \
   | tee "$OUT/cp_build.txt" || status=1
 
 # The host check also runs in CI on CPUs; DELTACP_CP_SKIP_HOST=1 saves its separate build on a lent GPU machine.
@@ -49,7 +50,7 @@ for args in "gdn_cp --dtype bfloat16" "gdn_cp --dtype float32" "kda_cp --dtype b
 done
 
 # The fault runs judge only the healthy ranks (rank 1 is the victim): require their JSON to say ok.
-python - "$OUT" <<'PY' || status=1
+"$PY" - "$OUT" <<'PY' || status=1
 import glob, json, sys
 bad = []
 for mode in ("check", "sleep", "exit"):  # a healthy rank that crashed writes no report at all

@@ -126,6 +126,32 @@ def test_default_backend_and_streams():
     assert rel_err(o_default.double().cpu().numpy(), o_ref) < 1e-5
 
 
+def test_workspace_pool_release_and_reuse():
+    """The kernels' workspace pool (cuda/common/workspace_pool.h): results are bit-identical across
+    synchronised calls that reuse the cached memory and after deltacp.cuda_release_workspace() hands it
+    back; the release itself is safe to call twice."""
+    _require_cuda_build()
+    if not any(deltacp._core.cuda_supports("gdn", tier, True) for tier in TIERS):
+        pytest.skip("no CUDA tier implements the gdn backward in this build")
+    p = make_problem("gdn", B=1, T=300, H=2, K=64, V=64, seed=8)
+
+    def step():
+        t = {n: torch.tensor(p[n], dtype=torch.float32, device="cuda", requires_grad=True)
+             for n in ("q", "k", "v", "g", "beta")}
+        o, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"])
+        o.backward(torch.ones_like(o))
+        torch.cuda.synchronize()
+        return [o.detach()] + [t[n].grad for n in ("q", "k", "v", "g", "beta")]
+
+    first = step()
+    again = step()
+    deltacp.cuda_release_workspace()
+    deltacp.cuda_release_workspace()
+    after = step()
+    for a, b, c in zip(first, again, after):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_views_on_cuda():
     _require_cuda_build()
     if not any(deltacp._core.cuda_supports("gdn", tier, False) for tier in TIERS):

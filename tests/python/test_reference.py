@@ -313,3 +313,9 @@ def test_package_imports_without_torch():
 def test_version_and_error_type():
     assert deltacp.__version__
     assert issubclass(deltacp.Error, ValueError)
+
+
+def test_cuda_release_workspace_without_any_cuda_work_is_a_no_op():
+    """deltacp.cuda_release_workspace() before any CUDA call (and in CPU-only builds) does nothing and raises
+    nothing (cuda/common/workspace_pool.h: no pool, no device call)."""
+    deltacp.cuda_release_workspace()

@@ -152,6 +152,93 @@ def test_augmented_prepass_gives_the_span_maps(variant):
     np.testing.assert_allclose(bwd[0, :, 4:], Mt, rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("bounds", [[0, 16, 45], [0, 5, 21, 37, 45], [0, 3, 19, 35, 45]])
+def test_prepass_in_pieces_equals_the_whole_span(variant, bounds):
+    """cp/ops.py: the pieces' maps composed by _fold_maps (2 to 4 pieces, with and without a short head
+    piece) equal the one-piece pre-pass in fp64, forward and backward, with a start state and a dend."""
+    p = make_problem(variant, B=1, T=45, H=1, HV=1, K=5, V=4, seed=11)
+    t = {n: (None if p.get(n) is None else torch.from_numpy(np.ascontiguousarray(p[n]))) for n in FIELDS}
+    cfg = _cfg(variant, 1, 1, 5, 4)
+    rng = np.random.default_rng(2)
+    start = torch.from_numpy(rng.standard_normal((1, 5, 4)))
+    dend = torch.from_numpy(rng.standard_normal((1, 5, 4)))
+    do = torch.from_numpy(rng.standard_normal((1, 45, 1, 4)))
+    args = [t[n] for n in ("q", "k", "v", "g", "beta", "a", "b")]
+    whole_f = cp_ops._augmented_forward(cfg, *args, start).numpy()
+    whole_b = cp_ops._augmented_backward(cfg, *args, do, dend).numpy()
+    piece_f = cp_ops._augmented_forward(cfg, *args, start, bounds=bounds).numpy()
+    piece_b = cp_ops._augmented_backward(cfg, *args, do, dend, bounds=bounds).numpy()
+    np.testing.assert_allclose(piece_f, whole_f, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(piece_b, whole_b, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("segments", [[0, 45], [0, 20, 45]])
+@pytest.mark.parametrize("piece", ["0", "16"])
+def test_backward_prepass_from_the_forward_maps(monkeypatch, variant, segments, piece):
+    """cp/ops.py: the backward pre-pass from the forward's per-piece transitions (dH over the V columns
+    only, composed with M_p^T) equals the widened [v | 0] run, in fp64: one local segment continuing on
+    both sides (the maps come from the [H | M] pieces) and two segments (from _transitions), with a
+    head piece (the rank starts 7 tokens into its sequence) and in pieces of 16 tokens or one."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", piece)
+    p = make_problem(variant, B=1, T=45, H=1, HV=1, K=5, V=4, seed=12)
+    t = {n: (None if p.get(n) is None else torch.from_numpy(np.ascontiguousarray(p[n]))) for n in FIELDS}
+    n_seg = len(segments) - 1
+    ctx = SimpleNamespace(first_continues=True, last_continues=True, cu_seqlens_list=segments, begin=7,
+                          cu_seqlens_global_list=[0, 52, 200], seq_ids=list(range(n_seg)), starts_here=[False] * n_seg,
+                          ends_here=[False] * n_seg)
+    cfg = _cfg(variant, 1, 1, 5, 4, ctx=ctx)
+    args = [t[n] for n in ("q", "k", "v", "g", "beta", "a", "b")]
+    do = torch.from_numpy(np.random.default_rng(4).standard_normal((1, 45, 1, 4)))
+    sent, maps = cp_ops._prepass_forward(cfg, *args, None, want_first_maps=True)
+    assert maps is not None and maps.shape[1:] == (1, 5, 5)
+    assert cp_ops._prepass_forward(cfg, *args, None)[1] is None
+    old = cp_ops._prepass_backward(cfg, *args, do, None).numpy()
+    new = cp_ops._prepass_backward(cfg, *args, do, None, first_maps=maps).numpy()
+    np.testing.assert_allclose(new, old, rtol=1e-11, atol=1e-12)
+
+
+def test_piece_bounds_follow_the_one_device_chunk_grid(monkeypatch):
+    """cp/ops.py _piece_bounds: a head piece up to the first one-device boundary, then whole pieces of
+    DELTACP_CP_PREPASS_PIECE tokens (default: one on CPUs, quarters of the span on GPUs); a bad setting
+    names the variable."""
+    cfg = _cfg("gdn", 1, 1, 4, 4)  # chunk 16, CPU: one piece by default
+    assert cp_ops._piece_bounds(cfg, 100, 0) == [0, 100]
+    assert cp_ops._piece_bounds(cfg, 100, 7) == [0, 7, 100]
+    gpu = _cfg("gdn", 1, 1, 4, 4, device="cuda")  # CUDA default: quarters of the span, >= 2048 tokens
+    gpu.chunk_size = 64
+    assert cp_ops._piece_bounds(gpu, 32768, 0) == [0, 8192, 16384, 24576, 32768]
+    assert cp_ops._piece_bounds(gpu, 32768, 20) == [0, 20, 8212, 16404, 24596, 32768]
+    assert cp_ops._piece_bounds(gpu, 5000, 0) == [0, 2048, 4096, 5000]
+    assert cp_ops._piece_bounds(gpu, 1012, 0) == [0, 1012]
+    monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", "32")
+    assert cp_ops._piece_bounds(cfg, 100, 0) == [0, 32, 64, 96, 100]
+    assert cp_ops._piece_bounds(cfg, 100, 7) == [0, 7, 39, 71, 100]
+    assert cp_ops._piece_bounds(cfg, 32, 0) == [0, 32]
+    monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", "20")  # rounded up to whole chunks of 16
+    assert cp_ops._piece_bounds(cfg, 100, 0) == [0, 32, 64, 96, 100]
+    for bad in ("-16", "x"):
+        monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", bad)
+        with pytest.raises(ValueError, match="DELTACP_CP_PREPASS_PIECE"):
+            cp_ops._piece_bounds(cfg, 100, 0)
+
+
+def test_fold_maps_is_the_chain():
+    """_fold_maps (a log-depth tree) equals the chain S <- M_p S + H_p for 1 to 7 maps, in fp64."""
+    rng = np.random.default_rng(3)
+    for P in range(1, 8):
+        X = torch.from_numpy(rng.standard_normal((P, 2, 3, 4 + 3)) * 0.5)
+        H, M = torch.zeros(2, 3, 4, dtype=X.dtype), torch.eye(3, dtype=X.dtype).expand(2, 3, 3)
+        for p in range(P):
+            H, M = X[p, :, :, 4:] @ H + X[p, :, :, :4], X[p, :, :, 4:] @ M
+        got = cp_ops._fold_maps(X, 4)
+        np.testing.assert_allclose(got[..., :4].numpy(), H.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got[..., 4:].numpy(), M.numpy(), rtol=1e-12, atol=1e-12)
+
+
 class _FakeCtx:
     nccl = object()  # "deltacp._cp_nccl is built": the loop kernels are available
 

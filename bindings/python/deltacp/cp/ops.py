@@ -22,7 +22,9 @@ Forward, on every rank r (the same algorithm as the simulated CP of reference/sr
 
 Backward mirrored: over the FIRST local segment (when it continues from earlier ranks) dS_start =
 M_r^T dS_end + dH_r, computed as one backward of the [v | 0] problem with upstream [do | 0] and
-dL/dS_end = [dht or 0 | I]: its dL/dh0 is [dH_r | M_r^T]. All-gather, fold from the later ranks
+dL/dS_end = [dht or 0 | I]: its dL/dh0 is [dH_r | M_r^T]. (When the forward saved that segment's
+per-piece transitions, only dH is computed, over the V real columns, and composed with them; see
+"In pieces" below.) All-gather, fold from the later ranks
 dS <- M_j^T dS + dH_j (j = r + post_ranks down to r + 1), and run the local backward with that as the
 last segment's dL/dS_end. Only one merged initial state is kept for the backward (the seeds'
 compress_h0): the rest of the local initial states are rebuilt from the user's initial_state.
@@ -33,6 +35,11 @@ V + K columns of X = [S | Y] with values [v | 0]: the first V columns follow the
 the last K follow Y <- P_t Y (no value term). From Y_0 = I they hold the product M = P_n ... P_1, and
 from S_0 = start the first V columns end at M start + H. The backward is the transpose: from
 dS_end = [dend | I] the gradient reaching the span start is [M^T dend + dH | M^T].
+
+In pieces (_piece_bounds, _fold_maps): a span is cut into pieces of whole one-device chunks that run
+side by side as one varlen call (a long single sequence otherwise walks its chunks one by one on a few
+SMs); the pieces' affine maps are composed in fp32 by a log-depth tree. The CP forward also keeps the
+first segment's per-piece transitions M_p for the backward pre-pass (_prepass_forward).
 
 How the pre-pass runs (the state-only modes of deltacp::Params, params.h): the forward is a
 final-state-only forward (no "o": only ht = [H | M] is written) and the backward a dh0-only backward
@@ -111,54 +118,176 @@ def _identity_block(cfg: _Cfg, device=None) -> torch.Tensor:
     return eye.unsqueeze(0).expand(cfg.HV, cfg.K, cfg.K)
 
 
-def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
-                       method: Optional[str] = None, start_aug: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Final state of a span run with values [v | 0] from [start or 0 | I]: [HV, K, V + K] = [H | M].
-    start_aug: a whole augmented start state [HV, K, V + K] instead (to continue an earlier span).
+def _piece_tensors(cfg: _Cfg, n: int, bounds):
+    """(cu device, cu host, number of pieces) of a span of n tokens cut at `bounds` (None: one piece)."""
+    if bounds is None:
+        bounds = [0, n]
+    if bounds[0] != 0 or bounds[-1] != n or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
+        raise ValueError(f"deltacp: internal: pre-pass piece bounds {bounds} do not cut [0, {n})")
+    if len(bounds) == 2:
+        return None, None, 1
+    host = torch.tensor(bounds, dtype=torch.int64)
+    return host.to(cfg.device) if cfg.device.type != "cpu" else host, host, len(bounds) - 1
 
-    A final-state-only forward (no output buffer): only ht is computed."""
+
+def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
+                       method: Optional[str] = None, bounds=None) -> torch.Tensor:
+    """Final state of a span run with values [v | 0] from [start or 0 | I]: [HV, K, V + K] = [H | M].
+
+    A final-state-only forward (no output buffer): only ht is computed. bounds (span-relative token
+    offsets [0, b1, ..., n]) cuts the span into pieces that run side by side as one varlen call, each
+    from [0 | I] (the first from [start or 0 | I]); their maps are then composed in fp32 (_fold_maps)."""
+    return _fold_maps(_augmented_forward_pieces(cfg, q, k, v, g, beta, a, b, start, method, bounds), cfg.V)
+
+
+def _augmented_forward_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
+                              method: Optional[str] = None, bounds=None) -> torch.Tensor:
+    """_augmented_forward's pieces before they are composed: [P, HV, K, V + K], piece p's [H_p | M_p]."""
     n = q.shape[1]
-    if start is None:
-        start = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
     zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
     v_aug = torch.cat([v, zeros_v], dim=-1)
-    if start_aug is not None:
-        h0_aug = start_aug.to(cfg.state_dtype).unsqueeze(0).contiguous()
-    else:
-        h0_aug = torch.cat([start.to(cfg.state_dtype), _identity_block(cfg, v.device)],
-                           dim=-1).unsqueeze(0).contiguous()
-    ht_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
-    descs = _descs(cfg, q, k, v_aug, g, beta, a, b, h0=h0_aug)
+    h0_aug = torch.zeros((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
+    h0_aug[:, :, :, cfg.V:] = _identity_block(cfg, v.device)
+    if start is not None:
+        h0_aug[0, :, :, :cfg.V] = start
+    ht_aug = torch.empty((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
+    descs = _descs(cfg, q, k, v_aug, g, beta, a, b, h0=h0_aug, cu=cu, cu_host=cu_host)
     descs["ht"] = torch_desc(ht_aug, "ht")  # and no "o"
     _run(cfg, "forward", method or cfg.fwd_method, descs)
-    return ht_aug[0]
+    return ht_aug
+
+
+def _transitions(cfg: _Cfg, q, k, v, g, beta, a, b, bounds) -> torch.Tensor:
+    """Each piece's state transition M_p alone, [P, HV, K, K]: a final-state-only forward with K zero
+    value columns from I (v gives only the dtype). The backward pre-pass composes their transposes."""
+    n = q.shape[1]
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
+    zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
+    h0 = _identity_block(cfg, v.device).unsqueeze(0).expand(P, cfg.HV, cfg.K, cfg.K).contiguous()
+    ht = torch.empty((P, cfg.HV, cfg.K, cfg.K), dtype=cfg.state_dtype, device=v.device)
+    descs = _descs(cfg, q, k, zeros_v, g, beta, a, b, h0=h0, cu=cu, cu_host=cu_host)
+    descs["ht"] = torch_desc(ht, "ht")
+    _run(cfg, "forward", cfg.fwd_method, descs)
+    return ht
+
+
+def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor], bounds) -> torch.Tensor:
+    """Each piece's dH_p = dL/dS_start with dL/dS_end = 0 (the last piece: dend), [P, HV, K, V]: one
+    dh0-only backward over the V real columns (no [v | 0] widening: the maps come from the forward)."""
+    n = q.shape[1]
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
+    dht = torch.zeros((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
+    if dend is not None:
+        dht[-1] = dend
+    dh0 = torch.empty((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
+    descs = _descs(cfg, q, k, v, g, beta, a, b, cu=cu, cu_host=cu_host)
+    do = do.to(v.dtype)
+    descs["dout"] = torch_desc(do, "do")
+    descs["dht"] = torch_desc(dht, "dht")
+    descs["dh0"] = torch_desc(dh0, "dh0")  # and no dq, dk, dv, ...
+    _run(cfg, "backward", cfg.bwd_method, descs)
+    return dh0
 
 
 def _augmented_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor],
-                        method: Optional[str] = None, dend_aug: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        method: Optional[str] = None, bounds=None) -> torch.Tensor:
     """dL/dS_start of a span run with values [v | 0], upstream [do | 0] and dL/dS_end = [dend or 0 | I]:
     [HV, K, V + K] = [dH | M^T] (independent of the start state, so none is given).
-    dend_aug: a whole augmented dL/dS_end [HV, K, V + K] instead (to continue a later span).
 
-    A dh0-only backward (no input gradient buffers): only dh0 is computed."""
+    A dh0-only backward (no input gradient buffers): only dh0 is computed. bounds as in
+    _augmented_forward: every piece ends at [0 | I] (the last at [dend or 0 | I]); the pieces' maps are
+    composed from the last to the first."""
     n = q.shape[1]
-    if dend is None:
-        dend = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
     zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
     v_aug = torch.cat([v, zeros_v], dim=-1)
     do_aug = torch.cat([do.to(v.dtype), zeros_v], dim=-1)
-    if dend_aug is not None:
-        dht_aug = dend_aug.to(cfg.state_dtype).unsqueeze(0).contiguous()
-    else:
-        dht_aug = torch.cat([dend.to(cfg.state_dtype), _identity_block(cfg, v.device)],
-                            dim=-1).unsqueeze(0).contiguous()
-    dh0_aug = torch.empty((1, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
-    descs = _descs(cfg, q, k, v_aug, g, beta, a, b)
+    dht_aug = torch.zeros((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
+    dht_aug[:, :, :, cfg.V:] = _identity_block(cfg, v.device)
+    if dend is not None:
+        dht_aug[-1, :, :, :cfg.V] = dend
+    dh0_aug = torch.empty((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
+    descs = _descs(cfg, q, k, v_aug, g, beta, a, b, cu=cu, cu_host=cu_host)
     descs["dout"] = torch_desc(do_aug, "do")
     descs["dht"] = torch_desc(dht_aug, "dht")
     descs["dh0"] = torch_desc(dh0_aug, "dh0")  # and no dq, dk, dv, ...
     _run(cfg, "backward", method or cfg.bwd_method, descs)
-    return dh0_aug[0]
+    return _fold_maps(dh0_aug.flip(0), cfg.V)
+
+
+def _fold_maps(X: torch.Tensor, V: int) -> torch.Tensor:
+    """Composes affine state maps X[p] = [H_p | M_p] ([P, HV, K, V + K]; S -> M_p S + H_p, applied in
+    the order p = 0, 1, ...) into one [H | M]: a log-depth tree of batched products, in X's dtype (fp32 or
+    fp64; TF32 is switched off for it). (M_b, H_b) o (M_a, H_a) = (M_b M_a, M_b H_a + H_b)."""
+    if X.shape[0] == 1:
+        return X[0]
+    H, M = _fold(X[..., :V], X[..., V:])
+    return torch.cat([H, M], dim=-1)
+
+
+def _fold(H: torch.Tensor, M: torch.Tensor):
+    """_fold_maps on separate [P, HV, K, V] offsets and [P, HV, K, K] transitions: (H, M) of the whole."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        while H.shape[0] > 1:
+            n = H.shape[0] // 2 * 2
+            Mb = M[1:n:2]
+            Hc = torch.matmul(Mb, H[0:n:2]) + H[1:n:2]
+            Mc = torch.matmul(Mb, M[0:n:2])
+            H, M = (torch.cat([Hc, H[n:]]), torch.cat([Mc, M[n:]])) if n < H.shape[0] else (Hc, Mc)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return H[0], M[0]
+
+
+def _piece_bounds(cfg: _Cfg, n: int, aligned_from: int):
+    """Span-relative piece boundaries for a pre-pass over n tokens whose one-device chunk grid starts at
+    token aligned_from (the _grid_pad head piece, 0 when aligned): [0, aligned_from?, +piece, ..., n].
+
+    Pieces are whole one-device chunks, so each rounds exactly like the local kernel's chunks. Their length
+    is DELTACP_CP_PREPASS_PIECE tokens (rounded up to whole chunks; 0: one piece) or, by default on CUDA,
+    a quarter of the span but at least _MIN_PIECE_TOKENS; on CPUs the span stays whole (no parallel gain).
+
+    Why a quarter: on 2x H200 (bf16 GDN, H = 16, K = V = 128, a 32768-token span; docs/context-parallel.md)
+    the forward pre-pass took 1.85 / 1.97 / 1.79 / 1.68 / 1.59 ms in one piece / pieces of 1024 / 2048 /
+    4096 / 8192 tokens, the backward 3.03 / 2.59 / 2.40 / 2.29 / 2.21 ms: more pieces fill the GPU, but
+    each costs a state load and store of K x (V + K) fp32 per head and a composition."""
+    piece = _piece_tokens(cfg, n)
+    bounds = [0]
+    if 0 < aligned_from < n:
+        bounds.append(aligned_from)
+    x = bounds[-1]
+    if piece > 0:
+        while x + piece < n:
+            x += piece
+            bounds.append(x)
+    bounds.append(n)
+    return bounds
+
+
+_MIN_PIECE_TOKENS = 2048
+
+
+def _piece_tokens(cfg: _Cfg, n: int) -> int:
+    text = os.environ.get("DELTACP_CP_PREPASS_PIECE", "").strip()
+    if not text:
+        if cfg.device.type != "cuda":
+            return 0
+        return max(_MIN_PIECE_TOKENS, _round_up(_round_up(n, 4) // 4, cfg.chunk_size))
+    try:
+        piece = int(text)
+    except ValueError:
+        piece = -1
+    if piece < 0:
+        raise ValueError(f"deltacp: environment variable 'DELTACP_CP_PREPASS_PIECE': expected 0 (one piece) or "
+                         f"a positive number of tokens per pre-pass piece, got {text!r}")
+    return _round_up(piece, cfg.chunk_size)  # whole chunks
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,36 +392,60 @@ def _split(ts, s0, s1):
     return [_seg(t, s0, s1) for t in ts]
 
 
-def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0) -> torch.Tensor:
-    """[H_r | M_r] of the last local segment, or [0 | I] when it does not continue (nobody reads it)."""
+def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: bool = False):
+    """(sent, first_maps). sent: [H_r | M_r] of the last local segment, or [0 | I] when it does not
+    continue (nobody reads it). first_maps (when asked for, else None): the per-piece transitions
+    [P, HV, K, K] of the FIRST local segment on the backward pre-pass's pieces, which that pre-pass then
+    needs only dH from. They come free from the [H | M] pieces when the first segment is the last one,
+    else from one K-column run (_transitions) while the rank waits for the all-gather anyway."""
     ctx = cfg.ctx
+    xs = (q, k, v, g, beta, a, b)
+    first_maps = None
+    if want_first_maps:
+        f0, f1 = ctx.cu_seqlens_list[0], ctx.cu_seqlens_list[1]
+        first_bounds = _piece_bounds(cfg, f1 - f0, _grid_pad(cfg))
     if not ctx.last_continues:
         zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
-        return torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
+        sent = torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
+    else:
+        sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps)
+    if want_first_maps and first_maps is None:
+        first_maps = _transitions(cfg, *_split(xs, f0, f1), first_bounds)
+    return sent, first_maps
+
+
+def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool):
+    """_prepass_forward's [H_r | M_r] (and the first maps when the last segment is also the first)."""
+    ctx = cfg.ctx
     s0, s1 = ctx.cu_seqlens_list[-2], ctx.cu_seqlens_list[-1]
     start = None
     if h0 is not None and ctx.starts_here[-1]:
         start = h0[ctx.seq_ids[-1]]
-    xs = (q, k, v, g, beta, a, b)
     span = _split(xs, s0, s1)
     pad = _grid_pad(cfg) if s0 == 0 else 0  # the last segment is also the first, continuing one
+    maps = []
 
-    def chunked():
-        if not pad:
-            return _augmented_forward(cfg, *span, start)
-        head = _augmented_forward(cfg, *_split(xs, 0, pad), start)  # on the one-device chunk grid
-        return _augmented_forward(cfg, *_split(xs, pad, s1), None, start_aug=head)
+    def chunked():  # pieces on the one-device chunk grid (the head piece up to its first boundary first)
+        X = _augmented_forward_pieces(cfg, *span, start, bounds=_piece_bounds(cfg, s1 - s0, pad))
+        if want_first_maps and s0 == ctx.cu_seqlens_list[0]:  # the same segment and pieces
+            maps.append(X[..., cfg.V:].clone())
+        return _fold_maps(X, cfg.V)
 
     def loops():
         from . import nccl_backend
 
         return nccl_backend.prepass_forward(cfg, *span, start)
 
-    return _prepass_chunked_or_loops(cfg, "forward", chunked, loops, q, g)
+    sent = _prepass_chunked_or_loops(cfg, "forward", chunked, loops, xs[0], xs[3])
+    return sent, (maps[0] if maps else None)
 
 
-def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht) -> torch.Tensor:
-    """[dH_r | M_r^T] of the first local segment, or [0 | I] when it does not continue."""
+def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
+                      first_maps: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[dH_r | M_r^T] of the first local segment, or [0 | I] when it does not continue.
+
+    first_maps (from _prepass_forward): the segment's per-piece transitions; then only the pieces' dH_p
+    are computed here (one dh0-only backward over V columns instead of V + K) and composed with M_p^T."""
     ctx = cfg.ctx
     if not ctx.first_continues:
         zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
@@ -307,12 +460,20 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht) -> torch.Tenso
     do_span = _seg(do, s0, s1)
     pad = _grid_pad(cfg)
 
-    def chunked():
-        if not pad:
-            return _augmented_backward(cfg, *span, do_span, dend)
-        # on the one-device chunk grid: the body [pad, s1) first, then the head piece from its result
-        body = _augmented_backward(cfg, *_split(xs, pad, s1), _seg(do, pad, s1), dend)
-        return _augmented_backward(cfg, *_split(xs, 0, pad), _seg(do, 0, pad), None, dend_aug=body)
+    bounds = _piece_bounds(cfg, s1 - s0, pad)
+    if first_maps is not None:
+        try:
+            dH = _dh0_pieces(cfg, *span, do_span, dend, bounds)
+        except ValueError as exc:  # a tiled launch that does not fit: the route below falls back
+            if "shared memory" not in str(exc):
+                raise
+        else:
+            # backward order: the last piece's map is applied first; dS_start = M_p^T dS_end + dH_p
+            H, Mt = _fold(dH.flip(0), first_maps.flip(0).transpose(-1, -2))
+            return torch.cat([H, Mt], dim=-1).contiguous()
+
+    def chunked():  # pieces on the one-device chunk grid, as in the forward
+        return _augmented_backward(cfg, *span, do_span, dend, bounds=bounds)
 
     def loops():
         from . import nccl_backend
@@ -388,7 +549,10 @@ class _CPFunction(torch.autograd.Function):
     def forward(ctx_, cfg: _Cfg, q, k, v, g, beta, a, b, h0):
         ctx = cfg.ctx
         # 1-3: the state entering this rank's first segment.
-        sent = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0)
+        # The backward pre-pass's transitions are made here, where the rank waits for the all-gather.
+        want_maps = (ctx.first_continues and any(ctx_.needs_input_grad[1:])
+                     and _prepass_route(cfg, "backward", q, g) == "chunked")
+        sent, first_maps = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0, want_first_maps=want_maps)
         gathered = _all_gather(cfg, sent, "the forward all-gather of [H | M]")
         last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
         merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
@@ -421,6 +585,7 @@ class _CPFunction(torch.autograd.Function):
                     ht[n] = h0[n]
         ctx_.cfg = cfg
         ctx_.merged = merged  # the one initial state kept for the backward (compress_h0)
+        ctx_.first_maps = first_maps  # [P, HV, K, K] fp32 per-piece transitions of the first segment
         ctx_.save_for_backward(q, k, v, g, beta, a, b, h0)
         ctx_.set_materialize_grads(False)
         return o, ht
@@ -438,7 +603,7 @@ class _CPFunction(torch.autograd.Function):
         if dht is not None:
             dht = dht.to(cfg.state_dtype)
         # 1-3 mirrored: dL/dS at the end of this rank's last segment, from the later ranks.
-        sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht)
+        sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht, first_maps=ctx_.first_maps)
         gathered = _all_gather(cfg, sent, "the backward all-gather of [dH | M^T]")
         last_stats["backward_bytes"] = gathered.numel() * gathered.element_size()
         dS_last = _merge_backward(cfg, gathered) if ctx.last_continues else None

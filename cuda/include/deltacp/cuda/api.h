@@ -3,7 +3,8 @@
 // Every pointer in Params is device memory, except cu_seqlens_host (a host copy of cu_seqlens,
 // required for varlen: launchers size grids and chunk tables from it). Work is launched on
 // p.stream (a cudaStream_t; nullptr = the legacy default stream); the calls are asynchronous
-// except where they must read something back. Workspace comes from cudaMallocAsync on p.stream.
+// except where they must read something back. Workspace is stream-ordered on p.stream, from a per-device pool that
+// keeps its memory mapped between calls (cuda/common/workspace_pool.h; release_workspace_memory()).
 // Inputs fp32, bf16 or fp16 (p.dtype); states fp32 (p.state_dtype must be f32).
 //
 //   tier    Method::naive  one block per (sequence, value head), token loop      cuda/naive/
@@ -17,6 +18,10 @@ namespace deltacp::cuda {
 
 // True when a CUDA device is usable (tests skip otherwise).
 bool device_available();
+
+// Hands the kernels' cached workspace memory back to the driver (it stays mapped between calls
+// otherwise; cuda/common/workspace_pool.h says why). Synchronises every device that has a pool.
+void release_workspace();
 
 // Validates p (deltacp::Error naming the argument) and launches the tier's forward:
 // writes o, and ht when p.ht is set.
