@@ -170,4 +170,42 @@ void backward(const Params& p, Method tier) {
   throw_error("tier", "no CUDA backward for tier ", to_string(tier));  // unreachable after check_tier
 }
 
+namespace {
+void validate_staged(const Params& p) {
+  check_gpu_params(p);
+  validate_backward(p);
+  check_variant(p, Method::tiled, true);
+  check_gpu_pointers(p, true);
+}
+}  // namespace
+
+std::unique_ptr<StagedBackward> backward_prepare(const Params& p, Method tier) {
+  check_tier(tier, true);
+  DELTACP_CHECK(tier == Method::tiled, "tier", "expected 'tiled' for the staged backward, got ", to_string(tier));
+  validate_staged(p);
+#ifdef DELTACP_HAVE_TILED_BWD
+  return tiled_backward_prepare(p);
+#else
+  throw_error("tier", "no CUDA backward for tier tiled in this build");
+#endif
+}
+
+void backward_dh0_pieces(StagedBackward& s, const Params& pieces) {
+  validate_staged(pieces);
+#ifdef DELTACP_HAVE_TILED_BWD
+  tiled_backward_dh0_pieces(s, pieces);
+#else
+  (void)s;
+#endif
+}
+
+void backward_finish(StagedBackward& s, const Params& p) {
+  validate_staged(p);
+#ifdef DELTACP_HAVE_TILED_BWD
+  tiled_backward_finish(s, p);
+#else
+  (void)s;
+#endif
+}
+
 }  // namespace deltacp::cuda

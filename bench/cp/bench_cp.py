@@ -264,6 +264,11 @@ def main():
             with torch.set_grad_enabled(direction == "fwd+bwd"):
                 results[f"cp_step_{direction}"] = time_it(lambda: cp_step(direction), args.repeat, args.warmup)
                 results[f"single_gpu_{direction}"] = time_it(lambda: single_step(direction), args.repeat, args.warmup)
+        # The same CP step with the one-shot local backward after the exchange (no staged backward).
+        os.environ["DELTACP_CP_STAGED"] = "0"
+        with torch.set_grad_enabled(True):
+            results["cp_step_fwd+bwd_unstaged"] = time_it(lambda: cp_step("fwd+bwd"), args.repeat, args.warmup)
+        os.environ.pop("DELTACP_CP_STAGED")
 
         if args.profile:
             for name, fn in (("cp_step_fwd+bwd", lambda: cp_step("fwd+bwd")),

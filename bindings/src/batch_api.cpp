@@ -18,6 +18,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -137,6 +138,66 @@ bool cuda_available() {
 #endif
 }
 
+// The staged CUDA backward (deltacp/cuda/api.h), held by Python between its three calls.
+struct StagedBackwardHandle {
+#ifdef DELTACP_WITH_CUDA
+  std::unique_ptr<cuda::StagedBackward> state;
+#endif
+};
+
+[[noreturn]] void no_cuda(const char* what) {
+  throw Error("backend", std::string(what) + " needs the CUDA tiers, but this deltacp was built without CUDA");
+}
+
+Params staged_params(const std::string& variant, const py::dict& tensors, std::optional<double> scale,
+                     int chunk_size, uintptr_t stream) {
+  const auto descs = parse_descs(tensors);
+  Params p = build_params(variant, "backward", descs, scale, chunk_size, Place::cuda);
+  p.stream = reinterpret_cast<void*>(stream);
+  return p;
+}
+
+StagedBackwardHandle* staged_prepare(const std::string& variant, const std::string& method, const py::dict& tensors,
+                                     std::optional<double> scale, int chunk_size, uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  Method m = Method::chunked;
+  if (kind_of(method, &m) != Kind::cuda) throw Error("method", "expected a CUDA tier, got '" + method + "'");
+  const Params p = staged_params(variant, tensors, scale, chunk_size, stream);
+  auto h = std::make_unique<StagedBackwardHandle>();
+  {
+    py::gil_scoped_release nogil;
+    h->state = cuda::backward_prepare(p, m);
+  }
+  return h.release();
+#else
+  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream;
+  no_cuda("the staged backward");
+#endif
+}
+
+void staged_step(StagedBackwardHandle& h, const std::string& step, const std::string& variant,
+                 const py::dict& tensors, std::optional<double> scale, int chunk_size, uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  if (!h.state) throw Error("state", "expected a prepared backward (this one has finished)");
+  const Params p = staged_params(variant, tensors, scale, chunk_size, stream);
+  if (step == "dh0_pieces") {
+    py::gil_scoped_release nogil;
+    cuda::backward_dh0_pieces(*h.state, p);
+  } else if (step == "finish") {
+    {
+      py::gil_scoped_release nogil;
+      cuda::backward_finish(*h.state, p);
+    }
+    h.state.reset();  // frees the workspace stream-ordered, after finish's kernels
+  } else {
+    throw Error("step", "expected 'dh0_pieces' or 'finish', got '" + step + "'");
+  }
+#else
+  (void)h, (void)step, (void)variant, (void)tensors, (void)scale, (void)chunk_size, (void)stream;
+  no_cuda("the staged backward");
+#endif
+}
+
 void cuda_release_workspace() {
 #ifdef DELTACP_WITH_CUDA
   cuda::release_workspace();
@@ -180,6 +241,16 @@ void register_batch_api(py::module_& m) {
         "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp).");
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA tiers were compiled into this module.");
   m.def("cuda_available", &cuda_available, "True when the CUDA tiers are built and a device is usable.");
+  py::class_<StagedBackwardHandle>(m, "StagedBackward",
+                                   "A CUDA backward prepared up to the stages that need dht (deltacp/cuda/api.h).");
+  m.def("staged_backward_prepare", &staged_prepare, py::arg("variant"), py::arg("method"), py::arg("tensors"),
+        py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
+        py::return_value_policy::take_ownership,
+        "Run every backward stage that does not read dht; the tensors must stay alive until 'finish'.");
+  m.def("staged_backward_step", &staged_step, py::arg("state"), py::arg("step"), py::arg("variant"),
+        py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
+        "'dh0_pieces': dh0 of pieces of the prepared rows (a dh0-only problem); 'finish': the remaining "
+        "stages with dht (the same tensors as prepared).");
   m.def("cuda_release_workspace", &cuda_release_workspace,
         "Hand the CUDA kernels' cached workspace memory back to the driver (no-op without CUDA).");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),

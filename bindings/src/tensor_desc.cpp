@@ -30,12 +30,12 @@ int64_t TensorDesc::numel() const {
   return n;
 }
 
+// std::to_string, not an ostream: see deltacp/error.h (integers through std::ostream crashed inside
+// a torch process on the GPU machines).
 static std::string dims_str(const std::vector<int64_t>& dims) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
 }
 
 std::string TensorDesc::shape_str() const { return dims_str(shape); }

@@ -27,6 +27,12 @@
 // Every workspace element is written by exactly one thread per kernel; no atomics, so two runs give
 // bitwise equal results.
 //
+// Staged (deltacp::cuda::StagedBackward, api.h; the CP backward): prepare = the recompute and B0 (no
+// dht needed), then any number of dh0_pieces = B1 alone in dh0-only mode over pieces made of the
+// prepared chunks (the CP pre-pass), then finish = B1..B5 with dht. One BwdState keeps the chunk
+// table, the workspace and the kernels' arguments between the calls; run_backward is the same three
+// steps in one call, so both give bitwise equal gradients.
+//
 // Precision: fp32 inputs use fp32 FFMA everywhere (no TF32); bf16/fp16 inputs use
 // mma.sync.m16n8k16 with fp32 accumulation, operands rounded to the input type (also fp32
 // intermediates such as S, dS', T when they are operands). States, accumulators, exponentials and
@@ -50,9 +56,14 @@
 // element-wise epilogues and load tiles element by element.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "../common/check.h"
 #include "../common/device_info.h"
@@ -130,22 +141,27 @@ void launch_dh_scan(const Args& a, int64_t num_seqs, cudaStream_t stream) {
   else launch_dh_scan_bv<Op, KP, PERKEY, 32, NW>(a, num_seqs, stream);
 }
 
+// Which of B0..B5 one launch_stages call runs: all of them (one-shot backward), or the two halves of
+// the staged backward around dht (B0 needs no dht; B1 on need it), or B1 alone (dh0 of pieces).
+enum class Stages { all, through_b0, after_b0, dh_scan_only };
+
 template <class Op, int KP, bool PERKEY>
-void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream) {
+void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages which) {
   const int64_t NC = a.num_chunks;
   const dim3 chunk_grid(static_cast<unsigned>(NC), static_cast<unsigned>(a.HV));
   DELTACP_CHECK(num_seqs <= INT_MAX, "B", "expected at most ", INT_MAX,
                 " sequences for the tiled backward scan, got ", num_seqs);
 
-  if (NC > 0) {
+  if (NC > 0 && (which == Stages::all || which == Stages::through_b0)) {
     constexpr DvLocalSmem<Op, KP, PERKEY> L{};
     auto k = bwd_dv_local_kernel<Op, KP, PERKEY>;
     prepare(k, L.total, "dv_local");
     k<<<chunk_grid, kThreads, L.total, stream>>>(a);
     DELTACP_CUDA_CHECK_LAUNCH();
   }
+  if (which == Stages::through_b0) return;
   if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
-  if (a.dh0_only) return;  // B2-B5 produce the input gradients, which this mode does not want
+  if (a.dh0_only || which == Stages::dh_scan_only) return;  // B2-B5 make the input gradients
   if (NC > 0) {
     {
       constexpr DqkgSmem<Op, KP> L{};
@@ -205,14 +221,29 @@ class Workspace {
   size_t size_ = 0;
 };
 
-void run_backward(const Params& p) {
+// Everything one backward keeps between its stages: the chunk table, the workspace and the kernels'
+// arguments. run_backward uses it for one call; the staged backward (api.h) across three.
+struct BwdState final : StagedBackward {
+  BwdState(const Params& params, cudaStream_t stream) : p(params), table(params, params.chunk_size, stream),
+                                                       ws(stream) {}
+  Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
+  ChunkTable table;
+  Workspace ws;
+  Args a;
+  bool finished = false;
+};
+
+// Checks, the chunk table, the workspace, the kernels' arguments and the forward recompute.
+std::unique_ptr<BwdState> start_backward(const Params& p) {
   check_tiled_supported(p);
   DELTACP_CHECK(p.K <= kMaxKeyDim, "K", "expected K <= ", kMaxKeyDim, " for the tiled backward, got ", p.K);
   DELTACP_CHECK(p.state_dtype == DType::f32, "state_dtype", "expected float32 states on the GPU, got ",
                 to_string(p.state_dtype));
   DELTACP_CHECK(p.HV <= 65535, "HV", "expected at most 65535 value heads for the tiled backward, got ", p.HV);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const ChunkTable table(p, p.chunk_size, stream);
+  auto state = std::make_unique<BwdState>(p, stream);
+  const ChunkTable& table = state->table;
+  Workspace& ws = state->ws;
   DELTACP_CHECK(table.num_chunks() <= INT_MAX, "T", "expected at most ", INT_MAX,
                 " chunks for the tiled backward, got ", table.num_chunks());
 
@@ -225,7 +256,6 @@ void run_backward(const Params& p) {
   // B0's dVn_local, so the forward's state scan (h, v_new) and stages B2-B5 are skipped with their
   // workspaces, and B1 writes neither dh per chunk nor dVn.
   const bool dh0_only = p.dh0_only();
-  Workspace ws(stream);
   // Forward recompute.
   const int64_t bG = fs.G * 4, bW = fs.W * es, bU = fs.U * es, bKd = fs.Kd * es, bT = fs.Tinv * 4,
                 bvn = dh0_only ? 0 : fs.v_new * es, bh = dh0_only ? 0 : fs.h * es;
@@ -256,7 +286,7 @@ void run_backward(const Params& p) {
     launch_chunk_state_scan(p, table, G, W, U, Kd, h, vnew, static_cast<const float*>(p.h0), /*ht=*/nullptr,
                             stream);
 
-  Args a;
+  Args& a = state->a;
   a.B = p.B;
   a.T = p.T;
   a.H = p.H;
@@ -304,23 +334,115 @@ void run_backward(const Params& p) {
   a.dGw = ws.at<float>(odG, bdG);
   a.dbw = ws.at<float>(odb, bdb);
 
-  dispatch_dtype(p.dtype, [&](auto tag) {
-    using Op = typename decltype(tag)::type;
-    const bool perkey = p.variant == Variant::kda;
-    if (p.K <= 64) {
-      if (perkey) launch_stages<Op, 64, true>(a, table.num_seqs(), stream);
-      else launch_stages<Op, 64, false>(a, table.num_seqs(), stream);
-    } else {
-      if (perkey) launch_stages<Op, 128, true>(a, table.num_seqs(), stream);
-      else launch_stages<Op, 128, false>(a, table.num_seqs(), stream);
-    }
-  });
-  // ws and table free themselves stream-ordered, after the kernels above.
+  return state;
 }
 
+// The kernels' template configuration of p: f(op tag, KP, PERKEY) with compile-time KP and PERKEY.
+template <class F>
+void with_config(const Params& p, F&& f) {
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    const bool perkey = p.variant == Variant::kda;
+    if (p.K <= 64) {
+      if (perkey) f(tag, std::integral_constant<int, 64>{}, std::true_type{});
+      else f(tag, std::integral_constant<int, 64>{}, std::false_type{});
+    } else {
+      if (perkey) f(tag, std::integral_constant<int, 128>{}, std::true_type{});
+      else f(tag, std::integral_constant<int, 128>{}, std::false_type{});
+    }
+  });
+}
+
+void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which) {
+  with_config(s.p, [&](auto tag, auto kp, auto perkey) {
+    using Op = typename decltype(tag)::type;
+    launch_stages<Op, decltype(kp)::value, decltype(perkey)::value>(a, num_seqs,
+                                                                     static_cast<cudaStream_t>(s.p.stream), which);
+  });
+}
+
+void run_backward(const Params& p) {
+  const auto s = start_backward(p);
+  run_stages(*s, s->a, s->table.num_seqs(), Stages::all);
+  // s's workspace and table free themselves stream-ordered, after the kernels above.
+}
+
+// ---- the staged backward (api.h) ----------------------------------------------------------------
+void same_problem(const Params& a, const Params& b, const char* what) {
+  DELTACP_CHECK(a.variant == b.variant && a.dtype == b.dtype && a.B == b.B && a.H == b.H && a.HV == b.HV &&
+                    a.K == b.K && a.V == b.V && a.chunk_size == b.chunk_size && a.q.ptr == b.q.ptr &&
+                    a.k.ptr == b.k.ptr && a.v.ptr == b.v.ptr && a.dout.ptr == b.dout.ptr,
+                "params", what, ": expected the prepared problem (the same variant, dtype, shapes, chunk size and "
+                "q, k, v, do tensors)");
+}
+
+std::unique_ptr<StagedBackward> prepare_backward(const Params& p) {
+  DELTACP_CHECK(!p.dh0_only(), "dq", "expected input gradients for a staged backward (the dh0-only mode runs "
+                "in one call)");
+  auto s = start_backward(p);
+  run_stages(*s, s->a, s->table.num_seqs(), Stages::through_b0);
+  return s;
+}
+
+void backward_dh0_pieces(StagedBackward& staged, const Params& pieces) {
+  auto& s = dynamic_cast<BwdState&>(staged);
+  DELTACP_CHECK(!s.finished, "state", "expected a prepared backward that has not finished yet");
+  DELTACP_CHECK(pieces.dh0_only(), "dh0", "expected a dh0-only problem for the pieces (dh0 and no input "
+                "gradients)");
+  DELTACP_CHECK(s.p.B == 1 && pieces.B == 1 && pieces.T <= s.p.T, "cu_seqlens",
+                "expected packed sequences (B = 1) and pieces over the first rows of the prepared problem");
+  same_problem(s.p, pieces, "the pieces");
+  cudaStream_t stream = static_cast<cudaStream_t>(pieces.stream);
+  const ChunkTable table(pieces, s.p.chunk_size, stream);
+  // Each piece must be made of the prepared backward's own chunks: B1 then reads their W, Kd, G, Q e^G
+  // and B0's dVn rows unchanged (all indexed by token row).
+  std::vector<std::pair<int64_t, int64_t>> own;
+  own.reserve(s.table.host_chunks().size());
+  for (const ChunkEntry& c : s.table.host_chunks()) own.emplace_back(c.row0, c.len);
+  std::sort(own.begin(), own.end());
+  for (const ChunkEntry& c : table.host_chunks())
+    DELTACP_CHECK(std::binary_search(own.begin(), own.end(), std::make_pair(c.row0, c.len)), "cu_seqlens",
+                  "expected pieces made of whole chunks of the prepared backward; a piece has a chunk of ", c.len,
+                  " tokens at row ", c.row0, " that the prepared problem does not");
+  Args a = s.a;
+  a.T = pieces.T;
+  a.chunks = table.chunks();
+  a.seqs = table.seqs();
+  a.num_chunks = table.num_chunks();
+  a.dht = static_cast<const float*>(pieces.dht);
+  a.dh0 = static_cast<float*>(pieces.dh0);
+  a.dh = nullptr;
+  a.dh0_only = true;
+  with_config(s.p, [&](auto tag, auto kp, auto perkey) {
+    using Op = typename decltype(tag)::type;
+    launch_stages<Op, decltype(kp)::value, decltype(perkey)::value>(a, table.num_seqs(), stream,
+                                                                     Stages::dh_scan_only);
+  });
+}
+
+void finish_backward(StagedBackward& staged, const Params& p) {
+  auto& s = dynamic_cast<BwdState&>(staged);
+  DELTACP_CHECK(!s.finished, "state", "expected a prepared backward that has not finished yet");
+  same_problem(s.p, p, "finish");
+  DELTACP_CHECK(p.T == s.p.T && p.num_seqs == s.p.num_seqs, "cu_seqlens", "expected the prepared sequences");
+  Args& a = s.a;
+  a.dq = p.dq;
+  a.dk = p.dk;
+  a.dv = p.dv;
+  a.dg = p.dg;
+  a.dbeta = p.dbeta;
+  a.dht = static_cast<const float*>(p.dht);
+  a.dh0 = static_cast<float*>(p.dh0);
+  s.finished = true;
+  run_stages(s, a, s.table.num_seqs(), Stages::after_b0);
+}
 }  // namespace
 }  // namespace tiled::bwd
 
 void tiled_backward(const Params& p) { tiled::bwd::run_backward(p); }
+std::unique_ptr<StagedBackward> tiled_backward_prepare(const Params& p) { return tiled::bwd::prepare_backward(p); }
+void tiled_backward_dh0_pieces(StagedBackward& s, const Params& pieces) {
+  tiled::bwd::backward_dh0_pieces(s, pieces);
+}
+void tiled_backward_finish(StagedBackward& s, const Params& p) { tiled::bwd::finish_backward(s, p); }
 
 }  // namespace deltacp::cuda

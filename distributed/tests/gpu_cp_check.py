@@ -8,7 +8,7 @@ check: (1) the CP pre-pass kernels ([H | M], [dH | M^T]) against the CPU referen
        batch) on o, every gradient, summed final states and initial-state gradients: fp32 1e-5,
        bf16 3e-3 (gdn) / 8e-3 (kda, dplr, delta), relative per tensor; shapes: a sequence spanning
        every rank, many short sequences, cuts inside a chunk, T not divisible by the chunk; (3) bitwise
-       identical results run to run; (4) mismatched cu_seqlens -> the same ValueError on every rank.
+       identical results run to run, and with the staged local backward (DELTACP_CP_STAGED) on and off; (4) mismatched cu_seqlens -> the same ValueError on every rank.
 sleep / exit: rank 1 stalls (or exits) between the fingerprint check and the all-gather; every other
        rank must raise within the context's timeout (10 s) instead of hanging or crashing, and a second
        call on the same context must raise at once (the communicator is dead for good) naming the
@@ -176,6 +176,14 @@ def check_cp(device, world, report):
             o, ht, grads = cp_run()
             o2, ht2, grads2 = cp_run()
             bitwise = bool(torch.equal(o, o2) and all(torch.equal(grads[n], grads2[n]) for n in grads))
+            # The staged local backward (prepared before the exchange, the pre-pass from its stages) must
+            # give exactly what the one-shot local backward after the exchange gives.
+            os.environ["DELTACP_CP_STAGED"] = "0"
+            try:
+                o3, _, grads3 = cp_run()
+            finally:
+                os.environ.pop("DELTACP_CP_STAGED")
+            staged_equal = bool(torch.equal(o, o3) and all(torch.equal(grads[n], grads3[n]) for n in grads))
             full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
             o_ref, ht_ref = call(variant, full, 64, states, cu=cu)
             loss = (o_ref.float() * do.float()).sum()
@@ -195,10 +203,10 @@ def check_cp(device, world, report):
                 dist.all_reduce(total)
                 err["ht"] = rel(total, ht_ref)
             tol = TOL[dtype_name] if dtype_name == "float32" else TOL[dtype_name][variant]
-            ok = all(e <= tol for e in err.values()) and bitwise
+            ok = all(e <= tol for e in err.values()) and bitwise and staged_equal
             ok_all &= ok
             row = dict(variant=variant, dtype=dtype_name, seqlens=len(seqlens), states=states, errors=err,
-                       tol=tol, bitwise=bitwise, ok=ok, plan=ctx.describe(), exchange_bytes=dict(cp.last_stats))
+                       tol=tol, bitwise=bitwise, staged_equals_one_shot=staged_equal, ok=ok, plan=ctx.describe(), exchange_bytes=dict(cp.last_stats))
             if dtype_name == "bfloat16":
                 # For the record (not judged): each side's own error against the fp64 reference on the same
                 # bf16-rounded inputs (CPU), to tell a CP error from the two runs' independent roundings.

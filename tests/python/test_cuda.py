@@ -250,3 +250,87 @@ def test_state_only_modes_equal_the_full_run(variant, tier, dtype):
     torch.cuda.synchronize()
     assert torch.isfinite(dh0_full).all()
     assert torch.equal(dh0_only, dh0_full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+def test_staged_backward_equals_the_one_shot_backward(variant, dtype):
+    """deltacp/cuda/api.h StagedBackward (tiled): prepare (no dht) -> dh0 of pieces -> finish (with dht)
+    gives the one-shot backward's gradients bit for bit; the pieces' dh0 equal a dh0-only run over the same
+    pieces bit for bit; pieces off the prepared chunks, a second finish and another problem raise naming
+    the argument."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    if not _core.cuda_supports(variant, "tiled", True):
+        pytest.skip(f"tiled has no {variant} backward")
+    t, h0, d, desc = _cuda_problem(variant, dtype)  # sequences [0,1) [1,64) [64,130) [130,200), chunk 64
+    N, HV, K, V = h0.shape
+    stream = torch.cuda.current_stream().cuda_stream
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    do = torch.randn(t["v"].shape, device="cuda", generator=gen).to(dtype)
+    dht = torch.randn((N, HV, K, V), device="cuda", generator=gen)
+    names = [n for n in t if n != "_alive"]
+
+    def backward_descs():
+        grads = {n: torch.full_like(t[n], float("nan")) for n in names}
+        dd = dict(d)
+        dd["dout"] = desc(do, "do")
+        for n in names:
+            dd["d" + n] = desc(grads[n], "d" + n)
+        dh0 = torch.full((N, HV, K, V), float("nan"), device="cuda")
+        dd["dh0"] = desc(dh0, "dh0")
+        return dd, grads, dh0
+
+    one, one_grads, one_dh0 = backward_descs()
+    one["dht"] = desc(dht, "dht")
+    _core.run("backward", variant, "tiled", "float32", one, None, 64, None, stream, False)
+
+    # pieces over the first 130 rows, on the prepared chunks (0,1) (1,63) (64,64) (128,2)
+    cu_p = torch.tensor([0, 1, 64, 128, 130], dtype=torch.int64)
+    dht_p = torch.randn((4, HV, K, V), device="cuda", generator=gen)
+
+    def piece_descs(cu_host):
+        n = int(cu_host[-1])
+        pd = {x: desc(t[x][:, :n], x) for x in names}
+        pd["dout"] = desc(do[:, :n], "do")
+        cu_dev = cu_host.cuda()
+        pd["cu_seqlens"], pd["cu_seqlens_host"] = desc(cu_dev, "cu_seqlens"), desc(cu_host, "cu_seqlens")
+        P = cu_host.numel() - 1
+        dh0_p = torch.full((P, HV, K, V), float("nan"), device="cuda")
+        pd["dht"], pd["dh0"] = desc(dht_p[:P].contiguous(), "dht"), desc(dh0_p, "dh0")
+        return pd, dh0_p, (cu_dev, cu_host)  # the descriptions hold raw pointers: keep both alive
+
+    ref_pieces, ref_dh0_p, _keep1 = piece_descs(cu_p)
+    _core.run("backward", variant, "tiled", "float32", ref_pieces, None, 64, None, stream, False)
+
+    staged, st_grads, st_dh0 = backward_descs()
+    state = _core.staged_backward_prepare(variant, "tiled", staged, None, 64, stream)
+    pieces, dh0_p, _keep2 = piece_descs(cu_p)
+    _core.staged_backward_step(state, "dh0_pieces", variant, pieces, None, 64, stream)
+    staged["dht"] = desc(dht, "dht")
+    _core.staged_backward_step(state, "finish", variant, staged, None, 64, stream)
+    torch.cuda.synchronize()
+    assert torch.isfinite(ref_dh0_p).all() and torch.equal(dh0_p, ref_dh0_p)
+    assert torch.equal(st_dh0, one_dh0)
+    for n in names:
+        assert torch.isfinite(one_grads[n]).all(), n
+        assert torch.equal(st_grads[n], one_grads[n]), n
+
+    with pytest.raises(ValueError, match="state"):  # finished: its workspace is gone
+        _core.staged_backward_step(state, "finish", variant, staged, None, 64, stream)
+    again, _, _ = backward_descs()
+    state = _core.staged_backward_prepare(variant, "tiled", again, None, 64, stream)
+    cu_off = torch.tensor([0, 1, 40, 130], dtype=torch.int64)
+    off_grid, _, _keep3 = piece_descs(cu_off)
+    with pytest.raises(ValueError, match="cu_seqlens"):  # a piece boundary inside a prepared chunk
+        _core.staged_backward_step(state, "dh0_pieces", variant, off_grid, None, 64, stream)
+    other, _, _ = backward_descs()
+    q_other = t["q"].clone()
+    other["q"] = desc(q_other, "q")
+    with pytest.raises(ValueError, match="params"):  # finish must describe the prepared problem
+        _core.staged_backward_step(state, "finish", variant, other, None, 64, stream)
+    naive, _naive_grads, _naive_dh0 = backward_descs()
+    with pytest.raises(ValueError, match="tier"):
+        _core.staged_backward_prepare(variant, "naive", naive, None, 64, stream)
+    torch.cuda.synchronize()

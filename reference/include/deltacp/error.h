@@ -6,9 +6,11 @@
 // The Python bindings translate it to ValueError (argument errors) or RuntimeError.
 #pragma once
 
+#include <cstdio>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace deltacp {
 
@@ -24,20 +26,46 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-inline void append(std::ostringstream&) {}
+// Messages are built with std::string and snprintf/to_string, not with iostreams: inside a Python
+// process that also loaded torch, formatting an integer through std::ostream segfaulted on the GPU
+// machines (std::ostream::_M_insert<long>, seen twice: the NCCL timeout message and a pre-pass check),
+// which turned a clear error into a crash. Only types without a direct rule fall back to a stream.
+inline void append_one(std::string& out, const std::string& x) { out += x; }
+inline void append_one(std::string& out, const char* x) { out += x ? x : "(null)"; }
+inline void append_one(std::string& out, char x) { out += x; }
+inline void append_one(std::string& out, bool x) { out += x ? "1" : "0"; }
+template <class T>
+void append_one(std::string& out, const T& x) {
+  if constexpr (std::is_integral_v<T>) {
+    out += std::to_string(x);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%g", static_cast<double>(x));
+    out += buf;
+  } else if constexpr (std::is_convertible_v<const T&, const char*>) {
+    append_one(out, static_cast<const char*>(x));
+  } else if constexpr (std::is_convertible_v<const T&, std::string>) {
+    out += std::string(x);
+  } else {
+    std::ostringstream os;
+    os << x;
+    out += os.str();
+  }
+}
+inline void append(std::string&) {}
 template <class T, class... Rest>
-void append(std::ostringstream& os, const T& x, const Rest&... rest) {
-  os << x;
-  append(os, rest...);
+void append(std::string& out, const T& x, const Rest&... rest) {
+  append_one(out, x);
+  append(out, rest...);
 }
 }  // namespace detail
 
-// Builds a message from streamable pieces: throw_error("q", "expected rank 4, got ", r).
+// Builds a message from pieces (strings, numbers): throw_error("q", "expected rank 4, got ", r).
 template <class... Parts>
 [[noreturn]] void throw_error(const std::string& argument, const Parts&... parts) {
-  std::ostringstream os;
-  detail::append(os, parts...);
-  throw Error(argument, os.str());
+  std::string message;
+  detail::append(message, parts...);
+  throw Error(argument, message);
 }
 
 }  // namespace deltacp

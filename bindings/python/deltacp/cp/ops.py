@@ -172,6 +172,44 @@ def _transitions(cfg: _Cfg, q, k, v, g, beta, a, b, bounds) -> torch.Tensor:
     return ht
 
 
+def _staged_available(cfg: _Cfg) -> bool:
+    """The CP backward runs the local tiled backward in stages (deltacp/cuda/api.h StagedBackward): the
+    stages that need no dht while the exchange is pending, and the pre-pass's dH from those same stages.
+    DELTACP_CP_STAGED=0 switches it off (one-shot local backward, separate pre-pass)."""
+    flag = os.environ.get("DELTACP_CP_STAGED", "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"deltacp: environment variable 'DELTACP_CP_STAGED': expected 0 or 1, got {flag!r}")
+    return (flag == "1" and cfg.device.type == "cuda" and cfg.bwd_method == "tiled"
+            and hasattr(_core, "staged_backward_prepare") and _core.built_with_cuda())
+
+
+def _staged_call(cfg: _Cfg, fn, *args):
+    with torch.cuda.device(cfg.device):
+        stream = torch.cuda.current_stream(cfg.device).cuda_stream
+        return fn(*args, cfg.scale, cfg.chunk_size, stream)
+
+
+def _dh0_pieces_staged(cfg: _Cfg, staged, xs_body, do_body, dend: Optional[torch.Tensor], bounds) -> torch.Tensor:
+    """_dh0_pieces from a prepared local backward: only its dh scan (B1) over the pieces, reading the
+    prepared W, Kd, G and B0 rows. The pieces are the first rows of the prepared body, on its chunks."""
+    n = bounds[-1]
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
+    if cu is None:
+        cu_host = torch.tensor([0, n], dtype=torch.int64)
+        cu = cu_host.to(cfg.device)
+    q, k, v, g, beta, a, b = _split(xs_body, 0, n)
+    dht = torch.zeros((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+    if dend is not None:
+        dht[-1] = dend
+    dh0 = torch.empty((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
+    descs = _descs(cfg, q, k, v, g, beta, a, b, cu=cu, cu_host=cu_host)
+    descs["dout"] = torch_desc(_seg(do_body, 0, n), "do")
+    descs["dht"] = torch_desc(dht, "dht")
+    descs["dh0"] = torch_desc(dh0, "dh0")
+    _staged_call(cfg, _core.staged_backward_step, staged, "dh0_pieces", cfg.variant, descs)
+    return dh0
+
+
 def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor], bounds) -> torch.Tensor:
     """Each piece's dH_p = dL/dS_start with dL/dS_end = 0 (the last piece: dend), [P, HV, K, V]: one
     dh0-only backward over the V real columns (no [v | 0] widening: the maps come from the forward)."""
@@ -441,11 +479,13 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool):
 
 
 def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
-                      first_maps: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      first_maps: Optional[torch.Tensor] = None, staged=None) -> torch.Tensor:
     """[dH_r | M_r^T] of the first local segment, or [0 | I] when it does not continue.
 
     first_maps (from _prepass_forward): the segment's per-piece transitions; then only the pieces' dH_p
-    are computed here (one dh0-only backward over V columns instead of V + K) and composed with M_p^T."""
+    are computed here (one dh0-only backward over V columns instead of V + K) and composed with M_p^T.
+    staged (with first_maps): the rank's prepared local backward (_core.StagedBackward of the body
+    [pad, T_local)); the body pieces' dH_p then come from its stages (B1 only), the head piece's alone."""
     ctx = cfg.ctx
     if not ctx.first_continues:
         zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
@@ -461,6 +501,14 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
     pad = _grid_pad(cfg)
 
     bounds = _piece_bounds(cfg, s1 - s0, pad)
+    if first_maps is not None and staged is not None:
+        body_bounds = [x - pad for x in bounds if x >= pad]
+        dH = _dh0_pieces_staged(cfg, staged, _split(xs, pad, s1), _seg(do, pad, s1), dend, body_bounds)
+        if pad:  # the head piece [0, pad) is a separate problem of its own (as in the local backward)
+            head = _dh0_pieces(cfg, *_split(xs, 0, pad), _seg(do, 0, pad), None, [0, pad])
+            dH = torch.cat([head, dH])
+        H, Mt = _fold(dH.flip(0), first_maps.flip(0).transpose(-1, -2))
+        return torch.cat([H, Mt], dim=-1).contiguous()
     if first_maps is not None:
         try:
             dH = _dh0_pieces(cfg, *span, do_span, dend, bounds)
@@ -602,13 +650,10 @@ class _CPFunction(torch.autograd.Function):
             do = do.contiguous()
         if dht is not None:
             dht = dht.to(cfg.state_dtype)
-        # 1-3 mirrored: dL/dS at the end of this rank's last segment, from the later ranks.
-        sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht, first_maps=ctx_.first_maps)
-        gathered = _all_gather(cfg, sent, "the backward all-gather of [dH | M^T]")
-        last_stats["backward_bytes"] = gathered.numel() * gathered.element_size()
-        dS_last = _merge_backward(cfg, gathered) if ctx.last_continues else None
-        # 4: the local backward from the rebuilt initial states (expand_h0), on the same chunk grid as the
+        # The local backward from the rebuilt initial states (expand_h0), on the same chunk grid as the
         # forward: the body [pad, T_local), then the head piece with the body's dL/d(its start state).
+        # With the staged tiled backward its stages that need no dL/dS_end run first, before the exchange
+        # (and the pre-pass reuses them); otherwise the whole local backward runs after it.
         xs, T_loc = (q, k, v, g, beta, a, b), q.shape[1]
         h0_local = _local_initial_states(cfg, h0, ctx_.merged)
         pad = _grid_pad(cfg)
@@ -617,16 +662,6 @@ class _CPFunction(torch.autograd.Function):
             h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), ctx_.merged, None)  # recomputed, not saved
             cu, cu_host = _body_cu_seqlens(cfg, pad)
             body, do_body = _split(xs, pad, T_loc), _seg(do, pad, T_loc)
-        dht_local = None
-        if dht is not None or dS_last is not None:
-            dht_local = torch.zeros((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
-                                    device=q.device)
-            if dht is not None:
-                idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
-                if idx:
-                    dht_local[idx] = dht[[ctx.seq_ids[i] for i in idx]]
-            if dS_last is not None:
-                dht_local[-1] = dS_last
         fields = (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name), ("beta", beta, "beta"),
                   ("a", a, "a"), ("b", b, "b"))
         grads = {field: None if t is None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -639,15 +674,37 @@ class _CPFunction(torch.autograd.Function):
 
         descs = _descs(cfg, *body, h0=h0_local, cu=cu, cu_host=cu_host)
         descs["dout"] = torch_desc(do_body, "do")
-        if dht_local is not None:
-            descs["dht"] = torch_desc(dht_local, "dht")
         grad_descs(descs, pad, T_loc)
         dh0_local = None
         if h0 is not None or pad:
             dh0_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
                                     device=q.device)
             descs["dh0"] = torch_desc(dh0_local, "dh0")
-        _run(cfg, "backward", cfg.bwd_method, descs)
+        staged = None
+        if _staged_available(cfg):
+            staged = _staged_call(cfg, _core.staged_backward_prepare, cfg.variant, "tiled", descs)
+        # 1-3 mirrored: dL/dS at the end of this rank's last segment, from the later ranks.
+        sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht, first_maps=ctx_.first_maps,
+                                 staged=staged)
+        gathered = _all_gather(cfg, sent, "the backward all-gather of [dH | M^T]")
+        last_stats["backward_bytes"] = gathered.numel() * gathered.element_size()
+        dS_last = _merge_backward(cfg, gathered) if ctx.last_continues else None
+        dht_local = None
+        if dht is not None or dS_last is not None:
+            dht_local = torch.zeros((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
+                                    device=q.device)
+            if dht is not None:
+                idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
+                if idx:
+                    dht_local[idx] = dht[[ctx.seq_ids[i] for i in idx]]
+            if dS_last is not None:
+                dht_local[-1] = dS_last
+        if dht_local is not None:
+            descs["dht"] = torch_desc(dht_local, "dht")
+        if staged is not None:
+            _staged_call(cfg, _core.staged_backward_step, staged, "finish", cfg.variant, descs)
+        else:
+            _run(cfg, "backward", cfg.bwd_method, descs)
         if pad:  # the head piece, from the merged state, with dL/d(its final state) = the body's dh0
             head_h0, head_dht = ctx_.merged.unsqueeze(0).contiguous(), dh0_local[0:1].contiguous()
             head = _descs(cfg, *_split(xs, 0, pad), h0=head_h0)

@@ -12,6 +12,8 @@
 //           Method::fused  Hopper fused kernels (later)                          cuda/fused/
 #pragma once
 
+#include <memory>
+
 #include "deltacp/params.h"
 
 namespace deltacp::cuda {
@@ -30,6 +32,26 @@ void forward(const Params& p, Method tier);
 // Validates p and launches the tier's backward: writes dq, dk, dv, dg (gdn/kda/dplr), dbeta
 // (gdn/kda/delta), da/db (dplr) and dh0 when p.dh0 is set. Recomputes forward states itself.
 void backward(const Params& p, Method tier);
+
+// The backward in stages around dht, for context parallelism (the tiled tier only):
+//
+//   auto s = backward_prepare(p, Method::tiled);  // every stage that does not read dht: the forward
+//                                                 // recompute and the intra-chunk B0 (p.dht ignored)
+//   backward_dh0_pieces(*s, pieces);              // optional, any number of times: dh0 of each piece
+//                                                 // (a dh0-only problem over the first rows of p, cut
+//                                                 // at p's own chunk boundaries) from s's stages
+//   backward_finish(*s, p_with_dht);              // the rest: B1..B5 with dht; the same tensors
+//
+// The same results, bit for bit, as backward(p_with_dht, Method::tiled). A rank of a CP backward
+// prepares while it waits for the exchange, and its pre-pass reuses the prepared stages. The tensors
+// of p must stay alive until finish's kernels have run; the state frees its workspace when destroyed.
+class StagedBackward {
+ public:
+  virtual ~StagedBackward() = default;
+};
+std::unique_ptr<StagedBackward> backward_prepare(const Params& p, Method tier);
+void backward_dh0_pieces(StagedBackward& s, const Params& pieces);
+void backward_finish(StagedBackward& s, const Params& p);
 
 // Which (variant, tier, direction) combinations exist in this build.
 bool supports(Variant v, Method tier, bool backward);

@@ -2,6 +2,9 @@
 // Each takes an already validated Params with device pointers.
 #pragma once
 
+#include <memory>
+
+#include "deltacp/cuda/api.h"
 #include "deltacp/params.h"
 
 namespace deltacp::cuda {
@@ -10,5 +13,9 @@ void naive_forward(const Params& p);   // cuda/naive/naive_fwd.cu
 void naive_backward(const Params& p);  // cuda/naive/naive_bwd.cu
 void tiled_forward(const Params& p);   // cuda/tiled/tiled_fwd.cu
 void tiled_backward(const Params& p);  // cuda/tiled/tiled_bwd.cu
+// The staged backward (api.h), cuda/tiled/tiled_bwd.cu.
+std::unique_ptr<StagedBackward> tiled_backward_prepare(const Params& p);
+void tiled_backward_dh0_pieces(StagedBackward& s, const Params& pieces);
+void tiled_backward_finish(StagedBackward& s, const Params& p);
 
 }  // namespace deltacp::cuda
