@@ -174,8 +174,8 @@ print("every gradient of the 4-rank backward matches one process (dq, dk, dv, dg
 # (`reference/include/deltacp/params.h`): a *final-state-only* forward (no output buffer, only
 # $h_t$) and a *dh0-only* backward (no input gradients, only $\mathrm{d}h_0$). On GPUs that is the
 # tiled tier's tensor-core scan: 2.9 ms on an H200 for 32768 tokens of 16 heads with
-# $K = V = 128$, where hand-written fp32 loops took 51.8 ms (docs/context-parallel.md). Below, the
-# augmented runs against the span maps computed from the chunks.
+# $K = V = 128$ as one sequential run, where hand-written fp32 loops took 51.8 ms
+# (docs/context-parallel.md). Below, the augmented runs against the span maps computed from the chunks.
 
 # %%
 r = 1
@@ -198,11 +198,37 @@ assert rel_err(g_aug["dh0"][:, :V], dH) < 1e-13 and rel_err(g_aug["dh0"][:, V:],
 assert rel_err(g_aug["dh0"][:, V:], M.T) < 1e-13  # the backward map is the transpose of the forward one
 
 # %% [markdown]
-# The augmented run is still a *sequential* scan over the rank's whole slice: the local forward scans
-# the same slice, so the pre-pass costs about as much as the local forward's scan (65% of the local
-# forward on the H200 run above, against a goal of 10%). The way below that is the tree of notebook 3:
-# every chunk's $(M_c, H_c)$ comes from its own WY factors in parallel, and a log-depth fold of
-# $\lceil\log_2 n_c\rceil$ levels of batched matrix products composes them.
+# ### The same in pieces, side by side
+#
+# One augmented run is a *sequential* scan over the rank's whole slice: one long sequence walks its
+# chunks one after another, on a few SMs. Since the maps compose, the slice can be cut into pieces
+# (whole chunks), each piece run from $[0 \mid I]$ **at the same time** (one varlen call: the pieces
+# are just more sequences), and the pieces' $[H_p \mid M_p]$ composed afterwards in fp32,
+# $(M_b, H_b)\circ(M_a, H_a) = (M_b M_a,\ M_b H_a + H_b)$. That is what `deltacp.cp` does
+# (`_piece_bounds`, `_fold_maps` in `bindings/python/deltacp/cp/ops.py`; default on GPUs: quarters of
+# the slice). On 2 H200s it took the pre-pass from 1.85 to 1.60 ms, against a local forward of 2.0 ms
+# (docs/context-parallel.md): still far from the 10% goal, because every piece still runs the whole
+# WY and scan machinery over $V + K$ columns. The backward keeps the forward's per-piece $M_p$ and
+# computes only $\mathrm{d}H_p$ over the $V$ real columns. Below, three pieces of span $r$ against the
+# single augmented run.
+
+# %%
+cuts = [0, n_r // 3, 2 * n_r // 3, n_r]
+pieces = []
+for a_, b_ in zip(cuts, cuts[1:]):
+    part = {name: arr[a_:b_] for name, arr in aug.items()}
+    _, HM_p = ref.recurrent_forward("gdn", **part, initial_state=np.concatenate([np.zeros((K, V)), np.eye(K)], axis=1))
+    pieces.append(HM_p)
+folded = pieces[0]
+for HM_p in pieces[1:]:  # apply the later piece's map to everything before it, then add its H
+    folded = HM_p[:, V:] @ folded + np.concatenate([HM_p[:, :V], np.zeros((K, K))], axis=1)
+print("three pieces, composed, vs the one augmented run:", f"{rel_err(folded, HM):.1e}")
+assert rel_err(folded, HM) < 1e-13
+
+# %% [markdown]
+# Pieces only spread the same scan over more SMs. The way to the 10% goal is the tree of notebook 3
+# taken all the way down: every chunk's $(M_c, H_c)$ from its own WY factors in parallel, and a
+# log-depth fold of $\lceil\log_2 n_c\rceil$ levels of batched matrix products composes them.
 
 # %% [markdown]
 # ## The package's simulated CP on a packed batch

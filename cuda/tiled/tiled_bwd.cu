@@ -233,6 +233,17 @@ struct BwdState final : StagedBackward {
   bool finished = false;
 };
 
+// The arguments a finishing call may change: dht and where the gradients go.
+void set_gradient_outputs(Args& a, const Params& p) {
+  a.dq = p.dq;
+  a.dk = p.dk;
+  a.dv = p.dv;
+  a.dg = p.dg;
+  a.dbeta = p.dbeta;
+  a.dht = static_cast<const float*>(p.dht);
+  a.dh0 = static_cast<float*>(p.dh0);
+}
+
 // Checks, the chunk table, the workspace, the kernels' arguments and the forward recompute.
 std::unique_ptr<BwdState> start_backward(const Params& p) {
   check_tiled_supported(p);
@@ -305,14 +316,8 @@ std::unique_ptr<BwdState> start_backward(const Params& p) {
   a.g = p.g;
   a.beta = p.beta;
   a.dout = p.dout;
-  a.dq = p.dq;
-  a.dk = p.dk;
-  a.dv = p.dv;
-  a.dg = p.dg;
   a.g_fp32 = p.g_fp32;
-  a.dbeta = p.dbeta;
-  a.dht = static_cast<const float*>(p.dht);
-  a.dh0 = static_cast<float*>(p.dh0);
+  set_gradient_outputs(a, p);
   a.chunks = table.chunks();
   a.seqs = table.seqs();
   a.G = G;
@@ -424,16 +429,9 @@ void finish_backward(StagedBackward& staged, const Params& p) {
   DELTACP_CHECK(!s.finished, "state", "expected a prepared backward that has not finished yet");
   same_problem(s.p, p, "finish");
   DELTACP_CHECK(p.T == s.p.T && p.num_seqs == s.p.num_seqs, "cu_seqlens", "expected the prepared sequences");
-  Args& a = s.a;
-  a.dq = p.dq;
-  a.dk = p.dk;
-  a.dv = p.dv;
-  a.dg = p.dg;
-  a.dbeta = p.dbeta;
-  a.dht = static_cast<const float*>(p.dht);
-  a.dh0 = static_cast<float*>(p.dh0);
+  set_gradient_outputs(s.a, p);
   s.finished = true;
-  run_stages(s, a, s.table.num_seqs(), Stages::after_b0);
+  run_stages(s, s.a, s.table.num_seqs(), Stages::after_b0);
 }
 }  // namespace
 }  // namespace tiled::bwd

@@ -130,16 +130,22 @@ def _cfg(variant, H, HV, K, V, device="cpu", fwd="chunked", bwd="chunked", ctx=N
     return cfg
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_augmented_prepass_gives_the_span_maps(variant):
-    p = make_problem(variant, B=1, T=45, H=1, HV=1, K=5, V=4, seed=9)
+def _span_problem(variant, seed, rng_seed, ctx=None):
+    """One 45-token span (H = HV = 1, K = 5, V = 4, chunk 16) in fp64: (problem, cfg, the seven input
+    tensors, a start state, a dend, an upstream do)."""
+    p = make_problem(variant, B=1, T=45, H=1, HV=1, K=5, V=4, seed=seed)
     t = {n: (None if p.get(n) is None else torch.from_numpy(np.ascontiguousarray(p[n]))) for n in FIELDS}
-    cfg = _cfg(variant, 1, 1, 5, 4)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(rng_seed)
     start = torch.from_numpy(rng.standard_normal((1, 5, 4)))
     dend = torch.from_numpy(rng.standard_normal((1, 5, 4)))
     do = torch.from_numpy(rng.standard_normal((1, 45, 1, 4)))
     args = [t[n] for n in ("q", "k", "v", "g", "beta", "a", "b")]
+    return p, _cfg(variant, 1, 1, 5, 4, ctx=ctx), args, start, dend, do
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_augmented_prepass_gives_the_span_maps(variant):
+    p, cfg, args, start, dend, do = _span_problem(variant, seed=9, rng_seed=1)
     fwd = cp_ops._augmented_forward(cfg, *args, start).numpy()
     bwd = cp_ops._augmented_backward(cfg, *args, do, dend).numpy()
     # (M, H) and (M^T, dH) of the span from the per-head reference pieces.
@@ -157,14 +163,7 @@ def test_augmented_prepass_gives_the_span_maps(variant):
 def test_prepass_in_pieces_equals_the_whole_span(variant, bounds):
     """cp/ops.py: the pieces' maps composed by _fold_maps (2 to 4 pieces, with and without a short head
     piece) equal the one-piece pre-pass in fp64, forward and backward, with a start state and a dend."""
-    p = make_problem(variant, B=1, T=45, H=1, HV=1, K=5, V=4, seed=11)
-    t = {n: (None if p.get(n) is None else torch.from_numpy(np.ascontiguousarray(p[n]))) for n in FIELDS}
-    cfg = _cfg(variant, 1, 1, 5, 4)
-    rng = np.random.default_rng(2)
-    start = torch.from_numpy(rng.standard_normal((1, 5, 4)))
-    dend = torch.from_numpy(rng.standard_normal((1, 5, 4)))
-    do = torch.from_numpy(rng.standard_normal((1, 45, 1, 4)))
-    args = [t[n] for n in ("q", "k", "v", "g", "beta", "a", "b")]
+    _, cfg, args, start, dend, do = _span_problem(variant, seed=11, rng_seed=2)
     whole_f = cp_ops._augmented_forward(cfg, *args, start).numpy()
     whole_b = cp_ops._augmented_backward(cfg, *args, do, dend).numpy()
     piece_f = cp_ops._augmented_forward(cfg, *args, start, bounds=bounds).numpy()
@@ -184,15 +183,11 @@ def test_backward_prepass_from_the_forward_maps(monkeypatch, variant, segments, 
     from types import SimpleNamespace
 
     monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", piece)
-    p = make_problem(variant, B=1, T=45, H=1, HV=1, K=5, V=4, seed=12)
-    t = {n: (None if p.get(n) is None else torch.from_numpy(np.ascontiguousarray(p[n]))) for n in FIELDS}
     n_seg = len(segments) - 1
     ctx = SimpleNamespace(first_continues=True, last_continues=True, cu_seqlens_list=segments, begin=7,
                           cu_seqlens_global_list=[0, 52, 200], seq_ids=list(range(n_seg)), starts_here=[False] * n_seg,
                           ends_here=[False] * n_seg)
-    cfg = _cfg(variant, 1, 1, 5, 4, ctx=ctx)
-    args = [t[n] for n in ("q", "k", "v", "g", "beta", "a", "b")]
-    do = torch.from_numpy(np.random.default_rng(4).standard_normal((1, 45, 1, 4)))
+    _, cfg, args, _, _, do = _span_problem(variant, seed=12, rng_seed=4, ctx=ctx)
     sent, maps = cp_ops._prepass_forward(cfg, *args, None, want_first_maps=True)
     assert maps is not None and maps.shape[1:] == (1, 5, 5)
     assert cp_ops._prepass_forward(cfg, *args, None)[1] is None
