@@ -189,11 +189,15 @@ def test_backward_prepass_from_the_forward_maps(monkeypatch, variant, segments, 
                           ends_here=[False] * n_seg)
     _, cfg, args, _, _, do = _span_problem(variant, seed=12, rng_seed=4, ctx=ctx)
     sent, maps = cp_ops._prepass_forward(cfg, *args, None, want_first_maps=True)
-    assert maps is not None and maps.shape[1:] == (1, 5, 5)
+    assert maps is not None and maps.M.shape == (len(maps.bounds) - 1, 1, 5, 5)
     assert cp_ops._prepass_forward(cfg, *args, None)[1] is None
     old = cp_ops._prepass_backward(cfg, *args, do, None).numpy()
     new = cp_ops._prepass_backward(cfg, *args, do, None, first_maps=maps).numpy()
     np.testing.assert_allclose(new, old, rtol=1e-11, atol=1e-12)
+    # The backward follows the forward's pieces even when the setting changes in between.
+    monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", "32" if piece == "16" else "16")
+    moved = cp_ops._prepass_backward(cfg, *args, do, None, first_maps=maps).numpy()
+    np.testing.assert_allclose(moved, old, rtol=1e-11, atol=1e-12)
 
 
 def test_piece_bounds_follow_the_one_device_chunk_grid(monkeypatch):

@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -430,6 +430,12 @@ def _split(ts, s0, s1):
     return [_seg(t, s0, s1) for t in ts]
 
 
+class _PieceMaps(NamedTuple):
+    """The first segment's per-piece transitions, kept from the forward for the backward pre-pass."""
+    bounds: list  # segment-relative piece boundaries (_piece_bounds), fixed at the forward
+    M: torch.Tensor  # [P, HV, K, K] fp32: piece p's state transition
+
+
 def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: bool = False):
     """(sent, first_maps). sent: [H_r | M_r] of the last local segment, or [0 | I] when it does not
     continue (nobody reads it). first_maps (when asked for, else None): the per-piece transitions
@@ -448,7 +454,7 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
     else:
         sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps)
     if want_first_maps and first_maps is None:
-        first_maps = _transitions(cfg, *_split(xs, f0, f1), first_bounds)
+        first_maps = _PieceMaps(first_bounds, _transitions(cfg, *_split(xs, f0, f1), first_bounds))
     return sent, first_maps
 
 
@@ -464,9 +470,10 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool):
     maps = []
 
     def chunked():  # pieces on the one-device chunk grid (the head piece up to its first boundary first)
-        X = _augmented_forward_pieces(cfg, *span, start, bounds=_piece_bounds(cfg, s1 - s0, pad))
+        bounds = _piece_bounds(cfg, s1 - s0, pad)
+        X = _augmented_forward_pieces(cfg, *span, start, bounds=bounds)
         if want_first_maps and s0 == ctx.cu_seqlens_list[0]:  # the same segment and pieces
-            maps.append(X[..., cfg.V:].clone())
+            maps.append(_PieceMaps(bounds, X[..., cfg.V:].clone()))
         return _fold_maps(X, cfg.V)
 
     def loops():
@@ -479,7 +486,7 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool):
 
 
 def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
-                      first_maps: Optional[torch.Tensor] = None, staged=None) -> torch.Tensor:
+                      first_maps: Optional[_PieceMaps] = None, staged=None) -> torch.Tensor:
     """[dH_r | M_r^T] of the first local segment, or [0 | I] when it does not continue.
 
     first_maps (from _prepass_forward): the segment's per-piece transitions; then only the pieces' dH_p
@@ -501,13 +508,17 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
     pad = _grid_pad(cfg)
 
     bounds = _piece_bounds(cfg, s1 - s0, pad)
+    if first_maps is not None:  # the forward's pieces (whatever DELTACP_CP_PREPASS_PIECE says now)
+        bounds = first_maps.bounds
+        if bounds[-1] != s1 - s0 or first_maps.M.shape[0] != len(bounds) - 1:
+            raise ValueError("deltacp: internal: the forward's pre-pass pieces do not match the first segment")
     if first_maps is not None and staged is not None:
         body_bounds = [x - pad for x in bounds if x >= pad]
         dH = _dh0_pieces_staged(cfg, staged, _split(xs, pad, s1), _seg(do, pad, s1), dend, body_bounds)
         if pad:  # the head piece [0, pad) is a separate problem of its own (as in the local backward)
             head = _dh0_pieces(cfg, *_split(xs, 0, pad), _seg(do, 0, pad), None, [0, pad])
             dH = torch.cat([head, dH])
-        H, Mt = _fold(dH.flip(0), first_maps.flip(0).transpose(-1, -2))
+        H, Mt = _fold(dH.flip(0), first_maps.M.flip(0).transpose(-1, -2))
         return torch.cat([H, Mt], dim=-1).contiguous()
     if first_maps is not None:
         try:
@@ -517,7 +528,7 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
                 raise
         else:
             # backward order: the last piece's map is applied first; dS_start = M_p^T dS_end + dH_p
-            H, Mt = _fold(dH.flip(0), first_maps.flip(0).transpose(-1, -2))
+            H, Mt = _fold(dH.flip(0), first_maps.M.flip(0).transpose(-1, -2))
             return torch.cat([H, Mt], dim=-1).contiguous()
 
     def chunked():  # pieces on the one-device chunk grid, as in the forward
@@ -633,7 +644,7 @@ class _CPFunction(torch.autograd.Function):
                     ht[n] = h0[n]
         ctx_.cfg = cfg
         ctx_.merged = merged  # the one initial state kept for the backward (compress_h0)
-        ctx_.first_maps = first_maps  # [P, HV, K, K] fp32 per-piece transitions of the first segment
+        ctx_.first_maps = first_maps  # _PieceMaps: the first segment's pieces and transitions (or None)
         ctx_.save_for_backward(q, k, v, g, beta, a, b, h0)
         ctx_.set_materialize_grads(False)
         return o, ht
