@@ -147,3 +147,16 @@ TEST(BadInputDplr, GroupedValuesRefused) {
   expect_error([&] { ref::forward<double>(r.p, Method::chunked); }, "HV", "HV == H = 1 for dplr, got 2");
 }
 }  // namespace
+
+// deltacp/error.h builds messages without iostreams (an ostream << long crashed inside torch processes
+// on the GPU machines); every kind of piece still reads as before.
+TEST(ErrorMessage, FormatsEveryKindOfPiece) {
+  try {
+    throw_error("x", "ints ", int64_t{-5}, " ", size_t{7}, " ", 3u, ", reals ", 2.5, " ", 1e-7f, ", char ", 'z',
+                ", bool ", true, ", strings ", std::string("s"), " ", static_cast<const char*>("p"));
+    FAIL() << "throw_error returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "x");
+    EXPECT_STREQ(e.what(), "deltacp: argument 'x': ints -5 7 3, reals 2.5 1e-07, char z, bool 1, strings s p");
+  }
+}
