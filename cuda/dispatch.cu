@@ -195,7 +195,8 @@ void backward_dh0_pieces(StagedBackward& s, const Params& pieces) {
 #ifdef DELTACP_HAVE_TILED_BWD
   tiled_backward_dh0_pieces(s, pieces);
 #else
-  (void)s;
+  (void)s;  // unreachable: backward_prepare throws first in such a build
+  throw_error("tier", "no CUDA backward for tier tiled in this build");
 #endif
 }
 
@@ -204,7 +205,8 @@ void backward_finish(StagedBackward& s, const Params& p) {
 #ifdef DELTACP_HAVE_TILED_BWD
   tiled_backward_finish(s, p);
 #else
-  (void)s;
+  (void)s;  // unreachable: backward_prepare throws first in such a build
+  throw_error("tier", "no CUDA backward for tier tiled in this build");
 #endif
 }
 

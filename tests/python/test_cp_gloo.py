@@ -357,13 +357,18 @@ def test_cp_exited_rank_fails_fast():
     assert rep["seconds"] < FAULT_TIMEOUT_S + 8, rep
 
 
-def test_cp_mismatched_cu_seqlens_same_error_everywhere():
-    reports, logs = launch(4, {"kind": "mismatch_cu", "victim": 3}, timeout=120)
-    assert len(reports) == 4, "\n".join(logs)
+def _assert_same_value_error_everywhere(world, spec, argument):
+    """Every rank reports one and the same ValueError, naming `argument`."""
+    reports, logs = launch(world, spec, timeout=120)
+    assert len(reports) == world, "\n".join(logs)
     messages = {rep["message"] for rep in reports.values()}
     assert all(rep["is_value_error"] for rep in reports.values()), reports
     assert len(messages) == 1, messages
-    assert "'cu_seqlens'" in messages.pop()
+    assert f"'{argument}'" in messages.pop()
+
+
+def test_cp_mismatched_cu_seqlens_same_error_everywhere():
+    _assert_same_value_error_everywhere(4, {"kind": "mismatch_cu", "victim": 3}, "cu_seqlens")
 
 
 def test_cp_mismatched_dtype_raises_on_every_rank():
@@ -389,12 +394,7 @@ def test_cp_gate_of_another_dtype_is_a_type_error_naming_g():
 
 
 def test_cp_ranks_disagreeing_on_the_gate_dtype_raise_naming_g():
-    reports, logs = launch(2, {"kind": "mismatch_gate_dtype", "victim": 1}, timeout=120)
-    assert len(reports) == 2, "\n".join(logs)
-    messages = {rep["message"] for rep in reports.values()}
-    assert all(rep["is_value_error"] for rep in reports.values()), reports
-    assert len(messages) == 1, messages
-    assert "'g'" in messages.pop()
+    _assert_same_value_error_everywhere(2, {"kind": "mismatch_gate_dtype", "victim": 1}, "g")
 
 
 def test_cp_indivisible_tokens_rejected():

@@ -143,32 +143,31 @@ def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.
 def _augmented_forward_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
                               method: Optional[str] = None, bounds=None) -> torch.Tensor:
     """_augmented_forward's pieces before they are composed: [P, HV, K, V + K], piece p's [H_p | M_p]."""
-    n = q.shape[1]
-    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
-    zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
-    v_aug = torch.cat([v, zeros_v], dim=-1)
-    h0_aug = torch.zeros((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
-    h0_aug[:, :, :, cfg.V:] = _identity_block(cfg, v.device)
-    if start is not None:
-        h0_aug[0, :, :, :cfg.V] = start
-    ht_aug = torch.empty((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=cfg.state_dtype, device=v.device)
-    descs = _descs(cfg, q, k, v_aug, g, beta, a, b, h0=h0_aug, cu=cu, cu_host=cu_host)
-    descs["ht"] = torch_desc(ht_aug, "ht")  # and no "o"
-    _run(cfg, "forward", method or cfg.fwd_method, descs)
-    return ht_aug
+    zeros_v = torch.zeros((1, q.shape[1], cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
+    return _final_states(cfg, q, k, torch.cat([v, zeros_v], dim=-1), g, beta, a, b, start, method, bounds)
 
 
 def _transitions(cfg: _Cfg, q, k, v, g, beta, a, b, bounds) -> torch.Tensor:
-    """Each piece's state transition M_p alone, [P, HV, K, K]: a final-state-only forward with K zero
-    value columns from I (v gives only the dtype). The backward pre-pass composes their transposes."""
-    n = q.shape[1]
-    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
-    zeros_v = torch.zeros((1, n, cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
-    h0 = _identity_block(cfg, v.device).unsqueeze(0).expand(P, cfg.HV, cfg.K, cfg.K).contiguous()
-    ht = torch.empty((P, cfg.HV, cfg.K, cfg.K), dtype=cfg.state_dtype, device=v.device)
-    descs = _descs(cfg, q, k, zeros_v, g, beta, a, b, h0=h0, cu=cu, cu_host=cu_host)
-    descs["ht"] = torch_desc(ht, "ht")
-    _run(cfg, "forward", cfg.fwd_method, descs)
+    """Each piece's state transition M_p alone, [P, HV, K, K]: the pieces of _augmented_forward_pieces
+    without the V value columns (K zero value columns from I; v gives only the dtype). The backward
+    pre-pass composes their transposes."""
+    zeros_v = torch.zeros((1, q.shape[1], cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
+    return _final_states(cfg, q, k, zeros_v, g, beta, a, b, None, None, bounds)
+
+
+def _final_states(cfg: _Cfg, q, k, values, g, beta, a, b, start, method, bounds) -> torch.Tensor:
+    """Every piece's final state [P, HV, K, W] (W = values' width, V + K or K) of a final-state-only
+    forward with the given values, each piece from [0 | I] (the first from [start | I] when given)."""
+    cu, cu_host, P = _piece_tensors(cfg, q.shape[1], bounds)
+    W = values.shape[-1]
+    h0 = torch.zeros((P, cfg.HV, cfg.K, W), dtype=cfg.state_dtype, device=values.device)
+    h0[:, :, :, W - cfg.K:] = _identity_block(cfg, values.device)
+    if start is not None:
+        h0[0, :, :, :W - cfg.K] = start
+    ht = torch.empty((P, cfg.HV, cfg.K, W), dtype=cfg.state_dtype, device=values.device)
+    descs = _descs(cfg, q, k, values, g, beta, a, b, h0=h0, cu=cu, cu_host=cu_host)
+    descs["ht"] = torch_desc(ht, "ht")  # and no "o"
+    _run(cfg, "forward", method or cfg.fwd_method, descs)
     return ht
 
 
@@ -189,32 +188,17 @@ def _staged_call(cfg: _Cfg, fn, *args):
         return fn(*args, cfg.scale, cfg.chunk_size, stream)
 
 
-def _dh0_pieces_staged(cfg: _Cfg, staged, xs_body, do_body, dend: Optional[torch.Tensor], bounds) -> torch.Tensor:
-    """_dh0_pieces from a prepared local backward: only its dh scan (B1) over the pieces, reading the
-    prepared W, Kd, G and B0 rows. The pieces are the first rows of the prepared body, on its chunks."""
-    n = bounds[-1]
-    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
-    if cu is None:
-        cu_host = torch.tensor([0, n], dtype=torch.int64)
-        cu = cu_host.to(cfg.device)
-    q, k, v, g, beta, a, b = _split(xs_body, 0, n)
-    dht = torch.zeros((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
-    if dend is not None:
-        dht[-1] = dend
-    dh0 = torch.empty((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
-    descs = _descs(cfg, q, k, v, g, beta, a, b, cu=cu, cu_host=cu_host)
-    descs["dout"] = torch_desc(_seg(do_body, 0, n), "do")
-    descs["dht"] = torch_desc(dht, "dht")
-    descs["dh0"] = torch_desc(dh0, "dh0")
-    _staged_call(cfg, _core.staged_backward_step, staged, "dh0_pieces", cfg.variant, descs)
-    return dh0
-
-
-def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor], bounds) -> torch.Tensor:
+def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor], bounds,
+                staged=None) -> torch.Tensor:
     """Each piece's dH_p = dL/dS_start with dL/dS_end = 0 (the last piece: dend), [P, HV, K, V]: one
-    dh0-only backward over the V real columns (no [v | 0] widening: the maps come from the forward)."""
+    dh0-only backward over the V real columns (no [v | 0] widening: the maps come from the forward).
+    staged: a prepared local backward whose first rows these tokens are (its own chunks); then only its
+    dh scan (B1) runs over the pieces, reading the prepared W, Kd, G and B0 rows."""
     n = q.shape[1]
     cu, cu_host, P = _piece_tensors(cfg, n, bounds)
+    if cu is None and staged is not None:  # the staged step always takes the pieces as sequences
+        cu_host = torch.tensor([0, n], dtype=torch.int64)
+        cu = cu_host.to(cfg.device)
     dht = torch.zeros((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
     if dend is not None:
         dht[-1] = dend
@@ -224,7 +208,10 @@ def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tens
     descs["dout"] = torch_desc(do, "do")
     descs["dht"] = torch_desc(dht, "dht")
     descs["dh0"] = torch_desc(dh0, "dh0")  # and no dq, dk, dv, ...
-    _run(cfg, "backward", cfg.bwd_method, descs)
+    if staged is not None:
+        _staged_call(cfg, _core.staged_backward_step, staged, "dh0_pieces", cfg.variant, descs)
+    else:
+        _run(cfg, "backward", cfg.bwd_method, descs)
     return dh0
 
 
@@ -512,24 +499,22 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
         bounds = first_maps.bounds
         if bounds[-1] != s1 - s0 or first_maps.M.shape[0] != len(bounds) - 1:
             raise ValueError("deltacp: internal: the forward's pre-pass pieces do not match the first segment")
+    dH = None
     if first_maps is not None and staged is not None:
         body_bounds = [x - pad for x in bounds if x >= pad]
-        dH = _dh0_pieces_staged(cfg, staged, _split(xs, pad, s1), _seg(do, pad, s1), dend, body_bounds)
+        dH = _dh0_pieces(cfg, *_split(xs, pad, s1), _seg(do, pad, s1), dend, body_bounds, staged=staged)
         if pad:  # the head piece [0, pad) is a separate problem of its own (as in the local backward)
-            head = _dh0_pieces(cfg, *_split(xs, 0, pad), _seg(do, 0, pad), None, [0, pad])
-            dH = torch.cat([head, dH])
-        H, Mt = _fold(dH.flip(0), first_maps.M.flip(0).transpose(-1, -2))
-        return torch.cat([H, Mt], dim=-1).contiguous()
-    if first_maps is not None:
+            dH = torch.cat([_dh0_pieces(cfg, *_split(xs, 0, pad), _seg(do, 0, pad), None, [0, pad]), dH])
+    elif first_maps is not None:
         try:
             dH = _dh0_pieces(cfg, *span, do_span, dend, bounds)
         except ValueError as exc:  # a tiled launch that does not fit: the route below falls back
             if "shared memory" not in str(exc):
                 raise
-        else:
-            # backward order: the last piece's map is applied first; dS_start = M_p^T dS_end + dH_p
-            H, Mt = _fold(dH.flip(0), first_maps.M.flip(0).transpose(-1, -2))
-            return torch.cat([H, Mt], dim=-1).contiguous()
+    if dH is not None:
+        # backward order: the last piece's map is applied first; dS_start = M_p^T dS_end + dH_p
+        H, Mt = _fold(dH.flip(0), first_maps.M.flip(0).transpose(-1, -2))
+        return torch.cat([H, Mt], dim=-1).contiguous()
 
     def chunked():  # pieces on the one-device chunk grid, as in the forward
         return _augmented_backward(cfg, *span, do_span, dend, bounds=bounds)
