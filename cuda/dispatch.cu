@@ -179,6 +179,46 @@ void validate_staged(const Params& p) {
 }
 }  // namespace
 
+namespace {
+void validate_staged_forward(const Params& p) {
+  check_gpu_params(p);
+  validate_forward(p);
+  check_variant(p, Method::tiled, false);
+  check_gpu_pointers(p, false);
+}
+}  // namespace
+
+std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
+  check_tier(tier, false);
+  DELTACP_CHECK(tier == Method::tiled, "tier", "expected 'tiled' for the staged forward, got ", to_string(tier));
+  validate_staged_forward(p);
+#ifdef DELTACP_HAVE_TILED_FWD
+  return tiled_forward_prepare(p);
+#else
+  throw_error("tier", "no CUDA forward for tier tiled in this build");
+#endif
+}
+
+void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values) {
+  validate_staged_forward(pieces);
+#ifdef DELTACP_HAVE_TILED_FWD
+  tiled_forward_state_pieces(s, pieces, row0, with_values);
+#else
+  (void)s, (void)row0, (void)with_values;  // unreachable: forward_prepare throws first in such a build
+  throw_error("tier", "no CUDA forward for tier tiled in this build");
+#endif
+}
+
+void forward_finish(StagedForward& s, const Params& p) {
+  validate_staged_forward(p);
+#ifdef DELTACP_HAVE_TILED_FWD
+  tiled_forward_finish(s, p);
+#else
+  (void)s;  // unreachable: forward_prepare throws first in such a build
+  throw_error("tier", "no CUDA forward for tier tiled in this build");
+#endif
+}
+
 std::unique_ptr<StagedBackward> backward_prepare(const Params& p, Method tier) {
   check_tier(tier, true);
   DELTACP_CHECK(tier == Method::tiled, "tier", "expected 'tiled' for the staged backward, got ", to_string(tier));
@@ -196,6 +236,15 @@ void backward_dh0_pieces(StagedBackward& s, const Params& pieces) {
   tiled_backward_dh0_pieces(s, pieces);
 #else
   (void)s;  // unreachable: backward_prepare throws first in such a build
+  throw_error("tier", "no CUDA backward for tier tiled in this build");
+#endif
+}
+
+void backward_states(StagedBackward& s, void* stream) {
+#ifdef DELTACP_HAVE_TILED_BWD
+  tiled_backward_states(s, stream);
+#else
+  (void)s, (void)stream;  // unreachable: backward_prepare throws first in such a build
   throw_error("tier", "no CUDA backward for tier tiled in this build");
 #endif
 }

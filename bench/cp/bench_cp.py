@@ -50,6 +50,8 @@ def parse():
     p.add_argument("--pieces", default="0,2048,4096,8192,16384",
                    help="pre-pass piece lengths (tokens) to time; 0 = one sequential scan over the span")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of the CP and one-GPU steps")
+    p.add_argument("--trace", default="", help="a folder: each rank writes the chrome trace (CPU + CUDA) of "
+                   "one CP forward + backward step there (cp_step_rank<r>.json)")
     a = p.parse_args()
     a.pieces = [int(x) for x in a.pieces.split(",") if x.strip()]
     return a
@@ -161,13 +163,34 @@ def main():
         results["prepass"] = time_it(prepass, args.repeat, args.warmup)
         first_maps[0] = prepass()[1]
         results["prepass_bwd"] = time_it(prepass_bwd, args.repeat, args.warmup)
+        # The pre-pass as the staged CP forward runs it: the local forward prepared (cumulative gates and WY,
+        # which the local forward then does not repeat), the pieces from its stages (cp/ops.py).
+        if cp_ops._staged_available(cfg, "forward", q, g):
+            from deltacp import _core
+            from deltacp._describe import torch_desc as _td
+
+            o_staged = torch.empty_like(v)
+
+            def prepass_staged():
+                descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
+                descs["o"] = _td(o_staged, "o")
+                handle = cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", descs)
+                sent = cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None, want_first_maps=want_maps,
+                                               prepared=cp_ops._PreparedForward(handle, 0))[0]
+                torch.cuda.current_stream(device).synchronize()  # the handle's workspace outlives the kernels
+                return sent
+
+            results["prepass_staged"] = time_it(prepass_staged, args.repeat, args.warmup)
+            errors["prepass_staged"] = float((prepass_staged() - prepass()[0]).norm() /
+                                             prepass()[0].norm().clamp_min(1e-30))
         results["prepass_bwd_widened"] = time_it(prepass_bwd_widened, args.repeat, args.warmup)
         errors["prepass_bwd_widened"] = float((prepass_bwd_widened() - prepass_bwd()).norm() /
                                               prepass_bwd().norm().clamp_min(1e-30))
-    X = prepass()[0]  # [HV, K, V + K] fp32 = [H | M]
+    sent = prepass()[0]  # what the CP op all-gathers: [H | M], or [H] when no merge reads M (ctx.maps_read)
+    X = cp_ops._augmented_forward(cfg, q, k, v, g, beta, None, None, None)  # [HV, K, V + K]: the ring and scan's maps
 
     def allgather():
-        gathered = cp_ops._all_gather(cfg, X, "bench all-gather")
+        gathered = cp_ops._all_gather(cfg, sent, "bench all-gather")
         return cp_ops._merge_forward(cfg, gathered)
 
     def ring():
@@ -264,23 +287,38 @@ def main():
             with torch.set_grad_enabled(direction == "fwd+bwd"):
                 results[f"cp_step_{direction}"] = time_it(lambda: cp_step(direction), args.repeat, args.warmup)
                 results[f"single_gpu_{direction}"] = time_it(lambda: single_step(direction), args.repeat, args.warmup)
-        # The same CP step with the one-shot local backward after the exchange (no staged backward).
+        # The same CP steps with the one-shot local kernels after the exchange (no staged forward / backward).
         os.environ["DELTACP_CP_STAGED"] = "0"
-        with torch.set_grad_enabled(True):
-            results["cp_step_fwd+bwd_unstaged"] = time_it(lambda: cp_step("fwd+bwd"), args.repeat, args.warmup)
+        for direction in ("fwd", "fwd+bwd"):
+            with torch.set_grad_enabled(direction == "fwd+bwd"):
+                results[f"cp_step_{direction}_unstaged"] = time_it(lambda: cp_step(direction), args.repeat,
+                                                                   args.warmup)
         os.environ.pop("DELTACP_CP_STAGED")
+        if args.trace:
+            from torch.profiler import ProfilerActivity, profile
+
+            os.makedirs(args.trace, exist_ok=True)
+            with torch.set_grad_enabled(True):
+                cp_step("fwd+bwd")
+                torch.cuda.synchronize(device)
+                dist.barrier()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    cp_step("fwd+bwd")
+                    torch.cuda.synchronize(device)
+            prof.export_chrome_trace(os.path.join(args.trace, f"cp_step_rank{rank}.json"))
 
         if args.profile:
             for name, fn in (("cp_step_fwd+bwd", lambda: cp_step("fwd+bwd")),
                              ("single_gpu_fwd+bwd", lambda: single_step("fwd+bwd")),
-                             ("prepass_fwd", prepass), ("prepass_bwd", prepass_bwd)):
+                             ("prepass_fwd", prepass), ("prepass_bwd", prepass_bwd)) + (
+                                 (("prepass_staged", prepass_staged),) if "prepass_staged" in results else ()):
                 profiles[name] = kernel_times(fn, device)
 
     rows = [None] * world
     dist.all_gather_object(rows, dict(rank=rank, times=results, errors=errors, profiles=profiles,
                                       piece_default=piece_default if use_kernels else None))
     if rank == 0:
-        bytes_ag = world * HV * K * (V + K) * 4
+        bytes_ag = cp_ops.exchange_bytes(ctx, HV, K, V)
         bytes_ring = HV * K * V * 4
         bytes_scan = math.ceil(math.log2(world)) * HV * K * (V + K) * 4 if world > 1 else 0
         print(f"CP exchange, {world} ranks ({device.type}), GDN {args.dtype}, H={H} K=V={K}, {T_rank} tokens/rank, "

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, validate, sanitize, benchmark; results under $OUT.
 #
-#   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp
-#                                            (default build,test,sanitize,pytest,bench)
+#   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
+#                                            cpcheck,cpbench (default build,test,sanitize,pytest,bench)
+#   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
+#   cpcheck  only the CP correctness check of run_gpu_cp.sh (CP vs one GPU, staged vs one-shot, bitwise)
+#   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace (chrome traces in $OUT/trace)
+# DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu").
 # FLA's Triton source, when carried in fla_src/ (ignored by git), is put on PYTHONPATH for the
 # side-by-side benchmark. Files written to $OUT (at most 8 come back): summary.txt, build.log,
 # ctest_gpu.log, sanitizer.log, pytest_gpu.log, bench_gpu.json, bench_gpu.log (bench step), or
@@ -68,7 +72,7 @@ fi
 
 if has pytest; then
   t0=$(date +%s)
-  python3 -m pytest -q -x tests/python -k "cuda or gpu" >"$OUT/pytest_gpu.log" 2>&1
+  python3 -m pytest -q -x tests/python -k "${DELTACP_PYTEST_K:-cuda or gpu}" >"$OUT/pytest_gpu.log" 2>&1
   say "pytest (cuda): rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/pytest_gpu.log")"
 fi
 
@@ -95,6 +99,34 @@ if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
   say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
   tar -czf "$OUT/cp_results.tar.gz" -C /tmp cpout 2>/dev/null
   tail -25 "$OUT/cp_gpu.log"; tail -25 "$OUT/bench_cp.log"
+fi
+NGPU=$(nvidia-smi -L | grep -c '^GPU')
+if has cpcheck; then
+  t0=$(date +%s)
+  mkdir -p "$OUT/cpcheck"
+  timeout 900 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU distributed/tests/gpu_cp_check.py \
+    check --out "$OUT/cpcheck" >"$OUT/cpcheck.log" 2>&1
+  say "cp check (gpu): rc=$? in $(( $(date +%s) - t0 )) s"
+  tail -15 "$OUT/cpcheck.log"
+fi
+
+if has cpbench; then
+  t0=$(date +%s)
+  mkdir -p "$OUT/trace"
+  timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU bench/cp/bench_allgather.py \
+    --json "$OUT/trace/bench_allgather.json" >"$OUT/bench_allgather.log" 2>&1
+  say "all-gather bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  t0=$(date +%s)
+  timeout 400 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU bench/cp/bench_cp.py --profile \
+    --trace "$OUT/trace" ${DELTACP_CP_BENCH_ARGS:-} --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
+  say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  grep -v "NCCL INFO" "$OUT/bench_allgather.log" | tail -10
+  grep -v "profile rank" "$OUT/bench_cp.log" | tail -40
+fi
+# At most 8 files come back: the traces and the per-rank check reports travel as one archive.
+if has cpcheck || has cpbench; then
+  tar -czf "$OUT/cp_detail.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d trace cpcheck 2>/dev/null) 2>/dev/null &&
+    rm -rf "$OUT/trace" "$OUT/cpcheck"
 fi
 say "== total $(( $(date +%s) - t_start )) s"
 cat "$SUM"

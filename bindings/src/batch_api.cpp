@@ -145,14 +145,14 @@ struct StagedBackwardHandle {
 #endif
 };
 
-[[noreturn]] void no_cuda(const char* what) {
+[[noreturn, maybe_unused]] void no_cuda(const char* what) {
   throw Error("backend", std::string(what) + " needs the CUDA tiers, but this deltacp was built without CUDA");
 }
 
 Params staged_params(const std::string& variant, const py::dict& tensors, std::optional<double> scale,
-                     int chunk_size, uintptr_t stream) {
+                     int chunk_size, uintptr_t stream, const char* direction = "backward") {
   const auto descs = parse_descs(tensors);
-  Params p = build_params(variant, "backward", descs, scale, chunk_size, Place::cuda);
+  Params p = build_params(variant, direction, descs, scale, chunk_size, Place::cuda);
   p.stream = reinterpret_cast<void*>(stream);
   return p;
 }
@@ -179,6 +179,11 @@ void staged_step(StagedBackwardHandle& h, const std::string& step, const std::st
                  const py::dict& tensors, std::optional<double> scale, int chunk_size, uintptr_t stream) {
 #ifdef DELTACP_WITH_CUDA
   if (!h.state) throw Error("state", "expected a prepared backward (this one has finished)");
+  if (step == "states") {  // no tensors: the prepared problem's, on `stream`
+    py::gil_scoped_release nogil;
+    cuda::backward_states(*h.state, reinterpret_cast<void*>(stream));
+    return;
+  }
   const Params p = staged_params(variant, tensors, scale, chunk_size, stream);
   if (step == "dh0_pieces") {
     py::gil_scoped_release nogil;
@@ -190,11 +195,62 @@ void staged_step(StagedBackwardHandle& h, const std::string& step, const std::st
     }
     h.state.reset();  // frees the workspace stream-ordered, after finish's kernels
   } else {
-    throw Error("step", "expected 'dh0_pieces' or 'finish', got '" + step + "'");
+    throw Error("step", "expected 'dh0_pieces', 'states' or 'finish', got '" + step + "'");
   }
 #else
   (void)h, (void)step, (void)variant, (void)tensors, (void)scale, (void)chunk_size, (void)stream;
   no_cuda("the staged backward");
+#endif
+}
+
+// The staged CUDA forward (deltacp/cuda/api.h), held by Python between its calls.
+struct StagedForwardHandle {
+#ifdef DELTACP_WITH_CUDA
+  std::unique_ptr<cuda::StagedForward> state;
+#endif
+};
+
+StagedForwardHandle* staged_forward_prepare(const std::string& variant, const std::string& method,
+                                            const py::dict& tensors, std::optional<double> scale, int chunk_size,
+                                            uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  Method m = Method::chunked;
+  if (kind_of(method, &m) != Kind::cuda) throw Error("method", "expected a CUDA tier, got '" + method + "'");
+  const Params p = staged_params(variant, tensors, scale, chunk_size, stream, "forward");
+  auto h = std::make_unique<StagedForwardHandle>();
+  {
+    py::gil_scoped_release nogil;
+    h->state = cuda::forward_prepare(p, m);
+  }
+  return h.release();
+#else
+  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream;
+  no_cuda("the staged forward");
+#endif
+}
+
+void staged_forward_step(StagedForwardHandle& h, const std::string& step, const std::string& variant,
+                         const py::dict& tensors, std::optional<double> scale, int chunk_size, uintptr_t stream,
+                         int64_t row0, bool with_values) {
+#ifdef DELTACP_WITH_CUDA
+  if (!h.state) throw Error("state", "expected a prepared forward (this one has finished)");
+  const Params p = staged_params(variant, tensors, scale, chunk_size, stream, "forward");
+  if (step == "state_pieces") {
+    py::gil_scoped_release nogil;
+    cuda::forward_state_pieces(*h.state, p, row0, with_values);
+  } else if (step == "finish") {
+    {
+      py::gil_scoped_release nogil;
+      cuda::forward_finish(*h.state, p);
+    }
+    h.state.reset();  // frees the workspace stream-ordered, after finish's kernels
+  } else {
+    throw Error("step", "expected 'state_pieces' or 'finish', got '" + step + "'");
+  }
+#else
+  (void)h, (void)step, (void)variant, (void)tensors, (void)scale, (void)chunk_size, (void)stream, (void)row0,
+      (void)with_values;
+  no_cuda("the staged forward");
 #endif
 }
 
@@ -249,8 +305,22 @@ void register_batch_api(py::module_& m) {
         "Run every backward stage that does not read dht; the tensors must stay alive until 'finish'.");
   m.def("staged_backward_step", &staged_step, py::arg("state"), py::arg("step"), py::arg("variant"),
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
-        "'dh0_pieces': dh0 of pieces of the prepared rows (a dh0-only problem); 'finish': the remaining "
-        "stages with dht (the same tensors as prepared).");
+        "'dh0_pieces': dh0 of pieces of the prepared rows (a dh0-only problem); 'states': the recompute's "
+        "state scan on `stream` (tensors ignored); 'finish': the remaining stages with dht (the same tensors "
+        "as prepared).");
+  py::class_<StagedForwardHandle>(m, "StagedForward",
+                                  "A CUDA forward prepared up to the stages that need h0 (deltacp/cuda/api.h).");
+  m.def("staged_forward_prepare", &staged_forward_prepare, py::arg("variant"), py::arg("method"), py::arg("tensors"),
+        py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
+        py::return_value_policy::take_ownership,
+        "Run every forward stage that does not read h0; the tensors must stay alive until 'finish'.");
+  m.def("staged_forward_step", &staged_forward_step, py::arg("state"), py::arg("step"), py::arg("variant"),
+        py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
+        py::arg("row0") = 0, py::arg("with_values") = true,
+        "'state_pieces': final states of pieces over rows [row0, row0 + T) of the prepared problem (a "
+        "final-state-only problem; its state may be wider than V: with_values gives its first V columns the "
+        "prepared values, the rest zero values); 'finish': the state scan from h0 and the output (the same "
+        "tensors as prepared).");
   m.def("cuda_release_workspace", &cuda_release_workspace,
         "Hand the CUDA kernels' cached workspace memory back to the driver (no-op without CUDA).");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),

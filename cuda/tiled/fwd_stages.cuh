@@ -75,10 +75,22 @@ void launch_chunk_cumsum(const Params& p, const ChunkTable& table, float* G, cud
 void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
                      float* Tinv, cudaStream_t stream);
 
-// h0: optional [N, HV, K, V] fp32; ht: optional [N, HV, K, V] fp32 (the final states).
+// Where a state scan reads its per-row intermediates when they were made for another problem: the
+// staged forward's pieces (api.h StagedForward) scan rows [row0, row0 + p.T) of the prepared problem's
+// G, W, U, Kd, whose U is u_width columns wide (padded); the state's first u_cols columns (a multiple
+// of 16, or 0) evolve with those U columns and the others with zero values (the [H | M] maps of the
+// CP pre-pass: M's columns start from I and never see v).
+struct ScanRows {
+  int64_t row0 = 0;
+  int64_t u_width = 0;
+  int64_t u_cols = 0;
+};
+
+// h0: optional [N, HV, K, V] fp32; ht: optional [N, HV, K, V] fp32 (the final states). rows: null for
+// p's own intermediates.
 void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const float* G, const void* W,
                              const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
-                             cudaStream_t stream);
+                             cudaStream_t stream, const ScanRows* rows = nullptr);
 
 // Writes p.o.
 void launch_chunk_output(const Params& p, const ChunkTable& table, const float* G, const void* h,

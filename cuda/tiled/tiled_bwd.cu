@@ -27,9 +27,10 @@
 // Every workspace element is written by exactly one thread per kernel; no atomics, so two runs give
 // bitwise equal results.
 //
-// Staged (deltacp::cuda::StagedBackward, api.h; the CP backward): prepare = the recompute and B0 (no
-// dht needed), then any number of dh0_pieces = B1 alone in dh0-only mode over pieces made of the
-// prepared chunks (the CP pre-pass), then finish = B1..B5 with dht. One BwdState keeps the chunk
+// Staged (deltacp::cuda::StagedBackward, api.h; the CP backward): prepare = the recompute's cumsum and
+// WY stages and B0 (no dht needed), then any number of dh0_pieces = B1 alone in dh0-only mode over
+// pieces made of the prepared chunks (the CP pre-pass), optionally states = the recompute's state scan
+// (h, v_new: only B2..B5 read them) on any stream, then finish = (states if not yet run) B1..B5 with dht. One BwdState keeps the chunk
 // table, the workspace and the kernels' arguments between the calls; run_backward is the same three
 // steps in one call, so both give bitwise equal gradients.
 //
@@ -230,6 +231,8 @@ struct BwdState final : StagedBackward {
   ChunkTable table;
   Workspace ws;
   Args a;
+  void *U = nullptr, *h = nullptr, *vnew = nullptr;  // the state scan's input and outputs (Args has them const)
+  bool states_done = false;  // the forward's state scan (h, v_new) has been launched
   bool finished = false;
 };
 
@@ -244,8 +247,17 @@ void set_gradient_outputs(Args& a, const Params& p) {
   a.dh0 = static_cast<float*>(p.dh0);
 }
 
-// Checks, the chunk table, the workspace, the kernels' arguments and the forward recompute.
-std::unique_ptr<BwdState> start_backward(const Params& p) {
+// The forward recompute's state scan: h (chunk-start states) and v_new from h0, which B2..B5 read (B0 and
+// B1 do not), on `stream`.
+void launch_states(BwdState& s, cudaStream_t stream) {
+  launch_chunk_state_scan(s.p, s.table, s.a.G, s.a.W, s.U, s.a.Kd, s.h, s.vnew, static_cast<const float*>(s.p.h0),
+                          /*ht=*/nullptr, stream);
+  s.states_done = true;
+}
+
+// Checks, the chunk table, the workspace, the kernels' arguments and the forward recompute (the state
+// scan only when with_states: the staged backward may run it later, on another stream).
+std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   check_tiled_supported(p);
   DELTACP_CHECK(p.K <= kMaxKeyDim, "K", "expected K <= ", kMaxKeyDim, " for the tiled backward, got ", p.K);
   DELTACP_CHECK(p.state_dtype == DType::f32, "state_dtype", "expected float32 states on the GPU, got ",
@@ -293,9 +305,9 @@ std::unique_ptr<BwdState> start_backward(const Params& p) {
 
   launch_chunk_cumsum(p, table, G, stream);
   launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream);
-  if (!dh0_only)
-    launch_chunk_state_scan(p, table, G, W, U, Kd, h, vnew, static_cast<const float*>(p.h0), /*ht=*/nullptr,
-                            stream);
+  state->U = U;
+  state->h = h;
+  state->vnew = vnew;
 
   Args& a = state->a;
   a.B = p.B;
@@ -339,6 +351,8 @@ std::unique_ptr<BwdState> start_backward(const Params& p) {
   a.dGw = ws.at<float>(odG, bdG);
   a.dbw = ws.at<float>(odb, bdb);
 
+  if (dh0_only) state->states_done = true;  // nothing reads h
+  else if (with_states) launch_states(*state, stream);
   return state;
 }
 
@@ -366,7 +380,7 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
 }
 
 void run_backward(const Params& p) {
-  const auto s = start_backward(p);
+  const auto s = start_backward(p, /*with_states=*/true);
   run_stages(*s, s->a, s->table.num_seqs(), Stages::all);
   // s's workspace and table free themselves stream-ordered, after the kernels above.
 }
@@ -383,9 +397,16 @@ void same_problem(const Params& a, const Params& b, const char* what) {
 std::unique_ptr<StagedBackward> prepare_backward(const Params& p) {
   DELTACP_CHECK(!p.dh0_only(), "dq", "expected input gradients for a staged backward (the dh0-only mode runs "
                 "in one call)");
-  auto s = start_backward(p);
+  auto s = start_backward(p, /*with_states=*/false);
   run_stages(*s, s->a, s->table.num_seqs(), Stages::through_b0);
   return s;
+}
+
+void backward_states(StagedBackward& staged, void* stream) {
+  auto& s = dynamic_cast<BwdState&>(staged);
+  DELTACP_CHECK(!s.finished, "state", "expected a prepared backward that has not finished yet");
+  DELTACP_CHECK(!s.states_done, "state", "expected a prepared backward whose states have not been recomputed yet");
+  launch_states(s, static_cast<cudaStream_t>(stream));
 }
 
 void backward_dh0_pieces(StagedBackward& staged, const Params& pieces) {
@@ -431,6 +452,7 @@ void finish_backward(StagedBackward& staged, const Params& p) {
   DELTACP_CHECK(p.T == s.p.T && p.num_seqs == s.p.num_seqs, "cu_seqlens", "expected the prepared sequences");
   set_gradient_outputs(s.a, p);
   s.finished = true;
+  if (!s.states_done) launch_states(s, static_cast<cudaStream_t>(s.p.stream));
   run_stages(s, s.a, s.table.num_seqs(), Stages::after_b0);
 }
 }  // namespace
@@ -442,5 +464,6 @@ void tiled_backward_dh0_pieces(StagedBackward& s, const Params& pieces) {
   tiled::bwd::backward_dh0_pieces(s, pieces);
 }
 void tiled_backward_finish(StagedBackward& s, const Params& p) { tiled::bwd::finish_backward(s, p); }
+void tiled_backward_states(StagedBackward& s, void* stream) { tiled::bwd::backward_states(s, stream); }
 
 }  // namespace deltacp::cuda

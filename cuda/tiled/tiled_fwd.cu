@@ -20,6 +20,13 @@
 //                                                              h_c (chunk-start state) and Vn
 //   4 chunk_output_kernel      grid (chunks, HV)               O, parallel over chunks
 //
+// Staged (deltacp::cuda::StagedForward, api.h; the CP forward): prepare = stages 1 and 2 (nothing reads
+// h0 there), then any number of state_pieces = stage 3 alone, final-state-only, over pieces made of the
+// prepared chunks with a state wider than V (ScanRows: rows shifted into the prepared intermediates, and
+// only the first V columns read U: the CP pre-pass's [H | M] maps), then finish = stages 3 and 4 from
+// h0. FwdState keeps the chunk table and the workspace between the calls; run_forward is prepare +
+// finish in one call, so both give bitwise equal o and ht.
+//
 // Decays are never formed as e^-G (it overflows): gdn uses e^(G_i - G_j) with the mask j <= i
 // applied before the exponential; kda (a decay per key dimension, so it cannot be pulled out of
 // the dot product) splits the 64 x 64 triangle into 16 x 16 blocks: a block (a, b < a) is
@@ -64,7 +71,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "../common/check.h"
 #include "../common/device_info.h"
@@ -106,6 +116,11 @@ struct FwdArgs {
   int64_t Tlen = 0, HV = 0, K = 0, V = 0;
   int64_t group = 1;  // HV / H: the query/key head of value head hv is hv / group
   int Kp = 0, Vp = 0, chunk_size = 0;
+  // Where the state scan reads U: rows of width Up (Vp unless the rows belong to a prepared problem, see
+  // ScanRows in fwd_stages.cuh), of which the first u_cols columns are read; the state's columns from
+  // u_cols on see zero values. ws_row0 shifts every workspace row (G, W, U, Kd, v_new) the scan reads.
+  int Up = 0, u_cols = 0;
+  int64_t ws_row0 = 0;
   float scale = 1.f;
   bool has_gate = false;  // false for delta (G = 0)
   bool o_pairs = false;   // o rows allow 2-element stores (aligned base, even strides, V even)
@@ -128,6 +143,8 @@ FwdArgs<T> make_args(const Params& p, const ChunkTable& table) {
   a.group = p.HV / p.H;
   a.Kp = static_cast<int>(padded_dim(p.K));
   a.Vp = static_cast<int>(padded_dim(p.V));
+  a.Up = a.Vp;
+  a.u_cols = a.Vp;
   a.chunk_size = p.chunk_size;
   a.scale = static_cast<float>(p.scale);
   a.has_gate = p.variant != Variant::delta;
@@ -641,7 +658,8 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 4 : 2)
   float S[KMT][NT][4];
   load_acc(S, h0 != nullptr ? h0 + state0 : nullptr, V, m0, static_cast<int>(K), static_cast<int>(V - v0));
 
-  auto chunk_row0 = [&](int64_t c) { return se.batch * args.Tlen + se.bos + c * cs; };
+  auto chunk_row0 = [&](int64_t c) { return args.ws_row0 + se.batch * args.Tlen + se.bos + c * cs; };
+  const int u_valid = max(0, min(BV, args.u_cols - v0));  // columns of this tile that read U
   auto chunk_len = [&](int64_t c) { return static_cast<int>(min(static_cast<int64_t>(cs), se.len - c * cs)); };
   auto stage_ptr = [&](int base, int64_t c) { return smem + base + static_cast<int>(c % NS) * L.stage; };
   // Chunk c's W, K (Kd for kda), U and gate values into stage c % NS; one cp.async group.
@@ -653,7 +671,10 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 4 : 2)
     T* Us = reinterpret_cast<T*>(stage_ptr(L.u, c));
     float* gbuf = reinterpret_cast<float*>(stage_ptr(L.gbuf, c));
     load_tile<T, kScanThreads>(Ws, ldk, W + (row0 * HV + hv) * Kp, HV * Kp, len, kBT, Kp, KPT, true);
-    load_tile<T, kScanThreads>(Us, ldb, U + (row0 * HV + hv) * Vp + v0, HV * Vp, len, kBT, bv_valid, BV, true);
+    // A tile past u_cols is all zero values: zeroed once per stage buffer, then left alone.
+    if (u_valid > 0 || c < NS)
+      load_tile<T, kScanThreads>(Us, ldb, U + (row0 * HV + hv) * args.Up + v0, HV * args.Up, len, kBT, u_valid, BV,
+                                 true);
     if constexpr (kKda) {
       load_tile<T, kScanThreads>(Ks, ldk, Kd + (row0 * HV + hv) * Kp, HV * Kp, len, kBT, Kp, KPT, true);
       // G of the chunk's last row, per key dimension (zero past K)
@@ -1019,13 +1040,18 @@ void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, v
 
 void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const float* G, const void* W,
                              const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const ScanRows* rows) {
   if (table.num_seqs() == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_kda(p.variant, [&](auto kda) {
       constexpr bool kKda = decltype(kda)::value;
-      const FwdArgs<T> args = make_args<T>(p, table);
+      FwdArgs<T> args = make_args<T>(p, table);
+      if (rows != nullptr) {
+        args.ws_row0 = rows->row0;
+        args.Up = static_cast<int>(rows->u_width);
+        args.u_cols = static_cast<int>(rows->u_cols);
+      }
       // Column tile and load stages: scan_config.h (K <= 64: 4 warps, BV 64/32/16; K <= 128: 8 warps,
       // BV 64/32; K > 128: 4 warps of 64 rows, BV 16).
       auto ctas_of = [&](int bv) { return table.num_seqs() * p.HV * ((args.Vp + bv - 1) / bv); };
@@ -1084,16 +1110,32 @@ void launch_chunk_output(const Params& p, const ChunkTable& table, const float* 
   });
 }
 
-// ---- the tier entry point -------------------------------------------------------------------
-void run_forward(const Params& p) {
+// ---- the tier entry point and the staged forward (api.h) -------------------------------------
+// Everything one forward keeps between its stages: the chunk table, the workspace (G, W, U, Kd, and
+// v_new and h unless final-state-only) and whether it has finished. run_forward is prepare + finish in
+// one call, so the staged forward gives bitwise the same o and ht.
+struct FwdState final : StagedForward {
+  FwdState(const Params& params, cudaStream_t s) : p(params), table(params, params.chunk_size, s), stream(s) {}
+  ~FwdState() override { workspace_free(ws, stream); }  // stream-ordered, after the kernels
+  FwdState(const FwdState&) = delete;
+  FwdState& operator=(const FwdState&) = delete;
+  Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
+  ChunkTable table;
+  cudaStream_t stream;
+  char* ws = nullptr;
+  float* G = nullptr;
+  void *W = nullptr, *U = nullptr, *Kd = nullptr, *vn = nullptr, *h = nullptr;
+  bool finished = false;
+};
+
+// Checks, the chunk table, one workspace allocation (256-byte aligned pieces), stages 1 and 2.
+std::unique_ptr<FwdState> start_forward(const Params& p) {
   check_tiled_supported(p);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const ChunkTable table(p, p.chunk_size, stream);
-  if (table.num_seqs() == 0) return;
-
-  const FwdSizes sz = fwd_sizes(p, table);
+  auto s = std::make_unique<FwdState>(p, stream);
+  if (s->table.num_seqs() == 0) return s;
+  const FwdSizes sz = fwd_sizes(p, s->table);
   const int64_t esize = dtype_size(p.dtype);
-  // One workspace allocation, carved into 256-byte aligned pieces.
   auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   const int64_t bytes_G = align(sz.G * 4), bytes_W = align(sz.W * esize), bytes_U = align(sz.U * esize),
                 bytes_Kd = align(sz.Kd * esize);
@@ -1102,35 +1144,96 @@ void run_forward(const Params& p) {
   const bool states_only = p.final_state_only();
   const int64_t bytes_vn = states_only ? 0 : align(sz.v_new * esize), bytes_h = states_only ? 0 : align(sz.h * esize);
   const int64_t total = bytes_G + bytes_W + bytes_U + bytes_Kd + bytes_vn + bytes_h;
-  char* ws = nullptr;
-  if (total > 0) ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
-  char* at = ws;
+  if (total > 0) s->ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
+  char* at = s->ws;
   auto take = [&](int64_t b) {
     char* r = b > 0 ? at : nullptr;
     at += b;
     return r;
   };
-  float* G = reinterpret_cast<float*>(take(bytes_G));
-  void* W = take(bytes_W);
-  void* U = take(bytes_U);
-  void* Kd = take(bytes_Kd);
-  void* vn = take(bytes_vn);
-  void* h = take(bytes_h);
-  try {
-    launch_chunk_cumsum(p, table, G, stream);
-    launch_chunk_wy(p, table, G, W, U, Kd, /*Tinv=*/nullptr, stream);
-    launch_chunk_state_scan(p, table, G, W, U, Kd, h, vn, static_cast<const float*>(p.h0),
-                            static_cast<float*>(p.ht), stream);
-    if (!states_only) launch_chunk_output(p, table, G, h, vn, stream);
-  } catch (...) {
-    workspace_free(ws, stream);
-    throw;
-  }
-  workspace_free(ws, stream);
+  s->G = reinterpret_cast<float*>(take(bytes_G));
+  s->W = take(bytes_W);
+  s->U = take(bytes_U);
+  s->Kd = take(bytes_Kd);
+  s->vn = take(bytes_vn);
+  s->h = take(bytes_h);
+  launch_chunk_cumsum(p, s->table, s->G, stream);
+  launch_chunk_wy(p, s->table, s->G, s->W, s->U, s->Kd, /*Tinv=*/nullptr, stream);
+  return s;
+}
+
+// Stages 3 and 4 from p.h0 (p: the prepared problem, or the same tensors with h0 / ht set).
+void finish_forward(FwdState& s, const Params& p) {
+  s.finished = true;
+  if (s.table.num_seqs() == 0) return;
+  launch_chunk_state_scan(p, s.table, s.G, s.W, s.U, s.Kd, s.h, s.vn, static_cast<const float*>(p.h0),
+                          static_cast<float*>(p.ht), s.stream);
+  if (!s.p.final_state_only()) launch_chunk_output(p, s.table, s.G, s.h, s.vn, s.stream);
+}
+
+void run_forward(const Params& p) {
+  auto s = start_forward(p);
+  finish_forward(*s, p);
+}
+
+void same_forward_problem(const Params& a, const Params& b, const char* what) {
+  DELTACP_CHECK(a.variant == b.variant && a.dtype == b.dtype && a.g_fp32 == b.g_fp32 && a.B == b.B && a.H == b.H &&
+                    a.HV == b.HV && a.K == b.K && a.chunk_size == b.chunk_size,
+                "params", what, ": expected the prepared problem's variant, dtype, B, H, HV, K and chunk size");
+}
+
+void forward_state_pieces(StagedForward& staged, const Params& pieces, int64_t row0, bool with_values) {
+  auto& s = dynamic_cast<FwdState&>(staged);
+  DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
+  DELTACP_CHECK(pieces.final_state_only(), "ht", "expected a final-state-only problem for the pieces (ht and no o)");
+  same_forward_problem(s.p, pieces, "the pieces");
+  DELTACP_CHECK(s.p.B == 1 && pieces.B == 1 && row0 >= 0 && row0 + pieces.T <= s.p.T, "cu_seqlens",
+                "expected packed sequences (B = 1) and pieces over rows [row0, row0 + T) of the prepared problem's ",
+                s.p.T, ", got row0 = ", row0, " and T = ", pieces.T);
+  DELTACP_CHECK(!with_values || pieces.V >= s.p.V, "v", "expected a state at least as wide as the prepared V = ",
+                s.p.V, " when the pieces take its values, got ", pieces.V);
+  // gdn and delta read k itself in the scan: it must be the prepared k from row0 on.
+  const int64_t esize = dtype_size(s.p.dtype);
+  const char* k_at_row0 = static_cast<const char*>(s.p.k.ptr) + row0 * s.p.k.stride_t * esize;
+  DELTACP_CHECK(pieces.k.ptr == k_at_row0 && pieces.k.stride_t == s.p.k.stride_t &&
+                    pieces.k.stride_h == s.p.k.stride_h,
+                "k", "expected the prepared problem's k from row ", row0, " on");
+  const ChunkTable table(pieces, s.p.chunk_size, s.stream);
+  // Each piece must be made of the prepared problem's own chunks: the scan then reads their G, W, U, Kd rows.
+  std::vector<std::pair<int64_t, int64_t>> own;
+  own.reserve(s.table.host_chunks().size());
+  for (const ChunkEntry& c : s.table.host_chunks()) own.emplace_back(c.row0, c.len);
+  std::sort(own.begin(), own.end());
+  for (const ChunkEntry& c : table.host_chunks())
+    DELTACP_CHECK(std::binary_search(own.begin(), own.end(), std::make_pair(row0 + c.row0, c.len)), "cu_seqlens",
+                  "expected pieces made of whole chunks of the prepared forward; a piece has a chunk of ", c.len,
+                  " tokens at row ", row0 + c.row0, " that the prepared problem does not");
+  if (table.num_seqs() == 0) return;
+  ScanRows rows;
+  rows.row0 = row0;
+  rows.u_width = padded_dim(s.p.V);
+  rows.u_cols = with_values ? padded_dim(s.p.V) : 0;
+  launch_chunk_state_scan(pieces, table, s.G, s.W, s.U, s.Kd, /*h=*/nullptr, /*v_new=*/nullptr,
+                          static_cast<const float*>(pieces.h0), static_cast<float*>(pieces.ht), s.stream, &rows);
+}
+
+void forward_finish(StagedForward& staged, const Params& p) {
+  auto& s = dynamic_cast<FwdState&>(staged);
+  DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
+  same_forward_problem(s.p, p, "finish");
+  DELTACP_CHECK(p.T == s.p.T && p.V == s.p.V && p.num_seqs == s.p.num_seqs && p.q.ptr == s.p.q.ptr &&
+                    p.k.ptr == s.p.k.ptr && p.v.ptr == s.p.v.ptr && p.o.ptr == s.p.o.ptr,
+                "params", "finish: expected the prepared problem (the same sequences and q, k, v, o tensors)");
+  finish_forward(s, p);
 }
 
 }  // namespace deltacp::cuda::tiled
 
 namespace deltacp::cuda {
 void tiled_forward(const Params& p) { tiled::run_forward(p); }
+std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p) { return tiled::start_forward(p); }
+void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values) {
+  tiled::forward_state_pieces(s, pieces, row0, with_values);
+}
+void tiled_forward_finish(StagedForward& s, const Params& p) { tiled::forward_finish(s, p); }
 }  // namespace deltacp::cuda

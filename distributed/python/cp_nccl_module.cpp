@@ -8,7 +8,8 @@
 //   unique_id() -> bytes                            rank 0 makes it; torch.distributed broadcasts it
 //   Communicator(unique_id, rank, world, device, timeout_s)
 //       .all_gather(send, recv, count, dtype, stream, wait=True)
-//       .all_reduce_max_i64(buf, count, stream)   .wait(stream, what)
+//       .all_reduce_max_i64(buf, count, stream)   .wait(stream, what)   .confirm(what)  (after wait=False)
+//       .start_max_i64(values)   .finish_max_i64(what) -> values   (the fingerprint check, off the caller's streams)
 //       .abort(reason)   .aborted   .failure      (a failed communicator is dead for good: cp.h)
 //   prepass(direction, variant, dtype, n, H, HV, K, V, chunk, scale, tensors, init, out, stream, g_dtype="")
 //       tensors: {"q"|"k"|"v"|"g"|"beta"|"a"|"b"|"do": (ptr, stride_t, stride_h)} of the span;
@@ -126,6 +127,27 @@ PYBIND11_MODULE(_cp_nccl, m) {
             c.all_reduce_max_i64(static_cast<int64_t*>(as_ptr(buf)), count, as_ptr(stream));
           },
           py::arg("buf"), py::arg("count"), py::arg("stream"))
+      .def(
+          "confirm",
+          [](dist::NcclComm& c, const std::string& what) {
+            py::gil_scoped_release nogil;
+            c.confirm(what);
+          },
+          py::arg("what"))
+      .def(
+          "start_max_i64",
+          [](dist::NcclComm& c, const std::vector<int64_t>& values) {
+            py::gil_scoped_release nogil;
+            c.start_max_i64(values);
+          },
+          py::arg("values"))
+      .def(
+          "finish_max_i64",
+          [](dist::NcclComm& c, const std::string& what) {
+            py::gil_scoped_release nogil;
+            return c.finish_max_i64(what);
+          },
+          py::arg("what"))
       .def(
           "wait",
           [](dist::NcclComm& c, uintptr_t stream, const std::string& what) {

@@ -38,6 +38,7 @@ namespace {
 
 constexpr double kStopWaitS = 10.0;      // at most this long for a revoke to quiesce
 constexpr double kTeardownWaitS = 30.0;  // at most this long for the destructor's finalize
+constexpr double kSpinS = 5e-3;          // poll() spins this long before it sleeps between looks
 
 ncclComm_t as_comm(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -183,7 +184,7 @@ void NcclComm::abort(const std::string& reason) { fail(reason, Stop::revoke_or_a
 template <class Ready>
 void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop stop) {
   const auto start = std::chrono::steady_clock::now();
-  for (int spin = 0;; ++spin) {
+  for (;;) {
     ncclResult_t async = ncclSuccess, q = ncclSuccess;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -229,7 +230,10 @@ void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop s
       fail(msg, stop);
       throw CommTimeout(msg);
     }
-    if (spin > 100) std::this_thread::sleep_for(std::chrono::microseconds(spin > 10000 ? 1000 : 50));
+    // Spin for the first milliseconds (a CP exchange waits about as long as the pre-pass it follows, and
+    // every microsecond between its completion and the next launch leaves the GPU idle), then sleep in
+    // short and later long steps so that a stalled peer does not cost a whole core until the timeout.
+    if (waited > kSpinS) std::this_thread::sleep_for(std::chrono::microseconds(waited > 1.0 ? 1000 : 20));
   }
 }
 
@@ -284,6 +288,7 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device
 }
 
 NcclComm::~NcclComm() {
+  (void)join_watchdog();     // it ends within the timeout (stopping the communicator on a stall)
   if (dead_.load()) return;  // stopped after a failure: deliberately kept (cp.h)
   try {
     DeviceGuard guard(device_);
@@ -304,6 +309,9 @@ NcclComm::~NcclComm() {
     cudaStreamSynchronize(as_stream(stream_));
     cudaEventDestroy(as_event(ev_in_));
     cudaEventDestroy(as_event(ev_done_));
+    if (ev_check_) cudaEventDestroy(as_event(ev_check_));
+    if (check_host_) cudaFreeHost(check_host_);
+    if (check_dev_) cudaFree(check_dev_);
     cudaStreamDestroy(as_stream(stream_));
   } catch (...) {
     // poll() marked it dead already (Stop::none: nothing freed); a destructor must not throw.
@@ -348,14 +356,26 @@ void NcclComm::finish(const std::string& what, void* user_stream, bool wait_done
     if (!wait_done)
       cuda_check(cudaStreamWaitEvent(as_stream(user_stream), as_event(ev_done_), 0), "cudaStreamWaitEvent");
   }
-  if (!wait_done) return;
+  if (wait_done) wait_for_collective(what);
+}
+
+void NcclComm::wait_event(void* event, const std::string& what) {
   DeviceGuard guard(device_);
   poll(what, [&] {
-    const cudaError_t e = cudaEventQuery(as_event(ev_done_));
+    const cudaError_t e = cudaEventQuery(as_event(event));
     if (e == cudaErrorNotReady) return false;
     cuda_check(e, "cudaEventQuery");
     return true;
   }, timeout_s_);
+}
+
+void NcclComm::wait_for_collective(const std::string& what) { wait_event(ev_done_, what); }
+
+std::exception_ptr NcclComm::join_watchdog() {
+  if (watchdog_.joinable()) watchdog_.join();
+  std::exception_ptr e = watch_error_;
+  watch_error_ = nullptr;
+  return e;
 }
 
 void NcclComm::wait(void* stream, const std::string& what) {
@@ -365,12 +385,7 @@ void NcclComm::wait(void* stream, const std::string& what) {
   cuda_check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
   try {
     cuda_check(cudaEventRecord(done, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
-    poll(what, [&] {
-      const cudaError_t e = cudaEventQuery(done);
-      if (e == cudaErrorNotReady) return false;
-      cuda_check(e, "cudaEventQuery");
-      return true;
-    }, timeout_s_);
+    wait_event(done, what);
   } catch (...) {
     cudaEventDestroy(done);
     throw;
@@ -381,9 +396,28 @@ void NcclComm::wait(void* stream, const std::string& what) {
 void NcclComm::all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait_done) {
   const ncclDataType_t type = nccl_type(dtype);  // bad arguments: deltacp::Error, nothing enqueued
   const std::string what = "the all-gather of the CP states";
+  // A previous unconfirmed all-gather (its caller raised before confirm) is waited for first.
+  (void)join_watchdog();
   if (dead_.load()) throw_dead(what);
   enqueue(what, stream, [&](ncclComm_t comm, cudaStream_t s) { return ncclAllGather(send, recv, count, type, comm, s); });
   finish(what, stream, wait_done);
+  if (!wait_done) {
+    watchdog_ = std::thread([this, what] {
+      try {
+        wait_for_collective(what);  // a stall: the communicator is stopped here, so its kernel quits
+      } catch (...) {
+        watch_error_ = std::current_exception();
+      }
+    });
+  }
+}
+
+void NcclComm::confirm(const std::string& what) {
+  if (!watchdog_.joinable() && !watch_error_) {  // nothing in flight (wait = true, or already confirmed)
+    if (dead_.load()) throw_dead(what);
+    return;
+  }
+  if (std::exception_ptr e = join_watchdog()) std::rethrow_exception(e);
 }
 
 void NcclComm::all_reduce_max_i64(int64_t* buf, size_t count, void* stream) {
@@ -392,6 +426,60 @@ void NcclComm::all_reduce_max_i64(int64_t* buf, size_t count, void* stream) {
   enqueue(what, stream,
           [&](ncclComm_t comm, cudaStream_t s) { return ncclAllReduce(buf, buf, count, ncclInt64, ncclMax, comm, s); });
   finish(what, stream, true);
+}
+
+void NcclComm::start_max_i64(const std::vector<int64_t>& values) {
+  const std::string what = "the fingerprint all-reduce";
+  DELTACP_CHECK(!values.empty() && values.size() <= kMaxCheckValues, "values", "expected 1 to ", kMaxCheckValues,
+                " values, got ", values.size());
+  if (dead_.load()) throw_dead(what);
+  // A check that was started but never finished (its caller raised in between) is waited for first:
+  // its pinned buffer is about to be reused.
+  if (check_count_ > 0) finish_max_i64(what);
+  ncclResult_t r = ncclSuccess;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!dead_.load() && comm_) {
+      DeviceGuard guard(device_);
+      if (!check_host_) {  // first use: pinned host and device buffers, one event (kept until destruction)
+        void* host = nullptr;
+        void* dev = nullptr;
+        cudaEvent_t ev = nullptr;
+        cuda_check(cudaMallocHost(&host, 2 * kMaxCheckValues * sizeof(int64_t)), "cudaMallocHost");
+        check_host_ = static_cast<int64_t*>(host);
+        cuda_check(cudaMalloc(&dev, kMaxCheckValues * sizeof(int64_t)), "cudaMalloc");
+        check_dev_ = static_cast<int64_t*>(dev);
+        cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+        ev_check_ = ev;
+      }
+      const size_t n = values.size(), bytes = n * sizeof(int64_t);
+      std::copy(values.begin(), values.end(), check_host_);
+      cudaStream_t st = as_stream(stream_);
+      cuda_check(cudaMemcpyAsync(check_dev_, check_host_, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+      r = ncclAllReduce(check_dev_, check_dev_, n, ncclInt64, ncclMax, as_comm(comm_), st);
+      if (r == ncclSuccess || r == ncclInProgress) {
+        cuda_check(cudaMemcpyAsync(check_host_ + kMaxCheckValues, check_dev_, bytes, cudaMemcpyDeviceToHost, st),
+                   "cudaMemcpyAsync");
+        cuda_check(cudaEventRecord(as_event(ev_check_), st), "cudaEventRecord");
+        check_count_ = n;
+        return;
+      }
+    }
+  }
+  if (r == ncclSuccess) throw_dead(what);  // it was dead before anything was enqueued
+  const std::string msg = "deltacp: context parallelism: enqueuing " + what + " on rank " + std::to_string(rank_) +
+                          " failed: " + ncclGetErrorString(r) + "; the NCCL communicator was shut down";
+  fail(msg, Stop::revoke_or_abort);
+  throw std::runtime_error(msg);
+}
+
+std::vector<int64_t> NcclComm::finish_max_i64(const std::string& what) {
+  DELTACP_CHECK(check_count_ > 0, "values", "expected a started fingerprint check (start_max_i64)");
+  const size_t n = check_count_;
+  check_count_ = 0;
+  if (dead_.load()) throw_dead(what);
+  wait_event(ev_check_, what);
+  return std::vector<int64_t>(check_host_ + kMaxCheckValues, check_host_ + kMaxCheckValues + n);
 }
 
 }  // namespace deltacp::dist

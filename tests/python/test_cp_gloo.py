@@ -187,7 +187,15 @@ def _compare(case, rank, world):
         owned = [ctx.seq_ids[i] for i in range(ctx.num_local_seqs) if ctx.ends_here[i]] + list(ctx.empty_seqs)
         others = [n for n in range(ctx.num_seqs) if n not in owned]
         err["ht_foreign_rows_zero"] = 0.0 if not others or bool((ht[others] == 0).all()) else 1.0
-    return {"errors": err, "bitwise": bitwise, "plan": ctx.describe()}
+    # The exchange carries [X | M] only where a merge reads M (a rank strictly inside one sequence).
+    HV, K, V = x["v"].shape[2], x["q"].shape[3], x["v"].shape[3]
+    state = torch.float64 if case["dtype"] == "float64" else torch.float32
+    width = V + K if ctx.maps_read else V
+    sizes_ok = all(cp.last_stats[key] == ctx.world * HV * K * width * state.itemsize
+                   and cp.last_stats[key] == cp.exchange_bytes(ctx, HV, K, V, state)
+                   for key in ("forward_bytes", "backward_bytes"))
+    return {"errors": err, "bitwise": bitwise, "plan": ctx.describe(), "maps_read": ctx.maps_read,
+            "exchange_sizes_ok": sizes_ok}
 
 
 def _fault(scenario, rank, world, victim):
@@ -334,6 +342,19 @@ def test_cp_sequence_spans_three_ranks():
     plans = [reports[r]["gdn-float64-span"]["plan"] for r in range(4)]
     # ranks 1 and 2 have the middle sequence arriving from before and leaving to after
     assert "pre_ranks 1, post_ranks 2" in plans[1] and "pre_ranks 2, post_ranks 1" in plans[2], plans
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_exchange_carries_transitions_only_where_read(world):
+    """CPContext.maps_read: at world 2 no rank lies strictly inside a sequence, so every merge folds one
+    rank's H (dH) and the all-gathers carry [HV, K, V]; at world 4 the span case's ranks 1 and 2 do, and
+    the all-gathers carry [HV, K, V + K]. The bytes each rank received match exchange_bytes."""
+    reports = compare_reports(world)
+    bad = [f"{name} rank {rank}" for rank, rep in reports.items() for name, r in rep.items()
+           if not r["exchange_sizes_ok"]]
+    assert not bad, "exchange sizes: " + ", ".join(bad)
+    span_maps = {reports[r]["gdn-float64-span"]["maps_read"] for r in range(world)}
+    assert span_maps == {world > 2}, span_maps
 
 
 @pytest.mark.parametrize("world,victim", [(2, 1), (4, 2)])

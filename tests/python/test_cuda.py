@@ -254,9 +254,112 @@ def test_state_only_modes_equal_the_full_run(variant, tier, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+def test_staged_forward_equals_the_one_shot_forward(variant, dtype):
+    """deltacp/cuda/api.h StagedForward (tiled): prepare (no h0) -> state pieces -> finish (with h0) gives
+    the one-shot forward's o and ht bit for bit. The pieces ([H | M] from [h | I] with the prepared values,
+    M alone from I without them, over rows [64, 200)) equal final-state-only runs of the same pieces with
+    the widened values [v | 0] (resp. 0) bit for bit. Pieces off the prepared chunks, another k, a state
+    narrower than V, a second finish and another problem raise naming the argument."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    if not _core.cuda_supports(variant, "tiled", False):
+        pytest.skip(f"tiled has no {variant} forward")
+    t, h0, d, desc = _cuda_problem(variant, dtype)  # sequences [0,1) [1,64) [64,130) [130,200), chunk 64
+    N, HV, K, V = h0.shape
+    stream = torch.cuda.current_stream().cuda_stream
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    names = [n for n in t if n != "_alive"]
+
+    def forward_descs(with_h0):
+        dd = {key: val for key, val in d.items() if with_h0 or key != "h0"}
+        o = torch.full_like(t["v"], float("nan"))
+        ht = torch.full((N, HV, K, V), float("nan"), device="cuda")
+        dd["o"], dd["ht"] = desc(o, "o"), desc(ht, "ht")
+        return dd, o, ht
+
+    one, one_o, one_ht = forward_descs(True)
+    _core.run("forward", variant, "tiled", "float32", one, None, 64, None, stream, False)
+
+    # Pieces over rows [64, 200) on the prepared chunks (64,64) (128,2) (130,64)+(194,6).
+    row0, cu_p = 64, torch.tensor([0, 64, 66, 136], dtype=torch.int64)
+    P = cu_p.numel() - 1
+
+    def piece_descs(cu_host, width, values, start_row=row0):
+        n = int(cu_host[-1])
+        pd = {x: desc(t[x][:, start_row:start_row + n], x) for x in names if x != "v"}
+        pd["v"] = desc(values, "v")
+        cu_dev = cu_host.cuda()
+        pd["cu_seqlens"], pd["cu_seqlens_host"] = desc(cu_dev, "cu_seqlens"), desc(cu_host, "cu_seqlens")
+        start = torch.zeros((cu_host.numel() - 1, HV, K, width), device="cuda")
+        start[..., width - K:] = torch.eye(K, device="cuda")
+        start[..., :width - K] = torch.randn((cu_host.numel() - 1, HV, K, width - K), device="cuda", generator=gen)
+        ht_p = torch.full_like(start, float("nan"))
+        pd["h0"], pd["ht"] = desc(start, "initial_state"), desc(ht_p, "ht")
+        return pd, ht_p, (cu_dev, cu_host, start, values)  # the descriptions hold raw pointers: keep them alive
+
+    v_rows = t["v"][:, row0:]
+    zeros_k = torch.zeros((1, v_rows.shape[1], HV, K), dtype=dtype, device="cuda")
+    wide = torch.cat([v_rows, zeros_k], dim=-1)  # [v | 0]: the reference's widened values
+    gen.manual_seed(9)
+    ref_hm, ref_hm_ht, _k1 = piece_descs(cu_p, V + K, wide)
+    gen.manual_seed(9)
+    ref_m, ref_m_ht, _k2 = piece_descs(cu_p, K, zeros_k)
+    for ref in (ref_hm, ref_m):
+        _core.run("forward", variant, "tiled", "float32", ref, None, 64, None, stream, False)
+
+    staged, st_o, st_ht = forward_descs(False)
+    state = _core.staged_forward_prepare(variant, "tiled", staged, None, 64, stream)
+    def unread(w, n=int(cu_p[-1])):  # the staged pieces read no values: a zero-size view gives the width
+        return torch.zeros(w, dtype=dtype, device="cuda").expand(1, n, HV, w)
+
+    gen.manual_seed(9)
+    hm, hm_ht, _k3 = piece_descs(cu_p, V + K, unread(V + K))
+    _core.staged_forward_step(state, "state_pieces", variant, hm, None, 64, stream, row0=row0, with_values=True)
+    gen.manual_seed(9)
+    m, m_ht, _k4 = piece_descs(cu_p, K, unread(K))
+    _core.staged_forward_step(state, "state_pieces", variant, m, None, 64, stream, row0=row0, with_values=False)
+    staged["h0"] = d["h0"]
+    _core.staged_forward_step(state, "finish", variant, staged, None, 64, stream)
+    torch.cuda.synchronize()
+    assert torch.isfinite(ref_hm_ht).all() and torch.equal(hm_ht, ref_hm_ht)
+    assert torch.isfinite(ref_m_ht).all() and torch.equal(m_ht, ref_m_ht)
+    assert torch.isfinite(one_o).all() and torch.equal(st_o, one_o)
+    assert torch.equal(st_ht, one_ht)
+
+    with pytest.raises(ValueError, match="state"):  # finished: its workspace is gone
+        _core.staged_forward_step(state, "finish", variant, staged, None, 64, stream)
+    again, _o, _ht = forward_descs(False)
+    state = _core.staged_forward_prepare(variant, "tiled", again, None, 64, stream)
+    off_grid, _, _k5 = piece_descs(torch.tensor([0, 40, 136], dtype=torch.int64), V + K, unread(V + K))
+    with pytest.raises(ValueError, match="cu_seqlens"):  # a piece boundary inside a prepared chunk
+        _core.staged_forward_step(state, "state_pieces", variant, off_grid, None, 64, stream, row0=row0)
+    cu_shift = torch.tensor([0, 64, 66, 130], dtype=torch.int64)
+    shifted, _, _k6 = piece_descs(cu_shift, V + K, unread(V + K, 130), start_row=row0 + 1)
+    with pytest.raises(ValueError, match="'k'"):  # the pieces' k must be the prepared rows from row0
+        _core.staged_forward_step(state, "state_pieces", variant, shifted, None, 64, stream, row0=row0)
+    w = V - 16  # a state narrower than the prepared values
+    narrow_start, narrow_values = torch.zeros((P, HV, K, w), device="cuda"), unread(w)
+    narrow_ht = torch.empty_like(narrow_start)
+    narrow = dict(hm, v=desc(narrow_values, "v"), h0=desc(narrow_start, "initial_state"), ht=desc(narrow_ht, "ht"))
+    with pytest.raises(ValueError, match="'v'"):
+        _core.staged_forward_step(state, "state_pieces", variant, narrow, None, 64, stream, row0=row0)
+    other, _o2, _ht2 = forward_descs(True)
+    q_other = t["q"].clone()
+    other["q"] = desc(q_other, "q")
+    with pytest.raises(ValueError, match="params"):  # finish must describe the prepared problem
+        _core.staged_forward_step(state, "finish", variant, other, None, 64, stream)
+    naive, _o3, _ht3 = forward_descs(False)
+    with pytest.raises(ValueError, match="tier"):
+        _core.staged_forward_prepare(variant, "naive", naive, None, 64, stream)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
 def test_staged_backward_equals_the_one_shot_backward(variant, dtype):
-    """deltacp/cuda/api.h StagedBackward (tiled): prepare (no dht) -> dh0 of pieces -> finish (with dht)
-    gives the one-shot backward's gradients bit for bit; the pieces' dh0 equal a dh0-only run over the same
+    """deltacp/cuda/api.h StagedBackward (tiled): prepare (no dht) -> dh0 of pieces -> the states on another
+    stream -> finish (with dht) gives the one-shot backward's gradients bit for bit; the pieces' dh0 equal a dh0-only run over the same
     pieces bit for bit; pieces off the prepared chunks, a second finish and another problem raise naming
     the argument."""
     _require_cuda_build()
@@ -308,6 +411,12 @@ def test_staged_backward_equals_the_one_shot_backward(variant, dtype):
     state = _core.staged_backward_prepare(variant, "tiled", staged, None, 64, stream)
     pieces, dh0_p, _keep2 = piece_descs(cu_p)
     _core.staged_backward_step(state, "dh0_pieces", variant, pieces, None, 64, stream)
+    side = torch.cuda.Stream()  # the recompute's state scan on another stream, as the CP backward runs it
+    side.wait_stream(torch.cuda.current_stream())
+    _core.staged_backward_step(state, "states", variant, {}, None, 64, side.cuda_stream)
+    with pytest.raises(ValueError, match="state"):  # once only
+        _core.staged_backward_step(state, "states", variant, {}, None, 64, side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
     staged["dht"] = desc(dht, "dht")
     _core.staged_backward_step(state, "finish", variant, staged, None, 64, stream)
     torch.cuda.synchronize()

@@ -186,7 +186,7 @@ def test_backward_prepass_from_the_forward_maps(monkeypatch, variant, segments, 
     n_seg = len(segments) - 1
     ctx = SimpleNamespace(first_continues=True, last_continues=True, cu_seqlens_list=segments, begin=7,
                           cu_seqlens_global_list=[0, 52, 200], seq_ids=list(range(n_seg)), starts_here=[False] * n_seg,
-                          ends_here=[False] * n_seg)
+                          ends_here=[False] * n_seg, maps_read=True)
     _, cfg, args, _, _, do = _span_problem(variant, seed=12, rng_seed=4, ctx=ctx)
     sent, maps = cp_ops._prepass_forward(cfg, *args, None, want_first_maps=True)
     assert maps is not None and maps.M.shape == (len(maps.bounds) - 1, 1, 5, 5)

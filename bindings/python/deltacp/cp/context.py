@@ -69,6 +69,11 @@ class CPContext:
     empty_seqs: List[int]  # empty sequences owned by this rank (their final state is their initial state)
     fingerprint: int  # hash of the global cu_seqlens and the world size (equal on every rank)
     timeout: float  # seconds a collective may take before CPTimeoutError
+    # Some rank's span lies strictly inside one sequence (its only segment continues from an earlier
+    # rank and on to a later one), so merges read transitions M (forward) and M^T (backward). When
+    # False every merge folds at most one rank's buffer, whose transition multiplies a zero state:
+    # the exchange then carries H (dH) alone, [HV, K, V] instead of [HV, K, V + K] per rank.
+    maps_read: bool
     nccl: Optional[object] = field(default=None, compare=False)  # deltacp._cp_nccl.Communicator, if any
 
     @property
@@ -96,7 +101,7 @@ class CPContext:
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world}: tokens [{self.begin}, {self.end}), local cu_seqlens "
                 f"{self.cu_seqlens_list}, sequences {self.seq_ids}, pre_ranks {self.pre_ranks}, "
-                f"post_ranks {self.post_ranks}")
+                f"post_ranks {self.post_ranks}, maps read {self.maps_read}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,23 +144,47 @@ def agree(fields: dict, group, rank: int, timeout: float, what: str, ctx=None) -
     One all-reduce (MAX) of [h, -h] per field gives each field's largest and smallest hash on every
     rank, so every rank finds the same mismatches and raises the same ValueError naming the first.
     With a context that has deltacp's NCCL communicator the all-reduce runs there (with its timeout)."""
+    agree_finish(agree_start(fields, group, rank, timeout, what, ctx))
+
+
+class _PendingAgreement:
+    __slots__ = ("names", "what", "finish")
+
+
+def agree_start(fields: dict, group, rank: int, timeout: float, what: str, ctx=None) -> _PendingAgreement:
+    """agree()'s all-reduce, started: agree_finish(pending) waits for it and raises on a mismatch. In
+    between the caller may enqueue work that does not depend on the agreement (the CP pre-pass): with
+    deltacp's NCCL communicator the all-reduce runs off the caller's streams and overlaps that work."""
     names = list(fields)
     hashes = torch.tensor([_hash62(fields[n]) for n in names], dtype=torch.int64)
     both = torch.cat([hashes, -hashes])
+    pending = _PendingAgreement()
+    pending.names, pending.what = names, what
+    label = f"the fingerprint check before {what}"
     if ctx is not None and ctx.nccl is not None:
         from . import nccl_backend
 
-        both = nccl_backend.all_reduce_max_i64(ctx, both, f"the fingerprint check before {what}")
+        nccl_backend.start_check(ctx, both.tolist())
+        pending.finish = lambda: nccl_backend.finish_check(ctx, label)
     else:
         both = both.to(_collective_device(group))
         work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        wait_collective(work, f"the fingerprint check before {what}", rank, timeout)
-        both = both.cpu()
-    n = len(names)
+
+        def finish():
+            wait_collective(work, label, rank, timeout)
+            return both.cpu().tolist()
+
+        pending.finish = finish
+    return pending
+
+
+def agree_finish(pending: _PendingAgreement) -> None:
+    both = pending.finish()
+    names, n = pending.names, len(pending.names)
     bad = [names[i] for i in range(n) if int(both[i]) != -int(both[n + i])]
     if bad:
         raise ValueError(f"deltacp: argument '{bad[0]}': expected the same {bad[0]} on every rank of the CP group "
-                         f"before {what}, but the ranks disagree (fingerprints differ for: {', '.join(bad)})")
+                         f"before {pending.what}, but the ranks disagree (fingerprints differ for: {', '.join(bad)})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +258,7 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
     ends_here = [i < n_local - 1 or plan["post_ranks"] == 0 for i in range(n_local)]
     empty = [n for n in range(len(cu) - 1) if cu[n + 1] == cu[n] and min(cu[n] // per_rank, world - 1) == rank]
     local = torch.tensor(plan["cu_seqlens"], dtype=torch.int64)
+    maps_read = any(r["pre_ranks"] > 0 and r["post_ranks"] > 0 and len(r["seq_ids"]) == 1 for r in plans)
 
     nccl = None
     if device.type == "cuda" and use_nccl is not False:
@@ -246,7 +276,8 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
                      cu_seqlens_cpu=local, cu_seqlens_list=[int(x) for x in plan["cu_seqlens"]],
                      seq_ids=[int(x) for x in plan["seq_ids"]], pre_ranks=int(plan["pre_ranks"]),
                      post_ranks=int(plan["post_ranks"]), starts_here=starts_here, ends_here=ends_here,
-                     empty_seqs=empty, fingerprint=fingerprint, timeout=timeout, nccl=nccl)
+                     empty_seqs=empty, fingerprint=fingerprint, timeout=timeout, maps_read=maps_read,
+                     nccl=nccl)
 
 
 def split_even(x: torch.Tensor, ctx: CPContext, dim: int = 1) -> torch.Tensor:

@@ -27,8 +27,8 @@ try:
 except ImportError:  # CPU-only build, or no NCCL at build time
     _cp_nccl = None
 
-__all__ = ["available", "create_communicator", "prepass_forward", "prepass_backward", "all_gather", "merge",
-           "all_reduce_max_i64"]
+__all__ = ["available", "create_communicator", "prepass_forward", "prepass_backward", "all_gather", "confirm",
+           "merge", "all_reduce_max_i64", "start_check", "finish_check"]
 
 
 def available() -> bool:
@@ -111,14 +111,41 @@ def prepass_backward(cfg, q, k, v, g, beta, a, b, do, dend):
     return _prepass("backward", cfg, q, k, v, g, beta, a, b, do, dend)
 
 
-def all_gather(ctx, x: torch.Tensor, what: str) -> torch.Tensor:
+def all_gather(ctx, x: torch.Tensor, what: str, wait: bool = True) -> torch.Tensor:
+    """[world, *x.shape]: every rank's x. wait=False: later work on the current stream is ordered after the
+    collective on the GPU and the host returns at once; confirm() must follow (it waits, with the timeout)."""
     out = torch.empty((ctx.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     try:
         ctx.nccl.all_gather(int(x.data_ptr()), int(out.data_ptr()), x.numel(), _dtype_name(x), _stream(x.device),
-                            True)
+                            wait)
     except Exception as exc:  # noqa: BLE001
         raise _translate(exc, what, x, out) from exc
     return out
+
+
+def confirm(ctx, what: str, *buffers) -> None:
+    """The last all_gather(wait=False) completed (CPTimeoutError / RuntimeError otherwise; its buffers are
+    then kept for good, see the module docstring)."""
+    try:
+        ctx.nccl.confirm(what)
+    except Exception as exc:  # noqa: BLE001
+        raise _translate(exc, what, *buffers) from exc
+
+
+def start_check(ctx, values) -> None:
+    """The fingerprint all-reduce (MAX over ranks) of int64 values, enqueued off the caller's streams."""
+    try:
+        ctx.nccl.start_max_i64([int(x) for x in values])
+    except Exception as exc:  # noqa: BLE001
+        raise _translate(exc, "the fingerprint check") from exc
+
+
+def finish_check(ctx, what: str) -> list:
+    """start_check's maxima, once the all-reduce completed (with the timeout)."""
+    try:
+        return ctx.nccl.finish_max_i64(what)
+    except Exception as exc:  # noqa: BLE001
+        raise _translate(exc, what) from exc
 
 
 def all_reduce_max_i64(ctx, values: torch.Tensor, what: str) -> torch.Tensor:

@@ -81,7 +81,7 @@ from .. import _core
 from .._describe import torch_desc
 # The single-device ops' argument checks, tensor descriptions and kernel call, shared.
 from ..ops import _l2norm, _run, _tensor, tensor_descs
-from .context import CPContext, agree, wait_collective
+from .context import CPContext, agree, agree_finish, agree_start, wait_collective
 
 __all__ = ["chunk_gated_delta_rule_cp", "chunk_kda_cp", "chunk_delta_rule_cp", "chunk_dplr_cp", "cp_apply",
            "exchange_bytes", "last_stats"]
@@ -93,15 +93,21 @@ last_stats = {"forward_bytes": 0, "backward_bytes": 0}
 
 
 def exchange_bytes(ctx: CPContext, HV: int, K: int, V: int, dtype=torch.float32) -> int:
-    """Bytes one all-gather delivers to each rank: world buffers of [HV, K, V + K]."""
-    return ctx.world * HV * K * (V + K) * torch.tensor([], dtype=dtype).element_size()
+    """Bytes one all-gather delivers to each rank: world buffers of [HV, K, V + K], or of [HV, K, V] when no
+    merge reads a transition (CPContext.maps_read)."""
+    return ctx.world * HV * K * _exchange_width(ctx, K, V) * torch.tensor([], dtype=dtype).element_size()
+
+
+def _exchange_width(ctx: CPContext, K: int, V: int) -> int:
+    return V + K if ctx.maps_read else V
 
 
 class _Cfg:
     """Everything about one call that is not a differentiable tensor."""
 
     __slots__ = ("variant", "gate_name", "scale", "chunk_size", "output_final_state", "compute", "state_dtype",
-                 "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0")
+                 "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0",
+                 "pending_check")
 
 
 def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
@@ -118,6 +124,35 @@ def _identity_block(cfg: _Cfg, device=None) -> torch.Tensor:
     return eye.unsqueeze(0).expand(cfg.HV, cfg.K, cfg.K)
 
 
+_OFFSETS = {}  # (device, values) -> (device tensor, host tensor): _offsets
+
+
+def _offsets(device: torch.device, values):
+    """(on `device`, on the host) int64 tensors of `values` (offsets, or row indices), made once per device
+    and values. A host-to-device copy from pageable memory makes torch wait for the stream, which would
+    drain the queue the CP op keeps ahead of the GPU (and, after an asynchronous all-gather, wait for the
+    collective): so the host copy is pinned and the transfer asynchronous, and a CP context asks for the
+    same few every call."""
+    key = (str(device), tuple(int(x) for x in values))
+    hit = _OFFSETS.get(key)
+    if hit is None:
+        host = torch.tensor(key[1], dtype=torch.int64)
+        if len(_OFFSETS) >= 1024:
+            _OFFSETS.clear()
+        if device.type == "cuda":
+            host = host.pin_memory()
+            hit = (host.to(device, non_blocking=True), host)
+        else:
+            hit = (host, host)
+        _OFFSETS[key] = hit
+    return hit
+
+
+def _rows(device: torch.device, values) -> torch.Tensor:
+    """An index tensor of `values` on `device` (see _offsets)."""
+    return _offsets(device, values)[0]
+
+
 def _piece_tensors(cfg: _Cfg, n: int, bounds):
     """(cu device, cu host, number of pieces) of a span of n tokens cut at `bounds` (None: one piece)."""
     if bounds is None:
@@ -126,8 +161,8 @@ def _piece_tensors(cfg: _Cfg, n: int, bounds):
         raise ValueError(f"deltacp: internal: pre-pass piece bounds {bounds} do not cut [0, {n})")
     if len(bounds) == 2:
         return None, None, 1
-    host = torch.tensor(bounds, dtype=torch.int64)
-    return host.to(cfg.device) if cfg.device.type != "cpu" else host, host, len(bounds) - 1
+    dev, host = _offsets(cfg.device, bounds)
+    return dev, host, len(bounds) - 1
 
 
 def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
@@ -141,51 +176,96 @@ def _augmented_forward(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.
 
 
 def _augmented_forward_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, start: Optional[torch.Tensor],
-                              method: Optional[str] = None, bounds=None) -> torch.Tensor:
+                              method: Optional[str] = None, bounds=None, staged=None) -> torch.Tensor:
     """_augmented_forward's pieces before they are composed: [P, HV, K, V + K], piece p's [H_p | M_p]."""
-    zeros_v = torch.zeros((1, q.shape[1], cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
-    return _final_states(cfg, q, k, torch.cat([v, zeros_v], dim=-1), g, beta, a, b, start, method, bounds)
+    return _final_states(cfg, (q, k, v, g, beta, a, b), cfg.V + cfg.K, True, start, method, bounds, staged)
 
 
-def _transitions(cfg: _Cfg, q, k, v, g, beta, a, b, bounds) -> torch.Tensor:
+def _transitions(cfg: _Cfg, q, k, v, g, beta, a, b, bounds, staged=None) -> torch.Tensor:
     """Each piece's state transition M_p alone, [P, HV, K, K]: the pieces of _augmented_forward_pieces
-    without the V value columns (K zero value columns from I; v gives only the dtype). The backward
-    pre-pass composes their transposes."""
-    zeros_v = torch.zeros((1, q.shape[1], cfg.HV, cfg.K), dtype=v.dtype, device=v.device)
-    return _final_states(cfg, q, k, zeros_v, g, beta, a, b, None, None, bounds)
+    without the V value columns (K zero value columns from I). The backward pre-pass composes their
+    transposes."""
+    return _final_states(cfg, (q, k, v, g, beta, a, b), cfg.K, False, None, None, bounds, staged)
 
 
-def _final_states(cfg: _Cfg, q, k, values, g, beta, a, b, start, method, bounds) -> torch.Tensor:
-    """Every piece's final state [P, HV, K, W] (W = values' width, V + K or K) of a final-state-only
-    forward with the given values, each piece from [0 | I] (the first from [start | I] when given)."""
-    cu, cu_host, P = _piece_tensors(cfg, q.shape[1], bounds)
-    W = values.shape[-1]
-    h0 = torch.zeros((P, cfg.HV, cfg.K, W), dtype=cfg.state_dtype, device=values.device)
-    h0[:, :, :, W - cfg.K:] = _identity_block(cfg, values.device)
+def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, bounds,
+                  staged=None) -> torch.Tensor:
+    """Every piece's final state [P, HV, K, width] of a final-state-only forward, each piece from [0 | I]
+    (the first from [start | I] when given). The state's first V columns take v's values when with_values,
+    its other columns (all of them otherwise) zero values: width V + K gives [H_p | M_p], width K M_p.
+
+    staged: (a prepared local forward, _core.StagedForward, and row0): the span is rows [row0, row0 + n)
+    of that forward, made of its own chunks. Only the state scan runs then, reading the prepared cumulative
+    gates and W, U; no widened [v | 0] input is built (the value tensor below is a zero-size view that only
+    gives the width). Otherwise one final-state-only forward of the span with values [v | 0] (or 0)."""
+    q, k, v, g, beta, a, b = xs
+    n = q.shape[1]
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
+    if staged is not None:
+        if cu is None:  # the staged step always takes the pieces as sequences
+            cu, cu_host = _offsets(cfg.device, [0, n])
+        values = torch.zeros(width, dtype=v.dtype, device=v.device).expand(1, n, cfg.HV, width)
+    else:
+        zeros = torch.zeros((1, n, cfg.HV, width - cfg.V if with_values else width), dtype=v.dtype, device=v.device)
+        values = torch.cat([v, zeros], dim=-1) if with_values else zeros
+    h0 = torch.zeros((P, cfg.HV, cfg.K, width), dtype=cfg.state_dtype, device=v.device)
+    h0[:, :, :, width - cfg.K:] = _identity_block(cfg, v.device)
     if start is not None:
-        h0[0, :, :, :W - cfg.K] = start
-    ht = torch.empty((P, cfg.HV, cfg.K, W), dtype=cfg.state_dtype, device=values.device)
+        h0[0, :, :, :width - cfg.K] = start
+    ht = torch.empty((P, cfg.HV, cfg.K, width), dtype=cfg.state_dtype, device=v.device)
     descs = _descs(cfg, q, k, values, g, beta, a, b, h0=h0, cu=cu, cu_host=cu_host)
     descs["ht"] = torch_desc(ht, "ht")  # and no "o"
-    _run(cfg, "forward", method or cfg.fwd_method, descs)
+    if staged is not None:
+        handle, row0 = staged
+        _staged_call(cfg, _core.staged_forward_step, handle, "state_pieces", cfg.variant, descs, row0=row0,
+                     with_values=with_values)
+    else:
+        _run(cfg, "forward", method or cfg.fwd_method, descs)
     return ht
 
 
-def _staged_available(cfg: _Cfg) -> bool:
-    """The CP backward runs the local tiled backward in stages (deltacp/cuda/api.h StagedBackward): the
-    stages that need no dht while the exchange is pending, and the pre-pass's dH from those same stages.
-    DELTACP_CP_STAGED=0 switches it off (one-shot local backward, separate pre-pass)."""
+class _PreparedForward(NamedTuple):
+    """A local forward prepared in stages (_core.StagedForward) over the body [pad, T_local) of the rank."""
+    handle: object
+    pad: int  # the body's first local token (_grid_pad)
+
+
+def _pieces_of_segment(cfg: _Cfg, run, xs, s0: int, s1: int, bounds, prepared: Optional[_PreparedForward]):
+    """run(span tensors, span-relative bounds, staged or None) -> [P, ...] over the local segment [s0, s1)
+    cut at `bounds`. With a prepared forward the pieces come from its stages; a head piece before its
+    body (tokens [0, pad), a piece boundary by _piece_bounds) then runs on its own, like the local forward."""
+    if prepared is None:
+        return run(_split(xs, s0, s1), bounds, None)
+    pad = prepared.pad
+    if s0 >= pad:
+        return run(_split(xs, s0, s1), bounds, (prepared.handle, s0 - pad))
+    if pad not in bounds:
+        raise ValueError("deltacp: internal: the pre-pass pieces do not start the body at the head piece's end")
+    head = run(_split(xs, s0, pad), [0, pad], None)
+    body = run(_split(xs, pad, s1), [x - pad for x in bounds if x >= pad], (prepared.handle, 0))
+    return torch.cat([head, body])
+
+
+def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
+    """The CP op runs the local tiled kernels in stages (deltacp/cuda/api.h StagedForward, StagedBackward):
+    the stages that need no exchanged state while the exchange is pending, and the pre-pass from those
+    same stages. DELTACP_CP_STAGED=0 switches it off (one-shot local kernels, separate pre-pass). The
+    forward stages only where the pre-pass takes the tiled route (q, g: its inputs)."""
     flag = os.environ.get("DELTACP_CP_STAGED", "1").strip()
     if flag not in ("0", "1"):
         raise ValueError(f"deltacp: environment variable 'DELTACP_CP_STAGED': expected 0 or 1, got {flag!r}")
-    return (flag == "1" and cfg.device.type == "cuda" and cfg.bwd_method == "tiled"
-            and hasattr(_core, "staged_backward_prepare") and _core.built_with_cuda())
+    if not (flag == "1" and cfg.device.type == "cuda" and _core.built_with_cuda()):
+        return False
+    if direction == "backward":
+        return cfg.bwd_method == "tiled" and hasattr(_core, "staged_backward_prepare")
+    return (cfg.fwd_method == "tiled" and hasattr(_core, "staged_forward_prepare")
+            and _prepass_route(cfg, "forward", q, g) == "chunked")
 
 
-def _staged_call(cfg: _Cfg, fn, *args):
+def _staged_call(cfg: _Cfg, fn, *args, **kwargs):
     with torch.cuda.device(cfg.device):
         stream = torch.cuda.current_stream(cfg.device).cuda_stream
-        return fn(*args, cfg.scale, cfg.chunk_size, stream)
+        return fn(*args, cfg.scale, cfg.chunk_size, stream, **kwargs)
 
 
 def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tensor], bounds,
@@ -197,8 +277,7 @@ def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tens
     n = q.shape[1]
     cu, cu_host, P = _piece_tensors(cfg, n, bounds)
     if cu is None and staged is not None:  # the staged step always takes the pieces as sequences
-        cu_host = torch.tensor([0, n], dtype=torch.int64)
-        cu = cu_host.to(cfg.device)
+        cu, cu_host = _offsets(cfg.device, [0, n])
     dht = torch.zeros((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
     if dend is not None:
         dht[-1] = dend
@@ -396,8 +475,7 @@ def _grid_pad(cfg: _Cfg) -> int:
 def _body_cu_seqlens(cfg: _Cfg, pad: int):
     """Rank-local cu_seqlens of tokens [pad, T_local) (the first segment shortened by pad): (device, host)."""
     ctx = cfg.ctx
-    host = torch.tensor([0] + [c - pad for c in ctx.cu_seqlens_list[1:]], dtype=torch.int64)
-    return (host.to(ctx.cu_seqlens.device) if ctx.cu_seqlens.device.type != "cpu" else host), host
+    return _offsets(ctx.cu_seqlens.device, [0] + [c - pad for c in ctx.cu_seqlens_list[1:]])
 
 
 def _head_forward(cfg: _Cfg, head, start: torch.Tensor, o_view: Optional[torch.Tensor]) -> torch.Tensor:
@@ -423,12 +501,15 @@ class _PieceMaps(NamedTuple):
     M: torch.Tensor  # [P, HV, K, K] fp32: piece p's state transition
 
 
-def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: bool = False):
+def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: bool = False,
+                     prepared: Optional[_PreparedForward] = None):
     """(sent, first_maps). sent: [H_r | M_r] of the last local segment, or [0 | I] when it does not
-    continue (nobody reads it). first_maps (when asked for, else None): the per-piece transitions
+    continue (nobody reads it); only [H_r] (resp. 0) when no merge reads a transition (ctx.maps_read).
+    first_maps (when asked for, else None): the per-piece transitions
     [P, HV, K, K] of the FIRST local segment on the backward pre-pass's pieces, which that pre-pass then
     needs only dH from. They come free from the [H | M] pieces when the first segment is the last one,
-    else from one K-column run (_transitions) while the rank waits for the all-gather anyway."""
+    else from one K-column run (_transitions) while the rank waits for the all-gather anyway.
+    prepared: the rank's local forward prepared in stages; the pieces then reuse its stages."""
     ctx = cfg.ctx
     xs = (q, k, v, g, beta, a, b)
     first_maps = None
@@ -439,13 +520,20 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
         zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
         sent = torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
     else:
-        sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps)
+        sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps, prepared)
     if want_first_maps and first_maps is None:
-        first_maps = _PieceMaps(first_bounds, _transitions(cfg, *_split(xs, f0, f1), first_bounds))
-    return sent, first_maps
+        run = lambda span, bounds, staged: _transitions(cfg, *span, bounds, staged)  # noqa: E731
+        first_maps = _PieceMaps(first_bounds, _pieces_of_segment(cfg, run, xs, f0, f1, first_bounds, prepared))
+    return _narrow(cfg, sent), first_maps
 
 
-def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool):
+def _narrow(cfg: _Cfg, sent: torch.Tensor) -> torch.Tensor:
+    """What the all-gather carries of [X | M]: all of it, or X alone when no merge reads M (maps_read)."""
+    width = _exchange_width(cfg.ctx, cfg.K, cfg.V)
+    return sent if width == sent.shape[-1] else sent[..., :width].contiguous()
+
+
+def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Optional[_PreparedForward] = None):
     """_prepass_forward's [H_r | M_r] (and the first maps when the last segment is also the first)."""
     ctx = cfg.ctx
     s0, s1 = ctx.cu_seqlens_list[-2], ctx.cu_seqlens_list[-1]
@@ -458,7 +546,9 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool):
 
     def chunked():  # pieces on the one-device chunk grid (the head piece up to its first boundary first)
         bounds = _piece_bounds(cfg, s1 - s0, pad)
-        X = _augmented_forward_pieces(cfg, *span, start, bounds=bounds)
+        run = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, start, bounds=bd,  # noqa: E731
+                                                               staged=staged)
+        X = _pieces_of_segment(cfg, run, xs, s0, s1, bounds, prepared)
         if want_first_maps and s0 == ctx.cu_seqlens_list[0]:  # the same segment and pieces
             maps.append(_PieceMaps(bounds, X[..., cfg.V:].clone()))
         return _fold_maps(X, cfg.V)
@@ -474,12 +564,17 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool):
 
 def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
                       first_maps: Optional[_PieceMaps] = None, staged=None) -> torch.Tensor:
-    """[dH_r | M_r^T] of the first local segment, or [0 | I] when it does not continue.
+    """[dH_r | M_r^T] of the first local segment, or [0 | I] when it does not continue; only [dH_r] (resp. 0)
+    when no merge reads a transition (ctx.maps_read).
 
     first_maps (from _prepass_forward): the segment's per-piece transitions; then only the pieces' dH_p
     are computed here (one dh0-only backward over V columns instead of V + K) and composed with M_p^T.
     staged (with first_maps): the rank's prepared local backward (_core.StagedBackward of the body
     [pad, T_local)); the body pieces' dH_p then come from its stages (B1 only), the head piece's alone."""
+    return _narrow(cfg, _prepass_backward_wide(cfg, q, k, v, g, beta, a, b, do, dht, first_maps, staged))
+
+
+def _prepass_backward_wide(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht, first_maps, staged) -> torch.Tensor:
     ctx = cfg.ctx
     if not ctx.first_continues:
         zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
@@ -527,14 +622,17 @@ def _prepass_backward(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht,
     return _prepass_chunked_or_loops(cfg, "backward", chunked, loops, q, g)
 
 
-def _all_gather(cfg: _Cfg, x: torch.Tensor, what: str) -> torch.Tensor:
-    """[world, HV, K, V + K]: every rank's buffer, in rank order."""
+def _all_gather(cfg: _Cfg, x: torch.Tensor, what: str, wait: bool = True) -> torch.Tensor:
+    """[world, HV, K, V + K]: every rank's buffer, in rank order. wait=False (deltacp's NCCL communicator):
+    the host returns at once and the work enqueued next on the current stream runs after the collective on
+    the GPU, with no idle gap while the host notices the completion and launches it; _confirm must follow
+    (it raises CPTimeoutError if the collective did not complete in time). Elsewhere it always waits."""
     ctx = cfg.ctx
     x = x.contiguous()
     if _use_nccl_kernels(cfg):
         from . import nccl_backend
 
-        return nccl_backend.all_gather(ctx, x, what)
+        return nccl_backend.all_gather(ctx, x, what, wait)
     out = torch.empty((ctx.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     if x.device.type == "cuda" and "nccl" in ctx.backend:
         work = dist.all_gather_into_tensor(out, x, group=ctx.group, async_op=True)
@@ -544,9 +642,31 @@ def _all_gather(cfg: _Cfg, x: torch.Tensor, what: str) -> torch.Tensor:
     return out
 
 
+def _confirm(cfg: _Cfg, what: str, *buffers) -> None:
+    """After _all_gather(wait=False): the collective completed within the timeout (else the error)."""
+    if _use_nccl_kernels(cfg):
+        from . import nccl_backend
+
+        nccl_backend.confirm(cfg.ctx, what, *buffers)
+
+
+def _finish_check(cfg: _Cfg) -> None:
+    """The fingerprint check cp_apply started (agree_start) must pass before anything is exchanged."""
+    pending, cfg.pending_check = getattr(cfg, "pending_check", None), None
+    if pending is not None:
+        agree_finish(pending)
+
+
 def _merge_forward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
-    """S = 0 folded through the earlier ranks: S <- M_j S + H_j, j = r - pre .. r - 1 (fp32 chain)."""
+    """S = 0 folded through the earlier ranks: S <- M_j S + H_j, j = r - pre .. r - 1 (fp32 chain).
+    Without transitions in the exchange (not maps_read) the fold is one rank's H: M_j multiplies 0."""
     ctx, V = cfg.ctx, cfg.V
+    if gathered.shape[-1] == V:
+        if ctx.pre_ranks > 1:
+            raise ValueError("deltacp: internal: a merge over several ranks without their transitions")
+        if ctx.pre_ranks == 0:
+            return torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
+        return gathered[ctx.rank - 1]
     if _use_nccl_kernels(cfg):
         from . import nccl_backend
 
@@ -558,8 +678,15 @@ def _merge_forward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
 
 
 def _merge_backward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
-    """dS = 0 folded from the later ranks down: dS <- M_j^T dS + dH_j, j = r + post .. r + 1."""
+    """dS = 0 folded from the later ranks down: dS <- M_j^T dS + dH_j, j = r + post .. r + 1.
+    Without transitions in the exchange (not maps_read) the fold is one rank's dH."""
     ctx, V = cfg.ctx, cfg.V
+    if gathered.shape[-1] == V:
+        if ctx.post_ranks > 1:
+            raise ValueError("deltacp: internal: a merge over several ranks without their transitions")
+        if ctx.post_ranks == 0:
+            return torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
+        return gathered[ctx.rank + 1]
     if _use_nccl_kernels(cfg):
         from . import nccl_backend
 
@@ -580,7 +707,7 @@ def _local_initial_states(cfg: _Cfg, h0, merged) -> Optional[torch.Tensor]:
     if h0 is not None:
         idx = [i for i in range(ctx.num_local_seqs) if ctx.starts_here[i]]
         if idx:
-            out[idx] = h0[[ctx.seq_ids[i] for i in idx]]
+            out[_rows(out.device, idx)] = h0[_rows(h0.device, [ctx.seq_ids[i] for i in idx])]
     if merged is not None:
         out[0] = merged
     return out
@@ -592,38 +719,56 @@ class _CPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx_, cfg: _Cfg, q, k, v, g, beta, a, b, h0):
         ctx = cfg.ctx
-        # 1-3: the state entering this rank's first segment.
-        # The backward pre-pass's transitions are made here, where the rank waits for the all-gather.
-        want_maps = (ctx.first_continues and any(ctx_.needs_input_grad[1:])
-                     and _prepass_route(cfg, "backward", q, g) == "chunked")
-        sent, first_maps = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0, want_first_maps=want_maps)
-        gathered = _all_gather(cfg, sent, "the forward all-gather of [H | M]")
-        last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
-        merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
-        # 4: the local kernel over every local segment (after the head piece that re-aligns the chunk
-        # grid with the one-device run's, when the first segment continues mid-chunk: _grid_pad).
+        # The local kernel runs over every local segment, after the head piece that re-aligns the chunk
+        # grid with the one-device run's when the first segment continues mid-chunk (_grid_pad): the body
+        # is [pad, T_local). With the staged tiled forward its stages that need no initial state run first,
+        # and the pre-pass below reuses them; otherwise the whole local forward runs after the exchange.
         xs, T_loc = (q, k, v, g, beta, a, b), q.shape[1]
-        h0_local = _local_initial_states(cfg, h0, merged)
         o = torch.empty((1, T_loc, cfg.HV, cfg.V), dtype=q.dtype, device=q.device)
         pad = _grid_pad(cfg)
         cu, cu_host, body, o_body = ctx.cu_seqlens, ctx.cu_seqlens_cpu, xs, o
         if pad:
-            h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), merged, o[:, :pad])
             cu, cu_host = _body_cu_seqlens(cfg, pad)
             body, o_body = _split(xs, pad, T_loc), o[:, pad:]
-        descs = _descs(cfg, *body, h0=h0_local, cu=cu, cu_host=cu_host)
+        descs = _descs(cfg, *body, cu=cu, cu_host=cu_host)
         descs["o"] = torch_desc(o_body, "o")
-        ht = None
+        ht_local = None
         if cfg.output_final_state:
             ht_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
                                    device=q.device)
             descs["ht"] = torch_desc(ht_local, "ht")
-        _run(cfg, "forward", cfg.fwd_method, descs)
+        prepared = None
+        if _staged_available(cfg, "forward", q, g):
+            handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, "tiled", descs)
+            prepared = _PreparedForward(handle, pad)
+        # 1-3: the state entering this rank's first segment.
+        # The backward pre-pass's transitions are made here, where the rank waits for the all-gather.
+        want_maps = (ctx.first_continues and any(ctx_.needs_input_grad[1:])
+                     and _prepass_route(cfg, "backward", q, g) == "chunked")
+        sent, first_maps = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0, want_first_maps=want_maps,
+                                            prepared=prepared)
+        _finish_check(cfg)
+        what = "the forward all-gather of [H | M]"
+        gathered = _all_gather(cfg, sent, what, wait=False)
+        last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
+        merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
+        # 4: the local kernel from the merged state (the user's initial states for the other segments).
+        h0_local = _local_initial_states(cfg, h0, merged)
+        if pad:
+            h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), merged, o[:, :pad])
+        if h0_local is not None:
+            descs["h0"] = torch_desc(h0_local, "initial_state")
+        if prepared is not None:
+            _staged_call(cfg, _core.staged_forward_step, prepared.handle, "finish", cfg.variant, descs)
+        else:
+            _run(cfg, "forward", cfg.fwd_method, descs)
+        _confirm(cfg, what, sent, gathered)
+        ht = None
         if cfg.output_final_state:
             ht = torch.zeros((cfg.num_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=q.device)
             idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
             if idx:
-                ht[[ctx.seq_ids[i] for i in idx]] = ht_local[idx]
+                ht[_rows(ht.device, [ctx.seq_ids[i] for i in idx])] = ht_local[_rows(ht.device, idx)]
             for n in ctx.empty_seqs:  # an empty sequence's final state is its initial state
                 if h0 is not None:
                     ht[n] = h0[n]
@@ -676,13 +821,37 @@ class _CPFunction(torch.autograd.Function):
             dh0_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
                                     device=q.device)
             descs["dh0"] = torch_desc(dh0_local, "dh0")
-        staged = None
-        if _staged_available(cfg):
+        staged, side = None, None
+        if _staged_available(cfg, "backward"):
             staged = _staged_call(cfg, _core.staged_backward_prepare, cfg.variant, "tiled", descs)
+            # The recompute's state scan is read only by finish's later stages. A rank whose pre-pass sends dH
+            # from the prepared stages runs it on a side stream, beside that pre-pass, so its dH leaves sooner;
+            # a rank that only waits runs it now.
+            if ctx.first_continues and ctx_.first_maps is not None:
+                main = torch.cuda.current_stream(cfg.device)
+                side = torch.cuda.Stream(cfg.device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    _staged_call(cfg, _core.staged_backward_step, staged, "states", cfg.variant, {})
+            else:
+                _staged_call(cfg, _core.staged_backward_step, staged, "states", cfg.variant, {})
+        try:
+            return _CPFunction._backward_rest(ctx_, cfg, xs, do, dht, h0, staged, side, descs, grads, dh0_local,
+                                              grad_descs, pad)
+        finally:
+            if side is not None:  # also on an error: nothing freed below may still be in use on the side stream
+                torch.cuda.current_stream(cfg.device).wait_stream(side)
+
+    @staticmethod
+    def _backward_rest(ctx_, cfg: _Cfg, xs, do, dht, h0, staged, side, descs, grads, dh0_local, grad_descs, pad):
+        """The backward after its local stages are prepared: pre-pass, exchange, merge, finish."""
+        ctx = cfg.ctx
+        q, k, v, g, beta, a, b = xs
         # 1-3 mirrored: dL/dS at the end of this rank's last segment, from the later ranks.
         sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht, first_maps=ctx_.first_maps,
                                  staged=staged)
-        gathered = _all_gather(cfg, sent, "the backward all-gather of [dH | M^T]")
+        what = "the backward all-gather of [dH | M^T]"
+        gathered = _all_gather(cfg, sent, what, wait=False)
         last_stats["backward_bytes"] = gathered.numel() * gathered.element_size()
         dS_last = _merge_backward(cfg, gathered) if ctx.last_continues else None
         dht_local = None
@@ -692,12 +861,14 @@ class _CPFunction(torch.autograd.Function):
             if dht is not None:
                 idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
                 if idx:
-                    dht_local[idx] = dht[[ctx.seq_ids[i] for i in idx]]
+                    dht_local[_rows(dht.device, idx)] = dht[_rows(dht.device, [ctx.seq_ids[i] for i in idx])]
             if dS_last is not None:
                 dht_local[-1] = dS_last
         if dht_local is not None:
             descs["dht"] = torch_desc(dht_local, "dht")
         if staged is not None:
+            if side is not None:
+                torch.cuda.current_stream(cfg.device).wait_stream(side)
             _staged_call(cfg, _core.staged_backward_step, staged, "finish", cfg.variant, descs)
         else:
             _run(cfg, "backward", cfg.bwd_method, descs)
@@ -708,12 +879,13 @@ class _CPFunction(torch.autograd.Function):
             head["dht"] = torch_desc(head_dht, "dht")
             grad_descs(head, 0, pad)
             _run(cfg, "backward", cfg.bwd_method, head)
+        _confirm(cfg, what, sent, gathered)
         dh0 = None
         if h0 is not None:
             dh0 = torch.zeros_like(h0)
             idx = [i for i in range(ctx.num_local_seqs) if ctx.starts_here[i]]
             if idx:
-                dh0[[ctx.seq_ids[i] for i in idx]] = dh0_local[idx]
+                dh0[_rows(dh0.device, [ctx.seq_ids[i] for i in idx])] = dh0_local[_rows(dh0.device, idx)]
             for n in ctx.empty_seqs:  # an empty sequence passes dL/dht straight to dL/dh0
                 if dht is not None:
                     dh0[n] = dht[n]
@@ -811,15 +983,17 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
         "backend": backend,
         "use_qk_l2norm_in_kernel": bool(use_qk_l2norm_in_kernel),
     }
-    try:
-        agree(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {variant} forward", ctx=ctx)
-    except ValueError as exc:
-        name = str(exc).split("'")[1]
-        if name in local_errors:
-            raise ValueError(local_errors[name]) from exc
-        raise
-    if local_errors:
+    if local_errors:  # agree now, so that every rank raises together (naming this rank's problem here)
+        try:
+            agree(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {variant} forward", ctx=ctx)
+        except ValueError as exc:
+            name = str(exc).split("'")[1]
+            if name in local_errors:
+                raise ValueError(local_errors[name]) from exc
+            raise
         raise ValueError(next(iter(local_errors.values())))
+    # Started here, finished before the first exchange (_finish_check): the check overlaps the pre-pass.
+    pending_check = agree_start(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {variant} forward", ctx=ctx)
 
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
@@ -839,6 +1013,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     if initial_state is not None:
         h0 = initial_state.to(cfg.state_dtype).contiguous()
     cfg.has_h0 = h0 is not None
+    cfg.pending_check = pending_check
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cfg.fwd_method, cfg.bwd_method = _methods(variant, backend, q.device, needs_grad)

@@ -12,6 +12,7 @@
 //           Method::fused  Hopper fused kernels (later)                          cuda/fused/
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "deltacp/params.h"
@@ -33,6 +34,31 @@ void forward(const Params& p, Method tier);
 // (gdn/kda/delta), da/db (dplr) and dh0 when p.dh0 is set. Recomputes forward states itself.
 void backward(const Params& p, Method tier);
 
+// The forward in stages around h0, for context parallelism (the tiled tier only):
+//
+//   auto s = forward_prepare(p, Method::tiled);   // the stages that do not read h0: the cumulative
+//                                                 // gates and the WY stage (p.h0, p.ht ignored)
+//   forward_state_pieces(*s, pieces, row0, true); // optional, any number of times: the final states of
+//                                                 // pieces (a final-state-only problem over rows
+//                                                 // [row0, row0 + pieces.T) of p, cut at p's own chunk
+//                                                 // boundaries) from s's stages, each from pieces.h0
+//   forward_finish(*s, p_with_h0);                // the state scan from h0 and the output; the same
+//                                                 // tensors
+//
+// The same o and ht, bit for bit, as forward(p_with_h0, Method::tiled). A piece's state may be wider
+// than p's values (pieces.V >= p.V): with_values = true gives its first p.V columns p's values and the
+// rest zero values; with_values = false gives every column zero values. That is the CP pre-pass's
+// [H | M] from [h | I] (and M alone from I) without a widened [v | 0] input: a rank prepares its local
+// forward, takes its pre-pass from the prepared stages, and finishes after the exchange.
+// The tensors of p must stay alive until finish's kernels have run.
+class StagedForward {
+ public:
+  virtual ~StagedForward() = default;
+};
+std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier);
+void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values);
+void forward_finish(StagedForward& s, const Params& p);
+
 // The backward in stages around dht, for context parallelism (the tiled tier only):
 //
 //   auto s = backward_prepare(p, Method::tiled);  // every stage that does not read dht: the forward
@@ -40,7 +66,11 @@ void backward(const Params& p, Method tier);
 //   backward_dh0_pieces(*s, pieces);              // optional, any number of times: dh0 of each piece
 //                                                 // (a dh0-only problem over the first rows of p, cut
 //                                                 // at p's own chunk boundaries) from s's stages
-//   backward_finish(*s, p_with_dht);              // the rest: B1..B5 with dht; the same tensors
+//   backward_states(*s, stream);                  // optional, once: the recompute's state scan (only
+//                                                 // finish's later stages read it) on `stream`, which
+//                                                 // must be ordered after prepare and before finish
+//   backward_finish(*s, p_with_dht);              // the rest: (the states,) B1..B5 with dht; the same
+//                                                 // tensors
 //
 // The same results, bit for bit, as backward(p_with_dht, Method::tiled). A rank of a CP backward
 // prepares while it waits for the exchange, and its pre-pass reuses the prepared stages. The tensors
@@ -51,6 +81,7 @@ class StagedBackward {
 };
 std::unique_ptr<StagedBackward> backward_prepare(const Params& p, Method tier);
 void backward_dh0_pieces(StagedBackward& s, const Params& pieces);
+void backward_states(StagedBackward& s, void* stream);
 void backward_finish(StagedBackward& s, const Params& p);
 
 // Which (variant, tier, direction) combinations exist in this build.

@@ -2,6 +2,7 @@
 // Each takes an already validated Params with device pointers.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "deltacp/cuda/api.h"
@@ -13,9 +14,14 @@ void naive_forward(const Params& p);   // cuda/naive/naive_fwd.cu
 void naive_backward(const Params& p);  // cuda/naive/naive_bwd.cu
 void tiled_forward(const Params& p);   // cuda/tiled/tiled_fwd.cu
 void tiled_backward(const Params& p);  // cuda/tiled/tiled_bwd.cu
+// The staged forward (api.h), cuda/tiled/tiled_fwd.cu.
+std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p);
+void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values);
+void tiled_forward_finish(StagedForward& s, const Params& p);
 // The staged backward (api.h), cuda/tiled/tiled_bwd.cu.
 std::unique_ptr<StagedBackward> tiled_backward_prepare(const Params& p);
 void tiled_backward_dh0_pieces(StagedBackward& s, const Params& pieces);
+void tiled_backward_states(StagedBackward& s, void* stream);
 void tiled_backward_finish(StagedBackward& s, const Params& p);
 
 }  // namespace deltacp::cuda

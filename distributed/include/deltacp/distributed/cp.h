@@ -15,9 +15,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "deltacp/distributed/cp_body.h"
 
@@ -81,6 +84,19 @@ class NcclComm {
   void all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait = true);
   // In place: buf[count] int64 <- max over ranks. Waits like all_gather.
   void all_reduce_max_i64(int64_t* buf, size_t count, void* stream);
+  // After all_gather(wait = false): waits until that collective has completed and rethrows its failure.
+  // The CP ops enqueue the work that reads the gathered buffer first, so the GPU never idles between the
+  // collective and that work, and confirm before returning. The wait itself runs in a watchdog thread
+  // started by all_gather(wait = false), which polls with the timeout and stops the communicator on a
+  // stall: so even a host call that blocks on the caller's stream in between (a blocking copy, say)
+  // returns once the stalled collective is stopped, and confirm then raises CommTimeout.
+  void confirm(const std::string& what);
+  // The fingerprint check (deltacp.cp agree) in two halves, independent of the caller's streams: the
+  // values travel host -> pinned -> device -> all-reduce MAX -> pinned on the private stream alone, so the
+  // check overlaps whatever the caller has enqueued (the CP pre-pass). At most kMaxCheckValues values.
+  static constexpr size_t kMaxCheckValues = 256;
+  void start_max_i64(const std::vector<int64_t>& values);
+  std::vector<int64_t> finish_max_i64(const std::string& what);
   // Waits (with the timeout) until everything enqueued on `stream` has completed.
   void wait(void* stream, const std::string& what);
   // Stops the communicator (see above); later calls throw CommDead. Safe from any thread, any time.
@@ -106,6 +122,12 @@ class NcclComm {
   template <class Launch>
   void enqueue(const std::string& what, void* user_stream, Launch launch);
   void finish(const std::string& what, void* user_stream, bool wait_done);
+  // Polls `event` (a cudaEvent_t) until it completed, with the timeout.
+  void wait_event(void* event, const std::string& what);
+  // Waits for the collective recorded in ev_done_.
+  void wait_for_collective(const std::string& what);
+  // Joins the watchdog of the last all_gather(wait = false) and returns its failure (null if none).
+  std::exception_ptr join_watchdog();
 
   mutable std::mutex mu_;          // serialises every NCCL call on comm_ and the alive -> dead step
   std::atomic<bool> dead_{false};
@@ -114,6 +136,12 @@ class NcclComm {
   void* stream_ = nullptr;         // cudaStream_t: private, non-blocking
   void* ev_in_ = nullptr;          // cudaEvent_t: caller's stream -> stream_
   void* ev_done_ = nullptr;        // cudaEvent_t: the collective's completion on stream_
+  void* ev_check_ = nullptr;       // cudaEvent_t: the fingerprint check's completion on stream_
+  int64_t* check_host_ = nullptr;  // pinned [2 * kMaxCheckValues]: values in, maxima out (made on first use)
+  int64_t* check_dev_ = nullptr;   // device [kMaxCheckValues]
+  size_t check_count_ = 0;         // values of the check in flight (0: none)
+  std::thread watchdog_;           // the wait of the last all_gather(wait = false), until confirm joins it
+  std::exception_ptr watch_error_; // what it caught (set before it ends)
   int rank_ = 0, world_ = 1, device_ = 0;
   double timeout_s_ = 300.0;
 };
