@@ -226,6 +226,43 @@ print("three pieces, composed, vs the one augmented run:", f"{rel_err(folded, HM
 assert rel_err(folded, HM) < 1e-13
 
 # %% [markdown]
+# On GPUs the pieces now come from the rank's own local forward: it is *prepared* first (the WY stage:
+# $W$, $U$), and the pre-pass runs only the state scan over the pieces, on a state of $V + K$ columns
+# whose first $V$ columns read $U$ and whose last $K$ see zero values (`StagedForward` in
+# `cuda/include/deltacp/cuda/api.h`). The local forward then skips its own WY stage: the CP step's
+# forward went from 4.51 to 2.86 ms against 2.08 ms on one GPU (docs/context-parallel.md).
+#
+# ### What the all-gather must carry
+#
+# The merge folds $S \leftarrow M_j S + H_j$ from $S = 0$ over the ranks before $r$ that share the
+# sequence. The **first** of them always multiplies $M_j$ by zero (the initial state, when there is one,
+# is already inside its $H_j$). So a rank's $M$ is read only when the rank lies strictly inside a
+# sequence, with ranks on both sides. Here ranks 1 and 2 do; with two ranks nobody does, and the
+# exchange carries $H$ alone, half the bytes (`CPContext.maps_read`). Below: rank 0's $M$ replaced by
+# garbage changes nothing; rank 1's changes every later start.
+
+# %%
+def merged_starts(sent):
+    """Start states of ranks 1 .. world-1: S = 0 folded through what the ranks sent, as deltacp folds."""
+    S, out = np.zeros((K, V)), []
+    for M, H in sent[:-1]:
+        S = M @ S + H
+        out.append(S)
+    return out
+
+
+# deltacp runs rank 0 from h0 itself, so rank 0 sends the H of its span from h0: M_0 h0 + H_0
+sent = [(maps[0][0], maps[0][0] @ h0 + maps[0][1])] + maps[1:]
+assert max(rel_err(a, b) for a, b in zip(merged_starts(sent), start[1:])) < 1e-13
+garbage = rng.standard_normal((K, K)) * 1e3
+for r_bad in (0, 1):
+    bad = [(garbage, H) if r == r_bad else (M, H) for r, (M, H) in enumerate(sent)]
+    worst = max(rel_err(a, b) for a, b in zip(merged_starts(bad), start[1:]))
+    print(f"rank {r_bad}'s M replaced by garbage: worst start-state error of the later ranks {worst:.1e}")
+    assert worst < 1e-13 if r_bad == 0 else worst > 1e-3
+
+
+# %% [markdown]
 # Pieces only spread the same scan over more SMs. The way to the 10% goal is the tree of notebook 3
 # taken all the way down: every chunk's $(M_c, H_c)$ from its own WY factors in parallel, and a
 # log-depth fold of $\lceil\log_2 n_c\rceil$ levels of batched matrix products composes them.

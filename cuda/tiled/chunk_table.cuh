@@ -96,6 +96,15 @@ inline void build_chunk_entries(const Params& p, int chunk_size, std::vector<Chu
   }
 }
 
+// True when a and b cut their tokens into the same sequences (p.num_seqs set; host offsets compared):
+// a staged forward or backward finishes on the chunk table it prepared, so it checks this first.
+inline bool same_sequences(const Params& a, const Params& b) {
+  if (a.B != b.B || a.T != b.T || a.num_seqs != b.num_seqs || a.varlen() != b.varlen()) return false;
+  for (int64_t n = 0; a.varlen() && n <= a.num_seqs; ++n)
+    if (a.host_cu()[n] != b.host_cu()[n]) return false;
+  return true;
+}
+
 // Owns the device copies of the two tables (see the file comment).
 class ChunkTable {
  public:

@@ -449,7 +449,7 @@ void finish_backward(StagedBackward& staged, const Params& p) {
   auto& s = dynamic_cast<BwdState&>(staged);
   DELTACP_CHECK(!s.finished, "state", "expected a prepared backward that has not finished yet");
   same_problem(s.p, p, "finish");
-  DELTACP_CHECK(p.T == s.p.T && p.num_seqs == s.p.num_seqs, "cu_seqlens", "expected the prepared sequences");
+  DELTACP_CHECK(same_sequences(p, s.p), "cu_seqlens", "finish: expected the prepared sequences");
   set_gradient_outputs(s.a, p);
   s.finished = true;
   if (!s.states_done) launch_states(s, static_cast<cudaStream_t>(s.p.stream));

@@ -1221,9 +1221,10 @@ void forward_finish(StagedForward& staged, const Params& p) {
   auto& s = dynamic_cast<FwdState&>(staged);
   DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
   same_forward_problem(s.p, p, "finish");
-  DELTACP_CHECK(p.T == s.p.T && p.V == s.p.V && p.num_seqs == s.p.num_seqs && p.q.ptr == s.p.q.ptr &&
-                    p.k.ptr == s.p.k.ptr && p.v.ptr == s.p.v.ptr && p.o.ptr == s.p.o.ptr,
-                "params", "finish: expected the prepared problem (the same sequences and q, k, v, o tensors)");
+  DELTACP_CHECK(p.V == s.p.V && p.q.ptr == s.p.q.ptr && p.k.ptr == s.p.k.ptr && p.v.ptr == s.p.v.ptr &&
+                    p.o.ptr == s.p.o.ptr,
+                "params", "finish: expected the prepared problem (the same q, k, v, o tensors)");
+  DELTACP_CHECK(same_sequences(p, s.p), "cu_seqlens", "finish: expected the prepared sequences");
   finish_forward(s, p);
 }
 

@@ -8,7 +8,7 @@
 //   unique_id() -> bytes                            rank 0 makes it; torch.distributed broadcasts it
 //   Communicator(unique_id, rank, world, device, timeout_s)
 //       .all_gather(send, recv, count, dtype, stream, wait=True)
-//       .all_reduce_max_i64(buf, count, stream)   .wait(stream, what)   .confirm(what)  (after wait=False)
+//       .wait(stream, what)   .confirm(what)  (after all_gather(wait=False))
 //       .start_max_i64(values)   .finish_max_i64(what) -> values   (the fingerprint check, off the caller's streams)
 //       .abort(reason)   .aborted   .failure      (a failed communicator is dead for good: cp.h)
 //   prepass(direction, variant, dtype, n, H, HV, K, V, chunk, scale, tensors, init, out, stream, g_dtype="")
@@ -120,13 +120,6 @@ PYBIND11_MODULE(_cp_nccl, m) {
           },
           py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("dtype"), py::arg("stream"),
           py::arg("wait") = true)
-      .def(
-          "all_reduce_max_i64",
-          [](dist::NcclComm& c, uintptr_t buf, size_t count, uintptr_t stream) {
-            py::gil_scoped_release nogil;
-            c.all_reduce_max_i64(static_cast<int64_t*>(as_ptr(buf)), count, as_ptr(stream));
-          },
-          py::arg("buf"), py::arg("count"), py::arg("stream"))
       .def(
           "confirm",
           [](dist::NcclComm& c, const std::string& what) {

@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
+#include <system_error>
 #include <thread>
 
 #include "deltacp/distributed/cp.h"
@@ -402,13 +403,17 @@ void NcclComm::all_gather(const void* send, void* recv, size_t count, int dtype,
   enqueue(what, stream, [&](ncclComm_t comm, cudaStream_t s) { return ncclAllGather(send, recv, count, type, comm, s); });
   finish(what, stream, wait_done);
   if (!wait_done) {
-    watchdog_ = std::thread([this, what] {
-      try {
-        wait_for_collective(what);  // a stall: the communicator is stopped here, so its kernel quits
-      } catch (...) {
-        watch_error_ = std::current_exception();
-      }
-    });
+    try {
+      watchdog_ = std::thread([this, what] {
+        try {
+          wait_for_collective(what);  // a stall: the communicator is stopped here, so its kernel quits
+        } catch (...) {
+          watch_error_ = std::current_exception();
+        }
+      });
+    } catch (const std::system_error&) {
+      wait_for_collective(what);  // no thread to be had: wait here, as with wait = true
+    }
   }
 }
 
@@ -420,14 +425,6 @@ void NcclComm::confirm(const std::string& what) {
   if (std::exception_ptr e = join_watchdog()) std::rethrow_exception(e);
 }
 
-void NcclComm::all_reduce_max_i64(int64_t* buf, size_t count, void* stream) {
-  const std::string what = "the fingerprint all-reduce";
-  if (dead_.load()) throw_dead(what);
-  enqueue(what, stream,
-          [&](ncclComm_t comm, cudaStream_t s) { return ncclAllReduce(buf, buf, count, ncclInt64, ncclMax, comm, s); });
-  finish(what, stream, true);
-}
-
 void NcclComm::start_max_i64(const std::vector<int64_t>& values) {
   const std::string what = "the fingerprint all-reduce";
   DELTACP_CHECK(!values.empty() && values.size() <= kMaxCheckValues, "values", "expected 1 to ", kMaxCheckValues,
@@ -436,7 +433,9 @@ void NcclComm::start_max_i64(const std::vector<int64_t>& values) {
   // A check that was started but never finished (its caller raised in between) is waited for first:
   // its pinned buffer is about to be reused.
   if (check_count_ > 0) finish_max_i64(what);
+  const size_t n = values.size(), bytes = n * sizeof(int64_t);
   ncclResult_t r = ncclSuccess;
+  bool enqueued = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!dead_.load() && comm_) {
@@ -452,25 +451,35 @@ void NcclComm::start_max_i64(const std::vector<int64_t>& values) {
         cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
         ev_check_ = ev;
       }
-      const size_t n = values.size(), bytes = n * sizeof(int64_t);
       std::copy(values.begin(), values.end(), check_host_);
       cudaStream_t st = as_stream(stream_);
       cuda_check(cudaMemcpyAsync(check_dev_, check_host_, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
       r = ncclAllReduce(check_dev_, check_dev_, n, ncclInt64, ncclMax, as_comm(comm_), st);
-      if (r == ncclSuccess || r == ncclInProgress) {
-        cuda_check(cudaMemcpyAsync(check_host_ + kMaxCheckValues, check_dev_, bytes, cudaMemcpyDeviceToHost, st),
-                   "cudaMemcpyAsync");
-        cuda_check(cudaEventRecord(as_event(ev_check_), st), "cudaEventRecord");
-        check_count_ = n;
-        return;
-      }
+      enqueued = r == ncclSuccess || r == ncclInProgress;
     }
   }
-  if (r == ncclSuccess) throw_dead(what);  // it was dead before anything was enqueued
-  const std::string msg = "deltacp: context parallelism: enqueuing " + what + " on rank " + std::to_string(rank_) +
-                          " failed: " + ncclGetErrorString(r) + "; the NCCL communicator was shut down";
-  fail(msg, Stop::revoke_or_abort);
-  throw std::runtime_error(msg);
+  if (!enqueued) {
+    if (r == ncclSuccess) throw_dead(what);  // it was dead before anything was enqueued
+    const std::string msg = "deltacp: context parallelism: enqueuing " + what + " on rank " + std::to_string(rank_) +
+                            " failed: " + ncclGetErrorString(r) + "; the NCCL communicator was shut down";
+    fail(msg, Stop::revoke_or_abort);
+    throw std::runtime_error(msg);
+  }
+  // A non-blocking communicator may still be enqueuing the all-reduce (ncclInProgress). Nothing else may go
+  // on its stream before it has: the copy back would run before the kernel and read the unreduced values
+  // (seen on 2 x H200: the kernel launched only when a later call polled the communicator).
+  poll("enqueuing " + what, [] { return true; }, timeout_s_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (dead_.load()) {
+    lock.unlock();
+    throw_dead(what);
+  }
+  DeviceGuard guard(device_);
+  cudaStream_t st = as_stream(stream_);
+  cuda_check(cudaMemcpyAsync(check_host_ + kMaxCheckValues, check_dev_, bytes, cudaMemcpyDeviceToHost, st),
+             "cudaMemcpyAsync");
+  cuda_check(cudaEventRecord(as_event(ev_check_), st), "cudaEventRecord");
+  check_count_ = n;
 }
 
 std::vector<int64_t> NcclComm::finish_max_i64(const std::string& what) {

@@ -8,7 +8,8 @@ check: (1) the CP pre-pass kernels ([H | M], [dH | M^T]) against the CPU referen
        batch) on o, every gradient, summed final states and initial-state gradients: fp32 1e-5,
        bf16 3e-3 (gdn) / 8e-3 (kda, dplr, delta), relative per tensor; shapes: a sequence spanning
        every rank, many short sequences, cuts inside a chunk, T not divisible by the chunk; (3) bitwise
-       identical results run to run, and with the staged local backward (DELTACP_CP_STAGED) on and off; (4) mismatched cu_seqlens -> the same ValueError on every rank.
+       identical results run to run, and with the staged local kernels (DELTACP_CP_STAGED) on and off; (4) mismatched cu_seqlens -> the same ValueError on every rank,
+       and ranks calling with different shapes -> the same ValueError naming q on every rank.
 sleep / exit: rank 1 stalls (or exits) between the fingerprint check and the all-gather; every other
        rank must raise within the context's timeout (10 s) instead of hanging or crashing, and a second
        call on the same context must raise at once (the communicator is dead for good) naming the
@@ -233,6 +234,20 @@ def check_cp(device, world, report):
     except ValueError as exc:
         report["mismatch"] = dict(raised="ValueError", message=str(exc), ok="'cu_seqlens'" in str(exc))
     ok_all &= report["mismatch"]["ok"]
+    # ranks that disagree on a call's shapes (here the number of query heads): the fingerprint check of
+    # that call raises the same ValueError naming q on every rank, before anything is exchanged
+    T_call = 128 * world
+    ctx = cp.build_context(torch.tensor([0, T_call]), device=device, timeout=30)
+    H_call = 4 if dist.get_rank() == 0 else 2
+    _, x, _, _ = inputs("gdn", [T_call], H_call, 8, 64, 64, torch.bfloat16, device, seed=3, states=False)
+    loc = {n: cp.split_even(t, ctx) for n, t in x.items()}
+    try:
+        call("gdn", loc, 64, False, cp_context=ctx)
+        torch.cuda.synchronize(device)
+        report["mismatch_call"] = dict(raised=None, ok=False)
+    except ValueError as exc:
+        report["mismatch_call"] = dict(raised="ValueError", message=str(exc), ok="'q'" in str(exc))
+    ok_all &= report["mismatch_call"]["ok"]
     return ok_all
 
 

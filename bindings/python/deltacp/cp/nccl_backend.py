@@ -28,7 +28,7 @@ except ImportError:  # CPU-only build, or no NCCL at build time
     _cp_nccl = None
 
 __all__ = ["available", "create_communicator", "prepass_forward", "prepass_backward", "all_gather", "confirm",
-           "merge", "all_reduce_max_i64", "start_check", "finish_check"]
+           "merge", "start_check", "finish_check"]
 
 
 def available() -> bool:
@@ -146,15 +146,6 @@ def finish_check(ctx, what: str) -> list:
         return ctx.nccl.finish_max_i64(what)
     except Exception as exc:  # noqa: BLE001
         raise _translate(exc, what) from exc
-
-
-def all_reduce_max_i64(ctx, values: torch.Tensor, what: str) -> torch.Tensor:
-    buf = values.to(device=ctx.device, dtype=torch.int64).contiguous()
-    try:
-        ctx.nccl.all_reduce_max_i64(int(buf.data_ptr()), buf.numel(), _stream(ctx.device))
-    except Exception as exc:  # noqa: BLE001
-        raise _translate(exc, what, buf) from exc
-    return buf.cpu()
 
 
 def merge(cfg, gathered: torch.Tensor, j0: int, j1: int, forward: bool) -> torch.Tensor:

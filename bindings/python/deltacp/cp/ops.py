@@ -124,7 +124,8 @@ def _identity_block(cfg: _Cfg, device=None) -> torch.Tensor:
     return eye.unsqueeze(0).expand(cfg.HV, cfg.K, cfg.K)
 
 
-_OFFSETS = {}  # (device, values) -> (device tensor, host tensor): _offsets
+_OFFSETS = {}  # (device, values) -> (device tensor, host tensor, copy event or None): _offsets
+_OFFSETS_MAX = 1024  # past this many, new values are made per call (nothing cached is ever freed)
 
 
 def _offsets(device: torch.device, values):
@@ -132,20 +133,24 @@ def _offsets(device: torch.device, values):
     and values. A host-to-device copy from pageable memory makes torch wait for the stream, which would
     drain the queue the CP op keeps ahead of the GPU (and, after an asynchronous all-gather, wait for the
     collective): so the host copy is pinned and the transfer asynchronous, and a CP context asks for the
-    same few every call."""
+    same few every call. Every use orders the current stream after that copy (an event), whichever
+    stream made it."""
     key = (str(device), tuple(int(x) for x in values))
     hit = _OFFSETS.get(key)
     if hit is None:
         host = torch.tensor(key[1], dtype=torch.int64)
-        if len(_OFFSETS) >= 1024:
-            _OFFSETS.clear()
         if device.type == "cuda":
             host = host.pin_memory()
-            hit = (host.to(device, non_blocking=True), host)
+            copied = torch.cuda.Event()
+            hit = (host.to(device, non_blocking=True), host, copied)
+            copied.record(torch.cuda.current_stream(device))
         else:
-            hit = (host, host)
-        _OFFSETS[key] = hit
-    return hit
+            hit = (host, host, None)
+        if len(_OFFSETS) < _OFFSETS_MAX:
+            _OFFSETS[key] = hit
+    if hit[2] is not None:
+        torch.cuda.current_stream(device).wait_event(hit[2])
+    return hit[0], hit[1]
 
 
 def _rows(device: torch.device, values) -> torch.Tensor:
@@ -650,6 +655,29 @@ def _confirm(cfg: _Cfg, what: str, *buffers) -> None:
         nccl_backend.confirm(cfg.ctx, what, *buffers)
 
 
+class _until_confirmed:
+    """with _until_confirmed(cfg, what, sent, gathered): the work that reads an all-gather(wait=False)'s
+    result, enqueued inside; on leaving, the collective is confirmed (_confirm: CPTimeoutError after the
+    timeout). If the body raises, the collective is still waited for (its buffers quarantined if it failed)
+    and the body's error propagates, so no buffer is freed while NCCL may still use it."""
+
+    def __init__(self, cfg: _Cfg, what: str, *buffers):
+        self.cfg, self.what, self.buffers = cfg, what, buffers
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            _confirm(self.cfg, self.what, *self.buffers)
+            return False
+        try:
+            _confirm(self.cfg, self.what, *self.buffers)
+        except Exception:  # noqa: BLE001 - the body's error is the one to report
+            pass
+        return False
+
+
 def _finish_check(cfg: _Cfg) -> None:
     """The fingerprint check cp_apply started (agree_start) must pass before anything is exchanged."""
     pending, cfg.pending_check = getattr(cfg, "pending_check", None), None
@@ -666,7 +694,7 @@ def _merge_forward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
             raise ValueError("deltacp: internal: a merge over several ranks without their transitions")
         if ctx.pre_ranks == 0:
             return torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
-        return gathered[ctx.rank - 1]
+        return gathered[ctx.rank - 1].clone()  # the backward keeps it: not a view pinning every rank's buffer
     if _use_nccl_kernels(cfg):
         from . import nccl_backend
 
@@ -750,19 +778,19 @@ class _CPFunction(torch.autograd.Function):
         _finish_check(cfg)
         what = "the forward all-gather of [H | M]"
         gathered = _all_gather(cfg, sent, what, wait=False)
-        last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
-        merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
-        # 4: the local kernel from the merged state (the user's initial states for the other segments).
-        h0_local = _local_initial_states(cfg, h0, merged)
-        if pad:
-            h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), merged, o[:, :pad])
-        if h0_local is not None:
-            descs["h0"] = torch_desc(h0_local, "initial_state")
-        if prepared is not None:
-            _staged_call(cfg, _core.staged_forward_step, prepared.handle, "finish", cfg.variant, descs)
-        else:
-            _run(cfg, "forward", cfg.fwd_method, descs)
-        _confirm(cfg, what, sent, gathered)
+        with _until_confirmed(cfg, what, sent, gathered):
+            last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
+            merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
+            # 4: the local kernel from the merged state (the user's initial states for the other segments).
+            h0_local = _local_initial_states(cfg, h0, merged)
+            if pad:
+                h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), merged, o[:, :pad])
+            if h0_local is not None:
+                descs["h0"] = torch_desc(h0_local, "initial_state")
+            if prepared is not None:
+                _staged_call(cfg, _core.staged_forward_step, prepared.handle, "finish", cfg.variant, descs)
+            else:
+                _run(cfg, "forward", cfg.fwd_method, descs)
         ht = None
         if cfg.output_final_state:
             ht = torch.zeros((cfg.num_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=q.device)
@@ -836,22 +864,24 @@ class _CPFunction(torch.autograd.Function):
             else:
                 _staged_call(cfg, _core.staged_backward_step, staged, "states", cfg.variant, {})
         try:
-            return _CPFunction._backward_rest(ctx_, cfg, xs, do, dht, h0, staged, side, descs, grads, dh0_local,
-                                              grad_descs, pad)
+            # 1-3 mirrored: dL/dS at the end of this rank's last segment, from the later ranks.
+            sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht, first_maps=ctx_.first_maps,
+                                     staged=staged)
+            what = "the backward all-gather of [dH | M^T]"
+            gathered = _all_gather(cfg, sent, what, wait=False)
+            with _until_confirmed(cfg, what, sent, gathered):
+                return _CPFunction._backward_finish(ctx_, cfg, xs, do, dht, h0, staged, side, descs, grads,
+                                                    dh0_local, grad_descs, pad, gathered)
         finally:
             if side is not None:  # also on an error: nothing freed below may still be in use on the side stream
                 torch.cuda.current_stream(cfg.device).wait_stream(side)
 
     @staticmethod
-    def _backward_rest(ctx_, cfg: _Cfg, xs, do, dht, h0, staged, side, descs, grads, dh0_local, grad_descs, pad):
-        """The backward after its local stages are prepared: pre-pass, exchange, merge, finish."""
+    def _backward_finish(ctx_, cfg: _Cfg, xs, do, dht, h0, staged, side, descs, grads, dh0_local, grad_descs, pad,
+                         gathered):
+        """After the backward all-gather was enqueued: merge, the local backward with dL/dS_end, dh0."""
         ctx = cfg.ctx
-        q, k, v, g, beta, a, b = xs
-        # 1-3 mirrored: dL/dS at the end of this rank's last segment, from the later ranks.
-        sent = _prepass_backward(cfg, q, k, v, g, beta, a, b, do, dht, first_maps=ctx_.first_maps,
-                                 staged=staged)
-        what = "the backward all-gather of [dH | M^T]"
-        gathered = _all_gather(cfg, sent, what, wait=False)
+        q = xs[0]
         last_stats["backward_bytes"] = gathered.numel() * gathered.element_size()
         dS_last = _merge_backward(cfg, gathered) if ctx.last_continues else None
         dht_local = None
@@ -879,7 +909,6 @@ class _CPFunction(torch.autograd.Function):
             head["dht"] = torch_desc(head_dht, "dht")
             grad_descs(head, 0, pad)
             _run(cfg, "backward", cfg.bwd_method, head)
-        _confirm(cfg, what, sent, gathered)
         dh0 = None
         if h0 is not None:
             dh0 = torch.zeros_like(h0)

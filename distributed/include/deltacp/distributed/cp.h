@@ -82,8 +82,8 @@ class NcclComm {
   // waits (polling, with the timeout) until the collective has completed; with wait = false later
   // work on `stream` is ordered after it instead.
   void all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait = true);
-  // In place: buf[count] int64 <- max over ranks. Waits like all_gather.
-  void all_reduce_max_i64(int64_t* buf, size_t count, void* stream);
+  // One thread at a time per communicator (the CP ops call it from the autograd thread): the watchdog
+  // below belongs to the last all_gather(wait = false).
   // After all_gather(wait = false): waits until that collective has completed and rethrows its failure.
   // The CP ops enqueue the work that reads the gathered buffer first, so the GPU never idles between the
   // collective and that work, and confirm before returning. The wait itself runs in a watchdog thread
