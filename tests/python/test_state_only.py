@@ -225,6 +225,60 @@ def test_piece_bounds_follow_the_one_device_chunk_grid(monkeypatch):
             cp_ops._piece_bounds(cfg, 100, 0)
 
 
+@pytest.mark.parametrize("cu,world,read", [
+    ([0, 64], 2, False),              # one sequence over 2 ranks: each merge folds one rank, M times 0
+    ([0, 96], 3, True),               # rank 1 lies strictly inside the sequence
+    ([0, 40, 80], 4, False),          # two sequences over 2 ranks each (cuts at 20, 40, 60)
+    ([0, 10, 80], 4, True),           # the second sequence spans ranks 0-3: ranks 1 and 2 inside
+    ([0, 20, 40, 60, 80], 4, False),  # every rank holds whole sequences
+])
+def test_transitions_read_only_inside_a_sequence(cu, world, read):
+    """CPContext.maps_read (context.transitions_read): the exchange carries M only where a merge reads it,
+    and the merges agree: folding the gathered maps with every unread M replaced by garbage gives the same
+    start states (fp64, random maps), so carrying [H] alone is exact."""
+    from deltacp import _core
+    from deltacp.cp.context import transitions_read
+
+    plans = _core.cp_plan_even(cu, world)
+    assert transitions_read(plans) == read
+    rng = np.random.default_rng(5)
+    K, V = 3, 2
+    H = [rng.standard_normal((K, V)) for _ in range(world)]
+    M = [rng.standard_normal((K, K)) for _ in range(world)]
+    for r, plan in enumerate(plans):
+        js = range(r - plan["pre_ranks"], r)  # the ranks the merge of rank r folds (cp/ops.py _merge_forward)
+        S = np.zeros((K, V))
+        S_garbage = np.zeros((K, V))
+        for i, j in enumerate(js):
+            unread = i == 0  # the first folded rank's M multiplies S = 0
+            S = M[j] @ S + H[j]
+            S_garbage = (rng.standard_normal((K, K)) * 1e6 if unread else M[j]) @ S_garbage + H[j]
+            assert unread or read  # a second folded rank exists only when some rank lies inside a sequence
+        np.testing.assert_array_equal(S, S_garbage)
+
+
+def test_until_confirmed_waits_for_the_collective_even_when_its_body_raises(monkeypatch):
+    """cp/ops.py _until_confirmed: the collective of an all-gather(wait=False) is confirmed on a normal exit
+    (its error propagates) and also when the body raises (the body's error propagates, not the collective's)."""
+    calls = []
+
+    def fake_confirm(cfg, what, *buffers):
+        calls.append(what)
+        if what == "stalled":
+            raise RuntimeError("collective timed out")
+
+    monkeypatch.setattr(cp_ops, "_confirm", fake_confirm)
+    with cp_ops._until_confirmed(None, "ok"):
+        pass
+    with pytest.raises(RuntimeError, match="timed out"):
+        with cp_ops._until_confirmed(None, "stalled"):
+            pass
+    with pytest.raises(KeyError, match="body"):
+        with cp_ops._until_confirmed(None, "stalled"):
+            raise KeyError("body")
+    assert calls == ["ok", "stalled", "stalled"]
+
+
 def test_fold_maps_is_the_chain():
     """_fold_maps (a log-depth tree) equals the chain S <- M_p S + H_p for 1 to 7 maps, in fp64."""
     rng = np.random.default_rng(3)

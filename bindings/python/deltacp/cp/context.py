@@ -258,7 +258,7 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
     ends_here = [i < n_local - 1 or plan["post_ranks"] == 0 for i in range(n_local)]
     empty = [n for n in range(len(cu) - 1) if cu[n + 1] == cu[n] and min(cu[n] // per_rank, world - 1) == rank]
     local = torch.tensor(plan["cu_seqlens"], dtype=torch.int64)
-    maps_read = any(r["pre_ranks"] > 0 and r["post_ranks"] > 0 and len(r["seq_ids"]) == 1 for r in plans)
+    maps_read = transitions_read(plans)
 
     nccl = None
     if device.type == "cuda" and use_nccl is not False:
@@ -278,6 +278,14 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
                      post_ranks=int(plan["post_ranks"]), starts_here=starts_here, ends_here=ends_here,
                      empty_seqs=empty, fingerprint=fingerprint, timeout=timeout, maps_read=maps_read,
                      nccl=nccl)
+
+
+def transitions_read(plans) -> bool:
+    """CPContext.maps_read from every rank's plan (_core.cp_plan_even): some rank's only local segment
+    continues from an earlier rank and on to a later one. A merge folds S <- M_j S + H_j from S = 0, so
+    the first rank it folds always multiplies its M_j by zero; only ranks strictly inside a sequence have
+    their M (M^T in the backward) read."""
+    return any(r["pre_ranks"] > 0 and r["post_ranks"] > 0 and len(r["seq_ids"]) == 1 for r in plans)
 
 
 def split_even(x: torch.Tensor, ctx: CPContext, dim: int = 1) -> torch.Tensor:
