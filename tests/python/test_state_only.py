@@ -374,3 +374,26 @@ def test_grid_pad_realigns_the_first_segment_with_the_one_device_chunks():
     assert pad(1012, 0, 1000, continues=False) == 0  # the sequence starts on this rank
     assert pad(1012, 0, 1000, method="recurrent") == 0 and pad(1012, 0, 1000, method="naive") == 0  # no grid
     assert pad(1012, 0, 1000, method="chunked") == 12
+
+
+@pytest.mark.parametrize("stage", ["staged_forward_prepare", "staged_backward_prepare"])
+def test_staged_kernels_refuse_cpu_tensors_by_name(stage):
+    """_core.staged_forward_prepare / staged_backward_prepare on CPU tensors: a ValueError naming what is
+    wrong (the build has no CUDA tiers: 'backend'; it has them: the tensor 'q' is not on a GPU), no crash."""
+    import torch
+
+    from deltacp import _core
+    from deltacp._describe import torch_desc
+
+    q, v = torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16)
+    g, beta, o = torch.randn(1, 64, 2), torch.rand(1, 64, 2), torch.empty(1, 64, 2, 16)
+    descs = {"q": torch_desc(q, "q"), "k": torch_desc(q, "k"), "v": torch_desc(v, "v"), "g": torch_desc(g, "g"),
+             "beta": torch_desc(beta, "beta")}
+    if stage == "staged_forward_prepare":
+        descs["o"] = torch_desc(o, "o")
+    else:
+        descs["dout"] = torch_desc(o, "do")
+        grads = {n: torch.empty_like(t) for n, t in (("q", q), ("k", q), ("v", v), ("g", g), ("beta", beta))}
+        descs.update({"d" + n: torch_desc(t, "d" + n) for n, t in grads.items()})
+    with pytest.raises(ValueError, match="'backend'|'q'"):
+        getattr(_core, stage)("gdn", "tiled", descs, None, 64, 0)
