@@ -10,7 +10,7 @@ check: (1) the CP pre-pass kernels ([H | M], [dH | M^T]) against the CPU referen
        every rank, many short sequences, cuts inside a chunk, T not divisible by the chunk; (3) bitwise
        identical results run to run, and with the staged local kernels (DELTACP_CP_STAGED) on and off; (4) mismatched cu_seqlens -> the same ValueError on every rank,
        and ranks calling with different shapes -> the same ValueError naming q on every rank.
-sleep / exit: rank 1 stalls (or exits) between the fingerprint check and the all-gather; every other
+sleep / exit: rank 1 stalls (or exits) in its pre-pass, before the all-gather; every other
        rank must raise within the context's timeout (10 s) instead of hanging or crashing, and a second
        call on the same context must raise at once (the communicator is dead for good) naming the
        first failure. faulthandler is on: a crash prints every thread's Python stack to the log.

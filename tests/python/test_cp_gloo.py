@@ -217,7 +217,7 @@ def _fault(scenario, rank, world, victim):
         if scenario in ("sleep", "exit") and rank == victim:
             original = cp_ops._prepass_forward
 
-            def stalled(*args, **kwargs):  # after the fingerprint check, before the all-gather
+            def stalled(*args, **kwargs):  # in the pre-pass (the fingerprint check started), before the all-gather
                 if scenario == "exit":
                     sys.stdout.flush()
                     os._exit(0)
