@@ -76,6 +76,26 @@ def timer(device):
     return run
 
 
+def time_interleaved(fns: dict, device, repeat: int, warmup: int) -> dict:
+    """{name: median seconds} of several functions timed round by round (each round runs every function
+    once, each after a barrier and a synchronisation), so that slow drifts of the machine hit all alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def kernel_times(fn, device, calls=3):
     """[(kernel name, ms per call)] of fn's CUDA kernels, largest first (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -283,17 +303,22 @@ def main():
             if direction == "fwd+bwd":
                 o.backward(do)
 
+        def one_shot(direction):  # the same CP step with the one-shot local kernels (DELTACP_CP_STAGED=0)
+            os.environ["DELTACP_CP_STAGED"] = "0"
+            try:
+                cp_step(direction)
+            finally:
+                os.environ.pop("DELTACP_CP_STAGED")
+
+        # The CP step, the one-shot CP step and one GPU are timed in interleaved rounds, so that the ratios
+        # (the parallel efficiency above all) compare runs made under the same conditions of the machine.
         for direction in ("fwd", "fwd+bwd"):
             with torch.set_grad_enabled(direction == "fwd+bwd"):
-                results[f"cp_step_{direction}"] = time_it(lambda: cp_step(direction), args.repeat, args.warmup)
-                results[f"single_gpu_{direction}"] = time_it(lambda: single_step(direction), args.repeat, args.warmup)
-        # The same CP steps with the one-shot local kernels after the exchange (no staged forward / backward).
-        os.environ["DELTACP_CP_STAGED"] = "0"
-        for direction in ("fwd", "fwd+bwd"):
-            with torch.set_grad_enabled(direction == "fwd+bwd"):
-                results[f"cp_step_{direction}_unstaged"] = time_it(lambda: cp_step(direction), args.repeat,
-                                                                   args.warmup)
-        os.environ.pop("DELTACP_CP_STAGED")
+                rounds = time_interleaved({f"cp_step_{direction}": lambda: cp_step(direction),
+                                           f"single_gpu_{direction}": lambda: single_step(direction),
+                                           f"cp_step_{direction}_unstaged": lambda: one_shot(direction)},
+                                          device, args.repeat, args.warmup)
+                results.update(rounds)
         if args.trace:
             from torch.profiler import ProfilerActivity, profile
 
