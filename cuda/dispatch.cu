@@ -114,6 +114,19 @@ void check_gpu_pointers(const Params& p, bool backward) {
   check_gpu_pointer(p.dh0, "dh0");
 }
 
+// The arguments of a CUDA forward or backward of `tier`: shapes and values (the reference's checks),
+// the variant the tier implements, device pointers.
+void validate_on_gpu(const Params& p, Method tier, bool backward) {
+  check_gpu_params(p);
+  if (backward) {
+    validate_backward(p);
+  } else {
+    validate_forward(p);
+  }
+  check_variant(p, tier, backward);
+  check_gpu_pointers(p, backward);
+}
+
 }  // namespace
 
 bool device_available() {
@@ -140,10 +153,7 @@ bool supports(Variant v, Method tier, bool backward) {
 
 void forward(const Params& p, Method tier) {
   check_tier(tier, false);
-  check_gpu_params(p);
-  validate_forward(p);
-  check_variant(p, tier, false);
-  check_gpu_pointers(p, false);
+  validate_on_gpu(p, tier, false);
   switch (tier) {
     case Method::naive: naive_forward(p); return;
 #ifdef DELTACP_HAVE_TILED_FWD
@@ -156,10 +166,7 @@ void forward(const Params& p, Method tier) {
 
 void backward(const Params& p, Method tier) {
   check_tier(tier, true);
-  check_gpu_params(p);
-  validate_backward(p);
-  check_variant(p, tier, true);
-  check_gpu_pointers(p, true);
+  validate_on_gpu(p, tier, true);
   switch (tier) {
     case Method::naive: naive_backward(p); return;
 #ifdef DELTACP_HAVE_TILED_BWD
@@ -171,27 +178,14 @@ void backward(const Params& p, Method tier) {
 }
 
 namespace {
-void validate_staged(const Params& p) {
-  check_gpu_params(p);
-  validate_backward(p);
-  check_variant(p, Method::tiled, true);
-  check_gpu_pointers(p, true);
-}
-}  // namespace
-
-namespace {
-void validate_staged_forward(const Params& p) {
-  check_gpu_params(p);
-  validate_forward(p);
-  check_variant(p, Method::tiled, false);
-  check_gpu_pointers(p, false);
-}
+// Every step of the staged (tiled) forward or backward checks what forward() / backward() check.
+void validate_staged(const Params& p, bool backward) { validate_on_gpu(p, Method::tiled, backward); }
 }  // namespace
 
 std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
   check_tier(tier, false);
   DELTACP_CHECK(tier == Method::tiled, "tier", "expected 'tiled' for the staged forward, got ", to_string(tier));
-  validate_staged_forward(p);
+  validate_staged(p, false);
 #ifdef DELTACP_HAVE_TILED_FWD
   return tiled_forward_prepare(p);
 #else
@@ -200,7 +194,7 @@ std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
 }
 
 void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values) {
-  validate_staged_forward(pieces);
+  validate_staged(pieces, false);
 #ifdef DELTACP_HAVE_TILED_FWD
   tiled_forward_state_pieces(s, pieces, row0, with_values);
 #else
@@ -210,7 +204,7 @@ void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, 
 }
 
 void forward_finish(StagedForward& s, const Params& p) {
-  validate_staged_forward(p);
+  validate_staged(p, false);
 #ifdef DELTACP_HAVE_TILED_FWD
   tiled_forward_finish(s, p);
 #else
@@ -222,7 +216,7 @@ void forward_finish(StagedForward& s, const Params& p) {
 std::unique_ptr<StagedBackward> backward_prepare(const Params& p, Method tier) {
   check_tier(tier, true);
   DELTACP_CHECK(tier == Method::tiled, "tier", "expected 'tiled' for the staged backward, got ", to_string(tier));
-  validate_staged(p);
+  validate_staged(p, true);
 #ifdef DELTACP_HAVE_TILED_BWD
   return tiled_backward_prepare(p);
 #else
@@ -231,7 +225,7 @@ std::unique_ptr<StagedBackward> backward_prepare(const Params& p, Method tier) {
 }
 
 void backward_dh0_pieces(StagedBackward& s, const Params& pieces) {
-  validate_staged(pieces);
+  validate_staged(pieces, true);
 #ifdef DELTACP_HAVE_TILED_BWD
   tiled_backward_dh0_pieces(s, pieces);
 #else
@@ -250,7 +244,7 @@ void backward_states(StagedBackward& s, void* stream) {
 }
 
 void backward_finish(StagedBackward& s, const Params& p) {
-  validate_staged(p);
+  validate_staged(p, true);
 #ifdef DELTACP_HAVE_TILED_BWD
   tiled_backward_finish(s, p);
 #else

@@ -59,19 +59,7 @@ def parse():
 
 def timer(device):
     def run(fn, repeat, warmup):
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeat):
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return time_interleaved({"fn": fn}, device, repeat, warmup)["fn"]
 
     return run
 

@@ -2,9 +2,8 @@
 # One call on a lent GPU machine: build, validate, sanitize, benchmark; results under $OUT.
 #
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
-#                                            cpcheck,cpbench (default build,test,sanitize,pytest,bench)
+#                                            cpbench (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
-#   cpcheck  only the CP correctness check of run_gpu_cp.sh (CP vs one GPU, staged vs one-shot, bitwise)
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace (chrome traces in $OUT/trace)
 # DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu").
 # FLA's Triton source, when carried in fla_src/ (ignored by git), is put on PYTHONPATH for the
@@ -101,15 +100,6 @@ if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
   tail -25 "$OUT/cp_gpu.log"; tail -25 "$OUT/bench_cp.log"
 fi
 NGPU=$(nvidia-smi -L | grep -c '^GPU')
-if has cpcheck; then
-  t0=$(date +%s)
-  mkdir -p "$OUT/cpcheck"
-  timeout 900 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU distributed/tests/gpu_cp_check.py \
-    check --out "$OUT/cpcheck" >"$OUT/cpcheck.log" 2>&1
-  say "cp check (gpu): rc=$? in $(( $(date +%s) - t0 )) s"
-  tail -15 "$OUT/cpcheck.log"
-fi
-
 if has cpbench; then
   t0=$(date +%s)
   mkdir -p "$OUT/trace"
@@ -123,10 +113,9 @@ if has cpbench; then
   grep -v "NCCL INFO" "$OUT/bench_allgather.log" | tail -10
   grep -v "profile rank" "$OUT/bench_cp.log" | tail -40
 fi
-# At most 8 files come back: the traces and the per-rank check reports travel as one archive.
-if has cpcheck || has cpbench; then
-  tar -czf "$OUT/cp_detail.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d trace cpcheck 2>/dev/null) 2>/dev/null &&
-    rm -rf "$OUT/trace" "$OUT/cpcheck"
+# At most 8 files come back: the traces travel as one archive.
+if has cpbench; then
+  tar -czf "$OUT/cp_detail.tar.gz" -C "$OUT" trace 2>/dev/null && rm -rf "$OUT/trace"
 fi
 say "== total $(( $(date +%s) - t_start )) s"
 cat "$SUM"

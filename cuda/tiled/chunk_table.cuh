@@ -34,7 +34,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "../common/check.h"
@@ -162,5 +164,20 @@ class ChunkTable {
   ChunkEntry* chunks_ = nullptr;
   SeqEntry* seqs_ = nullptr;
 };
+
+// Staged steps over pieces of a prepared problem (api.h): every chunk of `pieces` (a table over rows
+// [row0, row0 + pieces' T) of the prepared problem) must be one of `prepared`'s own chunks, so that the
+// step reads the prepared per-row intermediates of exactly those chunks. deltacp::Error naming
+// cu_seqlens otherwise.
+inline void check_pieces_on_prepared_chunks(const ChunkTable& prepared, const ChunkTable& pieces, int64_t row0, const char* what) {
+  std::vector<std::pair<int64_t, int64_t>> own;
+  own.reserve(prepared.host_chunks().size());
+  for (const ChunkEntry& c : prepared.host_chunks()) own.emplace_back(c.row0, c.len);
+  std::sort(own.begin(), own.end());
+  for (const ChunkEntry& c : pieces.host_chunks())
+    DELTACP_CHECK(std::binary_search(own.begin(), own.end(), std::make_pair(row0 + c.row0, c.len)), "cu_seqlens",
+                  "expected pieces made of whole chunks of the prepared ", what, "; a piece has a chunk of ", c.len,
+                  " tokens at row ", row0 + c.row0, " that the prepared problem does not");
+}
 
 }  // namespace deltacp::cuda::tiled

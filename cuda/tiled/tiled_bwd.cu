@@ -419,16 +419,8 @@ void backward_dh0_pieces(StagedBackward& staged, const Params& pieces) {
   same_problem(s.p, pieces, "the pieces");
   cudaStream_t stream = static_cast<cudaStream_t>(pieces.stream);
   const ChunkTable table(pieces, s.p.chunk_size, stream);
-  // Each piece must be made of the prepared backward's own chunks: B1 then reads their W, Kd, G, Q e^G
-  // and B0's dVn rows unchanged (all indexed by token row).
-  std::vector<std::pair<int64_t, int64_t>> own;
-  own.reserve(s.table.host_chunks().size());
-  for (const ChunkEntry& c : s.table.host_chunks()) own.emplace_back(c.row0, c.len);
-  std::sort(own.begin(), own.end());
-  for (const ChunkEntry& c : table.host_chunks())
-    DELTACP_CHECK(std::binary_search(own.begin(), own.end(), std::make_pair(c.row0, c.len)), "cu_seqlens",
-                  "expected pieces made of whole chunks of the prepared backward; a piece has a chunk of ", c.len,
-                  " tokens at row ", c.row0, " that the prepared problem does not");
+  // B1 then reads the prepared W, Kd, G, Q e^G and B0's dVn rows of the pieces' chunks (all indexed by token row).
+  check_pieces_on_prepared_chunks(s.table, table, 0, "backward");
   Args a = s.a;
   a.T = pieces.T;
   a.chunks = table.chunks();

@@ -1199,15 +1199,8 @@ void forward_state_pieces(StagedForward& staged, const Params& pieces, int64_t r
                     pieces.k.stride_h == s.p.k.stride_h,
                 "k", "expected the prepared problem's k from row ", row0, " on");
   const ChunkTable table(pieces, s.p.chunk_size, s.stream);
-  // Each piece must be made of the prepared problem's own chunks: the scan then reads their G, W, U, Kd rows.
-  std::vector<std::pair<int64_t, int64_t>> own;
-  own.reserve(s.table.host_chunks().size());
-  for (const ChunkEntry& c : s.table.host_chunks()) own.emplace_back(c.row0, c.len);
-  std::sort(own.begin(), own.end());
-  for (const ChunkEntry& c : table.host_chunks())
-    DELTACP_CHECK(std::binary_search(own.begin(), own.end(), std::make_pair(row0 + c.row0, c.len)), "cu_seqlens",
-                  "expected pieces made of whole chunks of the prepared forward; a piece has a chunk of ", c.len,
-                  " tokens at row ", row0 + c.row0, " that the prepared problem does not");
+  // The scan reads the prepared G, W, U, Kd rows of the pieces' chunks.
+  check_pieces_on_prepared_chunks(s.table, table, row0, "forward");
   if (table.num_seqs() == 0) return;
   ScanRows rows;
   rows.row0 = row0;

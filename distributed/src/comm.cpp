@@ -40,6 +40,7 @@ namespace {
 constexpr double kStopWaitS = 10.0;      // at most this long for a revoke to quiesce
 constexpr double kTeardownWaitS = 30.0;  // at most this long for the destructor's finalize
 constexpr double kSpinS = 5e-3;          // poll() spins this long before it sleeps between looks
+void* const kNoCallerStream = reinterpret_cast<void*>(~uintptr_t{0});  // enqueue(): depend on no caller stream
 
 ncclComm_t as_comm(void* c) { return static_cast<ncclComm_t>(c); }
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -326,9 +327,12 @@ void NcclComm::enqueue(const std::string& what, void* user_stream, Launch launch
     std::lock_guard<std::mutex> lock(mu_);
     if (!dead_.load() && comm_) {
       DeviceGuard guard(device_);
-      // The collective reads what the caller enqueued before it: private stream after the caller's.
-      cuda_check(cudaEventRecord(as_event(ev_in_), as_stream(user_stream)), "cudaEventRecord");
-      cuda_check(cudaStreamWaitEvent(as_stream(stream_), as_event(ev_in_), 0), "cudaStreamWaitEvent");
+      // The collective reads what the caller enqueued before it: private stream after the caller's
+      // (no caller stream: a collective independent of the caller's work, the fingerprint check).
+      if (user_stream != kNoCallerStream) {
+        cuda_check(cudaEventRecord(as_event(ev_in_), as_stream(user_stream)), "cudaEventRecord");
+        cuda_check(cudaStreamWaitEvent(as_stream(stream_), as_event(ev_in_), 0), "cudaStreamWaitEvent");
+      }
       r = launch(as_comm(comm_), as_stream(stream_));
       if (r == ncclSuccess || r == ncclInProgress) return;
     }
@@ -340,23 +344,30 @@ void NcclComm::enqueue(const std::string& what, void* user_stream, Launch launch
   throw std::runtime_error(msg);
 }
 
-void NcclComm::finish(const std::string& what, void* user_stream, bool wait_done) {
-  // Non-blocking communicator: the enqueue may still be running in NCCL's background thread.
+template <class After>
+void NcclComm::when_enqueued(const std::string& what, After after) {
+  // Non-blocking communicator: the enqueue may still be running (ncclInProgress). Nothing else may go on
+  // the private stream before it has: that work would run ahead of the collective's kernel (seen on
+  // 2 x H200 with the fingerprint check's copy back, whose kernel launched only at a later poll).
   poll("enqueuing " + what, [] { return true; }, timeout_s_);
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (dead_.load()) {
-      lock.unlock();
-      throw_dead(what);
-    }
-    DeviceGuard guard(device_);
-    cuda_check(cudaEventRecord(as_event(ev_done_), as_stream(stream_)), "cudaEventRecord");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (dead_.load()) {
+    lock.unlock();
+    throw_dead(what);
+  }
+  DeviceGuard guard(device_);
+  after(as_stream(stream_));
+}
+
+void NcclComm::finish(const std::string& what, void* user_stream, bool wait_done) {
+  when_enqueued(what, [&](cudaStream_t st) {
+    cuda_check(cudaEventRecord(as_event(ev_done_), st), "cudaEventRecord");
     // Asynchronous use: later work on the caller's stream waits for the collective on the GPU.
     // (With wait_done the host confirms completion first, so a stuck collective never blocks the
     // caller's stream.)
     if (!wait_done)
       cuda_check(cudaStreamWaitEvent(as_stream(user_stream), as_event(ev_done_), 0), "cudaStreamWaitEvent");
-  }
+  });
   if (wait_done) wait_for_collective(what);
 }
 
@@ -434,51 +445,27 @@ void NcclComm::start_max_i64(const std::vector<int64_t>& values) {
   // its pinned buffer is about to be reused.
   if (check_count_ > 0) finish_max_i64(what);
   const size_t n = values.size(), bytes = n * sizeof(int64_t);
-  ncclResult_t r = ncclSuccess;
-  bool enqueued = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!dead_.load() && comm_) {
-      DeviceGuard guard(device_);
-      if (!check_host_) {  // first use: pinned host and device buffers, one event (kept until destruction)
-        void* host = nullptr;
-        void* dev = nullptr;
-        cudaEvent_t ev = nullptr;
-        cuda_check(cudaMallocHost(&host, 2 * kMaxCheckValues * sizeof(int64_t)), "cudaMallocHost");
-        check_host_ = static_cast<int64_t*>(host);
-        cuda_check(cudaMalloc(&dev, kMaxCheckValues * sizeof(int64_t)), "cudaMalloc");
-        check_dev_ = static_cast<int64_t*>(dev);
-        cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-        ev_check_ = ev;
-      }
-      std::copy(values.begin(), values.end(), check_host_);
-      cudaStream_t st = as_stream(stream_);
-      cuda_check(cudaMemcpyAsync(check_dev_, check_host_, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
-      r = ncclAllReduce(check_dev_, check_dev_, n, ncclInt64, ncclMax, as_comm(comm_), st);
-      enqueued = r == ncclSuccess || r == ncclInProgress;
+  enqueue(what, kNoCallerStream, [&](ncclComm_t comm, cudaStream_t st) {
+    if (!check_host_) {  // first use: pinned host and device buffers, one event (kept until destruction)
+      void* host = nullptr;
+      void* dev = nullptr;
+      cudaEvent_t ev = nullptr;
+      cuda_check(cudaMallocHost(&host, 2 * kMaxCheckValues * sizeof(int64_t)), "cudaMallocHost");
+      check_host_ = static_cast<int64_t*>(host);
+      cuda_check(cudaMalloc(&dev, kMaxCheckValues * sizeof(int64_t)), "cudaMalloc");
+      check_dev_ = static_cast<int64_t*>(dev);
+      cuda_check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+      ev_check_ = ev;
     }
-  }
-  if (!enqueued) {
-    if (r == ncclSuccess) throw_dead(what);  // it was dead before anything was enqueued
-    const std::string msg = "deltacp: context parallelism: enqueuing " + what + " on rank " + std::to_string(rank_) +
-                            " failed: " + ncclGetErrorString(r) + "; the NCCL communicator was shut down";
-    fail(msg, Stop::revoke_or_abort);
-    throw std::runtime_error(msg);
-  }
-  // A non-blocking communicator may still be enqueuing the all-reduce (ncclInProgress). Nothing else may go
-  // on its stream before it has: the copy back would run before the kernel and read the unreduced values
-  // (seen on 2 x H200: the kernel launched only when a later call polled the communicator).
-  poll("enqueuing " + what, [] { return true; }, timeout_s_);
-  std::unique_lock<std::mutex> lock(mu_);
-  if (dead_.load()) {
-    lock.unlock();
-    throw_dead(what);
-  }
-  DeviceGuard guard(device_);
-  cudaStream_t st = as_stream(stream_);
-  cuda_check(cudaMemcpyAsync(check_host_ + kMaxCheckValues, check_dev_, bytes, cudaMemcpyDeviceToHost, st),
-             "cudaMemcpyAsync");
-  cuda_check(cudaEventRecord(as_event(ev_check_), st), "cudaEventRecord");
+    std::copy(values.begin(), values.end(), check_host_);
+    cuda_check(cudaMemcpyAsync(check_dev_, check_host_, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+    return ncclAllReduce(check_dev_, check_dev_, n, ncclInt64, ncclMax, comm, st);
+  });
+  when_enqueued(what, [&](cudaStream_t st) {
+    cuda_check(cudaMemcpyAsync(check_host_ + kMaxCheckValues, check_dev_, bytes, cudaMemcpyDeviceToHost, st),
+               "cudaMemcpyAsync");
+    cuda_check(cudaEventRecord(as_event(ev_check_), st), "cudaEventRecord");
+  });
   check_count_ = n;
 }
 

@@ -69,6 +69,7 @@ other rank raise instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -158,13 +159,15 @@ def _rows(device: torch.device, values) -> torch.Tensor:
     return _offsets(device, values)[0]
 
 
-def _piece_tensors(cfg: _Cfg, n: int, bounds):
-    """(cu device, cu host, number of pieces) of a span of n tokens cut at `bounds` (None: one piece)."""
+def _piece_tensors(cfg: _Cfg, n: int, bounds, as_sequences: bool = False):
+    """(cu device, cu host, number of pieces) of a span of n tokens cut at `bounds` (None: one piece). One
+    piece has no offsets (a plain batch of one), unless as_sequences (the staged steps take pieces as
+    sequences always)."""
     if bounds is None:
         bounds = [0, n]
     if bounds[0] != 0 or bounds[-1] != n or any(b1 <= b0 for b0, b1 in zip(bounds, bounds[1:])):
         raise ValueError(f"deltacp: internal: pre-pass piece bounds {bounds} do not cut [0, {n})")
-    if len(bounds) == 2:
+    if len(bounds) == 2 and not as_sequences:
         return None, None, 1
     dev, host = _offsets(cfg.device, bounds)
     return dev, host, len(bounds) - 1
@@ -205,10 +208,8 @@ def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, b
     gives the width). Otherwise one final-state-only forward of the span with values [v | 0] (or 0)."""
     q, k, v, g, beta, a, b = xs
     n = q.shape[1]
-    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds, as_sequences=staged is not None)
     if staged is not None:
-        if cu is None:  # the staged step always takes the pieces as sequences
-            cu, cu_host = _offsets(cfg.device, [0, n])
         values = torch.zeros(width, dtype=v.dtype, device=v.device).expand(1, n, cfg.HV, width)
     else:
         zeros = torch.zeros((1, n, cfg.HV, width - cfg.V if with_values else width), dtype=v.dtype, device=v.device)
@@ -280,9 +281,7 @@ def _dh0_pieces(cfg: _Cfg, q, k, v, g, beta, a, b, do, dend: Optional[torch.Tens
     staged: a prepared local backward whose first rows these tokens are (its own chunks); then only its
     dh scan (B1) runs over the pieces, reading the prepared W, Kd, G and B0 rows."""
     n = q.shape[1]
-    cu, cu_host, P = _piece_tensors(cfg, n, bounds)
-    if cu is None and staged is not None:  # the staged step always takes the pieces as sequences
-        cu, cu_host = _offsets(cfg.device, [0, n])
+    cu, cu_host, P = _piece_tensors(cfg, n, bounds, as_sequences=staged is not None)
     dht = torch.zeros((P, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
     if dend is not None:
         dht[-1] = dend
@@ -655,27 +654,21 @@ def _confirm(cfg: _Cfg, what: str, *buffers) -> None:
         nccl_backend.confirm(cfg.ctx, what, *buffers)
 
 
-class _until_confirmed:
+@contextlib.contextmanager
+def _until_confirmed(cfg: _Cfg, what: str, *buffers):
     """with _until_confirmed(cfg, what, sent, gathered): the work that reads an all-gather(wait=False)'s
     result, enqueued inside; on leaving, the collective is confirmed (_confirm: CPTimeoutError after the
     timeout). If the body raises, the collective is still waited for (its buffers quarantined if it failed)
     and the body's error propagates, so no buffer is freed while NCCL may still use it."""
-
-    def __init__(self, cfg: _Cfg, what: str, *buffers):
-        self.cfg, self.what, self.buffers = cfg, what, buffers
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            _confirm(self.cfg, self.what, *self.buffers)
-            return False
+    try:
+        yield
+    except BaseException:
         try:
-            _confirm(self.cfg, self.what, *self.buffers)
+            _confirm(cfg, what, *buffers)
         except Exception:  # noqa: BLE001 - the body's error is the one to report
             pass
-        return False
+        raise
+    _confirm(cfg, what, *buffers)
 
 
 def _finish_check(cfg: _Cfg) -> None:

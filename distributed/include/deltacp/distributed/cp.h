@@ -118,10 +118,14 @@ class NcclComm {
   void fail(const std::string& reason, Stop stop) noexcept;
   void stop_locked(Stop stop) noexcept;
   [[noreturn]] void throw_dead(const std::string& what) const;
-  // Enqueues `launch(comm, private stream)` after the work on `user_stream`; throws on failure.
+  // Enqueues `launch(comm, private stream)` after the work on `user_stream` (kNoCallerStream in comm.cpp:
+  // after nothing of the caller's); throws on failure.
   template <class Launch>
   void enqueue(const std::string& what, void* user_stream, Launch launch);
   void finish(const std::string& what, void* user_stream, bool wait_done);
+  // Once the last enqueue has completed (polled, with the timeout): after(private stream), under the lock.
+  template <class After>
+  void when_enqueued(const std::string& what, After after);
   // Polls `event` (a cudaEvent_t) until it completed, with the timeout.
   void wait_event(void* event, const std::string& what);
   // Waits for the collective recorded in ev_done_.
