@@ -26,6 +26,7 @@ prints a table and writes JSON to $OUT/bench_cp.json (or --json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -49,12 +50,35 @@ def parse():
     p.add_argument("--json", default=None)
     p.add_argument("--pieces", default="0,2048,4096,8192,16384",
                    help="pre-pass piece lengths (tokens) to time; 0 = one sequential scan over the span")
+    p.add_argument("--scan", default="",
+                   help="state-scan configurations BV:STAGES (DELTACP_TILED_SCAN_BV / _STAGES, 0 = the kernel's "
+                        "choice), comma-separated: the local forward and the staged pre-pass at each piece "
+                        "length are timed with each")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA times of the CP and one-GPU steps")
     p.add_argument("--trace", default="", help="a folder: each rank writes the chrome trace (CPU + CUDA) of "
-                   "one CP forward + backward step there (cp_step_rank<r>.json)")
+                   "one CP forward + backward step there (cp_step_rank<r>.json); the GPU's activity alone unless "
+                   "--trace-cpu (the CPU side's tracing delays the host, which shows as GPU gaps)")
+    p.add_argument("--trace-cpu", action="store_true", help="--trace records the CPU side too")
+    p.add_argument("--host-profile", default="", help="a folder: each rank writes where the host's time goes in "
+                   "20 CP forward steps (cProfile, by cumulative time; waits included) to host_fwd_rank<r>.txt")
     a = p.parse_args()
     a.pieces = [int(x) for x in a.pieces.split(",") if x.strip()]
+    a.scan = [tuple(int(y) for y in x.split(":")) for x in a.scan.split(",") if x.strip()]
     return a
+
+
+@contextlib.contextmanager
+def scan_env(bv: int, stages: int):
+    """DELTACP_TILED_SCAN_BV / _STAGES set for the block (0: left to the kernel's choice)."""
+    names = {"DELTACP_TILED_SCAN_BV": bv, "DELTACP_TILED_SCAN_STAGES": stages}
+    for name, value in names.items():
+        if value:
+            os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        for name in names:
+            os.environ.pop(name, None)
 
 
 def timer(device):
@@ -64,13 +88,16 @@ def timer(device):
     return run
 
 
-def time_interleaved(fns: dict, device, repeat: int, warmup: int) -> dict:
+def time_interleaved(fns: dict, device, repeat: int, warmup: int, host: bool = False) -> dict:
     """{name: median seconds} of several functions timed round by round (each round runs every function
-    once, each after a barrier and a synchronisation), so that slow drifts of the machine hit all alike."""
+    once, each after a barrier and a synchronisation), so that slow drifts of the machine hit all alike.
+    host: also {name + "_host": median seconds until the call returned, before the synchronisation}; where
+    it is close to the full time the GPU waited for the host (launches, Python) rather than the reverse."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
+    host_times = {name + "_host": [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
             dist.barrier()
@@ -78,9 +105,12 @@ def time_interleaved(fns: dict, device, repeat: int, warmup: int) -> dict:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             fn()
+            host_times[name + "_host"].append(time.perf_counter() - t0)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[name].append(time.perf_counter() - t0)
+    if host:
+        times.update(host_times)
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -188,6 +218,14 @@ def main():
                 torch.cuda.current_stream(device).synchronize()  # the handle's workspace outlives the kernels
                 return sent
 
+            # The staged pre-pass at each piece length and forced scan configuration (scan_config.h).
+            for piece in args.pieces:
+                os.environ["DELTACP_CP_PREPASS_PIECE"] = str(piece)
+                for bv, stages in args.scan:
+                    with scan_env(bv, stages):
+                        results[f"prepass_staged_piece{piece}_bv{bv}_s{stages}"] = time_it(
+                            prepass_staged, args.repeat, args.warmup)
+            os.environ.pop("DELTACP_CP_PREPASS_PIECE", None)
             results["prepass_staged"] = time_it(prepass_staged, args.repeat, args.warmup)
             errors["prepass_staged"] = float((prepass_staged() - prepass()[0]).norm() /
                                              prepass()[0].norm().clamp_min(1e-30))
@@ -269,6 +307,9 @@ def main():
             torch.cuda.current_stream(device).wait_stream(side)
 
         results["local_forward"] = time_it(local_forward, args.repeat, args.warmup)
+        for bv, stages in args.scan:
+            with scan_env(bv, stages):
+                results[f"local_forward_bv{bv}_s{stages}"] = time_it(local_forward, args.repeat, args.warmup)
         results["overlap_forward_plus_exchange"] = time_it(overlapped, args.repeat, args.warmup)
 
         # Parallel efficiency (issue 5's measure): one rank's CP step, forward + backward through the
@@ -305,7 +346,7 @@ def main():
                 rounds = time_interleaved({f"cp_step_{direction}": lambda: cp_step(direction),
                                            f"single_gpu_{direction}": lambda: single_step(direction),
                                            f"cp_step_{direction}_unstaged": lambda: one_shot(direction)},
-                                          device, args.repeat, args.warmup)
+                                          device, args.repeat, args.warmup, host=True)
                 results.update(rounds)
         if args.trace:
             from torch.profiler import ProfilerActivity, profile
@@ -315,10 +356,29 @@ def main():
                 cp_step("fwd+bwd")
                 torch.cuda.synchronize(device)
                 dist.barrier()
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.trace_cpu else [])
+                with profile(activities=activities) as prof:
                     cp_step("fwd+bwd")
                     torch.cuda.synchronize(device)
             prof.export_chrome_trace(os.path.join(args.trace, f"cp_step_rank{rank}.json"))
+
+        if args.host_profile:
+            import cProfile
+            import io
+            import pstats
+
+            os.makedirs(args.host_profile, exist_ok=True)
+            dist.barrier()
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            for _ in range(20):
+                cp_step("fwd")
+            torch.cuda.synchronize(device)
+            prof_host.disable()
+            text = io.StringIO()
+            pstats.Stats(prof_host, stream=text).sort_stats("cumulative").print_stats(45)
+            with open(os.path.join(args.host_profile, f"host_fwd_rank{rank}.txt"), "w") as f:
+                f.write(text.getvalue())
 
         if args.profile:
             for name, fn in (("cp_step_fwd+bwd", lambda: cp_step("fwd+bwd")),

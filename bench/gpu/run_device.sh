@@ -4,8 +4,11 @@
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
 #                                            cpbench (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
-#   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace (chrome traces in $OUT/trace)
-# DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu").
+#            (the bench only when cpbench is not asked for too)
+#   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
+#            of the GPU and cProfile of the host in $OUT/trace, tarred into cp_detail.tar.gz)
+# DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_CP_BENCH_ARGS are added to
+# bench_cp.py's arguments (e.g. "--pieces 8192 --scan 0:0,64:2").
 # FLA's Triton source, when carried in fla_src/ (ignored by git), is put on PYTHONPATH for the
 # side-by-side benchmark. Files written to $OUT (at most 8 come back): summary.txt, build.log,
 # ctest_gpu.log, sanitizer.log, pytest_gpu.log, bench_gpu.json, bench_gpu.log (bench step), or
@@ -92,12 +95,15 @@ if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
   mkdir -p /tmp/cpout
   OUT=/tmp/cpout NPROC=$(nvidia-smi -L | grep -c '^GPU') bash distributed/tests/run_gpu_cp.sh >"$OUT/cp_gpu.log" 2>&1
   say "cp (gpu): rc=$? in $(( $(date +%s) - t0 )) s"
-  t0=$(date +%s)
-  timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$(nvidia-smi -L | grep -c '^GPU') \
-    bench/cp/bench_cp.py --profile --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
-  say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  if ! has cpbench; then  # cpbench runs the same bench with its arguments and traces
+    t0=$(date +%s)
+    timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$(nvidia-smi -L | grep -c '^GPU') \
+      bench/cp/bench_cp.py --profile ${DELTACP_CP_BENCH_ARGS:-} --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
+    say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
+    tail -25 "$OUT/bench_cp.log"
+  fi
   tar -czf "$OUT/cp_results.tar.gz" -C /tmp cpout 2>/dev/null
-  tail -25 "$OUT/cp_gpu.log"; tail -25 "$OUT/bench_cp.log"
+  tail -25 "$OUT/cp_gpu.log"
 fi
 NGPU=$(nvidia-smi -L | grep -c '^GPU')
 if has cpbench; then
@@ -108,7 +114,7 @@ if has cpbench; then
   say "all-gather bench: rc=$? in $(( $(date +%s) - t0 )) s"
   t0=$(date +%s)
   timeout 400 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU bench/cp/bench_cp.py --profile \
-    --trace "$OUT/trace" ${DELTACP_CP_BENCH_ARGS:-} --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
+    --trace "$OUT/trace" --host-profile "$OUT/trace" ${DELTACP_CP_BENCH_ARGS:-} --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1
   say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
   grep -v "NCCL INFO" "$OUT/bench_allgather.log" | tail -10
   grep -v "profile rank" "$OUT/bench_cp.log" | tail -40

@@ -280,7 +280,8 @@ def test_until_confirmed_waits_for_the_collective_even_when_its_body_raises(monk
 
 
 def test_fold_maps_is_the_chain():
-    """_fold_maps (a log-depth tree) equals the chain S <- M_p S + H_p for 1 to 7 maps, in fp64."""
+    """_fold_maps (a log-depth tree) equals the chain S <- M_p S + H_p for 1 to 7 maps, in fp64, and
+    _fold_offsets its offset, over the maps in order and over them reversed with reverse=True."""
     rng = np.random.default_rng(3)
     for P in range(1, 8):
         X = torch.from_numpy(rng.standard_normal((P, 2, 3, 4 + 3)) * 0.5)
@@ -290,6 +291,11 @@ def test_fold_maps_is_the_chain():
         got = cp_ops._fold_maps(X, 4)
         np.testing.assert_allclose(got[..., :4].numpy(), H.numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(got[..., 4:].numpy(), M.numpy(), rtol=1e-12, atol=1e-12)
+        # the offset alone (no merge reads the composed transition), in order and reversed
+        np.testing.assert_allclose(cp_ops._fold_offsets(X[..., :4], X[..., 4:]).numpy(), H.numpy(),
+                                   rtol=1e-12, atol=1e-12)
+        back = cp_ops._fold_offsets(X.flip(0)[..., :4], X.flip(0)[..., 4:], reverse=True)
+        np.testing.assert_allclose(back.numpy(), H.numpy(), rtol=1e-12, atol=1e-12)
 
 
 class _FakeCtx:

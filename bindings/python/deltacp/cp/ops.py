@@ -334,19 +334,43 @@ def _fold_maps(X: torch.Tensor, V: int) -> torch.Tensor:
     return torch.cat([H, M], dim=-1)
 
 
-def _fold(H: torch.Tensor, M: torch.Tensor):
-    """_fold_maps on separate [P, HV, K, V] offsets and [P, HV, K, K] transitions: (H, M) of the whole."""
+@contextlib.contextmanager
+def _no_tf32():
+    """fp32 products in full fp32 (the compositions of state maps must not round to TF32's 10 bits)."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _fold_offsets(H: torch.Tensor, M: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """The offset alone of the composed maps S -> M_p S + H_p (H [P, HV, K, V], M [P, HV, K, K]; applied
+    p = 0, 1, ..., or p = P - 1, ..., 0 when reverse), [HV, K, V]: S = the first H_p, then S <- M_p S + H_p,
+    one fused product per piece. For when nothing reads the composed transition (not ctx.maps_read): _fold
+    also composes the transitions, in a tree of about five launches per level, which the host must issue
+    while the GPU waits for them on the exchange's critical path (the 2x H200 traces showed the GPU idle
+    between them); here P - 1 launches. Sums in another order than _fold's: the two agree to rounding."""
+    order = list(range(H.shape[0]))
+    if reverse:
+        order.reverse()
+    S = H[order[0]]
+    with _no_tf32():
+        for p in order[1:]:
+            S = torch.baddbmm(H[p], M[p], S)
+    return S
+
+
+def _fold(H: torch.Tensor, M: torch.Tensor):
+    """_fold_maps on separate [P, HV, K, V] offsets and [P, HV, K, K] transitions: (H, M) of the whole."""
+    with _no_tf32():
         while H.shape[0] > 1:
             n = H.shape[0] // 2 * 2
             Mb = M[1:n:2]
             Hc = torch.matmul(Mb, H[0:n:2]) + H[1:n:2]
             Mc = torch.matmul(Mb, M[0:n:2])
             H, M = (torch.cat([Hc, H[n:]]), torch.cat([Mc, M[n:]])) if n < H.shape[0] else (Hc, Mc)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
     return H[0], M[0]
 
 
@@ -555,6 +579,8 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Op
         X = _pieces_of_segment(cfg, run, xs, s0, s1, bounds, prepared)
         if want_first_maps and s0 == ctx.cu_seqlens_list[0]:  # the same segment and pieces
             maps.append(_PieceMaps(bounds, X[..., cfg.V:].clone()))
+        if not ctx.maps_read:  # nothing reads the composed transition: the offset alone
+            return _fold_offsets(X[..., :cfg.V], X[..., cfg.V:])
         return _fold_maps(X, cfg.V)
 
     def loops():
@@ -612,7 +638,10 @@ def _prepass_backward_wide(cfg: _Cfg, q, k, v, g, beta, a, b, do, dht, first_map
                 raise
     if dH is not None:
         # backward order: the last piece's map is applied first; dS_start = M_p^T dS_end + dH_p
-        H, Mt = _fold(dH.flip(0), first_maps.M.flip(0).transpose(-1, -2))
+        Mt = first_maps.M.transpose(-1, -2)
+        if not ctx.maps_read:  # nothing reads the composed transition: the offset alone
+            return _fold_offsets(dH, Mt, reverse=True)
+        H, Mt = _fold(dH.flip(0), Mt.flip(0))
         return torch.cat([H, Mt], dim=-1).contiguous()
 
     def chunked():  # pieces on the one-device chunk grid, as in the forward

@@ -94,6 +94,8 @@ class NcclComm {
   // The fingerprint check (deltacp.cp agree) in two halves, independent of the caller's streams: the
   // values travel host -> pinned -> device -> all-reduce MAX -> pinned on the private stream alone, so the
   // check overlaps whatever the caller has enqueued (the CP pre-pass). At most kMaxCheckValues values.
+  // start returns without waiting for the non-blocking communicator to finish enqueuing the all-reduce
+  // (it does so in a thread of its own, ~0.3 ms); finish waits for that, then enqueues the copy back.
   static constexpr size_t kMaxCheckValues = 256;
   void start_max_i64(const std::vector<int64_t>& values);
   std::vector<int64_t> finish_max_i64(const std::string& what);
