@@ -5,6 +5,7 @@
 #                                            cpbench (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too)
+#   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
 #            of the GPU and cProfile of the host in $OUT/trace, tarred into cp_detail.tar.gz)
 # DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_CP_BENCH_ARGS are added to
@@ -105,6 +106,35 @@ if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
   tar -czf "$OUT/cp_results.tar.gz" -C /tmp cpout 2>/dev/null
   tail -25 "$OUT/cp_gpu.log"
 fi
+if has ncu; then
+  # One launch of a kernel under Nsight Compute (full set: warp stall reasons, pipe use, source counters),
+  # from three forwards of one shape. DELTACP_NCU_KERNEL (regex, default the state scan), DELTACP_NCU_SHAPE
+  # (B,T,H,D, default 1,32768,16,128: one sequence, as in the CP bench).
+  t0=$(date +%s)
+  if command -v ncu >/dev/null 2>&1; then
+    IFS=, read -r NB NT NH ND <<<"${DELTACP_NCU_SHAPE:-1,32768,16,128}"
+    timeout 300 ncu --kernel-name "regex:${DELTACP_NCU_KERNEL:-chunk_state_scan}" --launch-skip 1 --launch-count 1 \
+      --set full --import-source yes -o "$OUT/ncu_kernel" -f python3 -c "
+import torch, torch.nn.functional as F, deltacp
+B, T, H, D = $NB, $NT, $NH, $ND
+q = torch.randn(B, T, H, D, device='cuda', dtype=torch.bfloat16)
+k = F.normalize(torch.randn(B, T, H, D, device='cuda'), dim=-1).bfloat16()
+v = torch.randn(B, T, H, D, device='cuda', dtype=torch.bfloat16)
+g = F.logsigmoid(torch.randn(B, T, H, device='cuda'))
+beta = torch.rand(B, T, H, device='cuda').sigmoid().bfloat16()
+for _ in range(3):
+    deltacp.chunk_gated_delta_rule(q, k, v, g, beta)
+torch.cuda.synchronize()
+" >"$OUT/ncu.log" 2>&1
+    rc=$?
+    ncu --import "$OUT/ncu_kernel.ncu-rep" --page details --print-details all >"$OUT/ncu_details.txt" 2>&1
+    say "ncu (${DELTACP_NCU_KERNEL:-chunk_state_scan}): rc=$rc in $(( $(date +%s) - t0 )) s"
+    grep -E "Duration|Registers|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | head -30
+  else
+    say "ncu: not on this image"
+  fi
+fi
+
 NGPU=$(nvidia-smi -L | grep -c '^GPU')
 if has cpbench; then
   t0=$(date +%s)
