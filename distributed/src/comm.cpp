@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdio>
+#include <optional>
 #include <system_error>
 #include <thread>
 
@@ -375,7 +376,17 @@ void NcclComm::finish(const std::string& what, void* user_stream, bool wait_done
 }
 
 void NcclComm::wait_event(void* event, const std::string& what) {
-  DeviceGuard guard(device_);
+  // The device cannot be selected (a sticky CUDA error, say): like a failed look inside poll(), the
+  // communicator cannot be trusted any more, and every later call must say so.
+  std::optional<DeviceGuard> guard;
+  try {
+    guard.emplace(device_);
+  } catch (const std::exception& e) {
+    const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
+                            " failed: " + e.what() + "; the NCCL communicator was shut down";
+    fail(msg, Stop::revoke_or_abort);
+    throw std::runtime_error(msg);
+  }
   poll(what, [&] {
     const cudaError_t e = cudaEventQuery(as_event(event));
     if (e == cudaErrorNotReady) return false;
