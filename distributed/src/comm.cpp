@@ -184,6 +184,13 @@ void NcclComm::fail(const std::string& reason, Stop stop) noexcept {
 
 void NcclComm::abort(const std::string& reason) { fail(reason, Stop::revoke_or_abort); }
 
+void NcclComm::fail_and_throw(const std::string& what, const std::string& cause, Stop stop) {
+  const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
+                          " failed: " + cause + "; the NCCL communicator was shut down";
+  fail(msg, stop);
+  throw std::runtime_error(msg);
+}
+
 template <class Ready>
 void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop stop) {
   const auto start = std::chrono::steady_clock::now();
@@ -204,11 +211,7 @@ void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop s
     if (q != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
       const ncclResult_t bad = q != ncclSuccess ? q : async;
       const char* last = ncclGetLastError(nullptr);
-      const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
-                              " failed: " + ncclGetErrorString(bad) + " (" + (last ? last : "") +
-                              "); the NCCL communicator was shut down";
-      fail(msg, stop);
-      throw std::runtime_error(msg);
+      fail_and_throw(what, std::string(ncclGetErrorString(bad)) + " (" + (last ? last : "") + ")", stop);
     }
     if (async == ncclSuccess) {
       bool done = false;
@@ -217,10 +220,7 @@ void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop s
       } catch (const std::exception& e) {
         // A CUDA error while waiting (for instance a fault of the collective): the communicator
         // cannot be trusted any more either.
-        const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
-                                " failed: " + e.what() + "; the NCCL communicator was shut down";
-        fail(msg, stop);
-        throw std::runtime_error(msg);
+        fail_and_throw(what, e.what(), stop);
       }
       if (done) return;
     }
@@ -342,10 +342,7 @@ void NcclComm::enqueue(const std::string& what, void* user_stream, Launch launch
     }
   }
   if (r == ncclSuccess) throw_dead(what);  // it was dead before anything was enqueued
-  const std::string msg = "deltacp: context parallelism: enqueuing " + what + " on rank " + std::to_string(rank_) +
-                          " failed: " + ncclGetErrorString(r) + "; the NCCL communicator was shut down";
-  fail(msg, Stop::revoke_or_abort);
-  throw std::runtime_error(msg);
+  fail_and_throw("enqueuing " + what, ncclGetErrorString(r), Stop::revoke_or_abort);
 }
 
 template <class After>
@@ -382,10 +379,7 @@ void NcclComm::wait_event(void* event, const std::string& what) {
   try {
     guard.emplace(device_);
   } catch (const std::exception& e) {
-    const std::string msg = "deltacp: context parallelism: " + what + " on rank " + std::to_string(rank_) +
-                            " failed: " + e.what() + "; the NCCL communicator was shut down";
-    fail(msg, Stop::revoke_or_abort);
-    throw std::runtime_error(msg);
+    fail_and_throw(what, e.what(), Stop::revoke_or_abort);
   }
   poll(what, [&] {
     const cudaError_t e = cudaEventQuery(as_event(event));

@@ -351,10 +351,14 @@ def _fold_offsets(H: torch.Tensor, M: torch.Tensor, reverse: bool = False) -> to
     one fused product per piece. For when nothing reads the composed transition (not ctx.maps_read): _fold
     also composes the transitions, in a tree of about five launches per level, which the host must issue
     while the GPU waits for them on the exchange's critical path (the 2x H200 traces showed the GPU idle
-    between them); here P - 1 launches. Sums in another order than _fold's: the two agree to rounding."""
+    between them); here P - 1 launches. Sums in another order than _fold's: the two agree to rounding.
+    Also the CP merge's fold over the gathered ranks where the merge kernel is not at hand. Always a new
+    tensor (one map: a copy), so that a kept result pins none of H's storage."""
     order = list(range(H.shape[0]))
     if reverse:
         order.reverse()
+    if len(order) == 1:
+        return H[order[0]].clone()
     S = H[order[0]]
     with _no_tf32():
         for p in order[1:]:
@@ -711,40 +715,36 @@ def _merge_forward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
     """S = 0 folded through the earlier ranks: S <- M_j S + H_j, j = r - pre .. r - 1 (fp32 chain).
     Without transitions in the exchange (not maps_read) the fold is one rank's H: M_j multiplies 0."""
     ctx, V = cfg.ctx, cfg.V
+    if ctx.pre_ranks == 0:
+        return torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
     if gathered.shape[-1] == V:
         if ctx.pre_ranks > 1:
             raise ValueError("deltacp: internal: a merge over several ranks without their transitions")
-        if ctx.pre_ranks == 0:
-            return torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
         return gathered[ctx.rank - 1].clone()  # the backward keeps it: not a view pinning every rank's buffer
     if _use_nccl_kernels(cfg):
         from . import nccl_backend
 
         return nccl_backend.merge(cfg, gathered, ctx.rank - ctx.pre_ranks, ctx.rank, forward=True)
-    S = torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
-    for j in range(ctx.rank - ctx.pre_ranks, ctx.rank):
-        S = torch.matmul(gathered[j, :, :, V:], S) + gathered[j, :, :, :V]
-    return S
+    earlier = gathered[ctx.rank - ctx.pre_ranks:ctx.rank]
+    return _fold_offsets(earlier[..., :V], earlier[..., V:])
 
 
 def _merge_backward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
     """dS = 0 folded from the later ranks down: dS <- M_j^T dS + dH_j, j = r + post .. r + 1.
     Without transitions in the exchange (not maps_read) the fold is one rank's dH."""
     ctx, V = cfg.ctx, cfg.V
+    if ctx.post_ranks == 0:
+        return torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
     if gathered.shape[-1] == V:
         if ctx.post_ranks > 1:
             raise ValueError("deltacp: internal: a merge over several ranks without their transitions")
-        if ctx.post_ranks == 0:
-            return torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
         return gathered[ctx.rank + 1]
     if _use_nccl_kernels(cfg):
         from . import nccl_backend
 
         return nccl_backend.merge(cfg, gathered, ctx.rank + 1, ctx.rank + ctx.post_ranks + 1, forward=False)
-    dS = torch.zeros((cfg.HV, cfg.K, V), dtype=gathered.dtype, device=gathered.device)
-    for j in range(ctx.rank + ctx.post_ranks, ctx.rank, -1):
-        dS = torch.matmul(gathered[j, :, :, V:], dS) + gathered[j, :, :, :V]
-    return dS
+    later = gathered[ctx.rank + 1:ctx.rank + ctx.post_ranks + 1]
+    return _fold_offsets(later[..., :V], later[..., V:], reverse=True)
 
 
 def _local_initial_states(cfg: _Cfg, h0, merged) -> Optional[torch.Tensor]:

@@ -118,6 +118,8 @@ class NcclComm {
   void poll(const std::string& what, Ready ready, double limit_s, Stop stop = Stop::revoke_or_abort);
   // alive -> dead with `reason`, stopping the communicator; idempotent, never throws.
   void fail(const std::string& reason, Stop stop) noexcept;
+  // fail() with "<what> on rank r failed: <cause>; the NCCL communicator was shut down", then throws that.
+  [[noreturn]] void fail_and_throw(const std::string& what, const std::string& cause, Stop stop);
   void stop_locked(Stop stop) noexcept;
   [[noreturn]] void throw_dead(const std::string& what) const;
   // Enqueues `launch(comm, private stream)` after the work on `user_stream` (kNoCallerStream in comm.cpp:
