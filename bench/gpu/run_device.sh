@@ -5,6 +5,7 @@
 #                                            cpbench (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too)
+#   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
 #   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
 #            of the GPU and cProfile of the host in $OUT/trace, tarred into cp_detail.tar.gz)
@@ -28,6 +29,7 @@ t_start=$(date +%s)
 say "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -4 | tr '\n' ';')"
 say "   nvcc $(nvcc --version | tail -1); python3 $(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)')"
 ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+[ "$ARCH" = 90 ] && ARCH=90a  # Hopper: the sm_90a target (wgmma, cuda/tiled/scan_wgmma.cuh)
 BUILD=build-gpu
 
 if has build; then
@@ -41,6 +43,9 @@ if has build; then
   rm -rf /tmp/dcp_site && mkdir -p /tmp/dcp_site/deltacp && cp -r bindings/python/deltacp/. /tmp/dcp_site/deltacp/ &&
     cmake --install $BUILD --component python --prefix /tmp/dcp_site >>"$OUT/build.log" 2>&1
   say "build: rc=$rc in $(( $(date +%s) - t0 )) s (sm_$ARCH)"
+  if command -v cuobjdump >/dev/null 2>&1; then  # the wgmma scan must show tensor-core warpgroup products
+    say "   HGMMA instructions in tiled_fwd: $(cuobjdump -sass $BUILD/cuda/CMakeFiles/deltacp_cuda.dir/tiled/tiled_fwd.cu.o 2>/dev/null | grep -c HGMMA)"
+  fi
   [ $rc -ne 0 ] && { tail -40 "$OUT/build.log"; }
 fi
 
@@ -77,6 +82,13 @@ if has pytest; then
   t0=$(date +%s)
   python3 -m pytest -q -x tests/python -k "${DELTACP_PYTEST_K:-cuda or gpu}" >"$OUT/pytest_gpu.log" 2>&1
   say "pytest (cuda): rc=$? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/pytest_gpu.log")"
+fi
+
+if has scan; then  # the state scan alone: wgmma against mma.sync (bench/gpu/bench_scan.py)
+  t0=$(date +%s)
+  timeout 300 python3 bench/gpu/bench_scan.py --json "$OUT/bench_scan.json" ${DELTACP_SCAN_ARGS:-} >"$OUT/bench_scan.log" 2>&1
+  say "scan bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  tail -12 "$OUT/bench_scan.log"
 fi
 
 if has bench; then

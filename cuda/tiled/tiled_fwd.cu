@@ -15,7 +15,8 @@
 //   1 chunk_cumsum_kernel      grid (chunks, ceil(HV*Dg/128))  G = cumsum g per chunk (Dg = 1 gdn, K kda)
 //   2 chunk_wy_kernel          grid (chunks, HV)               A -> T (blocked forward substitution in
 //                                                              fp32) -> W, U (and Kd for kda)
-//   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks;
+//   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks
+//     (or, on Hopper with wide grids, chunk_state_scan_wgmma_kernel in scan_wgmma.cuh);
 //                                                              S (K x BV) stays in fp32 registers; writes
 //                                                              h_c (chunk-start state) and Vn
 //   4 chunk_output_kernel      grid (chunks, HV)               O, parallel over chunks
@@ -66,11 +67,15 @@
 // scan 0.50 ms (was 1.05: see stage 3 below for why), wy 0.44, output 0.38. Nsight Compute puts
 // the wy and output stages at ~0.4 issued instructions per scheduler cycle with 12 warps per SM:
 // issue-bound on their element-wise tile loops; they are what to attack next.
+// Session 6 (H200, same harness): stage 3 runs on wgmma where the grid is wide (scan_wgmma.cuh),
+// (1,8192,96,128) 1.701 ms (FLA 1.399), (4,4096,64,128) 2.128 ms (FLA 1.706); the other two shapes
+// keep the mma.sync scan (0.391, 1.427 ms).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -792,6 +797,14 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 4 : 2)
   if (ht != nullptr) store_acc(S, ht + state0, V, m0, static_cast<int>(K), static_cast<int>(V - v0));
 }
 
+// Stage 3 on Hopper tensor cores (wgmma, sm_90a): launched instead of the kernel above where it applies.
+// (The header opens its own namespace and reads FwdArgs / SeqEntry from this file's.)
+}  // namespace
+}  // namespace deltacp::cuda::tiled
+#include "scan_wgmma.cuh"
+namespace deltacp::cuda::tiled {
+namespace {
+
 // ============================================================================================
 // Stage 4: O = scale ((Q e^G) h_c + P Vn),  P = tril((Q e^G)(K e^-G)^T) (diagonal included).
 // One CTA per (chunk, value head); warp w owns output rows 16 w .. 16 w + 15. The value columns go
@@ -1038,6 +1051,80 @@ void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, v
   });
 }
 
+// ---- the Hopper state scan's choice (scan_wgmma.cuh) -------------------------------------------
+namespace {
+// DELTACP_TILED_SCAN_WGMMA: unset = where it applies and the grid is wide enough (below); 0 = never;
+// 1 = required (an error names why it cannot run). Forcing the mma.sync scan's tile
+// (DELTACP_TILED_SCAN_BV / _STAGES) selects that scan.
+//
+// Why "wide enough": a chunk step of the wgmma scan issues ~3x fewer products but its latency is no
+// shorter (~2 us), so with few CTAs (one long sequence and 16 heads: 16-32 CTAs) the mma.sync scan,
+// whose narrower tiles give 2-4x the CTAs, is faster (H200, bench/gpu/bench_scan.py, scan kernel:
+// 1.05 ms against 1.22 with one warpgroup per CTA, 1.67 with two). From half a CTA per SM at two
+// warpgroups per CTA on, the wgmma scan wins: the CP pre-pass's pieces (4 x 8192 tokens, 16 heads,
+// 256 columns, final state only) 0.26 ms against 0.49; (4, 4096, 64, 128) 0.44 ms against 0.69.
+// Returns the reason the wgmma scan does not apply, or nullptr when it does.
+const char* wgmma_scan_refusal(const Params& p, bool kda, bool sixteen_bit, bool h_and_vnew_agree) {
+#ifndef DELTACP_HAVE_SM90A
+  (void)p, (void)kda, (void)sixteen_bit, (void)h_and_vnew_agree;
+  return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
+#else
+  if (!sixteen_bit) return "it takes bf16 or fp16 inputs";
+  if (p.K != kWgKeys) return "it takes K = 128";
+  if (!h_and_vnew_agree) return "it stores h and v_new together or neither";
+  if (!kda) {  // gdn / delta read k itself in 16-byte pieces
+    const int64_t es = dtype_size(p.dtype);
+    if (reinterpret_cast<uintptr_t>(p.k.ptr) % 16 != 0 || (p.k.stride_t * es) % 16 != 0 ||
+        (p.k.stride_h * es) % 16 != 0 || (p.k.stride_b * es) % 16 != 0)
+      return "it reads k in 16-byte pieces (k's pointer and strides are not 16-byte aligned)";
+  }
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
+      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
+    return "it runs on compute capability 9.0 (H100 / H200) only";
+  return nullptr;
+#endif
+}
+
+// ctas_two_wg: the CTAs of the wgmma scan at two warpgroups per CTA.
+bool use_wgmma_scan(const Params& p, bool kda, bool sixteen_bit, bool h_and_vnew_agree, int64_t ctas_two_wg) {
+  const char* env = std::getenv("DELTACP_TILED_SCAN_WGMMA");
+  const bool required = env != nullptr && std::string(env) == "1";
+  if (env != nullptr) {
+    DELTACP_CHECK(std::string(env) == "0" || required, "DELTACP_TILED_SCAN_WGMMA", "expected 0 or 1, got ", env);
+    if (!required) return false;
+  } else if (std::getenv("DELTACP_TILED_SCAN_BV") != nullptr || std::getenv("DELTACP_TILED_SCAN_STAGES") != nullptr) {
+    return false;
+  }
+  const char* why = wgmma_scan_refusal(p, kda, sixteen_bit, h_and_vnew_agree);
+  if (why != nullptr && required) throw_error("DELTACP_TILED_SCAN_WGMMA", "the wgmma state scan cannot run: ", why);
+  return why == nullptr && (required || 2 * ctas_two_wg >= sm_count());
+}
+
+template <class T, bool kKda>
+void launch_scan_wgmma(const Params& p, const ChunkTable& table, const FwdArgs<T>& args, const float* G,
+                       const void* W, const void* U, const void* Kd, void* h, void* v_new, const float* h0,
+                       float* ht, cudaStream_t stream) {
+  // Two warpgroups per CTA share one copy of each chunk's W and K tiles (one warpgroup: twice the CTAs,
+  // slower wherever use_wgmma_scan picks this scan; DELTACP_TILED_SCAN_WG=1 forces it).
+  int nwg = 2;
+  if (const char* env = std::getenv("DELTACP_TILED_SCAN_WG")) {
+    DELTACP_CHECK(std::string(env) == "1" || std::string(env) == "2", "DELTACP_TILED_SCAN_WG", "expected 1 or 2, got ",
+                  env);
+    nwg = std::atoi(env);
+  }
+  const WgScanLayout L = wg_scan_layout(nwg, sizeof(T), h != nullptr);
+  auto kernel = nwg == 2 ? chunk_state_scan_wgmma_kernel<T, kKda, 2> : chunk_state_scan_wgmma_kernel<T, kKda, 1>;
+  prepare_smem(kernel, L.bytes, p, "state scan (wgmma)");
+  const int64_t gz = (args.Vp + 64 * nwg - 1) / (64 * nwg);
+  check_grid_yz(gz, "V");
+  const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV), static_cast<unsigned>(gz));
+  kernel<<<grid, 128 * nwg, L.bytes, stream>>>(args, G, static_cast<const T*>(W), static_cast<const T*>(U),
+                                               static_cast<const T*>(Kd), static_cast<T*>(h), static_cast<T*>(v_new),
+                                               h0, ht);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
 void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const float* G, const void* W,
                              const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
                              cudaStream_t stream, const ScanRows* rows) {
@@ -1051,6 +1138,11 @@ void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const flo
         args.ws_row0 = rows->row0;
         args.Up = static_cast<int>(rows->u_width);
         args.u_cols = static_cast<int>(rows->u_cols);
+      }
+      const int64_t ctas_two_wg = table.num_seqs() * p.HV * ((args.Vp + 127) / 128);
+      if (use_wgmma_scan(p, kKda, kIs16Bit<T>, (h == nullptr) == (v_new == nullptr), ctas_two_wg)) {
+        if constexpr (kIs16Bit<T>) launch_scan_wgmma<T, kKda>(p, table, args, G, W, U, Kd, h, v_new, h0, ht, stream);
+        return;
       }
       // Column tile and load stages: scan_config.h (K <= 64: 4 warps, BV 64/32/16; K <= 128: 8 warps,
       // BV 64/32; K > 128: 4 warps of 64 rows, BV 16).

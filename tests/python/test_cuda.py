@@ -189,6 +189,7 @@ def test_every_state_scan_tile_gives_the_same_result(variant, dtype, monkeypatch
     default's o and final state bit for bit, and the default must match the reference. K = V = 128 (8 warps)
     over three sequences, one of them a single token."""
     _require_cuda_build()
+    monkeypatch.setenv("DELTACP_TILED_SCAN_WGMMA", "0")  # the mma.sync scan's tiles (the wgmma scan: below)
     p = make_problem(variant, cu_seqlens=[0, 1, 150, 300], H=2, HV=2, K=128, V=128, seed=21)
     names = input_names(variant)
     t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda") for n in names}
@@ -214,6 +215,75 @@ def test_every_state_scan_tile_gives_the_same_result(variant, dtype, monkeypatch
     monkeypatch.setenv("DELTACP_TILED_SCAN_BV", "48")
     with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_BV"):
         run()
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("V", [128, 96, 256])
+def test_wgmma_scan_matches_the_mma_sync_scan(variant, dtype, V, monkeypatch):
+    """The Hopper state scan (cuda/tiled/scan_wgmma.cuh: wgmma, S^T in registers) against the mma.sync
+    scan and the reference, forward (o, final state) and backward (which recomputes h with the same
+    scan), with one and two warpgroups per CTA. V = 96 leaves the second warpgroup's columns partly
+    outside the state; V = 256 is as wide as the CP pre-pass's [H | M] state. Same roundings, other
+    summation order: the two scans agree to bf16 rounding, not bit for bit. Runs on compute capability
+    9.0 only (elsewhere DELTACP_TILED_SCAN_WGMMA=1 must raise naming the variable)."""
+    _require_cuda_build()
+    p = make_problem(variant, cu_seqlens=[0, 1, 150, 300, 700], H=2, HV=2, K=128, V=V, seed=23)
+    names = input_names(variant)
+    t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda") for n in names}
+    h0 = torch.tensor(p["initial_state"], dtype=torch.float32, device="cuda")
+    cu = torch.tensor(p["cu_seqlens"], device="cuda")
+    rng = np.random.default_rng(24)
+    do = torch.tensor(rng.standard_normal((1, 700, 2, V)), dtype=dtype, device="cuda")
+
+    def run():
+        x = {n: v.clone().requires_grad_(True) for n, v in t.items()}
+        h = h0.clone().requires_grad_(True)
+        o, ht = _call(variant, x, initial_state=h, output_final_state=True, cu_seqlens=cu, backend="tiled")
+        ((o.float() * do.float()).sum() + ht.sum()).backward()
+        torch.cuda.synchronize()
+        return [o.detach(), ht.detach(), h.grad] + [x[n].grad for n in names]
+
+    monkeypatch.setenv("DELTACP_TILED_SCAN_WGMMA", "1")
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_WGMMA"):
+            run()
+        pytest.skip("the wgmma scan runs on compute capability 9.0 only")
+    got = {}
+    for wg in ("1", "2"):
+        monkeypatch.setenv("DELTACP_TILED_SCAN_WG", wg)
+        got[wg] = run()
+    monkeypatch.delenv("DELTACP_TILED_SCAN_WG")
+    monkeypatch.setenv("DELTACP_TILED_SCAN_WGMMA", "0")
+    base = run()
+    rounded = dict(p, **{n: t[n].double().cpu().numpy() for n in names}, initial_state=h0.double().cpu().numpy())
+    o_ref, ht_ref = ref_forward(ref, variant, rounded)
+    labels = ["o", "ht", "dh0"] + ["d" + n for n in names]
+    for wg, res in got.items():
+        assert rel_err(res[0].double().cpu().numpy(), o_ref) < 1e-2, f"o vs reference, {wg} warpgroup(s)"
+        assert rel_err(res[1].double().cpu().numpy(), ht_ref) < 1e-2, f"ht vs reference, {wg} warpgroup(s)"
+        for label, a, b in zip(labels, res, base):
+            err = rel_err(a.double().cpu().numpy(), b.double().cpu().numpy())
+            assert err < 5e-3, f"{label}: wgmma ({wg} warpgroup(s)) vs mma.sync scan {err:.2e}"
+    # deterministic: the default warpgroup count (two) again, bit for bit
+    monkeypatch.setenv("DELTACP_TILED_SCAN_WGMMA", "1")
+    again = run()
+    assert all(torch.equal(a, b) for a, b in zip(again, got["2"]))
+
+
+def test_wgmma_scan_switch_names_what_it_cannot_run(monkeypatch):
+    """DELTACP_TILED_SCAN_WGMMA=1 requires the Hopper scan: fp32 inputs (which it does not take) raise a
+    ValueError naming the variable and the reason, on any GPU and build; a value other than 0 or 1 is
+    rejected by name."""
+    _require_cuda_build()
+    p = make_problem("gdn", B=1, T=70, H=1, K=128, V=128, seed=25)
+    t = {n: torch.tensor(p[n], dtype=torch.float32, device="cuda") for n in ("q", "k", "v", "g", "beta")}
+    monkeypatch.setenv("DELTACP_TILED_SCAN_WGMMA", "1")
+    with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_WGMMA.*(bf16 or fp16|sm_90a)"):
+        deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], backend="tiled")
+    monkeypatch.setenv("DELTACP_TILED_SCAN_WGMMA", "yes")
+    with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_WGMMA.*expected 0 or 1"):
+        deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], backend="tiled")
 
 
 def _cuda_problem(variant, dtype):

@@ -1,0 +1,133 @@
+"""The tiled forward's state scan on its own: the wgmma scan (cuda/tiled/scan_wgmma.cuh) against the
+mma.sync scan, per kernel (torch.profiler, CUDA time of the scan kernel per launch) and for the whole
+forward (CUDA events, median), bf16 GDN. A shape is B,T,H,K[,V[,N]]: B rows of T tokens, or with N one
+row of T tokens packed as N equal sequences. 1,32768,16,128,256,4 has the parallel structure of the CP
+pre-pass's pieces (4 pieces of 8192 tokens, state [H | M] 256 columns wide). "state only" times the
+scan of a final-state-only forward (no o: the scan stores neither h nor v_new, as the CP pre-pass's
+pieces run it). The scan is chosen by DELTACP_TILED_SCAN_WGMMA (0: mma.sync; 1: wgmma) and
+DELTACP_TILED_SCAN_WG (warpgroups per CTA), read at every launch.
+
+    python3 bench/gpu/bench_scan.py [--shapes 1,32768,16,128 1,32768,16,128,256,4] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import deltacp
+
+
+def inputs(B, T, H, K, V, N):
+    torch.manual_seed(0)
+    q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda"))
+    beta = torch.rand(B, T, H, device="cuda").sigmoid().bfloat16()
+    cu = None if N is None else torch.arange(0, T + 1, T // N, device="cuda", dtype=torch.int64)
+    return (q, k, v, g, beta), cu
+
+
+def call(args, cu):
+    return deltacp.chunk_gated_delta_rule(*args, cu_seqlens=cu, backend="tiled")
+
+
+def forward_ms(args, cu, reps=30):
+    for _ in range(3):
+        call(args, cu)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call(args, cu)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def state_only_call(args, cu):
+    """A final-state-only forward (no o) through the core entry: the CP pre-pass's mode."""
+    from deltacp import _core
+    from deltacp._describe import torch_desc
+
+    q, k, v, g, beta = args
+    B, T, HV, V = v.shape
+    N = B if cu is None else cu.numel() - 1
+    ht = torch.empty((N, HV, k.shape[-1], V), device="cuda")
+    d = {n: torch_desc(x, n) for n, x in zip(("q", "k", "v", "g", "beta"), args)}
+    d["ht"] = torch_desc(ht, "ht")
+    keep = [ht]
+    if cu is not None:
+        cu_host = cu.cpu()
+        keep += [cu, cu_host]
+        d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
+        d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
+    _core.run("forward", "gdn", "tiled", "float32", d, None, 64, None, torch.cuda.current_stream().cuda_stream, False)
+    return ht, keep
+
+
+def scan_kernel_ms(args, cu, reps=10, fn=None):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = fn or call
+    fn(args, cu)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn(args, cu)
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.key_averages():
+        if "state_scan" in ev.key:
+            per[ev.key.split("<")[0].split("(")[0]] = ev.device_time_total / 1e3 / reps
+    return per
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*",
+                    default=["1,32768,16,128", "2,16384,16,128", "4,4096,64,128", "1,32768,16,128,256,4"])
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    configs = {"mma.sync": {"DELTACP_TILED_SCAN_WGMMA": "0"},
+               "wgmma 1 WG": {"DELTACP_TILED_SCAN_WGMMA": "1", "DELTACP_TILED_SCAN_WG": "1"},
+               "wgmma 2 WG": {"DELTACP_TILED_SCAN_WGMMA": "1", "DELTACP_TILED_SCAN_WG": "2"}}
+    rows = []
+    print(f"{torch.cuda.get_device_name()}  bf16 gdn, scan kernel ms / forward ms")
+    for shape in a.shapes:
+        dims = list(map(int, shape.split(",")))
+        B, T, H, K = dims[:4]
+        V = dims[4] if len(dims) > 4 else K
+        N = dims[5] if len(dims) > 5 else None
+        args, cu = inputs(B, T, H, K, V, N)
+        ref_o = None
+        for name, env in configs.items():
+            for key in ("DELTACP_TILED_SCAN_WGMMA", "DELTACP_TILED_SCAN_WG"):
+                os.environ.pop(key, None)
+            os.environ.update(env)
+            o, _ = call(args, cu)
+            if ref_o is None:
+                ref_o = o.float()
+            diff = ((o.float() - ref_o).norm() / ref_o.norm()).item()
+            scan = scan_kernel_ms(args, cu)
+            fwd = forward_ms(args, cu)
+            only = scan_kernel_ms(args, cu, fn=state_only_call)
+            rows.append({"shape": shape, "scan": name, "scan_ms": sum(scan.values()), "forward_ms": fwd,
+                         "state_only_scan_ms": sum(only.values()), "rel_diff_vs_mma_sync": diff})
+            print(f"  ({shape:>22s})  {name:11s}  scan {sum(scan.values()):.3f} ms  forward {fwd:.3f} ms  "
+                  f"state-only scan {sum(only.values()):.3f} ms  o vs mma.sync {diff:.1e}", flush=True)
+    for key in ("DELTACP_TILED_SCAN_WGMMA", "DELTACP_TILED_SCAN_WG"):
+        os.environ.pop(key, None)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
