@@ -232,6 +232,13 @@ assert rel_err(folded, HM) < 1e-13
 # `cuda/include/deltacp/cuda/api.h`). The local forward then skips its own WY stage: the CP step's
 # forward went from 4.51 to 2.86 ms against 2.08 ms on one GPU (docs/context-parallel.md).
 #
+# On Hopper that scan of the pieces runs on `wgmma` (`cuda/tiled/scan_wgmma.cuh`). It keeps the state
+# transposed, $S^\top$, in registers, so that both products of a chunk step,
+# $V_n^\top = U^\top - S^\top W^\top$ and $S^\top \leftarrow D\,S^\top + V_{ns}^\top K$, read their left
+# operand from registers. Only W and K come from shared memory. On 2 H200s, the scan of the 4 pieces
+# takes 0.26 ms, down from 0.49. It is tested against the `mma.sync` scan and the reference in
+# `tests/python/test_cuda.py::test_wgmma_scan_matches_the_mma_sync_scan`.
+#
 # ### What the all-gather must carry
 #
 # The merge folds $S \leftarrow M_j S + H_j$ from $S = 0$ over the ranks before $r$ that share the
