@@ -29,10 +29,14 @@
 // per row through the copy engine was slower still).
 //
 // Applies to 16-bit inputs with K = 128 (Kp = 128) on a compute capability 9.0 device in a build
-// with sm_90a code (DELTACP_HAVE_SM90A); DELTACP_TILED_SCAN_WGMMA=0 turns it off, and forcing the
-// mma.sync scan's tile (DELTACP_TILED_SCAN_BV / _STAGES) selects that scan; by default it runs where
-// its grid is wide enough to beat the mma.sync scan (use_wgmma_scan in tiled_fwd.cu says why).
-// DELTACP_TILED_SCAN_WG=1|2 forces the warpgroups per CTA (default 2, sharing one copy of W and K).
+// with sm_90a code (DELTACP_HAVE_SM90A), when h and v_new are stored both or neither, and (gdn, delta)
+// when k's pointer and strides are 16-byte aligned (wgmma_scan_refusal in tiled_fwd.cu). By default it
+// runs where its grid is wide enough to beat the mma.sync scan (use_wgmma_scan says why);
+// DELTACP_TILED_SCAN_WGMMA=0 turns it off, =1 requires it, and with the switch unset, forcing the
+// mma.sync scan's tile (DELTACP_TILED_SCAN_BV / _STAGES) selects that scan. DELTACP_TILED_SCAN_WG=1|2
+// forces the warpgroups per CTA (default 2, sharing one copy of W and K; 1 for a state of <= 64 columns).
+// Builds list sm_90a for Hopper (DELTACP_CUDA_ARCHS "80;90a"): a list with plain 90 as well as 90a is
+// not supported (the driver could pick the sm_90 image, where this kernel only traps).
 //
 // Measured (H200, 2026-11-22, bench/gpu/bench_scan.py, bf16 GDN, ms of this kernel per forward):
 // the CP pre-pass's pieces (4 x 8192 tokens, 16 heads, 256 state columns, final state only) 0.261

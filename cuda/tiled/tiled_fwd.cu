@@ -1054,8 +1054,9 @@ void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, v
 // ---- the Hopper state scan's choice (scan_wgmma.cuh) -------------------------------------------
 namespace {
 // DELTACP_TILED_SCAN_WGMMA: unset = where it applies and the grid is wide enough (below); 0 = never;
-// 1 = required (an error names why it cannot run). Forcing the mma.sync scan's tile
-// (DELTACP_TILED_SCAN_BV / _STAGES) selects that scan.
+// 1 = required (an error names why it cannot run; DELTACP_TILED_SCAN_BV / _STAGES are then unused).
+// With the switch unset, forcing the mma.sync scan's tile (DELTACP_TILED_SCAN_BV / _STAGES) selects
+// that scan.
 //
 // Why "wide enough": a chunk step of the wgmma scan issues ~3x fewer products but its latency is no
 // shorter (~2 us), so with few CTAs (one long sequence and 16 heads: 16-32 CTAs) the mma.sync scan,
@@ -1105,8 +1106,9 @@ void launch_scan_wgmma(const Params& p, const ChunkTable& table, const FwdArgs<T
                        const void* W, const void* U, const void* Kd, void* h, void* v_new, const float* h0,
                        float* ht, cudaStream_t stream) {
   // Two warpgroups per CTA share one copy of each chunk's W and K tiles (one warpgroup: twice the CTAs,
-  // slower wherever use_wgmma_scan picks this scan; DELTACP_TILED_SCAN_WG=1 forces it).
-  int nwg = 2;
+  // slower wherever use_wgmma_scan picks this scan; DELTACP_TILED_SCAN_WG=1 forces it). A state at most
+  // 64 columns wide takes one: a second warpgroup would only multiply zeros.
+  int nwg = args.Vp <= kWgCols ? 1 : 2;
   if (const char* env = std::getenv("DELTACP_TILED_SCAN_WG")) {
     DELTACP_CHECK(std::string(env) == "1" || std::string(env) == "2", "DELTACP_TILED_SCAN_WG", "expected 1 or 2, got ",
                   env);
