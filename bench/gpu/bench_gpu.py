@@ -53,11 +53,12 @@ def chunked_flops(B, T, H, D, backward):
 
 
 # ---- inputs ---------------------------------------------------------------------------------
-def make_inputs(B, T, H, D, variant, dtype=torch.bfloat16, seed=0, device="cuda"):
+def make_inputs(B, T, H, D, variant, dtype=torch.bfloat16, seed=0, device="cuda", V=None):
+    """q, k (L2-normalised) of head dim D, v of head dim V (default D), g, beta; see make_perf_md.py."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, T, H, D, device=device, dtype=torch.float32, generator=gen)
     k = F.normalize(torch.randn(B, T, H, D, device=device, dtype=torch.float32, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, D, device=device, dtype=torch.float32, generator=gen)
+    v = torch.randn(B, T, H, V or D, device=device, dtype=torch.float32, generator=gen)
     gshape = (B, T, H, D) if variant == "kda" else (B, T, H)
     g = F.logsigmoid(torch.randn(gshape, device=device, dtype=torch.float32, generator=gen))
     if variant == "kda":

@@ -1,7 +1,7 @@
 """The tiled forward's state scan on its own: the wgmma scan (cuda/tiled/scan_wgmma.cuh) against the
 mma.sync scan, per kernel (torch.profiler, CUDA time of the scan kernel per launch) and for the whole
-forward (CUDA events, median), bf16 GDN. A shape is B,T,H,K[,V[,N]]: B rows of T tokens, or with N one
-row of T tokens packed as N equal sequences. 1,32768,16,128,256,4 has the parallel structure of the CP
+forward (triton's do_bench, median, as bench_gpu.py), bf16 GDN on bench_gpu.py's inputs. A shape is
+B,T,H,K[,V[,N]]: B rows of T tokens, or with N one row of T tokens packed as N equal sequences. 1,32768,16,128,256,4 has the parallel structure of the CP
 pre-pass's pieces (4 pieces of 8192 tokens, state [H | M] 256 columns wide). "state only" times the
 scan of a final-state-only forward (no o: the scan stores neither h nor v_new, as the CP pre-pass's
 pieces run it). The scan is chosen by DELTACP_TILED_SCAN_WGMMA (0: mma.sync; 1: wgmma) and
@@ -14,41 +14,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
-import torch.nn.functional as F
 
 import deltacp
+from bench_gpu import bench_ms, make_inputs  # same folder: the harness's inputs and timer
 
 
 def inputs(B, T, H, K, V, N):
-    torch.manual_seed(0)
-    q = torch.randn(B, T, H, K, device="cuda", dtype=torch.bfloat16)
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn(B, T, H, device="cuda"))
-    beta = torch.rand(B, T, H, device="cuda").sigmoid().bfloat16()
+    x = make_inputs(B, T, H, K, "gdn", V=V)
     cu = None if N is None else torch.arange(0, T + 1, T // N, device="cuda", dtype=torch.int64)
-    return (q, k, v, g, beta), cu
+    return tuple(x[n] for n in ("q", "k", "v", "g", "beta")), cu
 
 
 def call(args, cu):
     return deltacp.chunk_gated_delta_rule(*args, cu_seqlens=cu, backend="tiled")
 
 
-def forward_ms(args, cu, reps=30):
-    for _ in range(3):
-        call(args, cu)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        call(args, cu)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def forward_ms(args, cu):
+    return bench_ms(lambda: call(args, cu))
 
 
 def state_only_call(args, cu):

@@ -1065,15 +1065,15 @@ namespace {
 // warpgroups per CTA on, the wgmma scan wins: the CP pre-pass's pieces (4 x 8192 tokens, 16 heads,
 // 256 columns, final state only) 0.26 ms against 0.49; (4, 4096, 64, 128) 0.44 ms against 0.69.
 // Returns the reason the wgmma scan does not apply, or nullptr when it does.
-const char* wgmma_scan_refusal(const Params& p, bool kda, bool sixteen_bit, bool h_and_vnew_agree) {
+const char* wgmma_scan_refusal(const Params& p, bool h_and_vnew_agree) {
 #ifndef DELTACP_HAVE_SM90A
-  (void)p, (void)kda, (void)sixteen_bit, (void)h_and_vnew_agree;
+  (void)p, (void)h_and_vnew_agree;
   return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
 #else
-  if (!sixteen_bit) return "it takes bf16 or fp16 inputs";
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
   if (p.K != kWgKeys) return "it takes K = 128";
   if (!h_and_vnew_agree) return "it stores h and v_new together or neither";
-  if (!kda) {  // gdn / delta read k itself in 16-byte pieces
+  if (p.variant != Variant::kda) {  // gdn / delta read k itself in 16-byte pieces
     const int64_t es = dtype_size(p.dtype);
     if (reinterpret_cast<uintptr_t>(p.k.ptr) % 16 != 0 || (p.k.stride_t * es) % 16 != 0 ||
         (p.k.stride_h * es) % 16 != 0 || (p.k.stride_b * es) % 16 != 0)
@@ -1087,7 +1087,7 @@ const char* wgmma_scan_refusal(const Params& p, bool kda, bool sixteen_bit, bool
 }
 
 // ctas_two_wg: the CTAs of the wgmma scan at two warpgroups per CTA.
-bool use_wgmma_scan(const Params& p, bool kda, bool sixteen_bit, bool h_and_vnew_agree, int64_t ctas_two_wg) {
+bool use_wgmma_scan(const Params& p, bool h_and_vnew_agree, int64_t ctas_two_wg) {
   const char* env = std::getenv("DELTACP_TILED_SCAN_WGMMA");
   const bool required = env != nullptr && std::string(env) == "1";
   if (env != nullptr) {
@@ -1096,7 +1096,7 @@ bool use_wgmma_scan(const Params& p, bool kda, bool sixteen_bit, bool h_and_vnew
   } else if (std::getenv("DELTACP_TILED_SCAN_BV") != nullptr || std::getenv("DELTACP_TILED_SCAN_STAGES") != nullptr) {
     return false;
   }
-  const char* why = wgmma_scan_refusal(p, kda, sixteen_bit, h_and_vnew_agree);
+  const char* why = wgmma_scan_refusal(p, h_and_vnew_agree);
   if (why != nullptr && required) throw_error("DELTACP_TILED_SCAN_WGMMA", "the wgmma state scan cannot run: ", why);
   return why == nullptr && (required || 2 * ctas_two_wg >= sm_count());
 }
@@ -1142,7 +1142,7 @@ void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const flo
         args.u_cols = static_cast<int>(rows->u_cols);
       }
       const int64_t ctas_two_wg = table.num_seqs() * p.HV * ((args.Vp + 127) / 128);
-      if (use_wgmma_scan(p, kKda, kIs16Bit<T>, (h == nullptr) == (v_new == nullptr), ctas_two_wg)) {
+      if (use_wgmma_scan(p, (h == nullptr) == (v_new == nullptr), ctas_two_wg)) {
         if constexpr (kIs16Bit<T>) launch_scan_wgmma<T, kKda>(p, table, args, G, W, U, Kd, h, v_new, h0, ht, stream);
         return;
       }
