@@ -203,6 +203,25 @@ void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, 
 #endif
 }
 
+std::vector<int64_t> scan_pieces(const Params& p, int64_t n) {
+  validate_staged(p, false);
+#ifdef DELTACP_HAVE_TILED_FWD
+  return tiled_scan_pieces(p, n);
+#else
+  (void)n;
+  throw_error("tier", "no CUDA forward for tier tiled in this build");
+#endif
+}
+
+void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel) {
+#ifdef DELTACP_HAVE_TILED_FWD
+  tiled_forward_piece_maps(s, n, maps, numel);
+#else
+  (void)s, (void)n, (void)maps, (void)numel;  // unreachable: forward_prepare throws first in such a build
+  throw_error("tier", "no CUDA forward for tier tiled in this build");
+#endif
+}
+
 void forward_finish(StagedForward& s, const Params& p) {
   validate_staged(p, false);
 #ifdef DELTACP_HAVE_TILED_FWD

@@ -239,6 +239,15 @@ assert rel_err(folded, HM) < 1e-13
 # takes 0.26 ms, down from 0.49. It is tested against the `mma.sync` scan and the reference in
 # `tests/python/test_cuda.py::test_wgmma_scan_matches_the_mma_sync_scan`.
 #
+# The same cut pays inside one GPU. A single long sequence scans its chunks one after another on a few
+# SMs, so the tiled forward now cuts it into pieces too (`cuda/tiled/scan_split.cu`): the pieces' maps
+# side by side (pass 1, in the prepare stage), the fold above into each piece's start state, then the
+# pieces' scans side by side from those states. On a CP rank the pre-pass is then those very maps,
+# composed: it costs the local forward a copy and the composition (the CP forward step: 2.31 ms against
+# 1.73 on one GPU, docs/context-parallel.md, session 7). Tested in
+# `tests/python/test_cuda.py::test_scan_in_pieces_matches_the_whole_scan` and
+# `test_staged_forward_reuses_the_piece_maps`.
+#
 # ### What the all-gather must carry
 #
 # The merge folds $S \leftarrow M_j S + H_j$ from $S = 0$ over the ranks before $r$ that share the

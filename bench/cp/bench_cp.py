@@ -214,9 +214,15 @@ def main():
                 descs["o"] = _td(o_staged, "o")
                 handle = cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", descs)
                 sent = cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None, want_first_maps=want_maps,
-                                               prepared=cp_ops._PreparedForward(handle, 0))[0]
+                                               prepared=cp_ops._PreparedForward(handle, 0), local_descs=descs)[0]
                 torch.cuda.current_stream(device).synchronize()  # the handle's workspace outlives the kernels
                 return sent
+
+            def prepare_only():  # what the local forward does before h0 anyway (stages 1, 2; the scan's pass 1)
+                descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
+                descs["o"] = _td(o_staged, "o")
+                cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", descs)
+                torch.cuda.current_stream(device).synchronize()
 
             # The staged pre-pass at each piece length and forced scan configuration (scan_config.h).
             for piece in args.pieces:
@@ -227,6 +233,7 @@ def main():
                             prepass_staged, args.repeat, args.warmup)
             os.environ.pop("DELTACP_CP_PREPASS_PIECE", None)
             results["prepass_staged"] = time_it(prepass_staged, args.repeat, args.warmup)
+            results["prepare_only"] = time_it(prepare_only, args.repeat, args.warmup)
             errors["prepass_staged"] = float((prepass_staged() - prepass()[0]).norm() /
                                              prepass()[0].norm().clamp_min(1e-30))
         results["prepass_bwd_widened"] = time_it(prepass_bwd_widened, args.repeat, args.warmup)
@@ -408,6 +415,19 @@ def main():
             if cpt > 0:
                 print(f"  parallel efficiency {d:8} single-GPU per-rank work / CP step = {one / cpt:6.1%}")
         ag = max(r["times"].get("allgather", 0.0) for r in rows)
+        # Issue 5's second measure: what the CP forward adds to the local forward before the local kernel can
+        # run from its initial state: the pre-pass beyond the stages the local forward runs anyway (prepare:
+        # stages 1 and 2 and the scan's pass 1), the all-gather and the merge (rank 0, which sends).
+        r0 = rows[0]["times"]
+        if r0.get("prepass_staged") and r0.get("prepare_only") and r0.get("local_forward"):
+            extra = max(r0["prepass_staged"] - r0["prepare_only"], 0.0) + r0["allgather"]
+            print(f"  pre-pass beyond prepare + all-gather + merge (rank 0): {extra * 1e3:.3f} ms = "
+                  f"{extra / r0['local_forward']:.1%} of the local forward ({r0['local_forward'] * 1e3:.3f} ms)")
+        for d in ("fwd", "fwd+bwd"):
+            cpt = max(r["times"].get(f"cp_step_{d}", 0.0) for r in rows)
+            one = max(r["times"].get(f"single_gpu_{d}", 0.0) for r in rows)
+            if cpt > 0:
+                print(f"  CP step {d} over one GPU: +{(cpt - one) * 1e3:.3f} ms ({cpt / one - 1:+.1%})")
         if ag > 0:
             print(f"  all-gather + merge bus bandwidth (nccl-tests busbw = algbw (world-1)/world): "
                   f"{bytes_ag / ag * (world - 1) / world / 1e9:.1f} GB/s")

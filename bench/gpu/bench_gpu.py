@@ -194,7 +194,10 @@ def main():
                     help="time the naive tier on the first N shapes only (it is a token loop: slow)")
     ap.add_argument("--skip-naive-backward-above", type=int, default=4 * 2048 * 16,
                     help="skip the naive tier's fwd+bwd when B*T*H exceeds this (it is a token loop)")
+    ap.add_argument("--shapes", default=None,
+                    help="B,T,H,D shapes to time, ';'-separated (default: anchors.md's four)")
     args = ap.parse_args()
+    shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
@@ -225,7 +228,7 @@ def main():
         save()
         if variant not in timed:
             continue
-        for si, (B, T, H, D) in enumerate(SHAPES):
+        for si, (B, T, H, D) in enumerate(shapes):
             for backward in (False, True):
                 for name, fn in impls.items():
                     if fn is None:
@@ -252,7 +255,7 @@ def main():
     # Short table last (the device tool returns the tail of the output).
     print(f"\n{'variant':6} {'shape':22} {'dir':8} " + " ".join(f"{n:>16}" for n in ["deltacp-tiled", "deltacp-naive", "fla"]))
     for variant in args.variants.split(","):
-        for (B, T, H, D) in SHAPES:
+        for (B, T, H, D) in shapes:
             for d in ("fwd", "fwd+bwd"):
                 cells = []
                 for n in ["deltacp-tiled", "deltacp-naive", "fla"]:

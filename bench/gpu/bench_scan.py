@@ -5,7 +5,13 @@ B,T,H,K[,V[,N]]: B rows of T tokens, or with N one row of T tokens packed as N e
 pre-pass's pieces (4 pieces of 8192 tokens, state [H | M] 256 columns wide). "state only" times the
 scan of a final-state-only forward (no o: the scan stores neither h nor v_new, as the CP pre-pass's
 pieces run it). The scan is chosen by DELTACP_TILED_SCAN_WGMMA (0: mma.sync; 1: wgmma) and
-DELTACP_TILED_SCAN_WG (warpgroups per CTA), read at every launch.
+DELTACP_TILED_SCAN_WG (warpgroups per CTA), read at every launch. --config NAME:VAR=VALUE,... replaces the
+three default configurations, e.g. the scan in pieces (cuda/tiled/scan_split.cu; its fill, fold and gather
+kernels count as scan time) against the whole scan:
+
+    --config whole:DELTACP_TILED_SCAN_PIECE=0 --config auto: --config p2048:DELTACP_TILED_SCAN_PIECE=2048
+
+--fwdbwd also times forward + backward (the backward recomputes the states with the same scan).
 
     python3 bench/gpu/bench_scan.py [--shapes 1,32768,16,128 1,32768,16,128,256,4] [--json out.json]
 """
@@ -33,6 +39,17 @@ def call(args, cu):
 
 def forward_ms(args, cu):
     return bench_ms(lambda: call(args, cu))
+
+
+def fwdbwd_ms(args, cu):
+    xs = [x.detach().clone().requires_grad_(True) for x in args]
+    do = torch.randn_like(xs[2])
+
+    def step():
+        o, _ = call(xs, cu)
+        o.backward(do)
+
+    return bench_ms(step)
 
 
 def state_only_call(args, cu):
@@ -68,7 +85,7 @@ def scan_kernel_ms(args, cu, reps=10, fn=None):
         torch.cuda.synchronize()
     per = {}
     for ev in prof.key_averages():
-        if "state_scan" in ev.key:
+        if any(x in ev.key for x in ("state_scan", "piece_states", "zero_identity", "gather_final_states")):
             per[ev.key.split("<")[0].split("(")[0]] = ev.device_time_total / 1e3 / reps
     return per
 
@@ -78,10 +95,18 @@ def main():
     ap.add_argument("--shapes", nargs="*",
                     default=["1,32768,16,128", "2,16384,16,128", "4,4096,64,128", "1,32768,16,128,256,4"])
     ap.add_argument("--json")
+    ap.add_argument("--config", action="append", default=[], help="NAME:VAR=VALUE,... (repeatable)")
+    ap.add_argument("--fwdbwd", action="store_true", help="also time forward + backward")
     a = ap.parse_args()
     configs = {"mma.sync": {"DELTACP_TILED_SCAN_WGMMA": "0"},
                "wgmma 1 WG": {"DELTACP_TILED_SCAN_WGMMA": "1", "DELTACP_TILED_SCAN_WG": "1"},
                "wgmma 2 WG": {"DELTACP_TILED_SCAN_WGMMA": "1", "DELTACP_TILED_SCAN_WG": "2"}}
+    if a.config:
+        configs = {}
+        for c in a.config:
+            name, _, rest = c.partition(":")
+            configs[name] = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    knobs = sorted({k for env in configs.values() for k in env} | {"DELTACP_TILED_SCAN_WGMMA", "DELTACP_TILED_SCAN_WG"})
     rows = []
     print(f"{torch.cuda.get_device_name()}  bf16 gdn, scan kernel ms / forward ms")
     for shape in a.shapes:
@@ -92,7 +117,7 @@ def main():
         args, cu = inputs(B, T, H, K, V, N)
         ref_o = None
         for name, env in configs.items():
-            for key in ("DELTACP_TILED_SCAN_WGMMA", "DELTACP_TILED_SCAN_WG"):
+            for key in knobs:
                 os.environ.pop(key, None)
             os.environ.update(env)
             o, _ = call(args, cu)
@@ -102,11 +127,16 @@ def main():
             scan = scan_kernel_ms(args, cu)
             fwd = forward_ms(args, cu)
             only = scan_kernel_ms(args, cu, fn=state_only_call)
-            rows.append({"shape": shape, "scan": name, "scan_ms": sum(scan.values()), "forward_ms": fwd,
-                         "state_only_scan_ms": sum(only.values()), "rel_diff_vs_mma_sync": diff})
+            row = {"shape": shape, "scan": name, "env": env, "scan_ms": sum(scan.values()), "forward_ms": fwd,
+                   "state_only_scan_ms": sum(only.values()), "rel_diff_vs_first": diff}
+            extra = ""
+            if a.fwdbwd:
+                row["fwdbwd_ms"] = fwdbwd_ms(args, cu)
+                extra = f"  fwd+bwd {row['fwdbwd_ms']:.3f} ms"
+            rows.append(row)
             print(f"  ({shape:>22s})  {name:11s}  scan {sum(scan.values()):.3f} ms  forward {fwd:.3f} ms  "
-                  f"state-only scan {sum(only.values()):.3f} ms  o vs mma.sync {diff:.1e}", flush=True)
-    for key in ("DELTACP_TILED_SCAN_WGMMA", "DELTACP_TILED_SCAN_WG"):
+                  f"state-only scan {sum(only.values()):.3f} ms{extra}  o vs first {diff:.1e}", flush=True)
+    for key in knobs:
         os.environ.pop(key, None)
     if a.json:
         with open(a.json, "w") as f:

@@ -254,6 +254,31 @@ void staged_forward_step(StagedForwardHandle& h, const std::string& step, const 
 #endif
 }
 
+// The tiled forward's state scan in pieces (deltacp/cuda/api.h scan_pieces): where it cuts sequence n of
+// the described problem, as offsets from the sequence's start.
+std::vector<int64_t> tiled_scan_pieces(const std::string& variant, const py::dict& tensors, int64_t n,
+                                       std::optional<double> scale, int chunk_size) {
+#ifdef DELTACP_WITH_CUDA
+  const Params p = staged_params(variant, tensors, scale, chunk_size, 0, "forward");
+  return cuda::scan_pieces(p, n);
+#else
+  (void)variant, (void)tensors, (void)n, (void)scale, (void)chunk_size;
+  no_cuda("the tiled state scan's pieces");
+#endif
+}
+
+// forward_piece_maps (api.h): the pass-1 maps of prepared sequence n into the fp32 device buffer at maps_ptr.
+void staged_forward_piece_maps(StagedForwardHandle& h, int64_t n, uintptr_t maps_ptr, int64_t numel) {
+#ifdef DELTACP_WITH_CUDA
+  if (!h.state) throw Error("state", "expected a prepared forward (this one has finished)");
+  py::gil_scoped_release nogil;
+  cuda::forward_piece_maps(*h.state, n, reinterpret_cast<float*>(maps_ptr), numel);
+#else
+  (void)h, (void)n, (void)maps_ptr, (void)numel;
+  no_cuda("the staged forward");
+#endif
+}
+
 void cuda_release_workspace() {
 #ifdef DELTACP_WITH_CUDA
   cuda::release_workspace();
@@ -321,6 +346,14 @@ void register_batch_api(py::module_& m) {
         "final-state-only problem; its state may be wider than V: with_values gives its first V columns the "
         "prepared values, the rest zero values); 'finish': the state scan from h0 and the output (the same "
         "tensors as prepared).");
+  m.def("tiled_scan_pieces", &tiled_scan_pieces, py::arg("variant"), py::arg("tensors"), py::arg("n"),
+        py::arg("scale") = py::none(), py::arg("chunk_size") = 64,
+        "Where the tiled forward's state scan cuts sequence n of the described forward problem into pieces: "
+        "token offsets from the sequence's start, [0, ..., len] ([0, len]: not cut).");
+  m.def("staged_forward_piece_maps", &staged_forward_piece_maps, py::arg("state"), py::arg("n"),
+        py::arg("maps_ptr"), py::arg("numel"),
+        "The state scan in pieces' maps of prepared sequence n: every piece's [H | M] from [0 | I] into the "
+        "fp32 CUDA buffer at maps_ptr ([P, HV, K, V + K], numel elements), on the prepared stream.");
   m.def("cuda_release_workspace", &cuda_release_workspace,
         "Hand the CUDA kernels' cached workspace memory back to the driver (no-op without CUDA).");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),

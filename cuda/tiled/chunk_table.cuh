@@ -121,6 +121,19 @@ class ChunkTable {
       throw;
     }
   }
+  // A table of given sequences only (no chunk entries): the pieces the state scan cuts sequences into
+  // (scan_split.cu), each a SeqEntry whose first_chunk keeps the cut table's chunk numbering. Only the
+  // state scan, which reads seqs(), runs on such a table.
+  ChunkTable(std::vector<SeqEntry> seqs, int chunk_size, cudaStream_t stream)
+      : stream_(stream), chunk_size_(chunk_size), host_seqs_(std::move(seqs)) {
+    for (const SeqEntry& s : host_seqs_) max_chunks_per_seq_ = s.num_chunks > max_chunks_per_seq_ ? s.num_chunks : max_chunks_per_seq_;
+    try {
+      upload(host_seqs_, &seqs_);
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
   ~ChunkTable() { release(); }
   ChunkTable(const ChunkTable&) = delete;
   ChunkTable& operator=(const ChunkTable&) = delete;

@@ -38,6 +38,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "chunk_table.cuh"
 #include "deltacp/params.h"
@@ -87,10 +88,51 @@ struct ScanRows {
 };
 
 // h0: optional [N, HV, K, V] fp32; ht: optional [N, HV, K, V] fp32 (the final states). rows: null for
-// p's own intermediates.
+// p's own intermediates. ctas_two_wg: the grid width that picks the scan kernel (use_wgmma_scan in
+// tiled_fwd.cu); 0 = this launch's own. The scan in pieces passes one width to every launch of its pass 1,
+// so that a piece's map comes from the same kernel whichever call runs it.
 void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const float* G, const void* W,
                              const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
-                             cudaStream_t stream, const ScanRows* rows = nullptr);
+                             cudaStream_t stream, const ScanRows* rows = nullptr, int64_t ctas_two_wg = 0);
+
+// Why the Hopper (wgmma) state scan cannot run for p, or nullptr when it can (tiled_fwd.cu).
+// h_and_vnew_agree: h and v_new are both stored or neither.
+const char* wgmma_scan_refusal(const Params& p, bool h_and_vnew_agree);
+
+// ---- stage 3 in pieces (scan_split.cu) --------------------------------------------------------------
+// Where a few long sequences leave most SMs idle, stage 3 cuts them into pieces of whole chunks that scan
+// side by side: pass 1 gives each piece's affine map [H_j | M_j] (from [0 | I], a state V + K wide),
+// a fold gives each piece's start state S_{j+1} = M_j S_j + H_j, pass 2 scans every piece from its start
+// and stores h and v_new as the whole scan does. scan_split.cu says why and when.
+struct ScanPlan {
+  std::vector<SeqEntry> pieces;      // every piece of every sequence, in order (an uncut sequence is one)
+  std::vector<int64_t> first_piece;  // [N + 1]: sequence n's pieces are first_piece[n] .. first_piece[n + 1] - 1
+  int64_t ctas_two_wg = 0;           // pass 1's kernel choice: its CTAs if every piece of every cut sequence ran
+  bool cut() const { return !pieces.empty(); }  // false: the whole-sequence scan runs
+  int64_t pieces_of(int64_t n) const { return cut() ? first_piece[n + 1] - first_piece[n] : 1; }
+};
+
+// The plan for p's sequences (seqs: ChunkTable::host_seqs() of p): cut where that is predicted faster, or
+// as DELTACP_TILED_SCAN_PIECE=<tokens> says (0: never). Never for a final-state-only problem. Host only.
+ScanPlan plan_scan(const Params& p, const std::vector<SeqEntry>& seqs);
+
+// Pass 1 over pieces `which` (indices into plan.pieces): maps [which.size(), HV, K, V + K] fp32, piece i's
+// [H_i | M_i] from [0 | I]. Every launch picks its kernel from plan.ctas_two_wg, so a piece's map is the
+// same bits whichever call makes it.
+void launch_pass1(const Params& p, const ScanPlan& plan, const std::vector<int64_t>& which, const float* G,
+                  const void* W, const void* U, const void* Kd, float* maps, cudaStream_t stream);
+
+// The pieces the forward's pass 1 maps: every piece of every cut sequence, in order. Stage 3 reads all
+// but each sequence's last; the last one's is the CP pre-pass's (it composes them all), and in one
+// launch it usually costs no extra wave (32K tokens, 16 heads: 256 CTAs instead of 224 on 132 SMs).
+std::vector<int64_t> pass1_pieces(const ScanPlan& plan);
+
+// Stage 3 as planned: h, v_new (and ht) from h0, like launch_chunk_state_scan. given_maps: null, or per
+// sequence its pieces' maps made by launch_pass1 (at least all but the last piece's; nullptr: pass 1
+// makes them here).
+void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan& plan, const float* G,
+                       const void* W, const void* U, const void* Kd, void* h, void* v_new, const float* h0,
+                       float* ht, cudaStream_t stream, const std::vector<const float*>* given_maps = nullptr);
 
 // Writes p.o.
 void launch_chunk_output(const Params& p, const ChunkTable& table, const float* G, const void* h,

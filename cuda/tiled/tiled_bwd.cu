@@ -250,8 +250,8 @@ void set_gradient_outputs(Args& a, const Params& p) {
 // The forward recompute's state scan: h (chunk-start states) and v_new from h0, which B2..B5 read (B0 and
 // B1 do not), on `stream`.
 void launch_states(BwdState& s, cudaStream_t stream) {
-  launch_chunk_state_scan(s.p, s.table, s.a.G, s.a.W, s.U, s.a.Kd, s.h, s.vnew, static_cast<const float*>(s.p.h0),
-                          /*ht=*/nullptr, stream);
+  launch_state_scan(s.p, s.table, plan_scan(s.p, s.table.host_seqs()), s.a.G, s.a.W, s.U, s.a.Kd, s.h, s.vnew,
+                    static_cast<const float*>(s.p.h0), /*ht=*/nullptr, stream);
   s.states_done = true;
 }
 

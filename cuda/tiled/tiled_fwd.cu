@@ -16,7 +16,8 @@
 //   2 chunk_wy_kernel          grid (chunks, HV)               A -> T (blocked forward substitution in
 //                                                              fp32) -> W, U (and Kd for kda)
 //   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks
-//     (or, on Hopper with wide grids, chunk_state_scan_wgmma_kernel in scan_wgmma.cuh);
+//     (or, on Hopper with wide grids, chunk_state_scan_wgmma_kernel in scan_wgmma.cuh; with a few long
+//     sequences, in pieces side by side: scan_split.cu, whose pass 1 runs in prepare);
 //                                                              S (K x BV) stays in fp32 registers; writes
 //                                                              h_c (chunk-start state) and Vn
 //   4 chunk_output_kernel      grid (chunks, HV)               O, parallel over chunks
@@ -70,6 +71,9 @@
 // Session 6 (H200, same harness): stage 3 runs on wgmma where the grid is wide (scan_wgmma.cuh),
 // (1,8192,96,128) 1.701 ms (FLA 1.399), (4,4096,64,128) 2.128 ms (FLA 1.706); the other two shapes
 // keep the mma.sync scan (0.391, 1.427 ms).
+// Session 7 (H200): where a few long sequences leave the scan's grid narrow, stage 3 runs in pieces
+// (scan_split.cu: pass 1 in prepare, a fold, pass 2): (1,32768,16,128) 1.541 ms (FLA 1.286; was 1.971),
+// (1,65536,16,128) 2.782 ms (FLA 2.513; was 3.765).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -1064,6 +1068,8 @@ namespace {
 // 1.05 ms against 1.22 with one warpgroup per CTA, 1.67 with two). From half a CTA per SM at two
 // warpgroups per CTA on, the wgmma scan wins: the CP pre-pass's pieces (4 x 8192 tokens, 16 heads,
 // 256 columns, final state only) 0.26 ms against 0.49; (4, 4096, 64, 128) 0.44 ms against 0.69.
+}  // namespace
+
 // Returns the reason the wgmma scan does not apply, or nullptr when it does.
 const char* wgmma_scan_refusal(const Params& p, bool h_and_vnew_agree) {
 #ifndef DELTACP_HAVE_SM90A
@@ -1086,6 +1092,7 @@ const char* wgmma_scan_refusal(const Params& p, bool h_and_vnew_agree) {
 #endif
 }
 
+namespace {
 // ctas_two_wg: the CTAs of the wgmma scan at two warpgroups per CTA.
 bool use_wgmma_scan(const Params& p, bool h_and_vnew_agree, int64_t ctas_two_wg) {
   const char* env = std::getenv("DELTACP_TILED_SCAN_WGMMA");
@@ -1129,7 +1136,7 @@ void launch_scan_wgmma(const Params& p, const ChunkTable& table, const FwdArgs<T
 
 void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const float* G, const void* W,
                              const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
-                             cudaStream_t stream, const ScanRows* rows) {
+                             cudaStream_t stream, const ScanRows* rows, int64_t ctas_two_wg) {
   if (table.num_seqs() == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -1141,7 +1148,7 @@ void launch_chunk_state_scan(const Params& p, const ChunkTable& table, const flo
         args.Up = static_cast<int>(rows->u_width);
         args.u_cols = static_cast<int>(rows->u_cols);
       }
-      const int64_t ctas_two_wg = table.num_seqs() * p.HV * ((args.Vp + 127) / 128);
+      if (ctas_two_wg <= 0) ctas_two_wg = table.num_seqs() * p.HV * ((args.Vp + 127) / 128);
       if (use_wgmma_scan(p, (h == nullptr) == (v_new == nullptr), ctas_two_wg)) {
         if constexpr (kIs16Bit<T>) launch_scan_wgmma<T, kKda>(p, table, args, G, W, U, Kd, h, v_new, h0, ht, stream);
         return;
@@ -1219,6 +1226,9 @@ struct FwdState final : StagedForward {
   char* ws = nullptr;
   float* G = nullptr;
   void *W = nullptr, *U = nullptr, *Kd = nullptr, *vn = nullptr, *h = nullptr;
+  ScanPlan plan;                          // how stage 3 cuts the sequences (scan_split.cu)
+  float* maps = nullptr;                  // pass 1's maps of every piece of every cut sequence
+  std::vector<const float*> seq_maps;     // per sequence: its first map in `maps`, or nullptr (not cut)
   bool finished = false;
 };
 
@@ -1237,7 +1247,12 @@ std::unique_ptr<FwdState> start_forward(const Params& p) {
   // chunk nor v_new is stored (the scan skips those writes).
   const bool states_only = p.final_state_only();
   const int64_t bytes_vn = states_only ? 0 : align(sz.v_new * esize), bytes_h = states_only ? 0 : align(sz.h * esize);
-  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_Kd + bytes_vn + bytes_h;
+  // Stage 3 in pieces (scan_split.cu): pass 1 needs no h0, so it runs here, with stages 1 and 2.
+  s->plan = plan_scan(p, s->table.host_seqs());
+  const std::vector<int64_t> pass1 = pass1_pieces(s->plan);
+  const int64_t map_elems = p.HV * p.K * (p.V + p.K);
+  const int64_t bytes_maps = align(static_cast<int64_t>(pass1.size()) * map_elems * 4);
+  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_Kd + bytes_vn + bytes_h + bytes_maps;
   if (total > 0) s->ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
   char* at = s->ws;
   auto take = [&](int64_t b) {
@@ -1251,8 +1266,16 @@ std::unique_ptr<FwdState> start_forward(const Params& p) {
   s->Kd = take(bytes_Kd);
   s->vn = take(bytes_vn);
   s->h = take(bytes_h);
+  s->maps = reinterpret_cast<float*>(take(bytes_maps));
+  s->seq_maps.assign(static_cast<size_t>(s->table.num_seqs()), nullptr);
+  for (int64_t n = 0, at_map = 0; s->plan.cut() && n < s->table.num_seqs(); ++n) {
+    if (s->plan.pieces_of(n) < 2) continue;
+    s->seq_maps[static_cast<size_t>(n)] = s->maps + at_map * map_elems;
+    at_map += s->plan.pieces_of(n);
+  }
   launch_chunk_cumsum(p, s->table, s->G, stream);
   launch_chunk_wy(p, s->table, s->G, s->W, s->U, s->Kd, /*Tinv=*/nullptr, stream);
+  launch_pass1(p, s->plan, pass1, s->G, s->W, s->U, s->Kd, s->maps, stream);
   return s;
 }
 
@@ -1260,8 +1283,8 @@ std::unique_ptr<FwdState> start_forward(const Params& p) {
 void finish_forward(FwdState& s, const Params& p) {
   s.finished = true;
   if (s.table.num_seqs() == 0) return;
-  launch_chunk_state_scan(p, s.table, s.G, s.W, s.U, s.Kd, s.h, s.vn, static_cast<const float*>(p.h0),
-                          static_cast<float*>(p.ht), s.stream);
+  launch_state_scan(p, s.table, s.plan, s.G, s.W, s.U, s.Kd, s.h, s.vn, static_cast<const float*>(p.h0),
+                    static_cast<float*>(p.ht), s.stream, &s.seq_maps);
   if (!s.p.final_state_only()) launch_chunk_output(p, s.table, s.G, s.h, s.vn, s.stream);
 }
 
@@ -1304,6 +1327,34 @@ void forward_state_pieces(StagedForward& staged, const Params& pieces, int64_t r
                           static_cast<const float*>(pieces.h0), static_cast<float*>(pieces.ht), s.stream, &rows);
 }
 
+std::vector<int64_t> scan_pieces(const Params& p, int64_t n) {
+  std::vector<ChunkEntry> chunks;
+  std::vector<SeqEntry> seqs;
+  build_chunk_entries(p, p.chunk_size, chunks, seqs);
+  DELTACP_CHECK(n >= 0 && n < static_cast<int64_t>(seqs.size()), "n", "expected a sequence index in [0, ",
+                seqs.size(), "), got ", n);
+  const ScanPlan plan = plan_scan(p, seqs);
+  std::vector<int64_t> bounds{0};
+  for (int64_t i = plan.cut() ? plan.first_piece[n] : 0; plan.cut() && i < plan.first_piece[n + 1]; ++i)
+    bounds.push_back(plan.pieces[i].bos + plan.pieces[i].len - seqs[n].bos);
+  if (!plan.cut()) bounds.push_back(seqs[n].len);
+  return bounds;
+}
+
+void forward_piece_maps(StagedForward& staged, int64_t n, float* maps, int64_t numel) {
+  auto& s = dynamic_cast<FwdState&>(staged);
+  DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
+  DELTACP_CHECK(n >= 0 && n < s.table.num_seqs() && s.plan.pieces_of(n) > 1, "n",
+                "expected a prepared sequence that the state scan cuts into pieces (forward_scan_pieces), got ", n);
+  const int64_t expected = s.plan.pieces_of(n) * s.p.HV * s.p.K * (s.p.V + s.p.K);
+  DELTACP_CHECK(maps != nullptr && numel == expected, "maps", "expected ", expected, " fp32 elements ([",
+                s.plan.pieces_of(n), ", ", s.p.HV, ", ", s.p.K, ", ", s.p.V + s.p.K, "]), got ", numel);
+  // prepare's pass 1 made every piece's map (pass1_pieces)
+  const int64_t P = s.plan.pieces_of(n), map_elems = s.p.HV * s.p.K * (s.p.V + s.p.K);
+  DELTACP_CUDA_CHECK(cudaMemcpyAsync(maps, s.seq_maps[static_cast<size_t>(n)], static_cast<size_t>(P * map_elems) * 4,
+                                     cudaMemcpyDeviceToDevice, s.stream));
+}
+
 void forward_finish(StagedForward& staged, const Params& p) {
   auto& s = dynamic_cast<FwdState&>(staged);
   DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
@@ -1324,4 +1375,8 @@ void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t 
   tiled::forward_state_pieces(s, pieces, row0, with_values);
 }
 void tiled_forward_finish(StagedForward& s, const Params& p) { tiled::forward_finish(s, p); }
+std::vector<int64_t> tiled_scan_pieces(const Params& p, int64_t n) { return tiled::scan_pieces(p, n); }
+void tiled_forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel) {
+  tiled::forward_piece_maps(s, n, maps, numel);
+}
 }  // namespace deltacp::cuda

@@ -8,6 +8,7 @@
 #    and the host check of the kernel bodies (CMake target deltacp_cp_body_host_test);
 # 2. the pre-pass kernels vs the reference, CP over NCCL vs one GPU (fp32 1e-5, bf16 3e-3 / 8e-3),
 #    bitwise determinism, mismatched cu_seqlens            -> cp_gpu_check_rank*.json
+#    (and with the state scan cut into 128-token pieces    -> cut/cp_gpu_check_rank*.json)
 # 3. faults: a rank that sleeps / exits mid-exchange       -> cp_gpu_sleep_rank*.json, cp_gpu_exit_rank*.json
 # 4. the torchrun examples on GPUs (tables)                -> cp_examples.txt
 # Exit status non-zero when any step fails; every step runs regardless.
@@ -37,6 +38,11 @@ fi
   cmake --build build-cp-gpu --target deltacp_cp_body_host_test && ./build-cp-gpu/distributed/deltacp_cp_body_host_test"
 
 step check timeout 900 torchrun --nproc_per_node="$NPROC" --master_port=29631 distributed/tests/gpu_cp_check.py check --out "$OUT"
+# Again with the local tiled forward's state scan cut into pieces of 128 tokens wherever a sequence is longer
+# (cuda/tiled/scan_split.cu; by default only long sequences on a narrow grid are cut): the CP pre-pass then
+# takes its pieces from the local forward's pass 1, and must still equal one GPU and the one-shot path.
+step check_cut env DELTACP_TILED_SCAN_PIECE=128 timeout 900 torchrun --nproc_per_node="$NPROC" --master_port=29635 \
+  distributed/tests/gpu_cp_check.py check --out "$OUT/cut"
 # NCCL's own view of the faults goes to the logs (warnings only).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 step fault_sleep timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29632 distributed/tests/gpu_cp_check.py sleep --out "$OUT"

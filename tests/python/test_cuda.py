@@ -310,6 +310,164 @@ def test_wgmma_scan_switch_names_what_it_cannot_run(monkeypatch):
         deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], backend="tiled")
 
 
+# ---- the state scan in pieces (cuda/tiled/scan_split.cu) ----------------------------------------------
+# Sequences of 300 (5 chunks), 1, 0 and 399 (7 chunks) tokens; DELTACP_TILED_SCAN_PIECE=128 cuts the
+# first into 3 pieces (128, 128, 44 tokens) and the last into 4.
+_CUT_SEQLENS = [0, 300, 301, 301, 700]
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+@pytest.mark.parametrize("dtype,K,V", [(torch.float32, 64, 48), (torch.bfloat16, 64, 48), (torch.bfloat16, 128, 128)],
+                         ids=["fp32", "bf16", "bf16-k128"])
+def test_scan_in_pieces_matches_the_whole_scan(variant, dtype, K, V, monkeypatch):
+    """The tiled forward's state scan cut into pieces (pass 1: each piece's [H | M] from [0 | I]; fold;
+    pass 2 from each piece's start) against the whole scan (DELTACP_TILED_SCAN_PIECE=0) and the fp64
+    reference: o, the final state and every gradient (the backward's recompute cuts the same way), with an
+    initial state, a 1-token and an empty sequence beside the cut ones; bit for bit run to run. K = V = 128
+    in bf16 runs pass 1 with a 256-column state on the wgmma scan where the GPU has it."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    if not _core.cuda_supports(variant, "tiled", True):
+        pytest.skip(f"tiled has no {variant} backward")
+    p = make_problem(variant, cu_seqlens=_CUT_SEQLENS, H=2, HV=4, K=K, V=V, seed=31)
+    names = input_names(variant)
+    t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda") for n in names}
+    h0 = torch.tensor(p["initial_state"], dtype=torch.float32, device="cuda")
+    cu = torch.tensor(p["cu_seqlens"], device="cuda")
+    rng = np.random.default_rng(32)
+    do = torch.tensor(rng.standard_normal((1, _CUT_SEQLENS[-1], 4, V)), dtype=dtype, device="cuda")
+
+    def run():
+        x = {n: v.clone().requires_grad_(True) for n, v in t.items()}
+        h = h0.clone().requires_grad_(True)
+        o, ht = _call(variant, x, initial_state=h, output_final_state=True, cu_seqlens=cu, backend="tiled")
+        ((o.float() * do.float()).sum() + ht.sum()).backward()
+        torch.cuda.synchronize()
+        return [o.detach(), ht.detach(), h.grad] + [x[n].grad for n in names]
+
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "0")
+    whole = run()
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "128")
+    cut = run()
+    rounded = dict(p, **{n: t[n].double().cpu().numpy() for n in names})
+    rounded["initial_state"] = h0.double().cpu().numpy()
+    o_ref, ht_ref = ref_forward(ref, variant, rounded)
+    assert rel_err(cut[0].double().cpu().numpy(), o_ref) < TOL[dtype]
+    assert rel_err(cut[1].double().cpu().numpy(), ht_ref) < TOL[dtype]
+    bar = 1e-5 if dtype == torch.float32 else 5e-3
+    for label, a, b in zip(["o", "ht", "dh0"] + ["d" + n for n in names], cut, whole):
+        assert torch.isfinite(a).all(), label
+        err = rel_err(a.double().cpu().numpy(), b.double().cpu().numpy())
+        assert err < bar, f"{label}: the scan in pieces vs the whole scan {err:.2e}"
+    again = run()
+    assert all(torch.equal(a, b) for a, b in zip(again, cut))
+
+
+def test_scan_pieces_says_where_it_cuts(monkeypatch):
+    """_core.tiled_scan_pieces (deltacp/cuda/api.h scan_pieces) gives the cut as offsets in a sequence;
+    DELTACP_TILED_SCAN_PIECE rounds up to whole chunks, 0 never cuts, and a bad value, a sequence index
+    out of range or a state too wide to carry [H | M] raise naming what is wrong."""
+    _require_cuda_build()
+    from deltacp import _core
+    from deltacp._describe import torch_desc
+
+    def descs(K, V):
+        p = make_problem("gdn", cu_seqlens=_CUT_SEQLENS, H=1, K=K, V=V, seed=3)
+        ts = {n: torch.tensor(p[n], dtype=torch.bfloat16 if n != "g" else torch.float32, device="cuda")
+              for n in ("q", "k", "v", "g", "beta")}
+        cu = torch.tensor(_CUT_SEQLENS, dtype=torch.int64)
+        ts["cu"], ts["cu_host"] = cu.cuda(), cu
+        o = torch.empty_like(ts["v"])
+        d = {n: torch_desc(ts[n], n) for n in ("q", "k", "v", "g", "beta")}
+        d["o"] = torch_desc(o, "o")
+        d["cu_seqlens"], d["cu_seqlens_host"] = torch_desc(ts["cu"], "cu_seqlens"), torch_desc(cu, "cu_seqlens")
+        return d, (ts, o)
+
+    d, _alive = descs(64, 64)
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "100")  # rounds up to 128 tokens
+    assert list(_core.tiled_scan_pieces("gdn", d, 0)) == [0, 128, 256, 300]
+    assert list(_core.tiled_scan_pieces("gdn", d, 1)) == [0, 1]
+    assert list(_core.tiled_scan_pieces("gdn", d, 2)) == [0, 0]
+    assert list(_core.tiled_scan_pieces("gdn", d, 3)) == [0, 128, 256, 384, 399]
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "0")
+    assert list(_core.tiled_scan_pieces("gdn", d, 3)) == [0, 399]
+    with pytest.raises(ValueError, match="'n'"):
+        _core.tiled_scan_pieces("gdn", d, 4)
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "-5")
+    with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_PIECE"):
+        _core.tiled_scan_pieces("gdn", d, 0)
+    wide, _alive2 = descs(256, 256)
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "128")
+    with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_PIECE.*V \\+ K"):
+        _core.tiled_scan_pieces("gdn", wide, 0)
+
+
+def _forward_descs(t, d, desc, state_shape, with_h0):
+    """_cuda_problem's descriptions as a forward with NaN-filled o and ht (h0 only when with_h0): (descs, o, ht)."""
+    dd = {key: val for key, val in d.items() if with_h0 or key != "h0"}
+    o = torch.full_like(t["v"], float("nan"))
+    ht = torch.full(tuple(state_shape), float("nan"), device="cuda")
+    dd["o"], dd["ht"] = desc(o, "o"), desc(ht, "ht")
+    return dd, o, ht
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+def test_staged_forward_reuses_the_piece_maps(variant, dtype, monkeypatch):
+    """The CP pre-pass of a cut last segment is the local forward's own pass 1: prepare (which runs pass 1)
+    -> staged_forward_piece_maps (sequence 3, whose two pieces are [130, 194) and [194, 200)) -> finish
+    with h0 gives the one-shot forward's o and ht bit for bit, and the maps equal a final-state-only run
+    of the same pieces with the widened values [v | 0] from [0 | I] bit for bit (the route the CP pre-pass
+    takes without a prepared forward). Maps for a sequence not cut, or of the wrong size, raise naming the
+    argument."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    if not _core.cuda_supports(variant, "tiled", False):
+        pytest.skip(f"tiled has no {variant} forward")
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "64")
+    t, h0, d, desc = _cuda_problem(variant, dtype)  # sequences [0,1) [1,64) [64,130) [130,200), chunk 64
+    N, HV, K, V = h0.shape
+    stream = torch.cuda.current_stream().cuda_stream
+    names = [n for n in t if n != "_alive"]
+
+    def forward_descs(with_h0):
+        return _forward_descs(t, d, desc, h0.shape, with_h0)
+
+    one, one_o, one_ht = forward_descs(True)
+    assert list(_core.tiled_scan_pieces(variant, one, 3)) == [0, 64, 70]
+    _core.run("forward", variant, "tiled", "float32", one, None, 64, None, stream, False)
+
+    staged, st_o, st_ht = forward_descs(False)
+    state = _core.staged_forward_prepare(variant, "tiled", staged, None, 64, stream)
+    maps = torch.full((2, HV, K, V + K), float("nan"), device="cuda")
+    _core.staged_forward_piece_maps(state, 3, maps.data_ptr(), maps.numel())
+    with pytest.raises(ValueError, match="'n'"):  # sequence 1 (63 tokens) is one piece
+        _core.staged_forward_piece_maps(state, 1, maps.data_ptr(), maps.numel())
+    with pytest.raises(ValueError, match="'maps'"):
+        _core.staged_forward_piece_maps(state, 3, maps.data_ptr(), maps.numel() - 1)
+    staged["h0"] = d["h0"]
+    _core.staged_forward_step(state, "finish", variant, staged, None, 64, stream)
+
+    # the widened run of the same pieces: rows [130, 200) cut at 64, values [v | 0], from [0 | I]
+    cu_host = torch.tensor([0, 64, 70], dtype=torch.int64)
+    cu_dev = cu_host.cuda()
+    pd = {x: desc(t[x][:, 130:200], x) for x in names if x != "v"}
+    wide = torch.cat([t["v"][:, 130:200], torch.zeros((1, 70, HV, K), dtype=dtype, device="cuda")], dim=-1)
+    pd["v"] = desc(wide, "v")
+    pd["cu_seqlens"], pd["cu_seqlens_host"] = desc(cu_dev, "cu_seqlens"), desc(cu_host, "cu_seqlens")
+    start = torch.zeros((2, HV, K, V + K), device="cuda")
+    start[..., V:] = torch.eye(K, device="cuda")
+    widened = torch.full_like(start, float("nan"))
+    pd["h0"], pd["ht"] = desc(start, "initial_state"), desc(widened, "ht")
+    _core.run("forward", variant, "tiled", "float32", pd, None, 64, None, stream, False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(one_o).all() and torch.equal(st_o, one_o)
+    assert torch.equal(st_ht, one_ht)
+    assert torch.isfinite(maps).all() and torch.equal(maps, widened)
+
+
 def _cuda_problem(variant, dtype):
     from deltacp._describe import torch_desc
 
@@ -402,11 +560,7 @@ def test_staged_forward_equals_the_one_shot_forward(variant, dtype):
     names = [n for n in t if n != "_alive"]
 
     def forward_descs(with_h0):
-        dd = {key: val for key, val in d.items() if with_h0 or key != "h0"}
-        o = torch.full_like(t["v"], float("nan"))
-        ht = torch.full((N, HV, K, V), float("nan"), device="cuda")
-        dd["o"], dd["ht"] = desc(o, "o"), desc(ht, "ht")
-        return dd, o, ht
+        return _forward_descs(t, d, desc, h0.shape, with_h0)
 
     one, one_o, one_ht = forward_descs(True)
     _core.run("forward", variant, "tiled", "float32", one, None, 64, None, stream, False)

@@ -198,9 +198,11 @@ def _transitions(cfg: _Cfg, q, k, v, g, beta, a, b, bounds, staged=None) -> torc
 
 def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, bounds,
                   staged=None) -> torch.Tensor:
-    """Every piece's final state [P, HV, K, width] of a final-state-only forward, each piece from [0 | I]
-    (the first from [start | I] when given). The state's first V columns take v's values when with_values,
-    its other columns (all of them otherwise) zero values: width V + K gives [H_p | M_p], width K M_p.
+    """Every piece's final state [P, HV, K, width] of a final-state-only forward, each piece from [0 | I].
+    The state's first V columns take v's values when with_values, its other columns (all of them otherwise)
+    zero values: width V + K gives [H_p | M_p], width K M_p. start (with width V + K): the first piece's
+    offset then also carries start, H_0 <- M_0 start + H_0 in fp32 (_fold_start), so that its map is the
+    one the tiled forward's scan in pieces makes (cuda/tiled/scan_split.cu) whichever route made it.
 
     staged: (a prepared local forward, _core.StagedForward, and row0): the span is rows [row0, row0 + n)
     of that forward, made of its own chunks. Only the state scan runs then, reading the prepared cumulative
@@ -216,8 +218,6 @@ def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, b
         values = torch.cat([v, zeros], dim=-1) if with_values else zeros
     h0 = torch.zeros((P, cfg.HV, cfg.K, width), dtype=cfg.state_dtype, device=v.device)
     h0[:, :, :, width - cfg.K:] = _identity_block(cfg, v.device)
-    if start is not None:
-        h0[0, :, :, :width - cfg.K] = start
     ht = torch.empty((P, cfg.HV, cfg.K, width), dtype=cfg.state_dtype, device=v.device)
     descs = _descs(cfg, q, k, values, g, beta, a, b, h0=h0, cu=cu, cu_host=cu_host)
     descs["ht"] = torch_desc(ht, "ht")  # and no "o"
@@ -227,7 +227,34 @@ def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, b
                      with_values=with_values)
     else:
         _run(cfg, "forward", method or cfg.fwd_method, descs)
+    if start is not None:
+        _fold_start(ht, start, cfg.V)
     return ht
+
+
+def _fold_start(X: torch.Tensor, start: torch.Tensor, V: int) -> None:
+    """In place on maps X [P, HV, K, V + K]: piece 0 entered with `start` instead of 0, H_0 <- M_0 start + H_0
+    (fp32, no TF32)."""
+    with _no_tf32():
+        X[0, :, :, :V] = torch.baddbmm(X[0, :, :, :V], X[0, :, :, V:], start.to(X.dtype))
+
+
+def _cut_bounds(cfg: _Cfg, local_descs, s0: int, s1: int, pad: int):
+    """Where the local tiled forward's state scan cuts the rank's last segment [s0, s1) into pieces
+    (deltacp/cuda/api.h scan_pieces), as segment-relative bounds for the pre-pass; None when it does not
+    cut it (or the local forward is not the tiled CUDA one). local_descs: the local forward's problem, the
+    body [pad, T_local); its last sequence is this segment (less the head piece [0, pad) when s0 == 0)."""
+    if local_descs is None or cfg.fwd_method != "tiled" or cfg.device.type != "cuda" or \
+            not hasattr(_core, "tiled_scan_pieces"):
+        return None
+    n_last = cfg.ctx.num_local_seqs - 1
+    body = list(_core.tiled_scan_pieces(cfg.variant, local_descs, n_last, chunk_size=cfg.chunk_size))
+    if len(body) <= 2:
+        return None
+    head = pad if s0 == 0 else 0
+    if body[-1] != s1 - s0 - head:
+        raise ValueError("deltacp: internal: the local forward's last sequence is not the last segment")
+    return ([0] if head else []) + [head + x for x in body]
 
 
 class _PreparedForward(NamedTuple):
@@ -534,14 +561,18 @@ class _PieceMaps(NamedTuple):
 
 
 def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: bool = False,
-                     prepared: Optional[_PreparedForward] = None):
+                     prepared: Optional[_PreparedForward] = None, local_descs=None):
     """(sent, first_maps). sent: [H_r | M_r] of the last local segment, or [0 | I] when it does not
     continue (nobody reads it); only [H_r] (resp. 0) when no merge reads a transition (ctx.maps_read).
     first_maps (when asked for, else None): the per-piece transitions
     [P, HV, K, K] of the FIRST local segment on the backward pre-pass's pieces, which that pre-pass then
     needs only dH from. They come free from the [H | M] pieces when the first segment is the last one,
     else from one K-column run (_transitions) while the rank waits for the all-gather anyway.
-    prepared: the rank's local forward prepared in stages; the pieces then reuse its stages."""
+    prepared: the rank's local forward prepared in stages; the pieces then reuse its stages.
+    local_descs: the local forward's problem (the body); where its tiled state scan cuts the last segment
+    into pieces (_cut_bounds), the pre-pass takes those pieces, and with `prepared` their maps come from
+    the local forward's own pass 1 (made at prepare, which finish then uses): the pre-pass costs the local
+    forward the last piece's map (in the same launch) and the composition."""
     ctx = cfg.ctx
     xs = (q, k, v, g, beta, a, b)
     first_maps = None
@@ -552,11 +583,20 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
         zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
         sent = torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
     else:
-        sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps, prepared)
+        sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps, prepared, local_descs)
     if want_first_maps and first_maps is None:
         run = lambda span, bounds, staged: _transitions(cfg, *span, bounds, staged)  # noqa: E731
         first_maps = _PieceMaps(first_bounds, _pieces_of_segment(cfg, run, xs, f0, f1, first_bounds, prepared))
     return _narrow(cfg, sent), first_maps
+
+
+def _local_piece_maps(cfg: _Cfg, prepared: _PreparedForward, P: int) -> torch.Tensor:
+    """The prepared local forward's pass-1 maps of its last sequence (made at prepare, copied here):
+    [P, HV, K, V + K] fp32, piece j's [H_j | M_j] from [0 | I] (deltacp/cuda/api.h forward_piece_maps)."""
+    maps = torch.empty((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=torch.float32, device=cfg.device)
+    with torch.cuda.device(cfg.device):  # on the prepared forward's stream, which allocated `maps`
+        _core.staged_forward_piece_maps(prepared.handle, cfg.ctx.num_local_seqs - 1, maps.data_ptr(), maps.numel())
+    return maps
 
 
 def _narrow(cfg: _Cfg, sent: torch.Tensor) -> torch.Tensor:
@@ -565,7 +605,8 @@ def _narrow(cfg: _Cfg, sent: torch.Tensor) -> torch.Tensor:
     return sent if width == sent.shape[-1] else sent[..., :width].contiguous()
 
 
-def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Optional[_PreparedForward] = None):
+def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Optional[_PreparedForward] = None,
+                          local_descs=None):
     """_prepass_forward's [H_r | M_r] (and the first maps when the last segment is also the first)."""
     ctx = cfg.ctx
     s0, s1 = ctx.cu_seqlens_list[-2], ctx.cu_seqlens_list[-1]
@@ -577,10 +618,19 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Op
     maps = []
 
     def chunked():  # pieces on the one-device chunk grid (the head piece up to its first boundary first)
-        bounds = _piece_bounds(cfg, s1 - s0, pad)
+        cut = _cut_bounds(cfg, local_descs, s0, s1, _grid_pad(cfg))
+        bounds = cut if cut is not None else _piece_bounds(cfg, s1 - s0, pad)
         run = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, start, bounds=bd,  # noqa: E731
                                                                staged=staged)
-        X = _pieces_of_segment(cfg, run, xs, s0, s1, bounds, prepared)
+        if cut is not None and prepared is not None:  # the local forward's pass 1 (finish reuses it)
+            X = _local_piece_maps(cfg, prepared, len(cut) - 1 - (1 if pad else 0))
+            if start is not None:  # on a copy: finish reads the maps from [0 | I] and folds h0 itself
+                X = X.clone()
+                _fold_start(X, start, cfg.V)
+            if pad:  # the head piece [0, pad) is a problem of its own, as in the local forward
+                X = torch.cat([run(_split(xs, 0, pad), [0, pad], None), X])
+        else:
+            X = _pieces_of_segment(cfg, run, xs, s0, s1, bounds, prepared)
         if want_first_maps and s0 == ctx.cu_seqlens_list[0]:  # the same segment and pieces
             maps.append(_PieceMaps(bounds, X[..., cfg.V:].clone()))
         if not ctx.maps_read:  # nothing reads the composed transition: the offset alone
@@ -796,7 +846,7 @@ class _CPFunction(torch.autograd.Function):
         want_maps = (ctx.first_continues and any(ctx_.needs_input_grad[1:])
                      and _prepass_route(cfg, "backward", q, g) == "chunked")
         sent, first_maps = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0, want_first_maps=want_maps,
-                                            prepared=prepared)
+                                            prepared=prepared, local_descs=descs)
         _finish_check(cfg)
         what = "the forward all-gather of [H | M]"
         gathered = _all_gather(cfg, sent, what, wait=False)

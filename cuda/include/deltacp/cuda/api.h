@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "deltacp/params.h"
 
@@ -58,6 +59,23 @@ class StagedForward {
 std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier);
 void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values);
 void forward_finish(StagedForward& s, const Params& p);
+
+// The tiled forward's state scan in pieces (cuda/tiled/scan_split.cu): where a few long sequences would
+// leave most SMs idle, it cuts them into pieces of whole chunks, computes each piece's affine map
+// [H_j | M_j] (pass 1: no h0 needed, so forward_prepare runs it), folds the maps into each piece's start
+// state and scans the pieces side by side (finish).
+//
+// scan_pieces(p, n): where the tiled forward of p cuts sequence n, as token offsets from the sequence's
+// start, [0, ..., len] ({0, len}: not cut). No GPU work; the same answer for the prepared problem, the
+// one-shot forward of it and its backward's recompute.
+//
+// forward_piece_maps(s, n, maps, numel): every piece's [H_j | M_j] of prepared sequence n, from [0 | I],
+// into maps (fp32 device memory, [P, HV, K, V + K], numel = its elements, P = scan_pieces(p, n).size() - 1
+// >= 2), on the prepared stream: a copy of what prepare's pass 1 made (it maps the last piece too, which
+// stage 3 does not need). A CP rank's pre-pass of a cut last segment is these maps composed: the pre-pass
+// costs the local forward the last piece's map (in the same launch) and the composition.
+std::vector<int64_t> scan_pieces(const Params& p, int64_t n);
+void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel);
 
 // The backward in stages around dht, for context parallelism (the tiled tier only):
 //

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "deltacp/cuda/api.h"
 #include "deltacp/params.h"
@@ -18,6 +19,8 @@ void tiled_backward(const Params& p);  // cuda/tiled/tiled_bwd.cu
 std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p);
 void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values);
 void tiled_forward_finish(StagedForward& s, const Params& p);
+std::vector<int64_t> tiled_scan_pieces(const Params& p, int64_t n);
+void tiled_forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel);
 // The staged backward (api.h), cuda/tiled/tiled_bwd.cu.
 std::unique_ptr<StagedBackward> tiled_backward_prepare(const Params& p);
 void tiled_backward_dh0_pieces(StagedBackward& s, const Params& pieces);

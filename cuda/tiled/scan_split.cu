@@ -1,0 +1,357 @@
+// cuda/tiled/scan_split.cu — stage 3 of the tiled forward in pieces: the state scan when a few long
+// sequences would leave most SMs idle.
+//
+// Why. The state scan (tiled_fwd.cu stage 3, scan_wgmma.cuh) walks a sequence's chunks one after another,
+// one CTA per (sequence, value head, column tile). A chunk step takes about 2 us whichever kernel runs it
+// (Nsight Compute: latency-bound, one warp per scheduler), so one 32K-token sequence with 16 heads is 512
+// steps on 16-64 CTAs of an H200's 132 SMs: 1.05 ms, half of the whole forward. The CP pre-pass
+// (docs/context-parallel.md) already cuts a span into pieces whose affine maps are computed side by side.
+// The same algebra inside one GPU, for a sequence cut into pieces j = 0 .. P-1 of whole chunks:
+//
+//   pass 1  pieces 0 .. P-2, each from [0 | I], final state only, a state V + K columns wide whose last K
+//           columns see zero values: [H_j | M_j], so that a piece entered with S leaves with M_j S + H_j
+//   fold    S_0 = h0 (or 0), S_{j+1} = M_j S_j + H_j: fp32 on CUDA cores, sequential over the pieces
+//   pass 2  every piece from S_j (as one varlen scan over the pieces), storing h per chunk and v_new at the
+//           chunk indices and rows of the whole sequence: the output stage reads them unchanged; the last
+//           piece's final state is ht
+//
+// Every chunk is the one-piece scan's chunk, with the same products; a piece's start state differs from
+// the one-piece scan's only by rounding: M_j is carried through the same 16-bit products as the state, and
+// the fold rounds in fp32. Work: about three one-piece scans (pass 1 carries V + K columns), on
+// (pieces x heads) CTAs instead of heads.
+//
+// When (plan_scan). DELTACP_TILED_SCAN_PIECE=<tokens> cuts every sequence longer than that into pieces of
+// that many tokens (rounded up to whole chunks); 0 never cuts. Unset: only where the Hopper scan runs
+// (scan_wgmma.cuh: bf16/fp16, K = 128), the whole scan's grid is narrow (fewer than half a CTA per SM at
+// two warpgroups) and a model of the step times predicts at most 0.85x of the whole scan's time. The
+// model's constants were measured on an H200 (bench/gpu/bench_scan.py, docs/scan-h200-2026-11-22.json):
+// a step of the narrow whole scan 2.05 us; a wave of pass 1's state-only steps 2.1 us; a wave of pass 2's
+// steps, which store h and v_new, 3.4 us (a full wave moves ~3.5 TB/s); a fold step ~3 us. Never for a
+// final-state-only problem (the CP pre-pass cuts its own pieces), nor where V + K padded exceeds 256 (the
+// widest state the scans take).
+//
+// Measured (bench/gpu/bench_scan.py, bf16 GDN; docs/perf.md, session 7): H200, (1,32768,16,128) scan
+// 1.048 -> 0.593 ms, forward 1.971 -> 1.533 ms; (1,65536,16,128) scan 2.060 -> 1.052 ms, forward 3.765 ->
+// 2.784 ms. H100, (2,32768,8,128) forward 1.888 -> 1.593 ms. (2,16384,16,128) is not cut: forced pieces
+// of 2048 / 8192 tokens took the scan from 0.50 to 0.72 / 0.64 ms (H100).
+//
+// The forward runs pass 1 in its prepare stage over every piece of every cut sequence, the last ones too
+// (pass1_pieces): a CP rank's pre-pass is then these maps composed (deltacp/cuda/api.h
+// forward_piece_maps; bindings/python/deltacp/cp/ops.py _local_piece_maps).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "../common/check.h"
+#include "../common/device_info.h"
+#include "../common/workspace_pool.h"
+#include "chunk_table.cuh"
+#include "deltacp/error.h"
+#include "deltacp/params.h"
+#include "fwd_stages.cuh"
+
+namespace deltacp::cuda::tiled {
+namespace {
+
+// One sequence of the fold: its pieces in the piece tables and where its pass-1 maps are.
+struct FoldSeq {
+  int64_t first_piece;  // index of its first piece among every piece (pass 2's table)
+  int64_t count;        // its pieces
+  const float* maps;    // [count (at least count - 1 read), HV, K, V + K] fp32, or nullptr when count == 1
+};
+
+// [0 | I] for every piece of pass 1: states [P, HV, K, V + K]. Grid (P, HV), 256 threads.
+__global__ void fill_zero_identity_kernel(float* __restrict__ x, int64_t HV, int64_t K, int64_t V) {
+  const int64_t W = V + K;
+  float* base = x + (static_cast<int64_t>(blockIdx.x) * HV + blockIdx.y) * K * W;
+  for (int64_t i = threadIdx.x; i < K * W; i += blockDim.x) {
+    const int64_t r = i / W, c = i % W;
+    base[i] = (c - V == r) ? 1.f : 0.f;
+  }
+}
+
+// The fold: every piece's start state, starts [P_total, HV, K, V]. Grid (N, HV, ceil(V / 16)), 128 threads.
+// A CTA carries the K x 16 column tile of S in shared memory through its sequence's pieces; thread (ty, tx)
+// owns rows 4 ty + {0..3} (+128) and columns 4 tx + {0..3} of S_{j+1} = M_j S_j + H_j. fp32 throughout, the
+// k order fixed: deterministic.
+constexpr int kFoldCols = 16;
+constexpr int kFoldThreads = 128;
+__global__ void __launch_bounds__(kFoldThreads)
+    fold_piece_states_kernel(const FoldSeq* __restrict__ seqs, int64_t HV, int64_t K, int64_t V,
+                             const float* __restrict__ h0, float* __restrict__ starts) {
+  extern __shared__ __align__(16) float S[];  // [Kr][16], Kr = K rounded up to 128 rows of thread ownership
+  const FoldSeq sq = seqs[blockIdx.x];
+  const int64_t n = blockIdx.x, hv = blockIdx.y, c0 = static_cast<int64_t>(blockIdx.z) * kFoldCols;
+  const int ncol = static_cast<int>(min(static_cast<int64_t>(kFoldCols), V - c0));
+  const int tid = threadIdx.x, tx = tid % 4, ty = tid / 4;
+  const int64_t W = V + K;
+  auto state_row = [&](int64_t piece, int64_t r) { return starts + ((piece * HV + hv) * K + r) * V + c0; };
+
+  for (int64_t i = tid; i < K * kFoldCols; i += kFoldThreads) {
+    const int64_t r = i / kFoldCols;
+    const int c = static_cast<int>(i % kFoldCols);
+    const float x = (h0 != nullptr && c < ncol) ? h0[((n * HV + hv) * K + r) * V + c0 + c] : 0.f;
+    S[i] = x;
+    if (c < ncol) state_row(sq.first_piece, r)[c] = x;
+  }
+  __syncthreads();
+  for (int64_t j = 0; j + 1 < sq.count; ++j) {
+    const float* map = sq.maps + (j * HV + hv) * K * W;  // row r: H_j at [0, V), M_j at [V, V + K)
+    float acc[2][4][4];
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const int64_t r = 128 * rb + 4 * ty + a;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int c = 4 * tx + b;
+          acc[rb][a][b] = (r < K && c < ncol) ? map[r * W + c0 + c] : 0.f;
+        }
+      }
+    for (int64_t k = 0; k < K; ++k) {
+      const float4 s = *reinterpret_cast<const float4*>(S + k * kFoldCols + 4 * tx);
+#pragma unroll
+      for (int rb = 0; rb < 2; ++rb) {
+        if (128 * rb >= K) break;
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          const int64_t r = 128 * rb + 4 * ty + a;
+          const float m = r < K ? map[r * W + V + k] : 0.f;
+          acc[rb][a][0] = fmaf(m, s.x, acc[rb][a][0]);
+          acc[rb][a][1] = fmaf(m, s.y, acc[rb][a][1]);
+          acc[rb][a][2] = fmaf(m, s.z, acc[rb][a][2]);
+          acc[rb][a][3] = fmaf(m, s.w, acc[rb][a][3]);
+        }
+      }
+    }
+    __syncthreads();  // every thread has read S_j
+#pragma unroll
+    for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        const int64_t r = 128 * rb + 4 * ty + a;
+        if (r >= K) continue;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int c = 4 * tx + b;
+          S[r * kFoldCols + c] = acc[rb][a][b];
+          if (c < ncol) state_row(sq.first_piece + j + 1, r)[c] = acc[rb][a][b];
+        }
+      }
+    __syncthreads();  // S_{j+1} complete before the next piece reads it
+  }
+}
+
+// ht[n] = the final state of sequence n's last piece. Grid (N, HV), 256 threads.
+__global__ void gather_final_states_kernel(const FoldSeq* __restrict__ seqs, int64_t HV, int64_t KV,
+                                           const float* __restrict__ piece_ht, float* __restrict__ ht) {
+  const FoldSeq sq = seqs[blockIdx.x];
+  const float* src = piece_ht + ((sq.first_piece + sq.count - 1) * HV + blockIdx.y) * KV;
+  float* dst = ht + (static_cast<int64_t>(blockIdx.x) * HV + blockIdx.y) * KV;
+  for (int64_t i = threadIdx.x; i < KV; i += blockDim.x) dst[i] = src[i];
+}
+
+// DELTACP_TILED_SCAN_PIECE: -1 when unset, else tokens per piece (0: never cut).
+int64_t piece_tokens_from_env() {
+  const char* env = std::getenv("DELTACP_TILED_SCAN_PIECE");
+  if (env == nullptr || *env == '\0') return -1;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  DELTACP_CHECK(end != nullptr && *end == '\0' && v >= 0, "DELTACP_TILED_SCAN_PIECE",
+                "expected 0 (never cut the state scan) or a positive number of tokens per piece, got '", env, "'");
+  return v;
+}
+
+// The step-time model of the file comment: predicted microseconds of the scan in pieces of L chunks.
+double predicted_cut_us(const std::vector<SeqEntry>& seqs, const Params& p, int64_t L, int sms) {
+  const int64_t Vp = padded_dim(p.V), Kp = padded_dim(p.K);
+  int64_t pieces = 0, maps = 0, most = 0;
+  for (const SeqEntry& s : seqs) {
+    const int64_t P = std::max<int64_t>(1, (s.num_chunks + L - 1) / L);
+    pieces += P;
+    maps += P > 1 ? P : 0;  // the forward's pass 1 maps every piece of a cut sequence (pass1_pieces)
+    most = std::max(most, P);
+  }
+  auto waves = [&](int64_t ctas) { return static_cast<double>((ctas + sms - 1) / sms); };
+  const double pass1 = waves(maps * p.HV * ((Vp + Kp + 127) / 128)) * static_cast<double>(L) * 2.1;
+  const double pass2 = waves(pieces * p.HV * ((Vp + 127) / 128)) * static_cast<double>(L) * 3.4;
+  return pass1 + pass2 + 3.0 * static_cast<double>(most - 1);
+}
+
+ScanPlan make_plan(const std::vector<SeqEntry>& seqs, const Params& p, int64_t L) {
+  ScanPlan plan;
+  plan.first_piece.reserve(seqs.size() + 1);
+  int64_t cut_pieces = 0;
+  for (const SeqEntry& s : seqs) {
+    plan.first_piece.push_back(static_cast<int64_t>(plan.pieces.size()));
+    const int64_t P = std::max<int64_t>(1, (s.num_chunks + L - 1) / L);
+    if (P > 1) cut_pieces += P;
+    for (int64_t j = 0; j < P; ++j) {
+      SeqEntry e = s;
+      e.first_chunk = s.first_chunk + j * L;
+      e.num_chunks = std::min(L, s.num_chunks - j * L);
+      e.bos = s.bos + j * L * p.chunk_size;
+      e.len = P == 1 ? s.len : std::min(L * p.chunk_size, s.len - j * L * p.chunk_size);
+      plan.pieces.push_back(e);
+    }
+  }
+  plan.first_piece.push_back(static_cast<int64_t>(plan.pieces.size()));
+  const int64_t width = padded_dim(p.V) + padded_dim(p.K);
+  plan.ctas_two_wg = cut_pieces * p.HV * ((width + 127) / 128);
+  return plan;
+}
+
+// The pass-1 problem: p with a state V + K wide, final state only.
+Params maps_problem(const Params& p) {
+  Params q = p;
+  q.V = p.V + p.K;
+  q.o = TensorRef{};
+  q.h0 = nullptr;
+  q.ht = nullptr;
+  return q;
+}
+
+}  // namespace
+
+void launch_pass1(const Params& p, const ScanPlan& plan, const std::vector<int64_t>& which, const float* G,
+                  const void* W, const void* U, const void* Kd, float* maps, cudaStream_t stream) {
+  if (which.empty()) return;
+  std::vector<SeqEntry> pieces;
+  pieces.reserve(which.size());
+  for (int64_t i : which) {
+    DELTACP_CHECK(i >= 0 && i < static_cast<int64_t>(plan.pieces.size()), "pieces", "expected piece indices in [0, ",
+                  plan.pieces.size(), "), got ", i);
+    pieces.push_back(plan.pieces[static_cast<size_t>(i)]);
+  }
+  const int64_t P = static_cast<int64_t>(pieces.size());
+  const int64_t width = p.V + p.K;
+  float* init = static_cast<float*>(workspace_alloc(static_cast<size_t>(P * p.HV * p.K * width) * 4, stream));
+  try {
+    fill_zero_identity_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>(p.HV)), 256, 0, stream>>>(
+        init, p.HV, p.K, p.V);
+    DELTACP_CUDA_CHECK_LAUNCH();
+    const ChunkTable table(std::move(pieces), p.chunk_size, stream);
+    Params q = maps_problem(p);
+    q.h0 = init;
+    q.ht = maps;
+    ScanRows rows;
+    rows.row0 = 0;
+    rows.u_width = padded_dim(p.V);
+    rows.u_cols = padded_dim(p.V);
+    launch_chunk_state_scan(q, table, G, W, U, Kd, /*h=*/nullptr, /*v_new=*/nullptr, init, maps, stream, &rows,
+                            plan.ctas_two_wg);
+  } catch (...) {
+    workspace_free(init, stream);
+    throw;
+  }
+  workspace_free(init, stream);
+}
+
+std::vector<int64_t> pass1_pieces(const ScanPlan& plan) {
+  std::vector<int64_t> which;
+  for (size_t n = 0; n + 1 < plan.first_piece.size(); ++n)
+    if (plan.first_piece[n + 1] - plan.first_piece[n] > 1)
+      for (int64_t i = plan.first_piece[n]; i < plan.first_piece[n + 1]; ++i) which.push_back(i);
+  return which;
+}
+
+ScanPlan plan_scan(const Params& p, const std::vector<SeqEntry>& seqs) {
+  const int64_t env = piece_tokens_from_env();
+  if (p.final_state_only() || env == 0 || seqs.empty()) return {};
+  int64_t most = 0;  // chunks of the longest sequence
+  for (const SeqEntry& s : seqs) most = std::max(most, s.num_chunks);
+  const bool fits = padded_dim(p.V) + padded_dim(p.K) <= kMaxHeadDim;
+  if (env > 0) {
+    DELTACP_CHECK(fits, "DELTACP_TILED_SCAN_PIECE", "the state scan in pieces carries a state V + K wide, at most ",
+                  kMaxHeadDim, " columns padded; got K = ", p.K, ", V = ", p.V);
+    const int64_t L = std::max<int64_t>(1, (env + p.chunk_size - 1) / p.chunk_size);
+    if (most <= L) return {};
+    return make_plan(seqs, p, L);
+  }
+  if (!fits || wgmma_scan_refusal(p, true) != nullptr) return {};
+  const int sms = sm_count();
+  const int64_t ctas_whole = static_cast<int64_t>(seqs.size()) * p.HV * ((padded_dim(p.V) + 127) / 128);
+  if (2 * ctas_whole >= sms) return {};  // wide enough: the whole scan fills the GPU
+  const double whole_us = 2.05 * static_cast<double>(most);
+  int64_t best_L = 0;
+  double best_us = 0.85 * whole_us;
+  for (int64_t L : {16, 32, 64, 128, 256}) {
+    if (L >= most) break;
+    const double us = predicted_cut_us(seqs, p, L, sms);
+    if (us < best_us) best_us = us, best_L = L;
+  }
+  return best_L > 0 ? make_plan(seqs, p, best_L) : ScanPlan{};
+}
+
+void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan& plan, const float* G, const void* W,
+                       const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
+                       cudaStream_t stream, const std::vector<const float*>* given_maps) {
+  if (!plan.cut()) {
+    launch_chunk_state_scan(p, table, G, W, U, Kd, h, v_new, h0, ht, stream);
+    return;
+  }
+  const int64_t N = table.num_seqs(), HV = p.HV, K = p.K, V = p.V;
+  DELTACP_CHECK(static_cast<int64_t>(plan.first_piece.size()) == N + 1, "plan",
+                "expected a plan for the table's ", N, " sequences");
+  DELTACP_CHECK(given_maps == nullptr || static_cast<int64_t>(given_maps->size()) == N, "maps",
+                "expected one entry per sequence");
+  // Pass 1's pieces: all but the last of every cut sequence whose maps are not given.
+  std::vector<int64_t> pass1;
+  std::vector<int64_t> pass1_first(N, -1);
+  for (int64_t n = 0; n < N; ++n) {
+    const bool given = given_maps != nullptr && (*given_maps)[n] != nullptr;
+    if (plan.pieces_of(n) < 2 || given) continue;
+    pass1_first[n] = static_cast<int64_t>(pass1.size());
+    for (int64_t i = plan.first_piece[n]; i + 1 < plan.first_piece[n + 1]; ++i) pass1.push_back(i);
+  }
+  const int64_t P1 = static_cast<int64_t>(pass1.size()), P = static_cast<int64_t>(plan.pieces.size());
+  const size_t bytes_maps = static_cast<size_t>(P1 * HV * K * (V + K)) * 4;
+  const size_t bytes_starts = static_cast<size_t>(P * HV * K * V) * 4;
+  const size_t bytes_ht = ht != nullptr ? bytes_starts : 0;
+  const size_t bytes_seqs = static_cast<size_t>(N) * sizeof(FoldSeq);
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+  char* ws = static_cast<char*>(
+      workspace_alloc(align(bytes_maps) + align(bytes_starts) + align(bytes_ht) + align(bytes_seqs), stream));
+  try {
+    float* maps = reinterpret_cast<float*>(ws);
+    float* starts = reinterpret_cast<float*>(ws + align(bytes_maps));
+    float* piece_ht = bytes_ht ? reinterpret_cast<float*>(ws + align(bytes_maps) + align(bytes_starts)) : nullptr;
+    auto* fold_seqs = reinterpret_cast<FoldSeq*>(ws + align(bytes_maps) + align(bytes_starts) + align(bytes_ht));
+    std::vector<FoldSeq> host(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) {
+      FoldSeq& f = host[static_cast<size_t>(n)];
+      f.first_piece = plan.first_piece[n];
+      f.count = plan.pieces_of(n);
+      f.maps = nullptr;
+      if (f.count > 1)
+        f.maps = pass1_first[n] >= 0 ? maps + pass1_first[n] * HV * K * (V + K) : (*given_maps)[n];
+    }
+    // From pageable memory: the runtime stages the bytes before returning (as ChunkTable's upload).
+    DELTACP_CUDA_CHECK(cudaMemcpyAsync(fold_seqs, host.data(), bytes_seqs, cudaMemcpyHostToDevice, stream));
+    launch_pass1(p, plan, pass1, G, W, U, Kd, maps, stream);
+    const int64_t gz = (V + kFoldCols - 1) / kFoldCols;
+    const size_t smem = static_cast<size_t>(K) * kFoldCols * 4;  // K <= 256: at most 16 KB
+    fold_piece_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)),
+                               kFoldThreads, smem, stream>>>(fold_seqs, HV, K, V, h0, starts);
+    DELTACP_CUDA_CHECK_LAUNCH();
+    const ChunkTable pieces(plan.pieces, p.chunk_size, stream);
+    launch_chunk_state_scan(p, pieces, G, W, U, Kd, h, v_new, starts, piece_ht, stream);
+    if (ht != nullptr) {
+      gather_final_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV)), 256, 0, stream>>>(
+          fold_seqs, HV, K * V, piece_ht, ht);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
+  } catch (...) {
+    workspace_free(ws, stream);
+    throw;
+  }
+  workspace_free(ws, stream);
+}
+
+}  // namespace deltacp::cuda::tiled
