@@ -222,6 +222,25 @@ void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel)
 #endif
 }
 
+void forward_composed_map(StagedForward& s, int64_t n, const float* init, float* out, int64_t width, int64_t numel) {
+#ifdef DELTACP_HAVE_TILED_FWD
+  tiled_forward_composed_map(s, n, init, out, width, numel);
+#else
+  (void)s, (void)n, (void)init, (void)out, (void)width, (void)numel;  // unreachable, as forward_piece_maps
+  throw_error("tier", "no CUDA forward for tier tiled in this build");
+#endif
+}
+
+void compose_state_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                        const float* init, float* out, void* stream) {
+#ifdef DELTACP_HAVE_TILED_FWD
+  tiled_compose_state_maps(maps, P, HV, K, V, width, init, out, stream);
+#else
+  (void)maps, (void)P, (void)HV, (void)K, (void)V, (void)width, (void)init, (void)out, (void)stream;
+  throw_error("tier", "no CUDA forward for tier tiled in this build");
+#endif
+}
+
 void forward_finish(StagedForward& s, const Params& p) {
   validate_staged(p, false);
 #ifdef DELTACP_HAVE_TILED_FWD

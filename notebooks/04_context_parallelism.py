@@ -243,10 +243,11 @@ assert rel_err(folded, HM) < 1e-13
 # SMs, so the tiled forward now cuts it into pieces too (`cuda/tiled/scan_split.cu`): the pieces' maps
 # side by side (pass 1, in the prepare stage), the fold above into each piece's start state, then the
 # pieces' scans side by side from those states. On a CP rank the pre-pass is then those very maps,
-# composed: it costs the local forward a copy and the composition (the CP forward step: 2.31 ms against
-# 1.73 on one GPU, docs/context-parallel.md, session 7). Tested in
-# `tests/python/test_cuda.py::test_scan_in_pieces_matches_the_whole_scan` and
-# `test_staged_forward_reuses_the_piece_maps`.
+# composed where they lie by one fp32 kernel (`compose_maps_kernel`, the fold above with every piece's
+# map): it costs the local forward the composition (the CP forward step: 1.94 ms against 1.65 on one
+# GPU, docs/context-parallel.md, session 8). Tested in
+# `tests/python/test_cuda.py::test_scan_in_pieces_matches_the_whole_scan`,
+# `test_staged_forward_reuses_the_piece_maps` and `test_composed_map_is_the_pieces_maps_folded`.
 #
 # ### What the all-gather must carry
 #

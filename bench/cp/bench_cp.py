@@ -170,6 +170,7 @@ def main():
     use_kernels = device.type == "cuda" and nccl_backend.available()
 
     results, profiles = {}, {}
+    scan_cut = None  # the local tiled forward's cut of the rank's sequence (token offsets), where staged
     # The forward pre-pass as the CP forward runs it: [H | M] of the last segment, plus the first segment's
     # per-piece transitions for the backward pre-pass where the first segment continues (rank > 0).
     want_maps = ctx.first_continues
@@ -234,6 +235,10 @@ def main():
             os.environ.pop("DELTACP_CP_PREPASS_PIECE", None)
             results["prepass_staged"] = time_it(prepass_staged, args.repeat, args.warmup)
             results["prepare_only"] = time_it(prepare_only, args.repeat, args.warmup)
+            # How the local forward's state scan cuts the rank's sequence (cuda/tiled/scan_split.cu).
+            descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
+            descs["o"] = _td(o_staged, "o")
+            scan_cut = list(_core.tiled_scan_pieces("gdn", descs, 0, chunk_size=64))
             errors["prepass_staged"] = float((prepass_staged() - prepass()[0]).norm() /
                                              prepass()[0].norm().clamp_min(1e-30))
         results["prepass_bwd_widened"] = time_it(prepass_bwd_widened, args.repeat, args.warmup)
@@ -396,13 +401,17 @@ def main():
 
     rows = [None] * world
     dist.all_gather_object(rows, dict(rank=rank, times=results, errors=errors, profiles=profiles,
-                                      piece_default=piece_default if use_kernels else None))
+                                      piece_default=piece_default if use_kernels else None,
+                                      scan_cut=scan_cut))
     if rank == 0:
         bytes_ag = cp_ops.exchange_bytes(ctx, HV, K, V)
         bytes_ring = HV * K * V * 4
         bytes_scan = math.ceil(math.log2(world)) * HV * K * (V + K) * 4 if world > 1 else 0
         print(f"CP exchange, {world} ranks ({device.type}), GDN {args.dtype}, H={H} K=V={K}, {T_rank} tokens/rank, "
               f"one sequence over every rank; median of {args.repeat} (ms, max over ranks)")
+        if rows[0].get("scan_cut"):
+            cut = rows[0]["scan_cut"]
+            print(f"  (the local forward's state scan: {len(cut) - 1} piece(s) of {cut[1]} tokens, scan_split.cu)")
         if rows[0]["piece_default"] is not None:
             print(f"  (pre-pass pieces in the CP steps and 'prepass': the default, {rows[0]['piece_default']} tokens)")
         names = sorted({n for r in rows for n in r["times"]})

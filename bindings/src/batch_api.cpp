@@ -279,6 +279,38 @@ void staged_forward_piece_maps(StagedForwardHandle& h, int64_t n, uintptr_t maps
 #endif
 }
 
+// forward_composed_map (api.h): prepared sequence n's maps composed from init (0: [0 | I]) into out.
+void staged_forward_composed_map(StagedForwardHandle& h, int64_t n, uintptr_t init_ptr, uintptr_t out_ptr,
+                                 int64_t width, int64_t numel) {
+#ifdef DELTACP_WITH_CUDA
+  if (!h.state) throw Error("state", "expected a prepared forward (this one has finished)");
+  py::gil_scoped_release nogil;
+  cuda::forward_composed_map(*h.state, n, reinterpret_cast<const float*>(init_ptr), reinterpret_cast<float*>(out_ptr),
+                             width, numel);
+#else
+  (void)h, (void)n, (void)init_ptr, (void)out_ptr, (void)width, (void)numel;
+  no_cuda("the staged forward");
+#endif
+}
+
+// compose_state_maps (api.h): maps [P, HV, K, V + K] at maps_ptr composed from init (0: [0 | I]) into out
+// ([HV, K, width], numel elements), all fp32 CUDA buffers, on `stream`.
+void compose_state_maps(uintptr_t maps_ptr, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                        uintptr_t init_ptr, uintptr_t out_ptr, int64_t numel, uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  if (numel != HV * K * width) throw Error("out", "expected HV * K * width = " + std::to_string(HV * K * width) +
+                                                       " elements, got " + std::to_string(numel));
+  py::gil_scoped_release nogil;
+  cuda::compose_state_maps(reinterpret_cast<const float*>(maps_ptr), P, HV, K, V, width,
+                           reinterpret_cast<const float*>(init_ptr), reinterpret_cast<float*>(out_ptr),
+                           reinterpret_cast<void*>(stream));
+#else
+  (void)maps_ptr, (void)P, (void)HV, (void)K, (void)V, (void)width, (void)init_ptr, (void)out_ptr, (void)numel,
+      (void)stream;
+  no_cuda("the composition of state maps");
+#endif
+}
+
 void cuda_release_workspace() {
 #ifdef DELTACP_WITH_CUDA
   cuda::release_workspace();
@@ -354,6 +386,15 @@ void register_batch_api(py::module_& m) {
         py::arg("maps_ptr"), py::arg("numel"),
         "The state scan in pieces' maps of prepared sequence n: every piece's [H | M] from [0 | I] into the "
         "fp32 CUDA buffer at maps_ptr ([P, HV, K, V + K], numel elements), on the prepared stream.");
+  m.def("staged_forward_composed_map", &staged_forward_composed_map, py::arg("state"), py::arg("n"),
+        py::arg("init_ptr"), py::arg("out_ptr"), py::arg("width"), py::arg("numel"),
+        "Those maps composed in fp32, in one kernel on the prepared stream: the state [HV, K, width] leaving "
+        "prepared sequence n when entered with the fp32 CUDA buffer at init_ptr (0: [0 | I]), into the one "
+        "at out_ptr (numel elements each); width V + K gives [H | M], width V the offset alone.");
+  m.def("compose_state_maps", &compose_state_maps, py::arg("maps_ptr"), py::arg("P"), py::arg("HV"), py::arg("K"),
+        py::arg("V"), py::arg("width"), py::arg("init_ptr"), py::arg("out_ptr"), py::arg("numel"), py::arg("stream"),
+        "Affine state maps [P, HV, K, V + K] (fp32 CUDA) composed in one kernel on `stream`: the state [HV, K, "
+        "width] leaving them when entered with init (0: [0 | I]), into out.");
   m.def("cuda_release_workspace", &cuda_release_workspace,
         "Hand the CUDA kernels' cached workspace memory back to the driver (no-op without CUDA).");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),

@@ -127,12 +127,46 @@ void launch_pass1(const Params& p, const ScanPlan& plan, const std::vector<int64
 // launch it usually costs no extra wave (32K tokens, 16 heads: 256 CTAs instead of 224 on 132 SMs).
 std::vector<int64_t> pass1_pieces(const ScanPlan& plan);
 
-// Stage 3 as planned: h, v_new (and ht) from h0, like launch_chunk_state_scan. given_maps: null, or per
-// sequence its pieces' maps made by launch_pass1 (at least all but the last piece's; nullptr: pass 1
-// makes them here).
+// One sequence of the fold (scan_split.cu): its pieces in pass 2's table and where its pass-1 maps are.
+struct FoldSeq {
+  int64_t first_piece;  // index of its first piece among every piece (pass 2's table)
+  int64_t count;        // its pieces
+  const float* maps;    // [count (at least count - 1 read), HV, K, V + K] fp32, or nullptr when count == 1
+};
+
+// Pass 2's device tables: plan.pieces as a chunk table and one FoldSeq per sequence, seq_maps[n] being
+// sequence n's pass-1 maps (nullptr for a sequence the plan does not cut). launch_state_scan makes them
+// per call; the staged forward makes them once, at prepare, so that its finish launches kernels only.
+class PieceTables {
+ public:
+  PieceTables(const Params& p, const ScanPlan& plan, const std::vector<const float*>& seq_maps, cudaStream_t stream);
+  ~PieceTables();
+  PieceTables(const PieceTables&) = delete;
+  PieceTables& operator=(const PieceTables&) = delete;
+  const ChunkTable& pieces() const { return pieces_; }
+  const FoldSeq* fold_seqs() const { return fold_seqs_; }  // device, [N]
+  bool maps_aligned() const { return aligned_; }             // every map fit for 16-byte copies
+
+ private:
+  ChunkTable pieces_;
+  std::vector<FoldSeq> host_;
+  FoldSeq* fold_seqs_ = nullptr;
+  bool aligned_ = true;
+  cudaStream_t stream_;
+};
+
+// Stage 3 as planned: h, v_new (and ht) from h0, like launch_chunk_state_scan. tables: null (pass 1 then
+// maps all but the last piece of every cut sequence here), or tables whose maps were made by launch_pass1.
 void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan& plan, const float* G,
                        const void* W, const void* U, const void* Kd, void* h, void* v_new, const float* h0,
-                       float* ht, cudaStream_t stream, const std::vector<const float*>* given_maps = nullptr);
+                       float* ht, cudaStream_t stream, const PieceTables* tables = nullptr);
+
+// The CP pre-pass of a cut sequence: its P pieces' maps [P, HV, K, V + K] (launch_pass1, every piece)
+// composed in fp32 into out [HV, K, width] = the state leaving the sequence when it is entered with init
+// ([HV, K, width] fp32; nullptr: [0 | I], the identity in the columns from V on). width = V + K gives
+// the sequence's [H | M]; width = V the offset alone (from init = h0, or 0).
+void launch_compose_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                         const float* init, float* out, cudaStream_t stream);
 
 // Writes p.o.
 void launch_chunk_output(const Params& p, const ChunkTable& table, const float* G, const void* h,

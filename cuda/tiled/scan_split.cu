@@ -26,7 +26,8 @@
 // two warpgroups) and a model of the step times predicts at most 0.85x of the whole scan's time. The
 // model's constants were measured on an H200 (bench/gpu/bench_scan.py, docs/scan-h200-2026-11-22.json):
 // a step of the narrow whole scan 2.05 us; a wave of pass 1's state-only steps 2.1 us; a wave of pass 2's
-// steps, which store h and v_new, 3.4 us (a full wave moves ~3.5 TB/s); a fold step ~3 us. Never for a
+// steps, which store h and v_new, 3.4 us (a full wave moves ~3.5 TB/s); a fold step 10.5 us (session 8's
+// traces: 0.073 ms for 7 maps, 16 heads; session 7 assumed 3 us, but measured ~16). Never for a
 // final-state-only problem (the CP pre-pass cuts its own pieces), nor where V + K padded exceeds 256 (the
 // widest state the scans take).
 //
@@ -36,14 +37,16 @@
 // of 2048 / 8192 tokens took the scan from 0.50 to 0.72 / 0.64 ms (H100).
 //
 // The forward runs pass 1 in its prepare stage over every piece of every cut sequence, the last ones too
-// (pass1_pieces): a CP rank's pre-pass is then these maps composed (deltacp/cuda/api.h
-// forward_piece_maps; bindings/python/deltacp/cp/ops.py _local_piece_maps).
+// (pass1_pieces): a CP rank's pre-pass is then these maps composed where they lie, one launch of
+// compose_maps_kernel (deltacp/cuda/api.h forward_composed_map; bindings/python/deltacp/cp/ops.py
+// _composed_local_maps), and prepare also builds pass 2's tables (PieceTables), so finish only launches.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -53,17 +56,11 @@
 #include "chunk_table.cuh"
 #include "deltacp/error.h"
 #include "deltacp/params.h"
+#include "fwd_mma.cuh"
 #include "fwd_stages.cuh"
 
 namespace deltacp::cuda::tiled {
 namespace {
-
-// One sequence of the fold: its pieces in the piece tables and where its pass-1 maps are.
-struct FoldSeq {
-  int64_t first_piece;  // index of its first piece among every piece (pass 2's table)
-  int64_t count;        // its pieces
-  const float* maps;    // [count (at least count - 1 read), HV, K, V + K] fp32, or nullptr when count == 1
-};
 
 // [0 | I] for every piece of pass 1: states [P, HV, K, V + K]. Grid (P, HV), 256 threads.
 __global__ void fill_zero_identity_kernel(float* __restrict__ x, int64_t HV, int64_t K, int64_t V) {
@@ -75,24 +72,126 @@ __global__ void fill_zero_identity_kernel(float* __restrict__ x, int64_t HV, int
   }
 }
 
-// The fold: every piece's start state, starts [P_total, HV, K, V]. Grid (N, HV, ceil(V / 16)), 128 threads.
-// A CTA carries the K x 16 column tile of S in shared memory through its sequence's pieces; thread (ty, tx)
-// owns rows 4 ty + {0..3} (+128) and columns 4 tx + {0..3} of S_{j+1} = M_j S_j + H_j. fp32 throughout, the
-// k order fixed: deterministic.
+// The fold and the composition carry a K x 16 column tile of a state through a sequence's maps, one
+// CTA of 512 threads per (sequence, value head, tile), the tile in shared memory. Thread (ty, tx) owns
+// rows ty and ty + 128 and columns 4 tx + {0..3} of S' = M_j S + add_j. fp32 throughout, the k order
+// fixed: deterministic. The steps are sequential, so a step's latency is the kernel's: 512 threads (4
+// warps per scheduler) instead of 128 with four times the rows each.
+//
+// M_j (K x K, rows V + K apart in the maps) streams through shared memory in slabs of 64 columns (32
+// when K > 128), two buffers deep: cp.async fetches the next slab, of this map or the next, while the
+// current one is multiplied, so a step costs about its bytes, not a chain of load latencies. (Read
+// straight from global memory, a row per thread and k, by 128 threads, the composition of the 8 maps of
+// a 32K-token sequence with 16 heads took 0.131 ms on H200; slabs loaded synchronously 0.186 ms; by
+// cp.async 0.126 ms; with 512 threads 0.089 ms, and the fold of 7 maps 0.073 ms instead of 0.110: session
+// 8. That is still ~11 us per step for ~1 us of FMA issue, not yet understood.) Without 16-byte alignment
+// (V or K not a multiple of 4) the slabs are loaded by plain loads, one after another.
 constexpr int kFoldCols = 16;
-constexpr int kFoldThreads = 128;
+constexpr int kFoldThreads = 512;
+constexpr int kFoldRowsPerPass = kFoldThreads / 4;  // 128: rows ty, ty + 128 (K <= 256)
+
+int fold_slab(int64_t K) { return K <= 128 ? 64 : 32; }  // 2 slabs of K x (slab + 4) fp32: <= 74 KB
+// Shared memory of a fold / composition CTA: the state tile [K][16] and two slabs [K][slab + 4], fp32.
+size_t fold_smem_bytes(int64_t K) {
+  return static_cast<size_t>(K) * (kFoldCols + 2 * (fold_slab(K) + 4)) * 4;
+}
+
+// S <- M_j S + add(j, r, c) for j = 0 .. count - 1 (map(j): M_j's first element, rows W apart), then
+// stored(j, r, c, value) for every element of this thread. S: [K][16] in shared memory, complete on entry;
+// buf: the two slab buffers.
+template <class MapAt, class Add, class Stored>
+__device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, int64_t K, bool aligned,
+                                           float* __restrict__ S, float* __restrict__ buf, Add add, Stored stored) {
+  const int tid = threadIdx.x, tx = tid % 4, ty = tid / 4;
+  const int slab = K <= 128 ? 64 : 32, row = slab + 4;  // row: 16-byte aligned; 4 row mod 32 spreads the banks
+  const int64_t nslab = (K + slab - 1) / slab, total = count * nslab;
+  if (total == 0) return;  // no map (a sequence of one piece): nothing to fetch
+  auto fetch = [&](int64_t t) {  // slab t (map t / nslab, columns from slab (t % nslab)) into buffer t % 2
+    const float* M = map(t / nslab);
+    const int64_t k0 = (t % nslab) * slab;
+    const int kn = static_cast<int>(min(static_cast<int64_t>(slab), K - k0));
+    float* dst = buf + (t % 2) * K * row;
+    if (aligned) {
+      const int q4 = slab / 4;
+      for (int64_t i = tid; i < K * q4; i += kFoldThreads) {
+        const int64_t r = i / q4;
+        const int q = static_cast<int>(i % q4);
+        if (4 * q < kn) cp_async_16(dst + r * row + 4 * q, M + r * W + k0 + 4 * q);
+      }
+    } else {
+      for (int64_t i = tid; i < K * slab; i += kFoldThreads) {
+        const int64_t r = i / slab;
+        const int kk = static_cast<int>(i % slab);
+        if (kk < kn) dst[r * row + kk] = M[r * W + k0 + kk];
+      }
+    }
+    cp_async_commit();
+  };
+  float acc[2][4];
+  fetch(0);
+  for (int64_t t = 0; t < total; ++t) {
+    const int64_t j = t / nslab, k0 = (t % nslab) * slab;
+    if (t + 1 < total) {
+      fetch(t + 1);  // into the buffer every thread finished reading at the end of step t - 1
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // slab t in shared memory for every thread
+    if (k0 == 0) {
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        const int64_t r = ty + kFoldRowsPerPass * a;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) acc[a][b] = r < K ? add(j, r, 4 * tx + b) : 0.f;
+      }
+    }
+    const float* Ms = buf + (t % 2) * K * row;
+    const int kn = static_cast<int>(min(static_cast<int64_t>(slab), K - k0));
+    for (int kk = 0; kk < kn; ++kk) {
+      const float4 sv = *reinterpret_cast<const float4*>(S + (k0 + kk) * kFoldCols + 4 * tx);
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        if (kFoldRowsPerPass * a >= K) break;
+        const int64_t r = ty + kFoldRowsPerPass * a;
+        const float m = r < K ? Ms[r * row + kk] : 0.f;
+        acc[a][0] = fmaf(m, sv.x, acc[a][0]);
+        acc[a][1] = fmaf(m, sv.y, acc[a][1]);
+        acc[a][2] = fmaf(m, sv.z, acc[a][2]);
+        acc[a][3] = fmaf(m, sv.w, acc[a][3]);
+      }
+    }
+    __syncthreads();  // every thread is past slab t (its buffer is refilled next) and, at a step's end, S_j
+    if (k0 + slab >= K) {  // the step's last slab: S <- S_{j+1}
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        const int64_t r = ty + kFoldRowsPerPass * a;
+        if (r >= K) continue;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          S[r * kFoldCols + 4 * tx + b] = acc[a][b];
+          stored(j, r, 4 * tx + b, acc[a][b]);
+        }
+      }
+      __syncthreads();  // S_{j+1} complete before the next step reads it
+    }
+  }
+}
+
+// The fold: every piece's start state, starts [P_total, HV, K, V]. Grid (N, HV, ceil(V / 16)).
+// S_0 = h0 (or 0), S_{j+1} = M_j S_j + H_j.
 __global__ void __launch_bounds__(kFoldThreads)
     fold_piece_states_kernel(const FoldSeq* __restrict__ seqs, int64_t HV, int64_t K, int64_t V,
-                             const float* __restrict__ h0, float* __restrict__ starts) {
-  extern __shared__ __align__(16) float S[];  // [Kr][16], Kr = K rounded up to 128 rows of thread ownership
+                             const float* __restrict__ h0, float* __restrict__ starts, bool aligned) {
+  extern __shared__ __align__(16) float S[];  // [K][16], then the two slab buffers
   const FoldSeq sq = seqs[blockIdx.x];
   const int64_t n = blockIdx.x, hv = blockIdx.y, c0 = static_cast<int64_t>(blockIdx.z) * kFoldCols;
   const int ncol = static_cast<int>(min(static_cast<int64_t>(kFoldCols), V - c0));
-  const int tid = threadIdx.x, tx = tid % 4, ty = tid / 4;
   const int64_t W = V + K;
   auto state_row = [&](int64_t piece, int64_t r) { return starts + ((piece * HV + hv) * K + r) * V + c0; };
+  auto map = [&](int64_t j) { return sq.maps + (j * HV + hv) * K * W; };  // row r: H_j at [0, V), M_j after
 
-  for (int64_t i = tid; i < K * kFoldCols; i += kFoldThreads) {
+  for (int64_t i = threadIdx.x; i < K * kFoldCols; i += kFoldThreads) {
     const int64_t r = i / kFoldCols;
     const int c = static_cast<int>(i % kFoldCols);
     const float x = (h0 != nullptr && c < ncol) ? h0[((n * HV + hv) * K + r) * V + c0 + c] : 0.f;
@@ -100,52 +199,47 @@ __global__ void __launch_bounds__(kFoldThreads)
     if (c < ncol) state_row(sq.first_piece, r)[c] = x;
   }
   __syncthreads();
-  for (int64_t j = 0; j + 1 < sq.count; ++j) {
-    const float* map = sq.maps + (j * HV + hv) * K * W;  // row r: H_j at [0, V), M_j at [V, V + K)
-    float acc[2][4][4];
-#pragma unroll
-    for (int rb = 0; rb < 2; ++rb)
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const int64_t r = 128 * rb + 4 * ty + a;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const int c = 4 * tx + b;
-          acc[rb][a][b] = (r < K && c < ncol) ? map[r * W + c0 + c] : 0.f;
-        }
-      }
-    for (int64_t k = 0; k < K; ++k) {
-      const float4 s = *reinterpret_cast<const float4*>(S + k * kFoldCols + 4 * tx);
-#pragma unroll
-      for (int rb = 0; rb < 2; ++rb) {
-        if (128 * rb >= K) break;
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-          const int64_t r = 128 * rb + 4 * ty + a;
-          const float m = r < K ? map[r * W + V + k] : 0.f;
-          acc[rb][a][0] = fmaf(m, s.x, acc[rb][a][0]);
-          acc[rb][a][1] = fmaf(m, s.y, acc[rb][a][1]);
-          acc[rb][a][2] = fmaf(m, s.z, acc[rb][a][2]);
-          acc[rb][a][3] = fmaf(m, s.w, acc[rb][a][3]);
-        }
-      }
-    }
-    __syncthreads();  // every thread has read S_j
-#pragma unroll
-    for (int rb = 0; rb < 2; ++rb)
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        const int64_t r = 128 * rb + 4 * ty + a;
-        if (r >= K) continue;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const int c = 4 * tx + b;
-          S[r * kFoldCols + c] = acc[rb][a][b];
-          if (c < ncol) state_row(sq.first_piece + j + 1, r)[c] = acc[rb][a][b];
-        }
-      }
-    __syncthreads();  // S_{j+1} complete before the next piece reads it
+  carry_tile(
+      sq.count - 1, [&](int64_t j) { return map(j) + V; }, W, K, aligned, S, S + K * kFoldCols,
+      [&](int64_t j, int64_t r, int c) { return c < ncol ? map(j)[r * W + c0 + c] : 0.f; },
+      [&](int64_t j, int64_t r, int c, float x) {
+        if (c < ncol) state_row(sq.first_piece + j + 1, r)[c] = x;
+      });
+}
+
+// The composition: out [HV, K, width] = the state after all P maps from init ([HV, K, width], or [0 | I]).
+// Grid (HV, ceil(width / 16)). Columns from V on see no offset: they carry M_{P-1} ... M_0 init.
+__global__ void __launch_bounds__(kFoldThreads)
+    compose_maps_kernel(const float* __restrict__ maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                        const float* __restrict__ init, float* __restrict__ out, bool aligned) {
+  extern __shared__ __align__(16) float S[];  // [K][16], then the two slab buffers
+  const int64_t hv = blockIdx.x, c0 = static_cast<int64_t>(blockIdx.y) * kFoldCols;
+  const int ncol = static_cast<int>(min(static_cast<int64_t>(kFoldCols), width - c0));
+  const int64_t W = V + K;
+  auto map = [&](int64_t j) { return maps + (j * HV + hv) * K * W; };
+  for (int64_t i = threadIdx.x; i < K * kFoldCols; i += kFoldThreads) {
+    const int64_t r = i / kFoldCols, c = c0 + i % kFoldCols;
+    S[i] = c >= width ? 0.f : init != nullptr ? init[(hv * K + r) * width + c] : (c - V == r ? 1.f : 0.f);
   }
+  __syncthreads();
+  carry_tile(
+      P, [&](int64_t j) { return map(j) + V; }, W, K, aligned, S, S + K * kFoldCols,
+      [&](int64_t j, int64_t r, int c) { return c < ncol && c0 + c < V ? map(j)[r * W + c0 + c] : 0.f; },
+      [&](int64_t j, int64_t r, int c, float x) {
+        if (j + 1 == P && c < ncol) out[(hv * K + r) * width + c0 + c] = x;
+      });
+}
+
+// cp.async's 16-byte copies need every slab row 16-byte aligned: maps (the base), V and K multiples of 4.
+bool maps_fit_16b(const float* maps, int64_t K, int64_t V) {
+  return reinterpret_cast<uintptr_t>(maps) % 16 == 0 && K % 4 == 0 && V % 4 == 0;
+}
+
+// Dynamic shared memory beyond the default 48 KB must be allowed per kernel (K > 147 here).
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 // ht[n] = the final state of sequence n's last piece. Grid (N, HV), 256 threads.
@@ -181,7 +275,7 @@ double predicted_cut_us(const std::vector<SeqEntry>& seqs, const Params& p, int6
   auto waves = [&](int64_t ctas) { return static_cast<double>((ctas + sms - 1) / sms); };
   const double pass1 = waves(maps * p.HV * ((Vp + Kp + 127) / 128)) * static_cast<double>(L) * 2.1;
   const double pass2 = waves(pieces * p.HV * ((Vp + 127) / 128)) * static_cast<double>(L) * 3.4;
-  return pass1 + pass2 + 3.0 * static_cast<double>(most - 1);
+  return pass1 + pass2 + 10.5 * static_cast<double>(most - 1);
 }
 
 ScanPlan make_plan(const std::vector<SeqEntry>& seqs, const Params& p, int64_t L) {
@@ -268,10 +362,11 @@ ScanPlan plan_scan(const Params& p, const std::vector<SeqEntry>& seqs) {
   for (const SeqEntry& s : seqs) most = std::max(most, s.num_chunks);
   const bool fits = padded_dim(p.V) + padded_dim(p.K) <= kMaxHeadDim;
   if (env > 0) {
-    DELTACP_CHECK(fits, "DELTACP_TILED_SCAN_PIECE", "the state scan in pieces carries a state V + K wide, at most ",
-                  kMaxHeadDim, " columns padded; got K = ", p.K, ", V = ", p.V);
     const int64_t L = std::max<int64_t>(1, (env + p.chunk_size - 1) / p.chunk_size);
-    if (most <= L) return {};
+    if (most <= L) return {};  // nothing to cut: any state width is fine
+    DELTACP_CHECK(fits, "DELTACP_TILED_SCAN_PIECE", "the state scan in pieces carries a state V + K wide, at most ",
+                  kMaxHeadDim, " columns padded; got K = ", p.K, ", V = ", p.V, " and a sequence of ", most,
+                  " chunks to cut into pieces of ", L);
     return make_plan(seqs, p, L);
   }
   if (!fits || wgmma_scan_refusal(p, true) != nullptr) return {};
@@ -289,9 +384,36 @@ ScanPlan plan_scan(const Params& p, const std::vector<SeqEntry>& seqs) {
   return best_L > 0 ? make_plan(seqs, p, best_L) : ScanPlan{};
 }
 
+PieceTables::PieceTables(const Params& p, const ScanPlan& plan, const std::vector<const float*>& seq_maps,
+                         cudaStream_t stream)
+    : pieces_(plan.pieces, p.chunk_size, stream), stream_(stream) {
+  const int64_t N = static_cast<int64_t>(plan.first_piece.size()) - 1;
+  DELTACP_CHECK(plan.cut() && static_cast<int64_t>(seq_maps.size()) == N, "maps",
+                "expected a cut plan and one entry per sequence");
+  host_.resize(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {
+    FoldSeq& f = host_[static_cast<size_t>(n)];
+    f.first_piece = plan.first_piece[n];
+    f.count = plan.pieces_of(n);
+    f.maps = f.count > 1 ? seq_maps[static_cast<size_t>(n)] : nullptr;
+    DELTACP_CHECK(f.count == 1 || f.maps != nullptr, "maps", "expected pass-1 maps for cut sequence ", n);
+    if (f.maps != nullptr) aligned_ = aligned_ && maps_fit_16b(f.maps, p.K, p.V);
+  }
+  const size_t bytes = host_.size() * sizeof(FoldSeq);
+  fold_seqs_ = static_cast<FoldSeq*>(workspace_alloc(bytes, stream));
+  // From pageable memory the runtime stages the bytes before returning (as ChunkTable's upload).
+  const cudaError_t e = cudaMemcpyAsync(fold_seqs_, host_.data(), bytes, cudaMemcpyHostToDevice, stream);
+  if (e != cudaSuccess) {
+    workspace_free(fold_seqs_, stream);
+    DELTACP_CUDA_CHECK(e);
+  }
+}
+
+PieceTables::~PieceTables() { workspace_free(fold_seqs_, stream_); }  // stream-ordered, after the kernels
+
 void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan& plan, const float* G, const void* W,
                        const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
-                       cudaStream_t stream, const std::vector<const float*>* given_maps) {
+                       cudaStream_t stream, const PieceTables* tables) {
   if (!plan.cut()) {
     launch_chunk_state_scan(p, table, G, W, U, Kd, h, v_new, h0, ht, stream);
     return;
@@ -299,52 +421,47 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
   const int64_t N = table.num_seqs(), HV = p.HV, K = p.K, V = p.V;
   DELTACP_CHECK(static_cast<int64_t>(plan.first_piece.size()) == N + 1, "plan",
                 "expected a plan for the table's ", N, " sequences");
-  DELTACP_CHECK(given_maps == nullptr || static_cast<int64_t>(given_maps->size()) == N, "maps",
-                "expected one entry per sequence");
-  // Pass 1's pieces: all but the last of every cut sequence whose maps are not given.
+  // Without prepared tables, pass 1 maps all but the last piece of every cut sequence here.
   std::vector<int64_t> pass1;
-  std::vector<int64_t> pass1_first(N, -1);
-  for (int64_t n = 0; n < N; ++n) {
-    const bool given = given_maps != nullptr && (*given_maps)[n] != nullptr;
-    if (plan.pieces_of(n) < 2 || given) continue;
-    pass1_first[n] = static_cast<int64_t>(pass1.size());
-    for (int64_t i = plan.first_piece[n]; i + 1 < plan.first_piece[n + 1]; ++i) pass1.push_back(i);
-  }
+  std::vector<int64_t> pass1_first(static_cast<size_t>(N), -1);
+  if (tables == nullptr)
+    for (int64_t n = 0; n < N; ++n) {
+      if (plan.pieces_of(n) < 2) continue;
+      pass1_first[static_cast<size_t>(n)] = static_cast<int64_t>(pass1.size());
+      for (int64_t i = plan.first_piece[n]; i + 1 < plan.first_piece[n + 1]; ++i) pass1.push_back(i);
+    }
   const int64_t P1 = static_cast<int64_t>(pass1.size()), P = static_cast<int64_t>(plan.pieces.size());
   const size_t bytes_maps = static_cast<size_t>(P1 * HV * K * (V + K)) * 4;
   const size_t bytes_starts = static_cast<size_t>(P * HV * K * V) * 4;
   const size_t bytes_ht = ht != nullptr ? bytes_starts : 0;
-  const size_t bytes_seqs = static_cast<size_t>(N) * sizeof(FoldSeq);
   auto align = [](size_t b) { return (b + 255) / 256 * 256; };
-  char* ws = static_cast<char*>(
-      workspace_alloc(align(bytes_maps) + align(bytes_starts) + align(bytes_ht) + align(bytes_seqs), stream));
+  char* ws = static_cast<char*>(workspace_alloc(align(bytes_maps) + align(bytes_starts) + align(bytes_ht), stream));
   try {
     float* maps = reinterpret_cast<float*>(ws);
     float* starts = reinterpret_cast<float*>(ws + align(bytes_maps));
     float* piece_ht = bytes_ht ? reinterpret_cast<float*>(ws + align(bytes_maps) + align(bytes_starts)) : nullptr;
-    auto* fold_seqs = reinterpret_cast<FoldSeq*>(ws + align(bytes_maps) + align(bytes_starts) + align(bytes_ht));
-    std::vector<FoldSeq> host(static_cast<size_t>(N));
-    for (int64_t n = 0; n < N; ++n) {
-      FoldSeq& f = host[static_cast<size_t>(n)];
-      f.first_piece = plan.first_piece[n];
-      f.count = plan.pieces_of(n);
-      f.maps = nullptr;
-      if (f.count > 1)
-        f.maps = pass1_first[n] >= 0 ? maps + pass1_first[n] * HV * K * (V + K) : (*given_maps)[n];
+    std::unique_ptr<PieceTables> own;
+    if (tables == nullptr) {
+      std::vector<const float*> seq_maps(static_cast<size_t>(N), nullptr);
+      for (int64_t n = 0; n < N; ++n)
+        if (pass1_first[static_cast<size_t>(n)] >= 0)
+          seq_maps[static_cast<size_t>(n)] = maps + pass1_first[static_cast<size_t>(n)] * HV * K * (V + K);
+      own = std::make_unique<PieceTables>(p, plan, seq_maps, stream);
+      tables = own.get();
+      launch_pass1(p, plan, pass1, G, W, U, Kd, maps, stream);
     }
-    // From pageable memory: the runtime stages the bytes before returning (as ChunkTable's upload).
-    DELTACP_CUDA_CHECK(cudaMemcpyAsync(fold_seqs, host.data(), bytes_seqs, cudaMemcpyHostToDevice, stream));
-    launch_pass1(p, plan, pass1, G, W, U, Kd, maps, stream);
+    DELTACP_CHECK(tables->pieces().num_seqs() == P, "tables", "expected the plan's ", P, " pieces");
     const int64_t gz = (V + kFoldCols - 1) / kFoldCols;
-    const size_t smem = static_cast<size_t>(K) * kFoldCols * 4;  // K <= 256: at most 16 KB
+    const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 82 KB
+    allow_smem(fold_piece_states_kernel, smem);
     fold_piece_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)),
-                               kFoldThreads, smem, stream>>>(fold_seqs, HV, K, V, h0, starts);
+                               kFoldThreads, smem, stream>>>(tables->fold_seqs(), HV, K, V, h0, starts,
+                                                             tables->maps_aligned());
     DELTACP_CUDA_CHECK_LAUNCH();
-    const ChunkTable pieces(plan.pieces, p.chunk_size, stream);
-    launch_chunk_state_scan(p, pieces, G, W, U, Kd, h, v_new, starts, piece_ht, stream);
+    launch_chunk_state_scan(p, tables->pieces(), G, W, U, Kd, h, v_new, starts, piece_ht, stream);
     if (ht != nullptr) {
       gather_final_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV)), 256, 0, stream>>>(
-          fold_seqs, HV, K * V, piece_ht, ht);
+          tables->fold_seqs(), HV, K * V, piece_ht, ht);
       DELTACP_CUDA_CHECK_LAUNCH();
     }
   } catch (...) {
@@ -352,6 +469,20 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
     throw;
   }
   workspace_free(ws, stream);
+}
+
+void launch_compose_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                         const float* init, float* out, cudaStream_t stream) {
+  DELTACP_CHECK(P >= 1 && maps != nullptr, "maps", "expected at least one map, got ", P);
+  DELTACP_CHECK(width == V || width == V + K, "width", "expected V = ", V, " or V + K = ", V + K, ", got ", width);
+  DELTACP_CHECK(K >= 1 && K <= kMaxHeadDim, "K", "expected 1 <= K <= ", kMaxHeadDim, ", got ", K);
+  DELTACP_CHECK(out != nullptr, "out", "expected an output buffer");
+  const int64_t gy = (width + kFoldCols - 1) / kFoldCols;
+  const size_t smem = fold_smem_bytes(K);
+  allow_smem(compose_maps_kernel, smem);
+  compose_maps_kernel<<<dim3(static_cast<unsigned>(HV), static_cast<unsigned>(gy)), kFoldThreads, smem, stream>>>(
+      maps, P, HV, K, V, width, init, out, maps_fit_16b(maps, K, V));
+  DELTACP_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace deltacp::cuda::tiled

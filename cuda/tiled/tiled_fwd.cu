@@ -1229,6 +1229,7 @@ struct FwdState final : StagedForward {
   ScanPlan plan;                          // how stage 3 cuts the sequences (scan_split.cu)
   float* maps = nullptr;                  // pass 1's maps of every piece of every cut sequence
   std::vector<const float*> seq_maps;     // per sequence: its first map in `maps`, or nullptr (not cut)
+  std::unique_ptr<PieceTables> tables;    // pass 2's tables (cut plans): made here, so finish only launches
   bool finished = false;
 };
 
@@ -1276,6 +1277,7 @@ std::unique_ptr<FwdState> start_forward(const Params& p) {
   launch_chunk_cumsum(p, s->table, s->G, stream);
   launch_chunk_wy(p, s->table, s->G, s->W, s->U, s->Kd, /*Tinv=*/nullptr, stream);
   launch_pass1(p, s->plan, pass1, s->G, s->W, s->U, s->Kd, s->maps, stream);
+  if (s->plan.cut()) s->tables = std::make_unique<PieceTables>(p, s->plan, s->seq_maps, stream);
   return s;
 }
 
@@ -1284,7 +1286,7 @@ void finish_forward(FwdState& s, const Params& p) {
   s.finished = true;
   if (s.table.num_seqs() == 0) return;
   launch_state_scan(p, s.table, s.plan, s.G, s.W, s.U, s.Kd, s.h, s.vn, static_cast<const float*>(p.h0),
-                    static_cast<float*>(p.ht), s.stream, &s.seq_maps);
+                    static_cast<float*>(p.ht), s.stream, s.tables.get());
   if (!s.p.final_state_only()) launch_chunk_output(p, s.table, s.G, s.h, s.vn, s.stream);
 }
 
@@ -1341,11 +1343,16 @@ std::vector<int64_t> scan_pieces(const Params& p, int64_t n) {
   return bounds;
 }
 
-void forward_piece_maps(StagedForward& staged, int64_t n, float* maps, int64_t numel) {
-  auto& s = dynamic_cast<FwdState&>(staged);
+// The prepared forward's sequence n, which its state scan cuts into pieces (else an error naming n).
+void check_cut_sequence(const FwdState& s, int64_t n) {
   DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
   DELTACP_CHECK(n >= 0 && n < s.table.num_seqs() && s.plan.pieces_of(n) > 1, "n",
-                "expected a prepared sequence that the state scan cuts into pieces (forward_scan_pieces), got ", n);
+                "expected a prepared sequence that the state scan cuts into pieces (scan_pieces), got ", n);
+}
+
+void forward_piece_maps(StagedForward& staged, int64_t n, float* maps, int64_t numel) {
+  auto& s = dynamic_cast<FwdState&>(staged);
+  check_cut_sequence(s, n);
   const int64_t expected = s.plan.pieces_of(n) * s.p.HV * s.p.K * (s.p.V + s.p.K);
   DELTACP_CHECK(maps != nullptr && numel == expected, "maps", "expected ", expected, " fp32 elements ([",
                 s.plan.pieces_of(n), ", ", s.p.HV, ", ", s.p.K, ", ", s.p.V + s.p.K, "]), got ", numel);
@@ -1353,6 +1360,18 @@ void forward_piece_maps(StagedForward& staged, int64_t n, float* maps, int64_t n
   const int64_t P = s.plan.pieces_of(n), map_elems = s.p.HV * s.p.K * (s.p.V + s.p.K);
   DELTACP_CUDA_CHECK(cudaMemcpyAsync(maps, s.seq_maps[static_cast<size_t>(n)], static_cast<size_t>(P * map_elems) * 4,
                                      cudaMemcpyDeviceToDevice, s.stream));
+}
+
+void forward_composed_map(StagedForward& staged, int64_t n, const float* init, float* out, int64_t width,
+                          int64_t numel) {
+  auto& s = dynamic_cast<FwdState&>(staged);
+  check_cut_sequence(s, n);
+  DELTACP_CHECK(width == s.p.V || width == s.p.V + s.p.K, "width", "expected V = ", s.p.V, " or V + K = ",
+                s.p.V + s.p.K, ", got ", width);
+  DELTACP_CHECK(out != nullptr && numel == s.p.HV * s.p.K * width, "out", "expected ", s.p.HV * s.p.K * width,
+                " fp32 elements ([", s.p.HV, ", ", s.p.K, ", ", width, "]), got ", numel);
+  launch_compose_maps(s.seq_maps[static_cast<size_t>(n)], s.plan.pieces_of(n), s.p.HV, s.p.K, s.p.V, width, init, out,
+                      s.stream);
 }
 
 void forward_finish(StagedForward& staged, const Params& p) {
@@ -1378,5 +1397,13 @@ void tiled_forward_finish(StagedForward& s, const Params& p) { tiled::forward_fi
 std::vector<int64_t> tiled_scan_pieces(const Params& p, int64_t n) { return tiled::scan_pieces(p, n); }
 void tiled_forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel) {
   tiled::forward_piece_maps(s, n, maps, numel);
+}
+void tiled_forward_composed_map(StagedForward& s, int64_t n, const float* init, float* out, int64_t width,
+                                int64_t numel) {
+  tiled::forward_composed_map(s, n, init, out, width, numel);
+}
+void tiled_compose_state_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                              const float* init, float* out, void* stream) {
+  tiled::launch_compose_maps(maps, P, HV, K, V, width, init, out, static_cast<cudaStream_t>(stream));
 }
 }  // namespace deltacp::cuda

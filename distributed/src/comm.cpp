@@ -2,7 +2,8 @@
 // whose failure is final (the life cycle is spelled out in deltacp/distributed/cp.h).
 //
 // NCCL's blocking calls can hang forever when a peer stalls or dies. Here the communicator is made
-// with ncclCommInitRankConfig(blocking = 0); every call is followed by polling
+// with ncclCommInitRankConfig(blocking = 0) (and the all-gathers' blocking one split from it, whose
+// calls return once enqueued: cp.h says why that is safe); every call is followed by polling
 // ncclCommGetAsyncError (and, for completion, cudaEventQuery on an event recorded after the
 // collective) until it succeeds, fails, or the timeout passes. On a failure or a timeout the
 // communicator becomes dead: it is stopped once (ncclCommRevoke, or ncclCommAbort when the loaded
@@ -114,6 +115,16 @@ RevokeFn find_revoke() {
   return fn;
 }
 
+// DELTACP_CP_BLOCKING_GATHER: the all-gathers on a blocking communicator of their own (1, the default) or
+// on the non-blocking one (0).
+bool blocking_gather_from_env() {
+  const char* env = std::getenv("DELTACP_CP_BLOCKING_GATHER");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) return true;
+  if (std::strcmp(env, "0") == 0) return false;
+  throw_error("DELTACP_CP_BLOCKING_GATHER", "expected 0 (all-gathers on the non-blocking communicator) or 1 "
+              "(on a blocking one of their own), got '", env, "'");
+}
+
 }  // namespace
 
 std::string nccl_unique_id() {
@@ -146,28 +157,32 @@ bool stop_disabled() {
   return mode && std::strcmp(mode, "none") == 0;
 }
 void NcclComm::stop_locked(Stop stop) noexcept {
-  if (!comm_ || stop == Stop::none || stop_disabled()) return;
+  if (stop == Stop::none || stop_disabled()) return;
   QuietDeviceGuard guard(device_);
-  if (stop == Stop::revoke_or_abort) {
-    if (RevokeFn revoke = find_revoke()) {
-      const ncclResult_t r = revoke(as_comm(comm_), 0 /* NCCL_REVOKE_DEFAULT */);
-      if (r == ncclSuccess || r == ncclInProgress) {
-        // In-flight kernels quit on the abort flag; wait (bounded) until NCCL reports quiescence.
-        // The communicator is then kept, unused, until the process exits.
-        const auto t0 = std::chrono::steady_clock::now();
-        for (;;) {
-          ncclResult_t async = ncclSuccess;
-          if (ncclCommGetAsyncError(as_comm(comm_), &async) != ncclSuccess || async != ncclInProgress) break;
-          if (seconds_since(t0) > std::min(timeout_s_, kStopWaitS)) break;
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // The all-gathers' communicator first: a stalled all-gather's kernel is most likely there.
+  for (void** c : {&gather_comm_, &comm_}) {
+    if (*c == nullptr) continue;
+    if (stop == Stop::revoke_or_abort) {
+      if (RevokeFn revoke = find_revoke()) {
+        const ncclResult_t r = revoke(as_comm(*c), 0 /* NCCL_REVOKE_DEFAULT */);
+        if (r == ncclSuccess || r == ncclInProgress) {
+          // In-flight kernels quit on the abort flag; wait (bounded) until NCCL reports quiescence (a
+          // blocking communicator's revoke returns quiesced). It is then kept, unused, until the process exits.
+          const auto t0 = std::chrono::steady_clock::now();
+          for (;;) {
+            ncclResult_t async = ncclSuccess;
+            if (ncclCommGetAsyncError(as_comm(*c), &async) != ncclSuccess || async != ncclInProgress) break;
+            if (seconds_since(t0) > std::min(timeout_s_, kStopWaitS)) break;
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          continue;
         }
-        return;
+        // Revoke refused (for instance an older NCCL that cannot revoke in this state): abort.
       }
-      // Revoke refused (for instance an older NCCL that cannot revoke in this state): abort.
     }
+    ncclCommAbort(as_comm(*c));  // frees the communicator
+    *c = nullptr;
   }
-  ncclCommAbort(as_comm(comm_));  // frees the communicator
-  comm_ = nullptr;
 }
 
 void NcclComm::fail(const std::string& reason, Stop stop) noexcept {
@@ -207,6 +222,12 @@ void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop s
         throw_dead(what);
       }
       q = ncclCommGetAsyncError(as_comm(comm_), &async);
+      // The all-gathers' blocking communicator reports asynchronous (network, remote) errors here too.
+      ncclResult_t gather_async = ncclSuccess;
+      if (q == ncclSuccess && gather_comm_ != nullptr &&
+          (q = ncclCommGetAsyncError(as_comm(gather_comm_), &gather_async)) == ncclSuccess &&
+          gather_async != ncclSuccess && gather_async != ncclInProgress)
+        async = gather_async;
     }
     if (q != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
       const ncclResult_t bad = q != ncclSuccess ? q : async;
@@ -247,6 +268,7 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device
   DELTACP_CHECK(world >= 1 && rank >= 0 && rank < world, "rank", "expected 0 <= rank < world = ", world, ", got ",
                 rank);
   DELTACP_CHECK(timeout_s > 0, "timeout", "expected a positive number of seconds, got ", timeout_s);
+  const bool blocking_gather = blocking_gather_from_env();
   DeviceGuard guard(device);
   cudaStream_t stream = nullptr;
   cudaEvent_t ev_in = nullptr, ev_done = nullptr;
@@ -288,6 +310,55 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device
     if (!comm_) release_cuda();
     throw;
   }
+  if (!blocking_gather) return;
+  try {
+    make_gather_comm();
+  } catch (...) {
+    fail("creating the all-gather communicator failed", Stop::abort);  // a no-op when a poll failed already
+    if (!comm_ && !gather_comm_) {  // both aborted (freed): the warm-up's kernel, if any, has quit
+      if (warm_buf_) cudaFree(warm_buf_);
+      release_cuda();
+    }
+    throw;
+  }
+}
+
+void NcclComm::make_gather_comm() {
+  const std::string what = "creating the blocking all-gather communicator";
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;
+  // The split runs in NCCL's thread (the parent is non-blocking), which stores the child last: into a slot
+  // that outlives this call, in case it is still running when the wait below gives up (then it leaks).
+  auto* slot = new void*(nullptr);
+  ncclResult_t r = ncclSuccess;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    DeviceGuard guard(device_);
+    r = ncclCommSplit(as_comm(comm_), 0, rank_, reinterpret_cast<ncclComm_t*>(slot), &config);
+  }
+  if (r != ncclSuccess && r != ncclInProgress) {
+    delete slot;
+    fail_and_throw(what, ncclGetErrorString(r), Stop::abort);
+  }
+  poll(what, [&] { return __atomic_load_n(slot, __ATOMIC_ACQUIRE) != nullptr; }, timeout_s_, Stop::abort);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gather_comm_ = *slot;
+  }
+  delete slot;
+  // Warm-up: the first all-gather connects the ring to the peers. Here every rank is creating the context;
+  // later, a blocking enqueue that had to connect to a dead peer would wait inside NCCL, out of our timeout.
+  DeviceGuard guard(device_);
+  cuda_check(cudaMalloc(&warm_buf_, static_cast<size_t>(world_ + 1) * sizeof(float)), "cudaMalloc");
+  float* warm = static_cast<float*>(warm_buf_);
+  cuda_check(cudaMemsetAsync(warm, 0, sizeof(float), as_stream(stream_)), "cudaMemsetAsync");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    r = ncclAllGather(warm, warm + 1, 1, ncclFloat32, as_comm(gather_comm_), as_stream(stream_));
+  }
+  if (r != ncclSuccess) fail_and_throw(what + " (its warm-up all-gather)", ncclGetErrorString(r), Stop::abort);
+  cuda_check(cudaEventRecord(as_event(ev_done_), as_stream(stream_)), "cudaEventRecord");
+  wait_event(ev_done_, what + " (its warm-up all-gather)");
 }
 
 NcclComm::~NcclComm() {
@@ -295,6 +366,13 @@ NcclComm::~NcclComm() {
   if (dead_.load()) return;  // stopped after a failure: deliberately kept (cp.h)
   try {
     DeviceGuard guard(device_);
+    if (gather_comm_ != nullptr) {
+      // Every all-gather on it was confirmed complete. Aborting an idle communicator needs no peer (what
+      // torch does with its blocking communicators), where a blocking finalize could wait on one forever.
+      std::lock_guard<std::mutex> lock(mu_);
+      ncclCommAbort(as_comm(gather_comm_));
+      gather_comm_ = nullptr;
+    }
     // Everything enqueued was waited for (or ordered before later work on the caller's stream):
     // finalize flushes NCCL's side, destroy frees it. A finalize that fails or hangs (a peer died
     // meanwhile) leaves the communicator dead and kept instead of tearing it down under the peer.
@@ -315,6 +393,7 @@ NcclComm::~NcclComm() {
     if (ev_check_) cudaEventDestroy(as_event(ev_check_));
     if (check_host_) cudaFreeHost(check_host_);
     if (check_dev_) cudaFree(check_dev_);
+    if (warm_buf_) cudaFree(warm_buf_);
     cudaStreamDestroy(as_stream(stream_));
   } catch (...) {
     // poll() marked it dead already (Stop::none: nothing freed); a destructor must not throw.
@@ -419,7 +498,9 @@ void NcclComm::all_gather(const void* send, void* recv, size_t count, int dtype,
   // A previous unconfirmed all-gather (its caller raised before confirm) is waited for first.
   (void)join_watchdog();
   if (dead_.load()) throw_dead(what);
-  enqueue(what, stream, [&](ncclComm_t comm, cudaStream_t s) { return ncclAllGather(send, recv, count, type, comm, s); });
+  enqueue(what, stream, [&](ncclComm_t comm, cudaStream_t s) {  // under the lock, comm_ alive
+    return ncclAllGather(send, recv, count, type, gather_comm_ != nullptr ? as_comm(gather_comm_) : comm, s);
+  });
   finish(what, stream, wait_done);
   if (!wait_done) {
     try {

@@ -156,10 +156,18 @@ def check_cp(device, world, report):
                 variant, "naive", True):
             rows.append(dict(variant=variant, skipped="no CUDA tier with a backward for this variant"))
             continue
-        for dtype_name, seqlens, states in (("float32", span, True), ("bfloat16", span, True),
-                                            ("float32", many, False), ("bfloat16", many, True)):
+        cases = [("float32", span, True, False), ("bfloat16", span, True, False),
+                 ("float32", many, False, False), ("bfloat16", many, True, False)]
+        if variant in ("gdn", "kda"):
+            # The benchmark's shape, smaller: bf16, K = V = 128, 16 heads, one sequence of 16K tokens per rank
+            # (plus a short one), so that the local scan takes the Hopper (wgmma) kernel and cuts the long
+            # segments into pieces (cuda/tiled/scan_split.cu), and the pre-pass composes those pieces' maps.
+            cases.append(("bfloat16", [16384 * world - 5, 5], True, True))
+        for dtype_name, seqlens, states, hopper_shape in cases:
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
             H, HV, K, V = (4, 4, 64, 64) if variant == "dplr" else (4, 8, 64, 64)
+            if hopper_shape:
+                H, HV, K, V = 16, 16, 128, 128
             cu, x, do, dht = inputs(variant, seqlens, H, HV, K, V, dtype, device, seed=7, states=states)
             ctx = cp.build_context(torch.tensor(cu), device=device, timeout=60)
 
@@ -206,9 +214,9 @@ def check_cp(device, world, report):
             tol = TOL[dtype_name] if dtype_name == "float32" else TOL[dtype_name][variant]
             ok = all(e <= tol for e in err.values()) and bitwise and staged_equal
             ok_all &= ok
-            row = dict(variant=variant, dtype=dtype_name, seqlens=len(seqlens), states=states, errors=err,
+            row = dict(variant=variant, dtype=dtype_name, seqlens=len(seqlens), states=states, K=K, errors=err,
                        tol=tol, bitwise=bitwise, staged_equals_one_shot=staged_equal, ok=ok, plan=ctx.describe(), exchange_bytes=dict(cp.last_stats))
-            if dtype_name == "bfloat16":
+            if dtype_name == "bfloat16" and not hopper_shape:  # (the fp64 CPU run of the large shape is slow)
                 # For the record (not judged): each side's own error against the fp64 reference on the same
                 # bf16-rounded inputs (CPU), to tell a CP error from the two runs' independent roundings.
                 exact = {n: t.detach().double().cpu().requires_grad_() for n, t in x.items()}

@@ -401,6 +401,9 @@ def test_scan_pieces_says_where_it_cuts(monkeypatch):
     monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "128")
     with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_PIECE.*V \\+ K"):
         _core.tiled_scan_pieces("gdn", wide, 0)
+    # No sequence longer than a piece: nothing is cut, so a state too wide for [H | M] is no error.
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "512")
+    assert list(_core.tiled_scan_pieces("gdn", wide, 3)) == [0, 399]
 
 
 def _forward_descs(t, d, desc, state_shape, with_h0):
@@ -468,10 +471,90 @@ def test_staged_forward_reuses_the_piece_maps(variant, dtype, monkeypatch):
     assert torch.isfinite(maps).all() and torch.equal(maps, widened)
 
 
-def _cuda_problem(variant, dtype):
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_composed_map_is_the_pieces_maps_folded(variant, monkeypatch):
+    """The CP pre-pass's one launch (deltacp/cuda/api.h forward_composed_map, compose_state_maps): a cut
+    sequence's pass-1 maps composed in fp32 equal the maps folded in fp64 by torch (_fold_maps), entered
+    with [0 | I], with [start | I] and with a given [H | M], at width V + K ([H | M]) and V (the offset
+    alone; the first V columns of the former bit for bit). compose_state_maps on a copy of the maps gives
+    forward_composed_map's bits. A bad width, a wrong size or a sequence not cut raise naming the argument."""
+    _require_cuda_build()
+    from deltacp import _core
+    from deltacp.cp.ops import _fold_maps
+
+    monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "64")
+    t, h0, d, desc = _cuda_problem(variant, torch.bfloat16, cu_seqlens=(0, 40, 340))  # 40 tokens; 5 pieces
+    N, HV, K, V = h0.shape
+    stream = torch.cuda.current_stream().cuda_stream
+    descs, _o, _ht = _forward_descs(t, d, desc, h0.shape, False)
+    assert list(_core.tiled_scan_pieces(variant, descs, 1)) == [0, 64, 128, 192, 256, 300]
+    state = _core.staged_forward_prepare(variant, "tiled", descs, None, 64, stream)
+    maps = torch.empty((5, HV, K, V + K), device="cuda")
+    _core.staged_forward_piece_maps(state, 1, maps.data_ptr(), maps.numel())
+    eye = torch.eye(K, device="cuda").expand(HV, K, K)
+    given = torch.cat([torch.randn(HV, K, V, device="cuda"), eye + 0.1 * torch.randn(HV, K, K, device="cuda")], -1)
+    for init in (None, torch.cat([h0[1], eye], dim=-1), given):
+        want = _fold_maps(torch.cat([(init if init is not None else torch.cat([0 * h0[1], eye], -1))[None], maps])
+                          .double(), V)
+        outs = {}
+        for width in (V + K, V):
+            x = None if init is None else init[..., :width].contiguous()
+            out = torch.full((HV, K, width), float("nan"), device="cuda")
+            _core.staged_forward_composed_map(state, 1, 0 if x is None else x.data_ptr(), out.data_ptr(), width,
+                                              out.numel())
+            again = torch.full_like(out, float("nan"))
+            _core.compose_state_maps(maps.data_ptr(), 5, HV, K, V, width, 0 if x is None else x.data_ptr(),
+                                     again.data_ptr(), again.numel(), stream)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all() and torch.equal(out, again)
+            err = ((out.double() - want[..., :width]).norm() / want[..., :width].norm()).item()
+            assert err < 1e-6, (width, err)
+            outs[width] = out
+        assert torch.equal(outs[V + K][..., :V], outs[V])
+    out = torch.empty((HV, K, V), device="cuda")
+    with pytest.raises(ValueError, match="'width'"):
+        _core.staged_forward_composed_map(state, 1, 0, out.data_ptr(), V + 1, HV * K * (V + 1))
+    with pytest.raises(ValueError, match="'out'"):
+        _core.staged_forward_composed_map(state, 1, 0, out.data_ptr(), V, out.numel() - 1)
+    with pytest.raises(ValueError, match="'n'"):  # sequence 0 (40 tokens) is one piece
+        _core.staged_forward_composed_map(state, 0, 0, out.data_ptr(), V, out.numel())
+    with pytest.raises(ValueError, match="'maps'"):
+        _core.compose_state_maps(maps.data_ptr(), 0, HV, K, V, V, 0, out.data_ptr(), out.numel(), stream)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("P,HV,K,V", [(3, 2, 7, 5), (1, 3, 64, 48), (4, 2, 160, 16), (2, 1, 240, 13)])
+def test_compose_state_maps_any_shape(P, HV, K, V):
+    """compose_state_maps on maps of any size (cuda/tiled/scan_split.cu compose_maps_kernel): K and V not
+    multiples of 4 (plain loads instead of cp.async), one map, K > 128 (slabs of 32 columns, more shared
+    memory) against torch's fp64 fold, at width V + K and V, from [0 | I] and from a given state."""
+    _require_cuda_build()
+    from deltacp import _core
+    from deltacp.cp.ops import _fold_maps
+
+    gen = torch.Generator().manual_seed(P * 1000 + K)
+    H = torch.randn(P, HV, K, V, generator=gen)
+    M = torch.eye(K) + torch.randn(P, HV, K, K, generator=gen) / K**0.5
+    maps = torch.cat([H, M], dim=-1).cuda()
+    start = torch.cat([torch.randn(HV, K, V, generator=gen), torch.eye(K).expand(HV, K, K)], -1).cuda()
+    stream = torch.cuda.current_stream().cuda_stream
+    for init in (None, start):
+        first = init if init is not None else torch.cat([torch.zeros(HV, K, V), torch.eye(K).expand(HV, K, K)], -1)
+        want = _fold_maps(torch.cat([first.cuda()[None], maps]).double(), V)
+        for width in (V + K, V):
+            x = None if init is None else init[..., :width].contiguous()
+            out = torch.full((HV, K, width), float("nan"), device="cuda")
+            _core.compose_state_maps(maps.data_ptr(), P, HV, K, V, width, 0 if x is None else x.data_ptr(),
+                                     out.data_ptr(), out.numel(), stream)
+            torch.cuda.synchronize()
+            err = ((out.double() - want[..., :width]).norm() / want[..., :width].norm()).item()
+            assert torch.isfinite(out).all() and err < 1e-5, (width, err)
+
+
+def _cuda_problem(variant, dtype, cu_seqlens=(0, 1, 64, 130, 200)):
     from deltacp._describe import torch_desc
 
-    p = make_problem(variant, cu_seqlens=[0, 1, 64, 130, 200], H=2, HV=4, K=64, V=48, seed=11)
+    p = make_problem(variant, cu_seqlens=list(cu_seqlens), H=2, HV=4, K=64, V=48, seed=11)
     t = {n: torch.as_tensor(np.ascontiguousarray(p[n])).to("cuda") for n in ("q", "k", "v", "g", "beta", "a", "b")
          if p.get(n) is not None}
     t = {n: (x.to(dtype) if n != "g" else x.float()) for n, x in t.items()}

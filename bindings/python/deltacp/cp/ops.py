@@ -201,8 +201,9 @@ def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, b
     """Every piece's final state [P, HV, K, width] of a final-state-only forward, each piece from [0 | I].
     The state's first V columns take v's values when with_values, its other columns (all of them otherwise)
     zero values: width V + K gives [H_p | M_p], width K M_p. start (with width V + K): the first piece's
-    offset then also carries start, H_0 <- M_0 start + H_0 in fp32 (_fold_start), so that its map is the
-    one the tiled forward's scan in pieces makes (cuda/tiled/scan_split.cu) whichever route made it.
+    offset then also carries start, H_0 <- M_0 start + H_0 in fp32 (_fold_start). (Where the local tiled
+    forward cuts the segment itself, the pre-pass runs its pieces without start and composes them from
+    [start | I] in one kernel instead: _compose_cut_maps.)
 
     staged: (a prepared local forward, _core.StagedForward, and row0): the span is rows [row0, row0 + n)
     of that forward, made of its own chunks. Only the state scan runs then, reading the prepared cumulative
@@ -239,22 +240,52 @@ def _fold_start(X: torch.Tensor, start: torch.Tensor, V: int) -> None:
         X[0, :, :, :V] = torch.baddbmm(X[0, :, :, :V], X[0, :, :, V:], start.to(X.dtype))
 
 
-def _cut_bounds(cfg: _Cfg, local_descs, s0: int, s1: int, pad: int):
-    """Where the local tiled forward's state scan cuts the rank's last segment [s0, s1) into pieces
-    (deltacp/cuda/api.h scan_pieces), as segment-relative bounds for the pre-pass; None when it does not
-    cut it (or the local forward is not the tiled CUDA one). local_descs: the local forward's problem, the
-    body [pad, T_local); its last sequence is this segment (less the head piece [0, pad) when s0 == 0)."""
+def _cut_bounds(cfg: _Cfg, local_descs, n: int, pad: int):
+    """Where the local tiled forward's state scan cuts the rank's local segment n (0: the first, -1: the
+    last) into pieces (deltacp/cuda/api.h scan_pieces), as segment-relative bounds for the pre-pass; None
+    when it does not cut it (or the local forward is not the tiled CUDA one). local_descs: the local
+    forward's problem, the body [pad, T_local), whose sequence n is segment n (the first less the head
+    piece [0, pad), which then is a piece of its own)."""
     if local_descs is None or cfg.fwd_method != "tiled" or cfg.device.type != "cuda" or \
-            not hasattr(_core, "tiled_scan_pieces"):
+            not hasattr(_core, "staged_forward_composed_map"):
         return None
-    n_last = cfg.ctx.num_local_seqs - 1
-    body = list(_core.tiled_scan_pieces(cfg.variant, local_descs, n_last, chunk_size=cfg.chunk_size))
+    ctx = cfg.ctx
+    n = n % ctx.num_local_seqs
+    with torch.cuda.device(cfg.device):  # the plan reads the device's SM count
+        body = list(_core.tiled_scan_pieces(cfg.variant, local_descs, n, chunk_size=cfg.chunk_size))
     if len(body) <= 2:
         return None
-    head = pad if s0 == 0 else 0
-    if body[-1] != s1 - s0 - head:
-        raise ValueError("deltacp: internal: the local forward's last sequence is not the last segment")
+    head = pad if n == 0 else 0
+    if body[-1] != ctx.cu_seqlens_list[n + 1] - ctx.cu_seqlens_list[n] - head:
+        raise ValueError(f"deltacp: internal: the local forward's sequence {n} is not local segment {n}")
     return ([0] if head else []) + [head + x for x in body]
+
+
+def _compose_cut_maps(cfg: _Cfg, X: torch.Tensor, start: Optional[torch.Tensor]) -> torch.Tensor:
+    """Maps X [P, HV, K, V + K] (CUDA fp32, each piece's [H_p | M_p] from [0 | I]) composed from [start | I]
+    ([0 | I] without start) in one kernel (_core.compose_state_maps, the kernel of forward_composed_map):
+    [HV, K, width] fp32, width the exchange's (_exchange_width). The pieces of a cut the local forward makes
+    are composed by this kernel on every route, so the staged and one-shot CP forwards agree bitwise."""
+    width = _exchange_width(cfg.ctx, cfg.K, cfg.V)
+    X = X.contiguous()
+    init = _compose_init(cfg, None, start, width)
+    out = torch.empty((cfg.HV, cfg.K, width), dtype=torch.float32, device=X.device)
+    with torch.cuda.device(X.device):
+        _core.compose_state_maps(X.data_ptr(), X.shape[0], cfg.HV, cfg.K, cfg.V, width,
+                                 0 if init is None else init.data_ptr(), out.data_ptr(), out.numel(),
+                                 torch.cuda.current_stream(X.device).cuda_stream)
+    return out
+
+
+def _compose_init(cfg: _Cfg, head: Optional[torch.Tensor], start: Optional[torch.Tensor], width: int):
+    """The state a composition enters with, [HV, K, width] fp32 contiguous: the head piece's map `head`
+    ([HV, K, V + K]), else [start | I], else None ([0 | I], which the kernel makes itself)."""
+    if head is not None:
+        return head[..., :width].contiguous()
+    if start is not None:
+        init = torch.cat([start.to(torch.float32), _identity_block(cfg).to(torch.float32)], dim=-1)
+        return init[..., :width].contiguous()
+    return None
 
 
 class _PreparedForward(NamedTuple):
@@ -566,8 +597,9 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
     continue (nobody reads it); only [H_r] (resp. 0) when no merge reads a transition (ctx.maps_read).
     first_maps (when asked for, else None): the per-piece transitions
     [P, HV, K, K] of the FIRST local segment on the backward pre-pass's pieces, which that pre-pass then
-    needs only dH from. They come free from the [H | M] pieces when the first segment is the last one,
-    else from one K-column run (_transitions) while the rank waits for the all-gather anyway.
+    needs only dH from. They come free from the [H | M] pieces when the first segment is the last one, or
+    where the local forward's scan cuts the first segment from its pass-1 maps (_first_segment_maps, on
+    that cut's pieces), else from one K-column run (_transitions) while the rank waits for the all-gather.
     prepared: the rank's local forward prepared in stages; the pieces then reuse its stages.
     local_descs: the local forward's problem (the body); where its tiled state scan cuts the last segment
     into pieces (_cut_bounds), the pre-pass takes those pieces, and with `prepared` their maps come from
@@ -585,18 +617,55 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
     else:
         sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps, prepared, local_descs)
     if want_first_maps and first_maps is None:
+        first_maps = _first_segment_maps(cfg, xs, prepared, local_descs)
+    if want_first_maps and first_maps is None:
         run = lambda span, bounds, staged: _transitions(cfg, *span, bounds, staged)  # noqa: E731
         first_maps = _PieceMaps(first_bounds, _pieces_of_segment(cfg, run, xs, f0, f1, first_bounds, prepared))
     return _narrow(cfg, sent), first_maps
 
 
-def _local_piece_maps(cfg: _Cfg, prepared: _PreparedForward, P: int) -> torch.Tensor:
-    """The prepared local forward's pass-1 maps of its last sequence (made at prepare, copied here):
+def _local_piece_maps(cfg: _Cfg, prepared: _PreparedForward, n: int, P: int) -> torch.Tensor:
+    """The prepared local forward's pass-1 maps of its sequence n (made at prepare, copied here):
     [P, HV, K, V + K] fp32, piece j's [H_j | M_j] from [0 | I] (deltacp/cuda/api.h forward_piece_maps)."""
     maps = torch.empty((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=torch.float32, device=cfg.device)
     with torch.cuda.device(cfg.device):  # on the prepared forward's stream, which allocated `maps`
-        _core.staged_forward_piece_maps(prepared.handle, cfg.ctx.num_local_seqs - 1, maps.data_ptr(), maps.numel())
+        _core.staged_forward_piece_maps(prepared.handle, n, maps.data_ptr(), maps.numel())
     return maps
+
+
+def _first_segment_maps(cfg: _Cfg, xs, prepared: Optional[_PreparedForward], local_descs) -> Optional[_PieceMaps]:
+    """The first segment's per-piece transitions where the local forward's scan cuts it (_cut_bounds), on
+    its pieces: the M columns of the prepared forward's pass-1 maps (a copy; no run at all), or without a
+    prepared forward of one [H | M] run of those pieces (the same kernel's columns: the staged and one-shot
+    CP ops then agree bitwise). None where the scan does not cut the first segment."""
+    pad = _grid_pad(cfg)
+    cut = _cut_bounds(cfg, local_descs, 0, pad)
+    if cut is None:
+        return None
+    f0, f1 = cfg.ctx.cu_seqlens_list[0], cfg.ctx.cu_seqlens_list[1]
+    run = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, None, bounds=bd, staged=staged)  # noqa: E731
+    if prepared is None:
+        X = run(_split(xs, f0, f1), cut, None)
+    else:
+        X = _local_piece_maps(cfg, prepared, 0, len(cut) - 1 - (1 if pad else 0))
+        if pad:  # the head piece [0, pad) is a problem of its own, as in the local forward
+            X = torch.cat([run(_split(xs, 0, pad), [0, pad], None), X])
+    return _PieceMaps(cut, X[..., cfg.V:].contiguous())
+
+
+def _composed_local_maps(cfg: _Cfg, prepared: _PreparedForward, head: Optional[torch.Tensor],
+                         start: Optional[torch.Tensor]) -> torch.Tensor:
+    """The prepared local forward's pass-1 maps of its last sequence composed in one kernel (deltacp/cuda/api.h
+    forward_composed_map), [HV, K, width] fp32 with width the exchange's (_exchange_width): [H | M], or the
+    offset alone. Entered with the head piece's map `head` ([HV, K, V + K], when the segment has one), else
+    with [start | I] (start: the sequence's initial state when it starts here), else with [0 | I]."""
+    width = _exchange_width(cfg.ctx, cfg.K, cfg.V)
+    init = _compose_init(cfg, head, start, width)
+    out = torch.empty((cfg.HV, cfg.K, width), dtype=torch.float32, device=cfg.device)
+    with torch.cuda.device(cfg.device):  # on the prepared forward's stream
+        _core.staged_forward_composed_map(prepared.handle, cfg.ctx.num_local_seqs - 1,
+                                          0 if init is None else init.data_ptr(), out.data_ptr(), width, out.numel())
+    return out
 
 
 def _narrow(cfg: _Cfg, sent: torch.Tensor) -> torch.Tensor:
@@ -618,24 +687,35 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Op
     maps = []
 
     def chunked():  # pieces on the one-device chunk grid (the head piece up to its first boundary first)
-        cut = _cut_bounds(cfg, local_descs, s0, s1, _grid_pad(cfg))
-        bounds = cut if cut is not None else _piece_bounds(cfg, s1 - s0, pad)
-        run = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, start, bounds=bd,  # noqa: E731
-                                                               staged=staged)
-        if cut is not None and prepared is not None:  # the local forward's pass 1 (finish reuses it)
-            X = _local_piece_maps(cfg, prepared, len(cut) - 1 - (1 if pad else 0))
-            if start is not None:  # on a copy: finish reads the maps from [0 | I] and folds h0 itself
-                X = X.clone()
-                _fold_start(X, start, cfg.V)
-            if pad:  # the head piece [0, pad) is a problem of its own, as in the local forward
-                X = torch.cat([run(_split(xs, 0, pad), [0, pad], None), X])
-        else:
+        keep_maps = want_first_maps and s0 == ctx.cu_seqlens_list[0]  # the same segment and pieces
+        cut = _cut_bounds(cfg, local_descs, -1, _grid_pad(cfg))
+        if cut is None:
+            bounds = _piece_bounds(cfg, s1 - s0, pad)
+            run = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, start, bounds=bd,  # noqa: E731
+                                                                   staged=staged)
             X = _pieces_of_segment(cfg, run, xs, s0, s1, bounds, prepared)
-        if want_first_maps and s0 == ctx.cu_seqlens_list[0]:  # the same segment and pieces
-            maps.append(_PieceMaps(bounds, X[..., cfg.V:].clone()))
-        if not ctx.maps_read:  # nothing reads the composed transition: the offset alone
-            return _fold_offsets(X[..., :cfg.V], X[..., cfg.V:])
-        return _fold_maps(X, cfg.V)
+            if keep_maps:
+                maps.append(_PieceMaps(bounds, X[..., cfg.V:].clone()))
+            if not ctx.maps_read:  # nothing reads the composed transition: the offset alone
+                return _fold_offsets(X[..., :cfg.V], X[..., cfg.V:])
+            return _fold_maps(X, cfg.V)
+        # The local forward's own cut: its pieces' maps from [0 | I], composed from [start | I] in one kernel.
+        if pad and start is not None:
+            raise ValueError("deltacp: internal: a head piece in a segment that starts its sequence")
+        run0 = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, None, bounds=bd,  # noqa: E731
+                                                                staged=staged)
+        if prepared is not None and not keep_maps:  # the local forward's pass 1 (finish reuses it): one launch
+            head = run0(_split(xs, 0, pad), [0, pad], None)[0] if pad else None  # the head piece, on its own
+            return _composed_local_maps(cfg, prepared, head, start)
+        if prepared is not None:  # the same maps, copied, since the backward keeps their transitions
+            X = _local_piece_maps(cfg, prepared, ctx.num_local_seqs - 1, len(cut) - 1 - (1 if pad else 0))
+            if pad:
+                X = torch.cat([run0(_split(xs, 0, pad), [0, pad], None), X])
+        else:  # the one-shot local forward: the same pieces run here (the same kernel: the same bits)
+            X = run0(span, cut, None)
+        if keep_maps:
+            maps.append(_PieceMaps(cut, X[..., cfg.V:].clone()))
+        return _compose_cut_maps(cfg, X, start)
 
     def loops():
         from . import nccl_backend

@@ -74,8 +74,19 @@ void forward_finish(StagedForward& s, const Params& p);
 // >= 2), on the prepared stream: a copy of what prepare's pass 1 made (it maps the last piece too, which
 // stage 3 does not need). A CP rank's pre-pass of a cut last segment is these maps composed: the pre-pass
 // costs the local forward the last piece's map (in the same launch) and the composition.
+//
+// forward_composed_map(s, n, init, out, width, numel): those maps composed in fp32 on the prepared stream,
+// in one kernel, without the copy: out [HV, K, width] (numel = HV K width elements, fp32 device memory)
+// = the state leaving sequence n when it is entered with init (the same shape; nullptr: [0 | I], the
+// identity in the columns from V on). width = V + K: the sequence's [H | M]; width = V: the offset alone.
+// The CP pre-pass of a cut last segment is this one launch.
 std::vector<int64_t> scan_pieces(const Params& p, int64_t n);
 void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel);
+void forward_composed_map(StagedForward& s, int64_t n, const float* init, float* out, int64_t width, int64_t numel);
+// The same composition of any maps [P, HV, K, V + K] (fp32 device memory, P >= 1) on `stream`: the CP
+// pre-pass runs it on maps it computed itself, so that every route composes a cut's maps alike.
+void compose_state_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                        const float* init, float* out, void* stream);
 
 // The backward in stages around dht, for context parallelism (the tiled tier only):
 //

@@ -21,6 +21,10 @@ void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t 
 void tiled_forward_finish(StagedForward& s, const Params& p);
 std::vector<int64_t> tiled_scan_pieces(const Params& p, int64_t n);
 void tiled_forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel);
+void tiled_forward_composed_map(StagedForward& s, int64_t n, const float* init, float* out, int64_t width,
+                                int64_t numel);
+void tiled_compose_state_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
+                              const float* init, float* out, void* stream);
 // The staged backward (api.h), cuda/tiled/tiled_bwd.cu.
 std::unique_ptr<StagedBackward> tiled_backward_prepare(const Params& p);
 void tiled_backward_dh0_pieces(StagedBackward& s, const Params& pieces);

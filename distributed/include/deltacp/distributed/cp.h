@@ -66,6 +66,17 @@ std::string nccl_unique_id();
 // an in-flight kernel may still touch them is what crashes processes; the OS reclaims them at exit).
 // DELTACP_NCCL_STOP=abort forces ncclCommAbort (frees at once) instead of the revoke.
 //
+// The all-gathers run on a second, BLOCKING communicator split from the first at creation (ncclCommSplit;
+// DELTACP_CP_BLOCKING_GATHER=0 keeps them on the non-blocking one). NCCL enqueues every collective of a
+// non-blocking communicator from a thread it creates for that call (NCCL's group.cc): on 2 x H200 an
+// all-gather of 1 MiB per rank took 0.139 ms that way and takes 0.047 ms on the blocking one (torch's:
+// 0.034 ms; docs/context-parallel.md, session 8). A blocking communicator enqueues in the caller's thread. Blocking is safe here because nothing waits inside NCCL: the
+// collective's completion is polled (cudaEventQuery) with the timeout as before, and a stall stops both
+// communicators (revoke, else abort: in-flight kernels quit). The one NCCL call that could still block is
+// an enqueue that must first connect to its peers; a warm-up all-gather at creation, while every rank is
+// there, makes those connections (ring: the only all-gather algorithm with NVLS off), and the fingerprint
+// all-reduce, which could pick another algorithm, stays on the non-blocking communicator.
+//
 // Collectives run on a private non-blocking stream joined to the caller's stream by events, so a
 // stuck NCCL kernel never sits in the caller's (often the legacy default) stream, which would block
 // every later CUDA call of the process, including the error handling after the timeout.
@@ -121,6 +132,8 @@ class NcclComm {
   // fail() with "<what> on rank r failed: <cause>; the NCCL communicator was shut down", then throws that.
   [[noreturn]] void fail_and_throw(const std::string& what, const std::string& cause, Stop stop);
   void stop_locked(Stop stop) noexcept;
+  // The blocking all-gather communicator, split from comm_, and its warm-up all-gather (constructor).
+  void make_gather_comm();
   [[noreturn]] void throw_dead(const std::string& what) const;
   // Enqueues `launch(comm, private stream)` after the work on `user_stream` (kNoCallerStream in comm.cpp:
   // after nothing of the caller's); throws on failure.
@@ -141,6 +154,8 @@ class NcclComm {
   std::atomic<bool> dead_{false};
   std::string failure_;            // guarded by mu_
   void* comm_ = nullptr;           // ncclComm_t (kept, unused, after a revoke; null after an abort)
+  void* gather_comm_ = nullptr;    // ncclComm_t, blocking, for the all-gathers (null: they use comm_)
+  void* warm_buf_ = nullptr;       // device [world + 1] floats: the warm-up all-gather's buffers
   void* stream_ = nullptr;         // cudaStream_t: private, non-blocking
   void* ev_in_ = nullptr;          // cudaEvent_t: caller's stream -> stream_
   void* ev_done_ = nullptr;        // cudaEvent_t: the collective's completion on stream_
