@@ -103,7 +103,7 @@ template <class MapAt, class Add, class Stored>
 __device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, int64_t K, bool aligned,
                                            float* __restrict__ S, float* __restrict__ buf, Add add, Stored stored) {
   const int tid = threadIdx.x, tx = tid % 4, ty = tid / 4;
-  const int slab = K <= 128 ? 64 : 32, row = slab + 4;  // row: 16-byte aligned; 4 row mod 32 spreads the banks
+  const int slab = K <= 128 ? 64 : 32, row = slab + 4;  // 16-byte aligned rows; row = 4 (mod 32) words: 8 rows, 8 banks
   const int64_t nslab = (K + slab - 1) / slab, total = count * nslab;
   if (total == 0) return;  // no map (a sequence of one piece): nothing to fetch
   auto fetch = [&](int64_t t) {  // slab t (map t / nslab, columns from slab (t % nslab)) into buffer t % 2
@@ -235,7 +235,8 @@ bool maps_fit_16b(const float* maps, int64_t K, int64_t V) {
   return reinterpret_cast<uintptr_t>(maps) % 16 == 0 && K % 4 == 0 && V % 4 == 0;
 }
 
-// Dynamic shared memory beyond the default 48 KB must be allowed per kernel (K > 147 here).
+// Dynamic shared memory beyond the default 48 KB must be allowed per kernel (here K > 80 with 64-column
+// slabs, K > 139 with 32-column ones).
 template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
@@ -452,7 +453,7 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
     }
     DELTACP_CHECK(tables->pieces().num_seqs() == P, "tables", "expected the plan's ", P, " pieces");
     const int64_t gz = (V + kFoldCols - 1) / kFoldCols;
-    const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 82 KB
+    const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 88 KB
     allow_smem(fold_piece_states_kernel, smem);
     fold_piece_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)),
                                kFoldThreads, smem, stream>>>(tables->fold_seqs(), HV, K, V, h0, starts,

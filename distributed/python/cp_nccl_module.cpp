@@ -104,12 +104,13 @@ PYBIND11_MODULE(_cp_nccl, m) {
   m.def("unique_id", [] { return py::bytes(dist::nccl_unique_id()); }, "A new ncclUniqueId as bytes (on rank 0).");
 
   py::class_<dist::NcclComm, std::shared_ptr<dist::NcclComm>>(m, "Communicator")
-      .def(py::init([](py::bytes id, int rank, int world, int device, double timeout_s) {
+      .def(py::init([](py::bytes id, int rank, int world, int device, double timeout_s, bool blocking_gather) {
              std::string raw = id;
              py::gil_scoped_release nogil;
-             return std::make_shared<dist::NcclComm>(raw, rank, world, device, timeout_s);
+             return std::make_shared<dist::NcclComm>(raw, rank, world, device, timeout_s, blocking_gather);
            }),
-           py::arg("unique_id"), py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("timeout_s"))
+           py::arg("unique_id"), py::arg("rank"), py::arg("world"), py::arg("device"), py::arg("timeout_s"),
+           py::arg("blocking_gather") = false)
       .def(
           "all_gather",
           [](dist::NcclComm& c, uintptr_t send, uintptr_t recv, size_t count, const std::string& dtype,

@@ -115,16 +115,6 @@ RevokeFn find_revoke() {
   return fn;
 }
 
-// DELTACP_CP_BLOCKING_GATHER: the all-gathers on a blocking communicator of their own (1, the default) or
-// on the non-blocking one (0).
-bool blocking_gather_from_env() {
-  const char* env = std::getenv("DELTACP_CP_BLOCKING_GATHER");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "1") == 0) return true;
-  if (std::strcmp(env, "0") == 0) return false;
-  throw_error("DELTACP_CP_BLOCKING_GATHER", "expected 0 (all-gathers on the non-blocking communicator) or 1 "
-              "(on a blocking one of their own), got '", env, "'");
-}
-
 }  // namespace
 
 std::string nccl_unique_id() {
@@ -261,14 +251,14 @@ void NcclComm::poll(const std::string& what, Ready ready, double limit_s, Stop s
   }
 }
 
-NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device, double timeout_s)
+NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device, double timeout_s,
+                   bool blocking_gather)
     : rank_(rank), world_(world), device_(device), timeout_s_(timeout_s) {
   DELTACP_CHECK(unique_id.size() == sizeof(ncclUniqueId::internal), "unique_id", "expected ",
                 sizeof(ncclUniqueId::internal), " bytes (from nccl_unique_id on rank 0), got ", unique_id.size());
   DELTACP_CHECK(world >= 1 && rank >= 0 && rank < world, "rank", "expected 0 <= rank < world = ", world, ", got ",
                 rank);
   DELTACP_CHECK(timeout_s > 0, "timeout", "expected a positive number of seconds, got ", timeout_s);
-  const bool blocking_gather = blocking_gather_from_env();
   DeviceGuard guard(device);
   cudaStream_t stream = nullptr;
   cudaEvent_t ev_in = nullptr, ev_done = nullptr;
@@ -314,7 +304,7 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device
   try {
     make_gather_comm();
   } catch (...) {
-    fail("creating the all-gather communicator failed", Stop::abort);  // a no-op when a poll failed already
+    fail("creating the all-gather communicator failed", Stop::abort);  // a no-op when it failed already
     if (!comm_ && !gather_comm_) {  // both aborted (freed): the warm-up's kernel, if any, has quit
       if (warm_buf_) cudaFree(warm_buf_);
       release_cuda();
@@ -328,7 +318,8 @@ void NcclComm::make_gather_comm() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 1;
   // The split runs in NCCL's thread (the parent is non-blocking), which stores the child last: into a slot
-  // that outlives this call, in case it is still running when the wait below gives up (then it leaks).
+  // that outlives this call, in case it is still running when the wait below gives up (then the slot and
+  // the half-made child leak; the parent is aborted).
   auto* slot = new void*(nullptr);
   ncclResult_t r = ncclSuccess;
   {
@@ -356,6 +347,10 @@ void NcclComm::make_gather_comm() {
     std::lock_guard<std::mutex> lock(mu_);
     r = ncclAllGather(warm, warm + 1, 1, ncclFloat32, as_comm(gather_comm_), as_stream(stream_));
   }
+  if (r == ncclInProgress)  // NCCL_COMM_BLOCKING=0 in the environment overrides config.blocking
+    fail_and_throw(what, "NCCL made it non-blocking (NCCL_COMM_BLOCKING=0 in the environment?); set "
+                   "DELTACP_CP_BLOCKING_GATHER=0 to keep the all-gathers on the non-blocking communicator",
+                   Stop::abort);
   if (r != ncclSuccess) fail_and_throw(what + " (its warm-up all-gather)", ncclGetErrorString(r), Stop::abort);
   cuda_check(cudaEventRecord(as_event(ev_done_), as_stream(stream_)), "cudaEventRecord");
   wait_event(ev_done_, what + " (its warm-up all-gather)");

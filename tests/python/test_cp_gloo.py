@@ -430,3 +430,22 @@ def test_cp_indivisible_tokens_rejected():
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "worker":
         worker_main(sys.argv[2:])
+
+
+def test_blocking_gather_rule():
+    """deltacp.cp.nccl_backend.blocking_gather: the all-gathers get a blocking NCCL communicator of their own
+    by default only on one host with NVLS off (where ring is NCCL's one all-gather algorithm, so the warm-up
+    at creation connected everything), never where a rank says DELTACP_CP_BLOCKING_GATHER=0 or sets
+    NCCL_COMM_BLOCKING=0 under "auto", always where every rank says 1."""
+    from deltacp.cp.nccl_backend import blocking_gather
+
+    def rank(mode="auto", nvls_off=True, comm_nonblocking=False, host="a"):
+        return {"mode": mode, "nvls_off": nvls_off, "comm_nonblocking": comm_nonblocking, "host": host}
+
+    assert blocking_gather([rank(), rank()])
+    assert not blocking_gather([rank(), rank(nvls_off=False)])  # NVLS may be picked for some sizes
+    assert not blocking_gather([rank(), rank(host="b")])  # several nodes: PAT, CollNet
+    assert not blocking_gather([rank(), rank(comm_nonblocking=True)])
+    assert not blocking_gather([rank(mode="1"), rank(mode="0")])
+    assert blocking_gather([rank(mode="1", nvls_off=False), rank(mode="1", host="b")])
+    assert not blocking_gather([rank(mode="1"), rank(nvls_off=False)])  # "1" and "auto": auto's rule

@@ -5,7 +5,8 @@ Python module; without it ``available()`` is False and CUDA tensors exchange thr
 process group instead. What it adds:
 
   * a non-blocking NCCL communicator of deltacp's own, made from a unique id that rank 0 creates
-    and the context's torch.distributed group (any backend) broadcasts; every wait polls with the
+    and the context's torch.distributed group (any backend) hands out, with a blocking one split from
+    it for the all-gathers where that is safe (blocking_gather); every wait polls with the
     context's timeout and shuts the communicator down for good on a stall or an error
     (CPTimeoutError / RuntimeError on every healthy rank, raised before any further CUDA work);
     every later call on that context raises a RuntimeError naming the first failure (the context
@@ -16,6 +17,9 @@ process group instead. What it adds:
 """
 
 from __future__ import annotations
+
+import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -58,14 +62,42 @@ def _translate(exc: Exception, what: str, *buffers):
     return exc
 
 
+_GATHER_MODES = ("auto", "0", "1")
+
+
+def blocking_gather(entries) -> bool:
+    """Whether the all-gathers get a blocking communicator of their own (distributed/include/deltacp/
+    distributed/cp.h says why it is faster and when it is safe), from every rank's entry of
+    create_communicator: DELTACP_CP_BLOCKING_GATHER ("auto", the default; "0"; "1"), whether NCCL_NVLS_ENABLE=0
+    and NCCL_COMM_BLOCKING=0 are set, and the host. Any "0" turns it off and "1" on every rank turns it on;
+    "auto" turns it on only where ring is NCCL's one all-gather algorithm, so that the warm-up at creation made
+    every connection an all-gather will need: one host, NVLS switched off; and not where NCCL_COMM_BLOCKING=0
+    would make the communicator non-blocking anyway. Every rank computes the same answer from the same list."""
+    modes = {e["mode"] for e in entries}
+    if "0" in modes:
+        return False
+    if modes == {"1"}:
+        return True
+    return (all(e["nvls_off"] and not e["comm_nonblocking"] for e in entries)
+            and len({e["host"] for e in entries}) == 1)
+
+
 def create_communicator(group, rank: int, world: int, device: torch.device, timeout: float):
-    """Rank 0 makes the NCCL unique id; the group broadcasts it; every rank joins (with the timeout)."""
-    obj = [_cp_nccl.unique_id() if rank == 0 else None]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(obj, src=src, group=group)
+    """Rank 0 makes the NCCL unique id; one all-gather over the group hands it out together with what
+    blocking_gather decides from; every rank joins (with the timeout)."""
+    raw = os.environ.get("DELTACP_CP_BLOCKING_GATHER", "").strip() or "auto"
+    me = {"id": _cp_nccl.unique_id() if rank == 0 else None, "mode": raw,
+          "nvls_off": os.environ.get("NCCL_NVLS_ENABLE", "").strip() == "0",
+          "comm_nonblocking": os.environ.get("NCCL_COMM_BLOCKING", "").strip() == "0", "host": socket.gethostname()}
+    entries = [None] * world
+    dist.all_gather_object(entries, me, group=group)
+    bad = [(r, e["mode"]) for r, e in enumerate(entries) if e["mode"] not in _GATHER_MODES]
+    if bad:  # the same error on every rank, after the exchange
+        raise ValueError("deltacp: environment variable 'DELTACP_CP_BLOCKING_GATHER': expected auto, 0 or 1 on "
+                         "every rank, got " + ", ".join(f"{m!r} on rank {r}" for r, m in bad))
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        return _cp_nccl.Communicator(obj[0], rank, world, index, float(timeout))
+        return _cp_nccl.Communicator(entries[0]["id"], rank, world, index, float(timeout), blocking_gather(entries))
     except Exception as exc:  # noqa: BLE001
         raise _translate(exc, "creating the NCCL communicator") from exc
 

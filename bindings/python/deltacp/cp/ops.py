@@ -261,14 +261,16 @@ def _cut_bounds(cfg: _Cfg, local_descs, n: int, pad: int):
     return ([0] if head else []) + [head + x for x in body]
 
 
-def _compose_cut_maps(cfg: _Cfg, X: torch.Tensor, start: Optional[torch.Tensor]) -> torch.Tensor:
-    """Maps X [P, HV, K, V + K] (CUDA fp32, each piece's [H_p | M_p] from [0 | I]) composed from [start | I]
-    ([0 | I] without start) in one kernel (_core.compose_state_maps, the kernel of forward_composed_map):
-    [HV, K, width] fp32, width the exchange's (_exchange_width). The pieces of a cut the local forward makes
-    are composed by this kernel on every route, so the staged and one-shot CP forwards agree bitwise."""
+def _compose_cut_maps(cfg: _Cfg, X: torch.Tensor, start: Optional[torch.Tensor], head: bool) -> torch.Tensor:
+    """Maps X [P, HV, K, V + K] (CUDA fp32, each piece's [H_p | M_p] from [0 | I]) composed in one kernel
+    (_core.compose_state_maps, the kernel of forward_composed_map) from X[0] when `head` (the head piece's
+    map: the rest are composed), else from [start | I] ([0 | I] without start): [HV, K, width] fp32, width
+    the exchange's (_exchange_width). The pieces of a cut the local forward makes are composed this way on
+    every route, with the same inputs, so the staged and one-shot CP forwards agree bitwise."""
+    assert X.dtype == torch.float32
     width = _exchange_width(cfg.ctx, cfg.K, cfg.V)
-    X = X.contiguous()
-    init = _compose_init(cfg, None, start, width)
+    init = _compose_init(cfg, X[0] if head else None, start, width)
+    X = (X[1:] if head else X).contiguous()
     out = torch.empty((cfg.HV, cfg.K, width), dtype=torch.float32, device=X.device)
     with torch.cuda.device(X.device):
         _core.compose_state_maps(X.data_ptr(), X.shape[0], cfg.HV, cfg.K, cfg.V, width,
@@ -281,6 +283,7 @@ def _compose_init(cfg: _Cfg, head: Optional[torch.Tensor], start: Optional[torch
     """The state a composition enters with, [HV, K, width] fp32 contiguous: the head piece's map `head`
     ([HV, K, V + K]), else [start | I], else None ([0 | I], which the kernel makes itself)."""
     if head is not None:
+        assert head.dtype == torch.float32
         return head[..., :width].contiguous()
     if start is not None:
         init = torch.cat([start.to(torch.float32), _identity_block(cfg).to(torch.float32)], dim=-1)
@@ -628,7 +631,7 @@ def _local_piece_maps(cfg: _Cfg, prepared: _PreparedForward, n: int, P: int) -> 
     """The prepared local forward's pass-1 maps of its sequence n (made at prepare, copied here):
     [P, HV, K, V + K] fp32, piece j's [H_j | M_j] from [0 | I] (deltacp/cuda/api.h forward_piece_maps)."""
     maps = torch.empty((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=torch.float32, device=cfg.device)
-    with torch.cuda.device(cfg.device):  # on the prepared forward's stream, which allocated `maps`
+    with torch.cuda.device(cfg.device):  # on the prepared forward's stream (the current one: maps' stream too)
         _core.staged_forward_piece_maps(prepared.handle, n, maps.data_ptr(), maps.numel())
     return maps
 
@@ -715,7 +718,7 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Op
             X = run0(span, cut, None)
         if keep_maps:
             maps.append(_PieceMaps(cut, X[..., cfg.V:].clone()))
-        return _compose_cut_maps(cfg, X, start)
+        return _compose_cut_maps(cfg, X, start, head=bool(pad))
 
     def loops():
         from . import nccl_backend

@@ -66,24 +66,31 @@ std::string nccl_unique_id();
 // an in-flight kernel may still touch them is what crashes processes; the OS reclaims them at exit).
 // DELTACP_NCCL_STOP=abort forces ncclCommAbort (frees at once) instead of the revoke.
 //
-// The all-gathers run on a second, BLOCKING communicator split from the first at creation (ncclCommSplit;
-// DELTACP_CP_BLOCKING_GATHER=0 keeps them on the non-blocking one). NCCL enqueues every collective of a
+// With blocking_gather, the all-gathers run on a second, BLOCKING communicator split from the first at
+// creation (ncclCommSplit; deltacp.cp.nccl_backend decides, DELTACP_CP_BLOCKING_GATHER). NCCL enqueues every collective of a
 // non-blocking communicator from a thread it creates for that call (NCCL's group.cc): on 2 x H200 an
 // all-gather of 1 MiB per rank took 0.139 ms that way and takes 0.047 ms on the blocking one (torch's:
 // 0.034 ms; docs/context-parallel.md, session 8). A blocking communicator enqueues in the caller's thread. Blocking is safe here because nothing waits inside NCCL: the
 // collective's completion is polled (cudaEventQuery) with the timeout as before, and a stall stops both
 // communicators (revoke, else abort: in-flight kernels quit). The one NCCL call that could still block is
-// an enqueue that must first connect to its peers; a warm-up all-gather at creation, while every rank is
-// there, makes those connections (ring: the only all-gather algorithm with NVLS off), and the fingerprint
-// all-reduce, which could pick another algorithm, stays on the non-blocking communicator.
+// an enqueue that must first connect to its peers (inside the lock, out of the timeout's reach); a warm-up
+// all-gather at creation, while every rank is there, makes the ring's connections. That covers every
+// all-gather only where ring is NCCL's one all-gather algorithm: one node, NVLS off (no PAT, no CollNet),
+// which is where nccl_backend turns this on by default. The fingerprint all-reduce, which could pick
+// another algorithm, stays on the non-blocking communicator. Stopping: the child is stopped first; its
+// blocking stop synchronises NCCL's device stream, which follows the child's last kernel on the private
+// stream, so no kernel of the parent may be stuck ahead of it there (none is: the fingerprint all-reduce
+// is waited for before any all-gather is enqueued).
 //
 // Collectives run on a private non-blocking stream joined to the caller's stream by events, so a
 // stuck NCCL kernel never sits in the caller's (often the legacy default) stream, which would block
 // every later CUDA call of the process, including the error handling after the timeout.
 class NcclComm {
  public:
-  // Non-blocking init (ncclCommInitRankConfig, blocking = 0), polled up to timeout_s seconds.
-  NcclComm(const std::string& unique_id, int rank, int world, int device, double timeout_s);
+  // Non-blocking init (ncclCommInitRankConfig, blocking = 0), polled up to timeout_s seconds; with
+  // blocking_gather also the all-gathers' blocking communicator (below). Every rank must pass the same.
+  NcclComm(const std::string& unique_id, int rank, int world, int device, double timeout_s,
+           bool blocking_gather = false);
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;
