@@ -210,9 +210,13 @@ def main():
 
             o_staged = torch.empty_like(v)
 
-            def prepass_staged():
+            def local_descs():  # the rank's local forward, as the staged CP forward describes it
                 descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
                 descs["o"] = _td(o_staged, "o")
+                return descs
+
+            def prepass_staged():
+                descs = local_descs()
                 handle = cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", descs)
                 sent = cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None, want_first_maps=want_maps,
                                                prepared=cp_ops._PreparedForward(handle, 0), local_descs=descs)[0]
@@ -220,9 +224,7 @@ def main():
                 return sent
 
             def prepare_only():  # what the local forward does before h0 anyway (stages 1, 2; the scan's pass 1)
-                descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
-                descs["o"] = _td(o_staged, "o")
-                cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", descs)
+                cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", local_descs())
                 torch.cuda.current_stream(device).synchronize()
 
             # The staged pre-pass at each piece length and forced scan configuration (scan_config.h).
@@ -236,9 +238,7 @@ def main():
             results["prepass_staged"] = time_it(prepass_staged, args.repeat, args.warmup)
             results["prepare_only"] = time_it(prepare_only, args.repeat, args.warmup)
             # How the local forward's state scan cuts the rank's sequence (cuda/tiled/scan_split.cu).
-            descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
-            descs["o"] = _td(o_staged, "o")
-            scan_cut = list(_core.tiled_scan_pieces("gdn", descs, 0, chunk_size=64))
+            scan_cut = list(_core.tiled_scan_pieces("gdn", local_descs(), 0, chunk_size=64))
             errors["prepass_staged"] = float((prepass_staged() - prepass()[0]).norm() /
                                              prepass()[0].norm().clamp_min(1e-30))
         results["prepass_bwd_widened"] = time_it(prepass_bwd_widened, args.repeat, args.warmup)

@@ -149,7 +149,6 @@ class PieceTables {
 
  private:
   ChunkTable pieces_;
-  std::vector<FoldSeq> host_;
   FoldSeq* fold_seqs_ = nullptr;
   bool aligned_ = true;
   cudaStream_t stream_;

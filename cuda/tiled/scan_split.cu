@@ -391,19 +391,20 @@ PieceTables::PieceTables(const Params& p, const ScanPlan& plan, const std::vecto
   const int64_t N = static_cast<int64_t>(plan.first_piece.size()) - 1;
   DELTACP_CHECK(plan.cut() && static_cast<int64_t>(seq_maps.size()) == N, "maps",
                 "expected a cut plan and one entry per sequence");
-  host_.resize(static_cast<size_t>(N));
+  std::vector<FoldSeq> host(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n) {
-    FoldSeq& f = host_[static_cast<size_t>(n)];
+    FoldSeq& f = host[static_cast<size_t>(n)];
     f.first_piece = plan.first_piece[n];
     f.count = plan.pieces_of(n);
     f.maps = f.count > 1 ? seq_maps[static_cast<size_t>(n)] : nullptr;
     DELTACP_CHECK(f.count == 1 || f.maps != nullptr, "maps", "expected pass-1 maps for cut sequence ", n);
     if (f.maps != nullptr) aligned_ = aligned_ && maps_fit_16b(f.maps, p.K, p.V);
   }
-  const size_t bytes = host_.size() * sizeof(FoldSeq);
+  const size_t bytes = host.size() * sizeof(FoldSeq);
   fold_seqs_ = static_cast<FoldSeq*>(workspace_alloc(bytes, stream));
-  // From pageable memory the runtime stages the bytes before returning (as ChunkTable's upload).
-  const cudaError_t e = cudaMemcpyAsync(fold_seqs_, host_.data(), bytes, cudaMemcpyHostToDevice, stream);
+  // From pageable memory the runtime stages the bytes before returning, so `host` may go (ChunkTable keeps
+  // its host copy for other readers).
+  const cudaError_t e = cudaMemcpyAsync(fold_seqs_, host.data(), bytes, cudaMemcpyHostToDevice, stream);
   if (e != cudaSuccess) {
     workspace_free(fold_seqs_, stream);
     DELTACP_CUDA_CHECK(e);

@@ -1365,9 +1365,7 @@ void forward_piece_maps(StagedForward& staged, int64_t n, float* maps, int64_t n
 void forward_composed_map(StagedForward& staged, int64_t n, const float* init, float* out, int64_t width,
                           int64_t numel) {
   auto& s = dynamic_cast<FwdState&>(staged);
-  check_cut_sequence(s, n);
-  DELTACP_CHECK(width == s.p.V || width == s.p.V + s.p.K, "width", "expected V = ", s.p.V, " or V + K = ",
-                s.p.V + s.p.K, ", got ", width);
+  check_cut_sequence(s, n);  // launch_compose_maps checks width
   DELTACP_CHECK(out != nullptr && numel == s.p.HV * s.p.K * width, "out", "expected ", s.p.HV * s.p.K * width,
                 " fp32 elements ([", s.p.HV, ", ", s.p.K, ", ", width, "]), got ", numel);
   launch_compose_maps(s.seq_maps[static_cast<size_t>(n)], s.plan.pieces_of(n), s.p.HV, s.p.K, s.p.V, width, init, out,

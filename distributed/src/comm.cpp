@@ -354,6 +354,8 @@ void NcclComm::make_gather_comm() {
   if (r != ncclSuccess) fail_and_throw(what + " (its warm-up all-gather)", ncclGetErrorString(r), Stop::abort);
   cuda_check(cudaEventRecord(as_event(ev_done_), as_stream(stream_)), "cudaEventRecord");
   wait_event(ev_done_, what + " (its warm-up all-gather)");
+  cudaFree(warm_buf_);  // done with it (a failure above leaves it to the constructor's cleanup)
+  warm_buf_ = nullptr;
 }
 
 NcclComm::~NcclComm() {
@@ -388,7 +390,6 @@ NcclComm::~NcclComm() {
     if (ev_check_) cudaEventDestroy(as_event(ev_check_));
     if (check_host_) cudaFreeHost(check_host_);
     if (check_dev_) cudaFree(check_dev_);
-    if (warm_buf_) cudaFree(warm_buf_);
     cudaStreamDestroy(as_stream(stream_));
   } catch (...) {
     // poll() marked it dead already (Stop::none: nothing freed); a destructor must not throw.

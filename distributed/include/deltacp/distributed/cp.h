@@ -162,7 +162,7 @@ class NcclComm {
   std::string failure_;            // guarded by mu_
   void* comm_ = nullptr;           // ncclComm_t (kept, unused, after a revoke; null after an abort)
   void* gather_comm_ = nullptr;    // ncclComm_t, blocking, for the all-gathers (null: they use comm_)
-  void* warm_buf_ = nullptr;       // device [world + 1] floats: the warm-up all-gather's buffers
+  void* warm_buf_ = nullptr;       // device [world + 1] floats: the warm-up's buffers (during creation only)
   void* stream_ = nullptr;         // cudaStream_t: private, non-blocking
   void* ev_in_ = nullptr;          // cudaEvent_t: caller's stream -> stream_
   void* ev_done_ = nullptr;        // cudaEvent_t: the collective's completion on stream_
