@@ -11,7 +11,8 @@ kernels count as scan time) against the whole scan:
 
     --config whole:DELTACP_TILED_SCAN_PIECE=0 --config auto: --config p2048:DELTACP_TILED_SCAN_PIECE=2048
 
---fwdbwd also times forward + backward (the backward recomputes the states with the same scan).
+--fwdbwd also times forward + backward (the backward recomputes the states with the same scan). --compose
+P,HV,K,V ... times compose_state_maps (the CP pre-pass's composition, the fold's kernel body) on P maps.
 
     python3 bench/gpu/bench_scan.py [--shapes 1,32768,16,128 1,32768,16,128,256,4] [--json out.json]
 """
@@ -86,8 +87,34 @@ def scan_kernel_ms(args, cu, reps=10, fn=None):
     per = {}
     for ev in prof.key_averages():
         if any(x in ev.key for x in ("state_scan", "piece_states", "zero_identity", "gather_final_states")):
-            per[ev.key.split("<")[0].split("(")[0]] = ev.device_time_total / 1e3 / reps
+            # The kernel's name without its namespace, template arguments and parameters ("(anonymous
+            # namespace)" holds a parenthesis: before session 9 it cut every such name to one key).
+            name = ev.key.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0].split("::")[-1]
+            per[name] = per.get(name, 0.0) + ev.device_time_total / 1e3 / reps
     return per
+
+
+def compose_ms(P, HV, K, V, width, reps=50):
+    """compose_state_maps (cuda/tiled/scan_split.cu compose_maps_kernel) on P random maps [HV, K, V + K]:
+    the CP pre-pass's composition of a cut segment; ms per launch (CUDA events over `reps` launches)."""
+    from deltacp import _core
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    maps = torch.randn((P, HV, K, V + K), device="cuda", generator=gen) / K**0.5
+    out = torch.empty((HV, K, width), device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launch():
+        _core.compose_state_maps(maps.data_ptr(), P, HV, K, V, width, 0, out.data_ptr(), out.numel(), stream)
+
+    launch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        launch()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def main():
@@ -97,6 +124,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--config", action="append", default=[], help="NAME:VAR=VALUE,... (repeatable)")
     ap.add_argument("--fwdbwd", action="store_true", help="also time forward + backward")
+    ap.add_argument("--compose", nargs="*", default=["8,16,128,128", "16,16,128,128", "8,16,64,64", "8,16,256,256"],
+                    help="P,HV,K,V: time compose_state_maps on P maps at widths V + K and V")
     a = ap.parse_args()
     configs = {"mma.sync": {"DELTACP_TILED_SCAN_WGMMA": "0"},
                "wgmma 1 WG": {"DELTACP_TILED_SCAN_WGMMA": "1", "DELTACP_TILED_SCAN_WG": "1"},
@@ -128,8 +157,9 @@ def main():
             fwd = forward_ms(args, cu)
             only = scan_kernel_ms(args, cu, fn=state_only_call)
             row = {"shape": shape, "scan": name, "env": env, "scan_ms": sum(scan.values()), "forward_ms": fwd,
-                   "state_only_scan_ms": sum(only.values()), "rel_diff_vs_first": diff}
-            extra = ""
+                   "state_only_scan_ms": sum(only.values()), "rel_diff_vs_first": diff, "scan_kernels_ms": scan}
+            fold = sum(t for key, t in scan.items() if "piece_states" in key)
+            extra = f"  (fold {fold:.4f} ms)" if fold else ""
             if a.fwdbwd:
                 row["fwdbwd_ms"] = fwdbwd_ms(args, cu)
                 extra = f"  fwd+bwd {row['fwdbwd_ms']:.3f} ms"
@@ -138,6 +168,13 @@ def main():
                   f"state-only scan {sum(only.values()):.3f} ms{extra}  o vs first {diff:.1e}", flush=True)
     for key in knobs:
         os.environ.pop(key, None)
+    for spec in a.compose:
+        P, HV, K, V = map(int, spec.split(","))
+        for width in (V + K, V):
+            ms = compose_ms(P, HV, K, V, width)
+            rows.append({"compose": spec, "width": width, "ms": ms, "us_per_map": 1e3 * ms / P})
+            print(f"  compose_state_maps P={P} HV={HV} K={K} V={V} width={width}: {ms:.4f} ms "
+                  f"({1e3 * ms / P:.1f} us a map)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -88,7 +88,7 @@ if has scan; then  # the state scan alone: wgmma against mma.sync (bench/gpu/ben
   t0=$(date +%s)
   timeout 300 python3 bench/gpu/bench_scan.py --json "$OUT/bench_scan.json" ${DELTACP_SCAN_ARGS:-} >"$OUT/bench_scan.log" 2>&1
   say "scan bench: rc=$? in $(( $(date +%s) - t0 )) s"
-  tail -12 "$OUT/bench_scan.log"
+  tail -24 "$OUT/bench_scan.log"
 fi
 
 if has bench; then
@@ -140,6 +140,9 @@ torch.cuda.synchronize()
 " >"$OUT/ncu.log" 2>&1
     rc=$?
     ncu --import "$OUT/ncu_kernel.ncu-rep" --page details --print-details all >"$OUT/ncu_details.txt" 2>&1
+    # Per-instruction counters (SASS with warp stall samples): where a latency-bound kernel waits.
+    ncu --import "$OUT/ncu_kernel.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_source.csv" 2>&1 ||
+      say "   ncu source page: not available"
     say "ncu (${DELTACP_NCU_KERNEL:-chunk_state_scan}): rc=$rc in $(( $(date +%s) - t0 )) s"
     grep -E "Duration|Registers|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | head -30
   else

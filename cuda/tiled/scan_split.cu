@@ -10,14 +10,15 @@
 //
 //   pass 1  pieces 0 .. P-2, each from [0 | I], final state only, a state V + K columns wide whose last K
 //           columns see zero values: [H_j | M_j], so that a piece entered with S leaves with M_j S + H_j
-//   fold    S_0 = h0 (or 0), S_{j+1} = M_j S_j + H_j: fp32 on CUDA cores, sequential over the pieces
+//   fold    S_0 = h0 (or 0), S_{j+1} = M_j S_j + H_j, sequential over the pieces: fp32-accurate (split TF32
+//           on the tensor cores, carry_tile)
 //   pass 2  every piece from S_j (as one varlen scan over the pieces), storing h per chunk and v_new at the
 //           chunk indices and rows of the whole sequence: the output stage reads them unchanged; the last
 //           piece's final state is ht
 //
 // Every chunk is the one-piece scan's chunk, with the same products; a piece's start state differs from
 // the one-piece scan's only by rounding: M_j is carried through the same 16-bit products as the state, and
-// the fold rounds in fp32. Work: about three one-piece scans (pass 1 carries V + K columns), on
+// the fold rounds at fp32 level. Work: about three one-piece scans (pass 1 carries V + K columns), on
 // (pieces x heads) CTAs instead of heads.
 //
 // When (plan_scan). DELTACP_TILED_SCAN_PIECE=<tokens> cuts every sequence longer than that into pieces of
@@ -26,7 +27,8 @@
 // two warpgroups) and a model of the step times predicts at most 0.85x of the whole scan's time. The
 // model's constants were measured on an H200 (bench/gpu/bench_scan.py, docs/scan-h200-2026-11-22.json):
 // a step of the narrow whole scan 2.05 us; a wave of pass 1's state-only steps 2.1 us; a wave of pass 2's
-// steps, which store h and v_new, 3.4 us (a full wave moves ~3.5 TB/s); a fold step 10.5 us (session 8's
+// steps, which store h and v_new, 3.4 us (a full wave moves ~3.5 TB/s); a fold step 3.8 us (session 9's
+// tensor-core fold, measured on H100; 10.5 us with session 8's FMA loop, from
 // traces: 0.073 ms for 7 maps, 16 heads; session 7 assumed 3 us, but measured ~16). Never for a
 // final-state-only problem (the CP pre-pass cuts its own pieces), nor where V + K padded exceeds 256 (the
 // widest state the scans take).
@@ -48,6 +50,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../common/check.h"
@@ -73,117 +76,210 @@ __global__ void fill_zero_identity_kernel(float* __restrict__ x, int64_t HV, int
 }
 
 // The fold and the composition carry a K x 16 column tile of a state through a sequence's maps, one
-// CTA of 512 threads per (sequence, value head, tile), the tile in shared memory. Thread (ty, tx) owns
-// rows ty and ty + 128 and columns 4 tx + {0..3} of S' = M_j S + add_j. fp32 throughout, the k order
-// fixed: deterministic. The steps are sequential, so a step's latency is the kernel's: 512 threads (4
-// warps per scheduler) instead of 128 with four times the rows each.
+// CTA of 256 threads (8 warps) per (sequence, value head, tile): S' = M_j S + add_j, on the tensor cores
+// in split TF32 ("3xTF32"): every fp32 operand x = hi + lo (split_tf32) and M S ~ M_hi S_hi + M_hi S_lo +
+// M_lo S_hi (mma.sync.m16n8k8 tf32, fp32 accumulation). The dropped M_lo S_lo and the tf32 reading of lo
+// cost ~2^-21 of each product: fp32-level accuracy (against fp64 in tests/python/test_cuda.py:
+// test_compose_state_maps_any_shape, test_composed_map_is_the_pieces_maps_folded, the scan in pieces).
+// Deterministic: fixed tiles and k order.
 //
-// M_j (K x K, rows V + K apart in the maps) streams through shared memory in slabs of 64 columns (32
-// when K > 128), two buffers deep: cp.async fetches the next slab, of this map or the next, while the
-// current one is multiplied, so a step costs about its bytes, not a chain of load latencies. (Read
-// straight from global memory, a row per thread and k, by 128 threads, the composition of the 8 maps of
-// a 32K-token sequence with 16 heads took 0.131 ms on H200; slabs loaded synchronously 0.186 ms; by
-// cp.async 0.126 ms; with 512 threads 0.089 ms, and the fold of 7 maps 0.073 ms instead of 0.110: session
-// 8. That is still ~11 us per step for ~1 us of FMA issue, not yet understood.) Without 16-byte alignment
-// (V or K not a multiple of 4) the slabs are loaded by plain loads, one after another.
+// Why not FMAs: a step is a (K x K) x (K x 16) product per CTA fed from shared memory. Nsight Compute (H100,
+// the fold of the 7 maps of a 32K-token sequence, 16 heads, K = V = 128; under the profiler's clocks):
+// session 8's FMA loop (512 threads, a runtime slab loop, 10 instructions per 4 FMAs) 93 us, 21K cycles a
+// step; a register-tiled, unrolled FMA loop (2 rows x 4 columns a thread) 48 us, waiting on shared loads;
+// this kernel 35 us (first with cvt.rna.tf32, ~5 instructions on sm_90: 45 us). At the boost clock
+// (bench/gpu/bench_scan.py, session 9): the fold 0.026 ms (3.8 us a step); compose_state_maps of 8 maps
+// 0.027 ms at width V, 0.051 ms at V + K (FMA loop of session 8: 0.050, 0.070). What is left per step
+// (~7K cycles under the profiler): the mma chain (48 dependent mma a tile), the step's end (barrier,
+// state split, the fold's global stores) and the slab copies.
+//
+// Warp w owns the 16-row blocks w (+ 8) and both 8-column halves of the tile (ROWS = K rounded up to 64,
+// 128 or 256; with 64 rows the 4 blocks x 2 halves go one per warp). M_j (K x K, rows V + K apart in the
+// maps) streams through shared memory in slabs of 64 columns (32 when K > 128), three buffers deep
+// (cp.async). The state lives in shared memory already split, (hi, lo) pairs [ROWS][36], rewritten at a
+// step's end after a barrier; add_{j+1} (global) is loaded into registers during step j. Rows and
+// columns past K are zero in shared memory. Without 16-byte alignment (V or K not a multiple of 4) the
+// slabs are loaded by plain loads.
 constexpr int kFoldCols = 16;
-constexpr int kFoldThreads = 512;
-constexpr int kFoldRowsPerPass = kFoldThreads / 4;  // 128: rows ty, ty + 128 (K <= 256)
+constexpr int kFoldThreads = 256;
+constexpr int kFoldStages = 3;
+constexpr int kFoldStateRow = 36;  // words a row of the split state: 16 (hi, lo) pairs, 4 words of padding
 
-int fold_slab(int64_t K) { return K <= 128 ? 64 : 32; }  // 2 slabs of K x (slab + 4) fp32: <= 74 KB
-// Shared memory of a fold / composition CTA: the state tile [K][16] and two slabs [K][slab + 4], fp32.
+int fold_rows(int64_t K) { return K <= 64 ? 64 : K <= 128 ? 128 : 256; }
+// Columns of M per slab; a slab row is padded by 8 words (72 or 40: the A fragments' 8-byte loads of a
+// half warp hit 32 banks).
+__host__ __device__ constexpr int fold_slab(int rows) { return rows <= 128 ? 64 : 32; }
+// Shared memory of a fold / composition CTA: the split state [ROWS][36], then three slabs [ROWS][slab + 8]
+// (K = 64: 64 KB; K = 128: 129 KB; K = 256: 160 KB). The caller's S_0 ([ROWS][16] fp32) lies over the state.
 size_t fold_smem_bytes(int64_t K) {
-  return static_cast<size_t>(K) * (kFoldCols + 2 * (fold_slab(K) + 4)) * 4;
+  const int rows = fold_rows(K);
+  return static_cast<size_t>(rows) * (kFoldStateRow + kFoldStages * (fold_slab(rows) + 8)) * 4;
+}
+
+// x = hi + lo: hi = x rounded to tf32 (10 mantissa bits, to nearest, ties away), lo = x - hi (exact in
+// fp32; the tensor cores read its top 19 bits, so ~2^-21 |x| is lost). Two integer operations instead of
+// cvt.rna.tf32.f32, which sm_90 runs as ~5 instructions guarding Inf / NaN (here an Inf becomes a NaN).
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi));
+}
+// d += a b, m16n8k8, tf32 operands, fp32 accumulators. a: A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4];
+// b: B[t][g], B[t+4][g]; d: D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1] (g = lane / 4, t = lane % 4).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // S <- M_j S + add(j, r, c) for j = 0 .. count - 1 (map(j): M_j's first element, rows W apart), then
-// stored(j, r, c, value) for every element of this thread. S: [K][16] in shared memory, complete on entry;
-// buf: the two slab buffers.
-template <class MapAt, class Add, class Stored>
-__device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, int64_t K, bool aligned,
-                                           float* __restrict__ S, float* __restrict__ buf, Add add, Stored stored) {
-  const int tid = threadIdx.x, tx = tid % 4, ty = tid / 4;
-  const int slab = K <= 128 ? 64 : 32, row = slab + 4;  // 16-byte aligned rows; row = 4 (mod 32) words: 8 rows, 8 banks
-  const int64_t nslab = (K + slab - 1) / slab, total = count * nslab;
-  if (total == 0) return;  // no map (a sequence of one piece): nothing to fetch
-  auto fetch = [&](int64_t t) {  // slab t (map t / nslab, columns from slab (t % nslab)) into buffer t % 2
-    const float* M = map(t / nslab);
-    const int64_t k0 = (t % nslab) * slab;
-    const int kn = static_cast<int>(min(static_cast<int64_t>(slab), K - k0));
-    float* dst = buf + (t % 2) * K * row;
-    if (aligned) {
-      const int q4 = slab / 4;
-      for (int64_t i = tid; i < K * q4; i += kFoldThreads) {
-        const int64_t r = i / q4;
-        const int q = static_cast<int>(i % q4);
-        if (4 * q < kn) cp_async_16(dst + r * row + 4 * q, M + r * W + k0 + 4 * q);
-      }
-    } else {
-      for (int64_t i = tid; i < K * slab; i += kFoldThreads) {
-        const int64_t r = i / slab;
-        const int kk = static_cast<int>(i % slab);
-        if (kk < kn) dst[r * row + kk] = M[r * W + k0 + kk];
-      }
-    }
-    cp_async_commit();
-  };
-  float acc[2][4];
-  fetch(0);
-  for (int64_t t = 0; t < total; ++t) {
-    const int64_t j = t / nslab, k0 = (t % nslab) * slab;
-    if (t + 1 < total) {
-      fetch(t + 1);  // into the buffer every thread finished reading at the end of step t - 1
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // slab t in shared memory for every thread
-    if (k0 == 0) {
+// stored(j, r, c, value) for every element of this thread (r < K). smem: on entry S_0 as [ROWS][16] fp32
+// (rows past K zero), filled by every thread before a barrier; then the slab buffers.
+template <int ROWS, class MapAt, class Add, class Stored>
+__device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, int K, bool aligned,
+                                           float* __restrict__ smem, Add add, Stored stored) {
+  constexpr int SLAB = fold_slab(ROWS), ROW = SLAB + 8, BUF = ROWS * ROW;
+  constexpr int RB = ROWS == 256 ? 2 : 1, NB = ROWS == 64 ? 1 : 2;  // row blocks, column halves a warp
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int rb0 = ROWS == 64 ? warp % 4 : warp, nb0 = ROWS == 64 ? warp / 4 : 0;
+  uint32_t* const state = reinterpret_cast<uint32_t*>(smem);  // [ROWS][36]: (hi, lo) of S[r][c] at 2c, 2c + 1
+  float* const bufs = smem + ROWS * kFoldStateRow;            // [kFoldStages][ROWS][ROW]
+  const int nslab = (K + SLAB - 1) / SLAB;
+  if (count <= 0) return;  // no map (a sequence of one piece): nothing to fetch
+
+  // S_0 split into the state (through registers: S_0 lies over it), and the slab buffers zeroed once:
+  // columns past K of a last slab (stale or zero) then multiply zero rows of S.
+  float s0[ROWS * kFoldCols / kFoldThreads];
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const int64_t r = ty + kFoldRowsPerPass * a;
+  for (int e = 0; e < ROWS * kFoldCols / kFoldThreads; ++e) s0[e] = smem[tid + e * kFoldThreads];
+  __syncthreads();
 #pragma unroll
-        for (int b = 0; b < 4; ++b) acc[a][b] = r < K ? add(j, r, 4 * tx + b) : 0.f;
-      }
-    }
-    const float* Ms = buf + (t % 2) * K * row;
-    const int kn = static_cast<int>(min(static_cast<int64_t>(slab), K - k0));
-    for (int kk = 0; kk < kn; ++kk) {
-      const float4 sv = *reinterpret_cast<const float4*>(S + (k0 + kk) * kFoldCols + 4 * tx);
+  for (int e = 0; e < ROWS * kFoldCols / kFoldThreads; ++e) {
+    const int i = tid + e * kFoldThreads, r = i / kFoldCols, c = i % kFoldCols;
+    split_tf32(s0[e], state[r * kFoldStateRow + 2 * c], state[r * kFoldStateRow + 2 * c + 1]);
+  }
+  for (int i = tid; i < kFoldStages * BUF; i += kFoldThreads) bufs[i] = 0.f;
+  __syncthreads();
+
+  int64_t fj = 0;  // the next slab to fetch: slab fs of map fj, into buffer fb
+  int fs = 0, fb = 0;
+  auto fetch = [&]() {
+    if (fj < count) {
+      const float* M = map(fj) + fs * SLAB;
+      const int kn = min(SLAB, K - fs * SLAB);
+      float* dst = bufs + fb * BUF;
+      if (aligned) {  // 16-byte copies: thread tid takes column quad tid % (SLAB / 4) of every RSTEP-th row
+        constexpr int CPR = SLAB / 4, RSTEP = kFoldThreads / CPR;
+        const int r0 = tid / CPR, q = 4 * (tid % CPR);
+        if (q < kn) {
+          const float* src = M + r0 * W + q;
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        if (kFoldRowsPerPass * a >= K) break;
-        const int64_t r = ty + kFoldRowsPerPass * a;
-        const float m = r < K ? Ms[r * row + kk] : 0.f;
-        acc[a][0] = fmaf(m, sv.x, acc[a][0]);
-        acc[a][1] = fmaf(m, sv.y, acc[a][1]);
-        acc[a][2] = fmaf(m, sv.z, acc[a][2]);
-        acc[a][3] = fmaf(m, sv.w, acc[a][3]);
-      }
-    }
-    __syncthreads();  // every thread is past slab t (its buffer is refilled next) and, at a step's end, S_j
-    if (k0 + slab >= K) {  // the step's last slab: S <- S_{j+1}
+          for (int it = 0; it < ROWS / RSTEP; ++it)
+            if (r0 + it * RSTEP < K) cp_async_16(dst + (r0 + it * RSTEP) * ROW + q, src + it * RSTEP * W);
+        }
+      } else {
+        constexpr int RSTEP = kFoldThreads / SLAB;
+        const int r0 = tid / SLAB, kk = tid % SLAB;
+        if (kk < kn) {
+          const float* src = M + r0 * W + kk;
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const int64_t r = ty + kFoldRowsPerPass * a;
-        if (r >= K) continue;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          S[r * kFoldCols + 4 * tx + b] = acc[a][b];
-          stored(j, r, 4 * tx + b, acc[a][b]);
+          for (int it = 0; it < ROWS / RSTEP; ++it)
+            if (r0 + it * RSTEP < K) dst[(r0 + it * RSTEP) * ROW + kk] = src[it * RSTEP * W];
         }
       }
-      __syncthreads();  // S_{j+1} complete before the next step reads it
+      if (++fs == nslab) fs = 0, ++fj;
+      fb = fb + 1 == kFoldStages ? 0 : fb + 1;
     }
+    cp_async_commit();  // an empty group past the end keeps the wait count uniform
+  };
+
+  // This thread's accumulator elements: block i (rows 16 (rb0 + 8 i) + g, + 8), half n (columns
+  // 8 (nb0 + n) + 2 t, + 1); e = 2 (row + 8) + column.
+  auto row_of = [&](int i, int e) { return 16 * (rb0 + 8 * i) + g + 8 * (e / 2); };
+  auto col_of = [&](int n, int e) { return 8 * (nb0 + n) + 2 * t + e % 2; };
+  float acc[RB][NB][4], next[RB][NB][4];
+  auto load_add = [&](int64_t j) {
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) next[i][n][e] = row_of(i, e) < K ? add(j, row_of(i, e), col_of(n, e)) : 0.f;
+  };
+  load_add(0);
+#pragma unroll
+  for (int st = 0; st < kFoldStages - 1; ++st) fetch();
+  int b = 0;  // the buffer of the slab being multiplied
+  for (int64_t j = 0; j < count; ++j) {
+    for (int s = 0; s < nslab; ++s) {
+      cp_async_wait<kFoldStages - 2>();  // this thread's copies of this slab
+      __syncthreads();  // every thread's: the slab complete; every warp past the previous slab (refilled now)
+      fetch();
+      if (s == 0) {
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+          for (int n = 0; n < NB; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][n][e] = next[i][n][e];
+        if (j + 1 < count) load_add(j + 1);  // consumed a step later: its latency hides behind this step
+      }
+      const float* Ms = bufs + b * BUF;
+      // An 8-wide k step, its k order permuted alike in A and B (the instruction's k = t, t + 4 read the
+      // columns 2t, 2t + 1 of M and rows 2t, 2t + 1 of S): every fragment is two 8-byte loads.
+#pragma unroll
+      for (int kk = 0; kk < SLAB; kk += 8) {
+        const int k = s * SLAB + kk;  // row of S
+        uint32_t bh[NB][2], bl[NB][2];
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+          const int c = 8 * (nb0 + n) + g;
+          const uint2 x0 = *reinterpret_cast<const uint2*>(state + (k + 2 * t) * kFoldStateRow + 2 * c);
+          const uint2 x1 = *reinterpret_cast<const uint2*>(state + (k + 2 * t + 1) * kFoldStateRow + 2 * c);
+          bh[n][0] = x0.x, bl[n][0] = x0.y, bh[n][1] = x1.x, bl[n][1] = x1.y;
+        }
+#pragma unroll
+        for (int i = 0; i < RB; ++i) {
+          const float* Ar = Ms + (16 * (rb0 + 8 * i) + g) * ROW + kk + 2 * t;
+          const float2 p = *reinterpret_cast<const float2*>(Ar), q = *reinterpret_cast<const float2*>(Ar + 8 * ROW);
+          const float x[4] = {p.x, q.x, p.y, q.y};
+          uint32_t ah[4], al[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) split_tf32(x[e], ah[e], al[e]);
+#pragma unroll
+          for (int n = 0; n < NB; ++n) {  // the small terms first
+            mma_tf32(acc[i][n], al, bh[n][0], bh[n][1]);
+            mma_tf32(acc[i][n], ah, bl[n][0], bl[n][1]);
+            mma_tf32(acc[i][n], ah, bh[n][0], bh[n][1]);
+          }
+        }
+      }
+      b = b + 1 == kFoldStages ? 0 : b + 1;
+    }
+    __syncthreads();  // every warp past S_j: S_{j+1} replaces it
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+      for (int n = 0; n < NB; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = row_of(i, e), c = col_of(n, e);
+          const float x = r < K ? acc[i][n][e] : 0.f;
+          split_tf32(x, state[r * kFoldStateRow + 2 * c], state[r * kFoldStateRow + 2 * c + 1]);
+          if (r < K) stored(j, r, c, x);
+        }
+    // The next step's first barrier orders these writes before its reads.
   }
+  cp_async_wait<0>();
 }
 
 // The fold: every piece's start state, starts [P_total, HV, K, V]. Grid (N, HV, ceil(V / 16)).
 // S_0 = h0 (or 0), S_{j+1} = M_j S_j + H_j.
-__global__ void __launch_bounds__(kFoldThreads)
+template <int ROWS>
+__global__ void __launch_bounds__(kFoldThreads, 1)
     fold_piece_states_kernel(const FoldSeq* __restrict__ seqs, int64_t HV, int64_t K, int64_t V,
                              const float* __restrict__ h0, float* __restrict__ starts, bool aligned) {
-  extern __shared__ __align__(16) float S[];  // [K][16], then the two slab buffers
+  extern __shared__ __align__(16) float smem[];  // S_0 [ROWS][16] (carry_tile splits it), then the slab buffers
   const FoldSeq sq = seqs[blockIdx.x];
   const int64_t n = blockIdx.x, hv = blockIdx.y, c0 = static_cast<int64_t>(blockIdx.z) * kFoldCols;
   const int ncol = static_cast<int>(min(static_cast<int64_t>(kFoldCols), V - c0));
@@ -191,41 +287,41 @@ __global__ void __launch_bounds__(kFoldThreads)
   auto state_row = [&](int64_t piece, int64_t r) { return starts + ((piece * HV + hv) * K + r) * V + c0; };
   auto map = [&](int64_t j) { return sq.maps + (j * HV + hv) * K * W; };  // row r: H_j at [0, V), M_j after
 
-  for (int64_t i = threadIdx.x; i < K * kFoldCols; i += kFoldThreads) {
-    const int64_t r = i / kFoldCols;
-    const int c = static_cast<int>(i % kFoldCols);
-    const float x = (h0 != nullptr && c < ncol) ? h0[((n * HV + hv) * K + r) * V + c0 + c] : 0.f;
-    S[i] = x;
-    if (c < ncol) state_row(sq.first_piece, r)[c] = x;
+  for (int i = threadIdx.x; i < ROWS * kFoldCols; i += kFoldThreads) {
+    const int r = i / kFoldCols, c = i % kFoldCols;
+    const float x = (h0 != nullptr && r < K && c < ncol) ? h0[((n * HV + hv) * K + r) * V + c0 + c] : 0.f;
+    smem[i] = x;
+    if (r < K && c < ncol) state_row(sq.first_piece, r)[c] = x;
   }
-  __syncthreads();
-  carry_tile(
-      sq.count - 1, [&](int64_t j) { return map(j) + V; }, W, K, aligned, S, S + K * kFoldCols,
-      [&](int64_t j, int64_t r, int c) { return c < ncol ? map(j)[r * W + c0 + c] : 0.f; },
-      [&](int64_t j, int64_t r, int c, float x) {
+  __syncthreads();  // S_0 complete before carry_tile reads it
+  carry_tile<ROWS>(
+      sq.count - 1, [&](int64_t j) { return map(j) + V; }, W, static_cast<int>(K), aligned, smem,
+      [&](int64_t j, int r, int c) { return c < ncol ? map(j)[r * W + c0 + c] : 0.f; },
+      [&](int64_t j, int r, int c, float x) {
         if (c < ncol) state_row(sq.first_piece + j + 1, r)[c] = x;
       });
 }
 
 // The composition: out [HV, K, width] = the state after all P maps from init ([HV, K, width], or [0 | I]).
 // Grid (HV, ceil(width / 16)). Columns from V on see no offset: they carry M_{P-1} ... M_0 init.
-__global__ void __launch_bounds__(kFoldThreads)
+template <int ROWS>
+__global__ void __launch_bounds__(kFoldThreads, 1)
     compose_maps_kernel(const float* __restrict__ maps, int64_t P, int64_t HV, int64_t K, int64_t V, int64_t width,
                         const float* __restrict__ init, float* __restrict__ out, bool aligned) {
-  extern __shared__ __align__(16) float S[];  // [K][16], then the two slab buffers
+  extern __shared__ __align__(16) float smem[];  // S_0 [ROWS][16] (carry_tile splits it), then the slab buffers
   const int64_t hv = blockIdx.x, c0 = static_cast<int64_t>(blockIdx.y) * kFoldCols;
   const int ncol = static_cast<int>(min(static_cast<int64_t>(kFoldCols), width - c0));
   const int64_t W = V + K;
   auto map = [&](int64_t j) { return maps + (j * HV + hv) * K * W; };
-  for (int64_t i = threadIdx.x; i < K * kFoldCols; i += kFoldThreads) {
+  for (int i = threadIdx.x; i < ROWS * kFoldCols; i += kFoldThreads) {
     const int64_t r = i / kFoldCols, c = c0 + i % kFoldCols;
-    S[i] = c >= width ? 0.f : init != nullptr ? init[(hv * K + r) * width + c] : (c - V == r ? 1.f : 0.f);
+    smem[i] = (r >= K || c >= width) ? 0.f : init != nullptr ? init[(hv * K + r) * width + c] : (c - V == r ? 1.f : 0.f);
   }
-  __syncthreads();
-  carry_tile(
-      P, [&](int64_t j) { return map(j) + V; }, W, K, aligned, S, S + K * kFoldCols,
-      [&](int64_t j, int64_t r, int c) { return c < ncol && c0 + c < V ? map(j)[r * W + c0 + c] : 0.f; },
-      [&](int64_t j, int64_t r, int c, float x) {
+  __syncthreads();  // S_0 complete before carry_tile reads it
+  carry_tile<ROWS>(
+      P, [&](int64_t j) { return map(j) + V; }, W, static_cast<int>(K), aligned, smem,
+      [&](int64_t j, int r, int c) { return c < ncol && c0 + c < V ? map(j)[r * W + c0 + c] : 0.f; },
+      [&](int64_t j, int r, int c, float x) {
         if (j + 1 == P && c < ncol) out[(hv * K + r) * width + c0 + c] = x;
       });
 }
@@ -233,6 +329,17 @@ __global__ void __launch_bounds__(kFoldThreads)
 // cp.async's 16-byte copies need every slab row 16-byte aligned: maps (the base), V and K multiples of 4.
 bool maps_fit_16b(const float* maps, int64_t K, int64_t V) {
   return reinterpret_cast<uintptr_t>(maps) % 16 == 0 && K % 4 == 0 && V % 4 == 0;
+}
+
+// f(std::integral_constant<int, ROWS>) with ROWS = fold_rows(K): the carry_tile instantiation for K <= 256.
+template <class F>
+void with_fold_rows(int64_t K, F&& f) {
+  DELTACP_CHECK(K >= 1 && K <= 256, "K", "expected 1 <= K <= 256 for the fold and the composition, got ", K);
+  switch (fold_rows(K)) {
+    case 64: f(std::integral_constant<int, 64>{}); break;
+    case 128: f(std::integral_constant<int, 128>{}); break;
+    default: f(std::integral_constant<int, 256>{}); break;
+  }
 }
 
 // Dynamic shared memory beyond the default 48 KB must be allowed per kernel (here K > 80 with 64-column
@@ -276,7 +383,7 @@ double predicted_cut_us(const std::vector<SeqEntry>& seqs, const Params& p, int6
   auto waves = [&](int64_t ctas) { return static_cast<double>((ctas + sms - 1) / sms); };
   const double pass1 = waves(maps * p.HV * ((Vp + Kp + 127) / 128)) * static_cast<double>(L) * 2.1;
   const double pass2 = waves(pieces * p.HV * ((Vp + 127) / 128)) * static_cast<double>(L) * 3.4;
-  return pass1 + pass2 + 10.5 * static_cast<double>(most - 1);
+  return pass1 + pass2 + 3.8 * static_cast<double>(most - 1);
 }
 
 ScanPlan make_plan(const std::vector<SeqEntry>& seqs, const Params& p, int64_t L) {
@@ -454,12 +561,14 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
     }
     DELTACP_CHECK(tables->pieces().num_seqs() == P, "tables", "expected the plan's ", P, " pieces");
     const int64_t gz = (V + kFoldCols - 1) / kFoldCols;
-    const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 88 KB
-    allow_smem(fold_piece_states_kernel, smem);
-    fold_piece_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)),
-                               kFoldThreads, smem, stream>>>(tables->fold_seqs(), HV, K, V, h0, starts,
-                                                             tables->maps_aligned());
-    DELTACP_CUDA_CHECK_LAUNCH();
+    with_fold_rows(K, [&](auto rows) {
+      auto kernel = fold_piece_states_kernel<decltype(rows)::value>;
+      const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 126 KB
+      allow_smem(kernel, smem);
+      kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)), kFoldThreads,
+               smem, stream>>>(tables->fold_seqs(), HV, K, V, h0, starts, tables->maps_aligned());
+      DELTACP_CUDA_CHECK_LAUNCH();
+    });
     launch_chunk_state_scan(p, tables->pieces(), G, W, U, Kd, h, v_new, starts, piece_ht, stream);
     if (ht != nullptr) {
       gather_final_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV)), 256, 0, stream>>>(
@@ -480,11 +589,14 @@ void launch_compose_maps(const float* maps, int64_t P, int64_t HV, int64_t K, in
   DELTACP_CHECK(K >= 1 && K <= kMaxHeadDim, "K", "expected 1 <= K <= ", kMaxHeadDim, ", got ", K);
   DELTACP_CHECK(out != nullptr, "out", "expected an output buffer");
   const int64_t gy = (width + kFoldCols - 1) / kFoldCols;
-  const size_t smem = fold_smem_bytes(K);
-  allow_smem(compose_maps_kernel, smem);
-  compose_maps_kernel<<<dim3(static_cast<unsigned>(HV), static_cast<unsigned>(gy)), kFoldThreads, smem, stream>>>(
-      maps, P, HV, K, V, width, init, out, maps_fit_16b(maps, K, V));
-  DELTACP_CUDA_CHECK_LAUNCH();
+  with_fold_rows(K, [&](auto rows) {
+    auto kernel = compose_maps_kernel<decltype(rows)::value>;
+    const size_t smem = fold_smem_bytes(K);
+    allow_smem(kernel, smem);
+    kernel<<<dim3(static_cast<unsigned>(HV), static_cast<unsigned>(gy)), kFoldThreads, smem, stream>>>(
+        maps, P, HV, K, V, width, init, out, maps_fit_16b(maps, K, V));
+    DELTACP_CUDA_CHECK_LAUNCH();
+  });
 }
 
 }  // namespace deltacp::cuda::tiled
