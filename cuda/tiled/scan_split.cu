@@ -79,7 +79,8 @@ __global__ void fill_zero_identity_kernel(float* __restrict__ x, int64_t HV, int
 // CTA of 256 threads (8 warps) per (sequence, value head, tile): S' = M_j S + add_j, on the tensor cores
 // in split TF32 ("3xTF32"): every fp32 operand x = hi + lo (split_tf32) and M S ~ M_hi S_hi + M_hi S_lo +
 // M_lo S_hi (mma.sync.m16n8k8 tf32, fp32 accumulation). The dropped M_lo S_lo and the tf32 reading of lo
-// cost ~2^-21 of each product: fp32-level accuracy (against fp64 in tests/python/test_cuda.py:
+// cost ~2^-21 of each product, and each k step's products are added into the accumulator in fp32: fp32-level
+// accuracy (against fp64 in tests/python/test_cuda.py:
 // test_compose_state_maps_any_shape, test_composed_map_is_the_pieces_maps_folded, the scan in pieces).
 // Deterministic: fixed tiles and k order.
 //
@@ -87,19 +88,20 @@ __global__ void fill_zero_identity_kernel(float* __restrict__ x, int64_t HV, int
 // the fold of the 7 maps of a 32K-token sequence, 16 heads, K = V = 128; under the profiler's clocks):
 // session 8's FMA loop (512 threads, a runtime slab loop, 10 instructions per 4 FMAs) 93 us, 21K cycles a
 // step; a register-tiled, unrolled FMA loop (2 rows x 4 columns a thread) 48 us, waiting on shared loads;
-// this kernel 35 us (first with cvt.rna.tf32, ~5 instructions on sm_90: 45 us). At the boost clock
-// (bench/gpu/bench_scan.py, session 9): the fold 0.026 ms (3.8 us a step); compose_state_maps of 8 maps
-// 0.027 ms at width V, 0.051 ms at V + K (FMA loop of session 8: 0.050, 0.070). What is left per step
-// (~7K cycles under the profiler): the mma chain (48 dependent mma a tile), the step's end (barrier,
+// this kernel 35 us before the fp32 add per k step (first with cvt.rna.tf32, ~5 instructions on sm_90:
+// 45 us). At the boost clock (bench/gpu/bench_scan.py, session 9): the fold 0.028 ms (4 us a step);
+// compose_state_maps of 8 maps 0.030 ms at width V, 0.057 ms at V + K (FMA loop of session 8: 0.050, 0.070). What is left per step
+// (~7K cycles under the profiler, before the fp32 adds): the mma chains, the step's end (barrier,
 // state split, the fold's global stores) and the slab copies.
 //
 // Warp w owns the 16-row blocks w (+ 8) and both 8-column halves of the tile (ROWS = K rounded up to 64,
 // 128 or 256; with 64 rows the 4 blocks x 2 halves go one per warp). M_j (K x K, rows V + K apart in the
 // maps) streams through shared memory in slabs of 64 columns (32 when K > 128), three buffers deep
 // (cp.async). The state lives in shared memory already split, (hi, lo) pairs [ROWS][36], rewritten at a
-// step's end after a barrier; add_{j+1} (global) is loaded into registers during step j. Rows and
-// columns past K are zero in shared memory. Without 16-byte alignment (V or K not a multiple of 4) the
-// slabs are loaded by plain loads.
+// step's end after a barrier; add_{j+1} (global) is loaded into registers during step j. State rows past K
+// are zero; a last slab's columns past K hold zeros or stale (finite unless M had Inf / NaN) entries of
+// earlier slabs, multiplied by those zero rows only up to the next multiple of 8 (the k loop stops there).
+// Without 16-byte alignment (V or K not a multiple of 4) the slabs are copied 4 bytes at a time.
 constexpr int kFoldCols = 16;
 constexpr int kFoldThreads = 256;
 constexpr int kFoldStages = 3;
@@ -110,7 +112,8 @@ int fold_rows(int64_t K) { return K <= 64 ? 64 : K <= 128 ? 128 : 256; }
 // half warp hit 32 banks).
 __host__ __device__ constexpr int fold_slab(int rows) { return rows <= 128 ? 64 : 32; }
 // Shared memory of a fold / composition CTA: the split state [ROWS][36], then three slabs [ROWS][slab + 8]
-// (K = 64: 64 KB; K = 128: 129 KB; K = 256: 160 KB). The caller's S_0 ([ROWS][16] fp32) lies over the state.
+// (K <= 64: 63 KiB; K <= 128: 126 KiB; K <= 256: 156 KiB, which sm_80 and sm_90 allow, not sm_86 / sm_89).
+// The caller's S_0 ([ROWS][16] fp32) lies over the state.
 size_t fold_smem_bytes(int64_t K) {
   const int rows = fold_rows(K);
   return static_cast<size_t>(rows) * (kFoldStateRow + kFoldStages * (fold_slab(rows) + 8)) * 4;
@@ -118,7 +121,8 @@ size_t fold_smem_bytes(int64_t K) {
 
 // x = hi + lo: hi = x rounded to tf32 (10 mantissa bits, to nearest, ties away), lo = x - hi (exact in
 // fp32; the tensor cores read its top 19 bits, so ~2^-21 |x| is lost). Two integer operations instead of
-// cvt.rna.tf32.f32, which sm_90 runs as ~5 instructions guarding Inf / NaN (here an Inf becomes a NaN).
+// cvt.rna.tf32.f32, which sm_90 runs as ~5 instructions guarding Inf / NaN. Here an Inf, and a finite
+// |x| >= 3.4025e38 (bits >= 0x7f7ff000), become hi = Inf, lo = NaN or -Inf: the product is NaN; a NaN stays NaN.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi));
@@ -156,7 +160,9 @@ __device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, 
 #pragma unroll
   for (int e = 0; e < ROWS * kFoldCols / kFoldThreads; ++e) {
     const int i = tid + e * kFoldThreads, r = i / kFoldCols, c = i % kFoldCols;
-    split_tf32(s0[e], state[r * kFoldStateRow + 2 * c], state[r * kFoldStateRow + 2 * c + 1]);
+    uint2 hl;
+    split_tf32(s0[e], hl.x, hl.y);
+    *reinterpret_cast<uint2*>(state + r * kFoldStateRow + 2 * c) = hl;
   }
   for (int i = tid; i < kFoldStages * BUF; i += kFoldThreads) bufs[i] = 0.f;
   __syncthreads();
@@ -184,7 +190,7 @@ __device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, 
           const float* src = M + r0 * W + kk;
 #pragma unroll
           for (int it = 0; it < ROWS / RSTEP; ++it)
-            if (r0 + it * RSTEP < K) dst[(r0 + it * RSTEP) * ROW + kk] = src[it * RSTEP * W];
+            if (r0 + it * RSTEP < K) cp_async_4(dst + (r0 + it * RSTEP) * ROW + kk, src + it * RSTEP * W);
         }
       }
       if (++fs == nslab) fs = 0, ++fj;
@@ -225,10 +231,12 @@ __device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, 
         if (j + 1 < count) load_add(j + 1);  // consumed a step later: its latency hides behind this step
       }
       const float* Ms = bufs + b * BUF;
+      const int kend = (min(SLAB, K - s * SLAB) + 7) / 8 * 8;  // the slab's columns, to a whole k step
       // An 8-wide k step, its k order permuted alike in A and B (the instruction's k = t, t + 4 read the
       // columns 2t, 2t + 1 of M and rows 2t, 2t + 1 of S): every fragment is two 8-byte loads.
 #pragma unroll
       for (int kk = 0; kk < SLAB; kk += 8) {
+        if (kk >= kend) break;  // uniform over the CTA: past K (a last slab), nothing but zero rows of S
         const int k = s * SLAB + kk;  // row of S
         uint32_t bh[NB][2], bl[NB][2];
 #pragma unroll
@@ -247,10 +255,16 @@ __device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, 
 #pragma unroll
           for (int e = 0; e < 4; ++e) split_tf32(x[e], ah[e], al[e]);
 #pragma unroll
-          for (int n = 0; n < NB; ++n) {  // the small terms first
-            mma_tf32(acc[i][n], al, bh[n][0], bh[n][1]);
-            mma_tf32(acc[i][n], ah, bl[n][0], bl[n][1]);
-            mma_tf32(acc[i][n], ah, bh[n][0], bh[n][1]);
+          for (int n = 0; n < NB; ++n) {
+            // The k step's three products (small terms first) from zero, then one fp32 add (round to
+            // nearest) into the accumulator: the tensor cores' accumulation truncates, and carried through
+            // the 3 K / 8 products of a step it cost ~1e-6 relative (helper-13's review, session 9).
+            float part[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_tf32(part, al, bh[n][0], bh[n][1]);
+            mma_tf32(part, ah, bl[n][0], bl[n][1]);
+            mma_tf32(part, ah, bh[n][0], bh[n][1]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][n][e] += part[e];
           }
         }
       }
@@ -265,7 +279,9 @@ __device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, 
         for (int e = 0; e < 4; ++e) {
           const int r = row_of(i, e), c = col_of(n, e);
           const float x = r < K ? acc[i][n][e] : 0.f;
-          split_tf32(x, state[r * kFoldStateRow + 2 * c], state[r * kFoldStateRow + 2 * c + 1]);
+          uint2 hl;
+          split_tf32(x, hl.x, hl.y);
+          *reinterpret_cast<uint2*>(state + r * kFoldStateRow + 2 * c) = hl;
           if (r < K) stored(j, r, c, x);
         }
     // The next step's first barrier orders these writes before its reads.
@@ -342,8 +358,8 @@ void with_fold_rows(int64_t K, F&& f) {
   }
 }
 
-// Dynamic shared memory beyond the default 48 KB must be allowed per kernel (here K > 80 with 64-column
-// slabs, K > 139 with 32-column ones).
+// Dynamic shared memory beyond the default 48 KB must be allowed per kernel (every fold / composition
+// instantiation: at least 63 KiB).
 template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
@@ -563,7 +579,7 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
     const int64_t gz = (V + kFoldCols - 1) / kFoldCols;
     with_fold_rows(K, [&](auto rows) {
       auto kernel = fold_piece_states_kernel<decltype(rows)::value>;
-      const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 126 KB
+      const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 156 KiB
       allow_smem(kernel, smem);
       kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)), kFoldThreads,
                smem, stream>>>(tables->fold_seqs(), HV, K, V, h0, starts, tables->maps_aligned());

@@ -523,10 +523,12 @@ def test_composed_map_is_the_pieces_maps_folded(variant, monkeypatch):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("P,HV,K,V", [(3, 2, 7, 5), (1, 3, 64, 48), (4, 2, 160, 16), (2, 1, 240, 13)])
+@pytest.mark.parametrize("P,HV,K,V", [(3, 2, 7, 5), (1, 3, 64, 48), (4, 2, 160, 16), (2, 1, 240, 13), (2, 2, 1, 3),
+                                     (6, 2, 64, 64), (5, 2, 72, 20), (3, 1, 100, 7), (4, 2, 128, 128), (3, 2, 129, 9)])
 def test_compose_state_maps_any_shape(P, HV, K, V):
     """compose_state_maps on maps of any size (cuda/tiled/scan_split.cu compose_maps_kernel): K and V not
-    multiples of 4 (plain loads instead of cp.async), one map, K > 128 (slabs of 32 columns, more shared
+    multiples of 4 (4-byte copies instead of 16-byte ones), one map, K from 1 to 240 (every ROWS instantiation;
+    K > 128: slabs of 32 columns, more shared
     memory) against torch's fp64 fold, at width V + K and V, from [0 | I] and from a given state."""
     _require_cuda_build()
     from deltacp import _core
@@ -548,7 +550,9 @@ def test_compose_state_maps_any_shape(P, HV, K, V):
                                      out.data_ptr(), out.numel(), stream)
             torch.cuda.synchronize()
             err = ((out.double() - want[..., :width]).norm() / want[..., :width].norm()).item()
-            assert torch.isfinite(out).all() and err < 1e-5, (width, err)
+            # fp32 level: the split-TF32 products with fp32 adds per k step (scan_split.cu carry_tile) measured
+            # ~2e-7; a tensor-core accumulation over whole steps gave 1e-6 to 4e-6 (session 9).
+            assert torch.isfinite(out).all() and err < 1e-6, (width, err)
 
 
 def _cuda_problem(variant, dtype, cu_seqlens=(0, 1, 64, 130, 200)):
