@@ -162,7 +162,7 @@ def main():
             extra = f"  (fold {fold:.4f} ms)" if fold else ""
             if a.fwdbwd:
                 row["fwdbwd_ms"] = fwdbwd_ms(args, cu)
-                extra = f"  fwd+bwd {row['fwdbwd_ms']:.3f} ms"
+                extra += f"  fwd+bwd {row['fwdbwd_ms']:.3f} ms"
             rows.append(row)
             print(f"  ({shape:>22s})  {name:11s}  scan {sum(scan.values()):.3f} ms  forward {fwd:.3f} ms  "
                   f"state-only scan {sum(only.values()):.3f} ms{extra}  o vs first {diff:.1e}", flush=True)

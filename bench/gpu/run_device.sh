@@ -6,7 +6,8 @@
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too)
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
-#   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt
+#   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt,
+#            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
 #            of the GPU and cProfile of the host in $OUT/trace, tarred into cp_detail.tar.gz)
 # DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_CP_BENCH_ARGS are added to
