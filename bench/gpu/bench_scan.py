@@ -94,9 +94,9 @@ def scan_kernel_ms(args, cu, reps=10, fn=None):
     return per
 
 
-def compose_ms(P, HV, K, V, width, reps=50):
+def compose_ms(P, HV, K, V, width):
     """compose_state_maps (cuda/tiled/scan_split.cu compose_maps_kernel) on P random maps [HV, K, V + K]:
-    the CP pre-pass's composition of a cut segment; ms per launch (CUDA events over `reps` launches)."""
+    the CP pre-pass's composition of a cut segment; ms per launch (bench_ms, the harness's timer)."""
     from deltacp import _core
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -107,14 +107,7 @@ def compose_ms(P, HV, K, V, width, reps=50):
     def launch():
         _core.compose_state_maps(maps.data_ptr(), P, HV, K, V, width, 0, out.data_ptr(), out.numel(), stream)
 
-    launch()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        launch()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return bench_ms(launch)
 
 
 def main():

@@ -350,7 +350,8 @@ bool maps_fit_16b(const float* maps, int64_t K, int64_t V) {
 // f(std::integral_constant<int, ROWS>) with ROWS = fold_rows(K): the carry_tile instantiation for K <= 256.
 template <class F>
 void with_fold_rows(int64_t K, F&& f) {
-  DELTACP_CHECK(K >= 1 && K <= 256, "K", "expected 1 <= K <= 256 for the fold and the composition, got ", K);
+  DELTACP_CHECK(K >= 1 && K <= kMaxHeadDim, "K", "expected 1 <= K <= ", kMaxHeadDim,
+                " for the fold and the composition, got ", K);
   switch (fold_rows(K)) {
     case 64: f(std::integral_constant<int, 64>{}); break;
     case 128: f(std::integral_constant<int, 128>{}); break;
@@ -602,8 +603,7 @@ void launch_compose_maps(const float* maps, int64_t P, int64_t HV, int64_t K, in
                          const float* init, float* out, cudaStream_t stream) {
   DELTACP_CHECK(P >= 1 && maps != nullptr, "maps", "expected at least one map, got ", P);
   DELTACP_CHECK(width == V || width == V + K, "width", "expected V = ", V, " or V + K = ", V + K, ", got ", width);
-  DELTACP_CHECK(K >= 1 && K <= kMaxHeadDim, "K", "expected 1 <= K <= ", kMaxHeadDim, ", got ", K);
-  DELTACP_CHECK(out != nullptr, "out", "expected an output buffer");
+  DELTACP_CHECK(out != nullptr, "out", "expected an output buffer");  // K: with_fold_rows
   const int64_t gy = (width + kFoldCols - 1) / kFoldCols;
   with_fold_rows(K, [&](auto rows) {
     auto kernel = compose_maps_kernel<decltype(rows)::value>;

@@ -268,10 +268,8 @@ def _compose_cut_maps(cfg: _Cfg, X: torch.Tensor, start: Optional[torch.Tensor],
     the exchange's (_exchange_width). The pieces of a cut the local forward makes are composed this way on
     every route, with the same inputs, so the staged and one-shot CP forwards agree bitwise."""
     assert X.dtype == torch.float32
-    width = _exchange_width(cfg.ctx, cfg.K, cfg.V)
-    init = _compose_init(cfg, X[0] if head else None, start, width)
+    width, init, out = _composition_io(cfg, X[0] if head else None, start)
     X = (X[1:] if head else X).contiguous()
-    out = torch.empty((cfg.HV, cfg.K, width), dtype=torch.float32, device=X.device)
     with torch.cuda.device(X.device):
         _core.compose_state_maps(X.data_ptr(), X.shape[0], cfg.HV, cfg.K, cfg.V, width,
                                  0 if init is None else init.data_ptr(), out.data_ptr(), out.numel(),
@@ -279,16 +277,19 @@ def _compose_cut_maps(cfg: _Cfg, X: torch.Tensor, start: Optional[torch.Tensor],
     return out
 
 
-def _compose_init(cfg: _Cfg, head: Optional[torch.Tensor], start: Optional[torch.Tensor], width: int):
-    """The state a composition enters with, [HV, K, width] fp32 contiguous: the head piece's map `head`
-    ([HV, K, V + K]), else [start | I], else None ([0 | I], which the kernel makes itself)."""
+def _composition_io(cfg: _Cfg, head: Optional[torch.Tensor], start: Optional[torch.Tensor]):
+    """(width, init, out) of a composition: width the exchange's (_exchange_width); init the state it enters
+    with, [HV, K, width] fp32 contiguous: the head piece's map `head` ([HV, K, V + K]), else [start | I], else
+    None ([0 | I], which the kernel makes itself); out an empty [HV, K, width] fp32 on the rank's device."""
+    width = _exchange_width(cfg.ctx, cfg.K, cfg.V)
+    init = None
     if head is not None:
         assert head.dtype == torch.float32
-        return head[..., :width].contiguous()
-    if start is not None:
+        init = head[..., :width].contiguous()
+    elif start is not None:
         init = torch.cat([start.to(torch.float32), _identity_block(cfg).to(torch.float32)], dim=-1)
-        return init[..., :width].contiguous()
-    return None
+        init = init[..., :width].contiguous()
+    return width, init, torch.empty((cfg.HV, cfg.K, width), dtype=torch.float32, device=cfg.device)
 
 
 class _PreparedForward(NamedTuple):
@@ -645,15 +646,26 @@ def _first_segment_maps(cfg: _Cfg, xs, prepared: Optional[_PreparedForward], loc
     cut = _cut_bounds(cfg, local_descs, 0, pad)
     if cut is None:
         return None
-    f0, f1 = cfg.ctx.cu_seqlens_list[0], cfg.ctx.cu_seqlens_list[1]
-    run = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, None, bounds=bd, staged=staged)  # noqa: E731
-    if prepared is None:
-        X = run(_split(xs, f0, f1), cut, None)
-    else:
-        X = _local_piece_maps(cfg, prepared, 0, len(cut) - 1 - (1 if pad else 0))
-        if pad:  # the head piece [0, pad) is a problem of its own, as in the local forward
-            X = torch.cat([run(_split(xs, 0, pad), [0, pad], None), X])
+    X = _cut_piece_maps(cfg, xs, prepared, 0, cut, pad)
     return _PieceMaps(cut, X[..., cfg.V:].contiguous())
+
+
+def _head_piece_map(cfg: _Cfg, xs, pad: int) -> torch.Tensor:
+    """The head piece [0, pad)'s [H | M] from [0 | I], [1, HV, K, V + K] fp32: a problem of its own, as in
+    the local forward (_grid_pad)."""
+    return _augmented_forward_pieces(cfg, *_split(xs, 0, pad), None, bounds=[0, pad], staged=None)
+
+
+def _cut_piece_maps(cfg: _Cfg, xs, prepared: Optional[_PreparedForward], n: int, cut, pad: int) -> torch.Tensor:
+    """Every piece's [H_p | M_p] from [0 | I] on the local forward's cut of local segment n (_cut_bounds; pad:
+    the head piece's length, 0 unless n is the first segment), [P, HV, K, V + K] fp32: copied from the
+    prepared forward's pass 1 (the head piece run on its own), or without one run here on the same pieces
+    (the same kernel: the same bits)."""
+    if prepared is None:
+        s0, s1 = cfg.ctx.cu_seqlens_list[n], cfg.ctx.cu_seqlens_list[n + 1]
+        return _augmented_forward_pieces(cfg, *_split(xs, s0, s1), None, bounds=cut, staged=None)
+    X = _local_piece_maps(cfg, prepared, n, len(cut) - 1 - (1 if pad else 0))
+    return torch.cat([_head_piece_map(cfg, xs, pad), X]) if pad else X
 
 
 def _composed_local_maps(cfg: _Cfg, prepared: _PreparedForward, head: Optional[torch.Tensor],
@@ -662,9 +674,7 @@ def _composed_local_maps(cfg: _Cfg, prepared: _PreparedForward, head: Optional[t
     forward_composed_map), [HV, K, width] fp32 with width the exchange's (_exchange_width): [H | M], or the
     offset alone. Entered with the head piece's map `head` ([HV, K, V + K], when the segment has one), else
     with [start | I] (start: the sequence's initial state when it starts here), else with [0 | I]."""
-    width = _exchange_width(cfg.ctx, cfg.K, cfg.V)
-    init = _compose_init(cfg, head, start, width)
-    out = torch.empty((cfg.HV, cfg.K, width), dtype=torch.float32, device=cfg.device)
+    width, init, out = _composition_io(cfg, head, start)
     with torch.cuda.device(cfg.device):  # on the prepared forward's stream
         _core.staged_forward_composed_map(prepared.handle, cfg.ctx.num_local_seqs - 1,
                                           0 if init is None else init.data_ptr(), out.data_ptr(), width, out.numel())
@@ -705,17 +715,11 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Op
         # The local forward's own cut: its pieces' maps from [0 | I], composed from [start | I] in one kernel.
         if pad and start is not None:
             raise ValueError("deltacp: internal: a head piece in a segment that starts its sequence")
-        run0 = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, None, bounds=bd,  # noqa: E731
-                                                                staged=staged)
         if prepared is not None and not keep_maps:  # the local forward's pass 1 (finish reuses it): one launch
-            head = run0(_split(xs, 0, pad), [0, pad], None)[0] if pad else None  # the head piece, on its own
+            head = _head_piece_map(cfg, xs, pad)[0] if pad else None
             return _composed_local_maps(cfg, prepared, head, start)
-        if prepared is not None:  # the same maps, copied, since the backward keeps their transitions
-            X = _local_piece_maps(cfg, prepared, ctx.num_local_seqs - 1, len(cut) - 1 - (1 if pad else 0))
-            if pad:
-                X = torch.cat([run0(_split(xs, 0, pad), [0, pad], None), X])
-        else:  # the one-shot local forward: the same pieces run here (the same kernel: the same bits)
-            X = run0(span, cut, None)
+        # The same maps, copied since the backward keeps their transitions (or run, for a one-shot forward).
+        X = _cut_piece_maps(cfg, xs, prepared, ctx.num_local_seqs - 1, cut, pad)
         if keep_maps:
             maps.append(_PieceMaps(cut, X[..., cfg.V:].clone()))
         return _compose_cut_maps(cfg, X, start, head=bool(pad))
