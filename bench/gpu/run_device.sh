@@ -4,7 +4,8 @@
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
 #                                            cpbench (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
-#            (the bench only when cpbench is not asked for too)
+#            (the bench only when cpbench is not asked for too); on one GPU the checks run as 2 ranks
+#            sharing it over gloo, without the examples and the bench
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
 #   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt,
 #            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
@@ -109,7 +110,7 @@ if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
   mkdir -p /tmp/cpout
   OUT=/tmp/cpout NPROC=$(nvidia-smi -L | grep -c '^GPU') bash distributed/tests/run_gpu_cp.sh >"$OUT/cp_gpu.log" 2>&1
   say "cp (gpu): rc=$? in $(( $(date +%s) - t0 )) s"
-  if ! has cpbench; then  # cpbench runs the same bench with its arguments and traces
+  if ! has cpbench && [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ]; then  # cpbench: the same bench, with traces
     t0=$(date +%s)
     timeout 300 python3 -m torch.distributed.run --standalone --nproc_per_node=$(nvidia-smi -L | grep -c '^GPU') \
       bench/cp/bench_cp.py --profile ${DELTACP_CP_BENCH_ARGS:-} --json "$OUT/bench_cp.json" >"$OUT/bench_cp.log" 2>&1

@@ -10,6 +10,9 @@ check: (1) the CP pre-pass kernels ([H | M], [dH | M^T]) against the CPU referen
        every rank, many short sequences, cuts inside a chunk, T not divisible by the chunk; (3) bitwise
        identical results run to run, and with the staged local kernels (DELTACP_CP_STAGED) on and off; (4) mismatched cu_seqlens -> the same ValueError on every rank,
        and ranks calling with different shapes -> the same ValueError naming q on every rank.
+--shared-gpu: every rank on GPU 0, exchanging over gloo (CUDA tensors, no deltacp NCCL communicator): the
+       CP ops' GPU path (staged local kernels, the cut's piece maps, the composition, the merge) checked
+       on a machine with one GPU; the communicator itself (timeouts, abort) is then not exercised.
 sleep / exit: rank 1 stalls (or exits) in its pre-pass, before the all-gather; every other
        rank must raise within the context's timeout (10 s) instead of hanging or crashing, and a second
        call on the same context must raise at once (the communicator is dead for good) naming the
@@ -40,6 +43,7 @@ from deltacp.cp import ops as cp_ops
 
 TOL = {"float32": 1e-5, "bfloat16": {"gdn": 3e-3, "kda": 8e-3, "dplr": 8e-3, "delta": 8e-3}}
 FAULT_TIMEOUT_S = 10.0
+USE_NCCL = None  # build_context's use_nccl: None (deltacp's NCCL communicator when built), False with --shared-gpu
 
 
 def rel(a, b):
@@ -169,7 +173,7 @@ def check_cp(device, world, report):
             if hopper_shape:
                 H, HV, K, V = 16, 16, 128, 128
             cu, x, do, dht = inputs(variant, seqlens, H, HV, K, V, dtype, device, seed=7, states=states)
-            ctx = cp.build_context(torch.tensor(cu), device=device, timeout=60)
+            ctx = cp.build_context(torch.tensor(cu), device=device, timeout=60, use_nccl=USE_NCCL)
 
             def cp_run():
                 loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone().requires_grad_()
@@ -237,7 +241,7 @@ def check_cp(device, world, report):
     # mismatched cu_seqlens: the same ValueError naming cu_seqlens on every rank
     cu_bad = [0, 64 * world] if dist.get_rank() == 0 else [0, 32, 64 * world]
     try:
-        cp.build_context(torch.tensor(cu_bad), device=device, timeout=30)
+        cp.build_context(torch.tensor(cu_bad), device=device, timeout=30, use_nccl=USE_NCCL)
         report["mismatch"] = dict(raised=None, ok=False)
     except ValueError as exc:
         report["mismatch"] = dict(raised="ValueError", message=str(exc), ok="'cu_seqlens'" in str(exc))
@@ -245,7 +249,7 @@ def check_cp(device, world, report):
     # ranks that disagree on a call's shapes (here the number of query heads): the fingerprint check of
     # that call raises the same ValueError naming q on every rank, before anything is exchanged
     T_call = 128 * world
-    ctx = cp.build_context(torch.tensor([0, T_call]), device=device, timeout=30)
+    ctx = cp.build_context(torch.tensor([0, T_call]), device=device, timeout=30, use_nccl=USE_NCCL)
     H_call = 4 if dist.get_rank() == 0 else 2
     _, x, _, _ = inputs("gdn", [T_call], H_call, 8, 64, 64, torch.bfloat16, device, seed=3, states=False)
     loc = {n: cp.split_even(t, ctx) for n, t in x.items()}
@@ -262,7 +266,7 @@ def check_cp(device, world, report):
 def fault(mode, device, world, report):
     rank = dist.get_rank()
     cu, x, do, dht = inputs("gdn", [100, 2048 * world - 100], 4, 4, 64, 64, torch.bfloat16, device)
-    ctx = cp.build_context(torch.tensor(cu), device=device, timeout=FAULT_TIMEOUT_S)
+    ctx = cp.build_context(torch.tensor(cu), device=device, timeout=FAULT_TIMEOUT_S, use_nccl=USE_NCCL)
     if rank == 1:
         original = cp_ops._prepass_forward
 
@@ -311,15 +315,24 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("check", "sleep", "exit"))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="every rank on GPU 0, exchanging over gloo (a machine with one GPU: NCCL refuses two ranks "
+                        "on one device)")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    global USE_NCCL
+    local = 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120), device_id=device)
+    if args.shared_gpu:
+        USE_NCCL = False
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    else:
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120), device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     from deltacp.cp import nccl_backend
 
-    report = {"mode": args.mode, "rank": rank, "world": world, "device": torch.cuda.get_device_name(device)}
+    report = {"mode": args.mode, "rank": rank, "world": world, "device": torch.cuda.get_device_name(device),
+              "shared_gpu": args.shared_gpu}
 
     report["nccl_module"] = nccl_backend.available()
     ok = False

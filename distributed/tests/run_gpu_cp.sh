@@ -11,12 +11,19 @@
 #    (and with the state scan cut into 128-token pieces    -> cut/cp_gpu_check_rank*.json)
 # 3. faults: a rank that sleeps / exits mid-exchange       -> cp_gpu_sleep_rank*.json, cp_gpu_exit_rank*.json
 # 4. the torchrun examples on GPUs (tables)                -> cp_examples.txt
+# On a machine with one GPU (NPROC=1, or NGPU < 2) steps 2 and 3 run as 2 ranks sharing GPU 0 over gloo
+# (gpu_cp_check.py --shared-gpu: the CP ops' GPU path, not deltacp's NCCL communicator) and 4 is skipped.
 # Exit status non-zero when any step fails; every step runs regardless.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/cp_gpu_out}
 mkdir -p "$OUT"
 NPROC=${NPROC:-2}
+SHARED=()
+if [ "$NPROC" -lt 2 ]; then  # NCCL refuses two ranks on one device: gloo, both ranks on GPU 0
+  NPROC=2; SHARED=(--shared-gpu)
+  echo "one GPU: the checks run as 2 ranks sharing GPU 0 over gloo; the NCCL communicator and the examples are not run"
+fi
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
 status=0
 PY=${PYTHON:-python3}  # the interpreter that has torch (a bare `python` may be another one)
@@ -37,18 +44,18 @@ fi
 [ "${DELTACP_CP_SKIP_HOST:-0}" = 1 ] || step host_body bash -c "cmake -S . -B build-cp-gpu -G Ninja -DDELTACP_BUILD_BENCH=OFF > /dev/null && \
   cmake --build build-cp-gpu --target deltacp_cp_body_host_test && ./build-cp-gpu/distributed/deltacp_cp_body_host_test"
 
-step check timeout 900 torchrun --nproc_per_node="$NPROC" --master_port=29631 distributed/tests/gpu_cp_check.py check --out "$OUT"
+step check timeout 900 torchrun --nproc_per_node="$NPROC" --master_port=29631 distributed/tests/gpu_cp_check.py check "${SHARED[@]}" --out "$OUT"
 # Again with the local tiled forward's state scan cut into pieces of 128 tokens wherever a sequence is longer
 # (cuda/tiled/scan_split.cu; by default only long sequences on a narrow grid are cut): the CP pre-pass then
 # takes its pieces from the local forward's pass 1, and must still equal one GPU and the one-shot path.
 step check_cut env DELTACP_TILED_SCAN_PIECE=128 timeout 900 torchrun --nproc_per_node="$NPROC" --master_port=29635 \
-  distributed/tests/gpu_cp_check.py check --out "$OUT/cut"
+  distributed/tests/gpu_cp_check.py check "${SHARED[@]}" --out "$OUT/cut"
 # NCCL's own view of the faults goes to the logs (warnings only).
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-step fault_sleep timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29632 distributed/tests/gpu_cp_check.py sleep --out "$OUT"
-step fault_exit timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29633 distributed/tests/gpu_cp_check.py exit --out "$OUT"
+step fault_sleep timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29632 distributed/tests/gpu_cp_check.py sleep "${SHARED[@]}" --out "$OUT"
+step fault_exit timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29633 distributed/tests/gpu_cp_check.py exit "${SHARED[@]}" --out "$OUT"
 
-for args in "gdn_cp --dtype bfloat16" "gdn_cp --dtype float32" "kda_cp --dtype bfloat16" \
+[ ${#SHARED[@]} -eq 0 ] && for args in "gdn_cp --dtype bfloat16" "gdn_cp --dtype float32" "kda_cp --dtype bfloat16" \
             "gdn_cp --dtype bfloat16 --seqlens 32768,32768 --heads 16 --head-dim 128 --no-initial-state"; do
   name=example_$(echo "$args" | tr ' ,-' '___' | tr -s _)
   step "$name" timeout 600 torchrun --nproc_per_node="$NPROC" --master_port=29634 -m deltacp.examples.$args --device cuda
