@@ -100,6 +100,7 @@ PYBIND11_MODULE(_cp_nccl, m) {
   py::register_exception<Error>(m, "Error", PyExc_ValueError);
   py::register_exception<dist::CommTimeout>(m, "CommTimeout", PyExc_RuntimeError);
   py::register_exception<dist::CommDead>(m, "CommDead", PyExc_RuntimeError);
+  py::register_exception<dist::CommBusy>(m, "CommBusy", PyExc_RuntimeError);
 
   m.def("unique_id", [] { return py::bytes(dist::nccl_unique_id()); }, "A new ncclUniqueId as bytes (on rank 0).");
 

@@ -474,6 +474,7 @@ std::exception_ptr NcclComm::join_watchdog() {
 }
 
 void NcclComm::wait(void* stream, const std::string& what) {
+  const OneCaller one(caller_, what);
   if (dead_.load()) throw_dead(what);
   DeviceGuard guard(device_);
   cudaEvent_t done = nullptr;
@@ -491,6 +492,7 @@ void NcclComm::wait(void* stream, const std::string& what) {
 void NcclComm::all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait_done) {
   const ncclDataType_t type = nccl_type(dtype);  // bad arguments: deltacp::Error, nothing enqueued
   const std::string what = "the all-gather of the CP states";
+  const OneCaller one(caller_, what);
   // A previous unconfirmed all-gather (its caller raised before confirm) is waited for first.
   (void)join_watchdog();
   if (dead_.load()) throw_dead(what);
@@ -514,6 +516,7 @@ void NcclComm::all_gather(const void* send, void* recv, size_t count, int dtype,
 }
 
 void NcclComm::confirm(const std::string& what) {
+  const OneCaller one(caller_, what);
   if (!watchdog_.joinable() && !watch_error_) {  // nothing in flight (wait = true, or already confirmed)
     if (dead_.load()) throw_dead(what);
     return;
@@ -523,6 +526,7 @@ void NcclComm::confirm(const std::string& what) {
 
 void NcclComm::start_max_i64(const std::vector<int64_t>& values) {
   const std::string what = "the fingerprint all-reduce";
+  const OneCaller one(caller_, what);
   DELTACP_CHECK(!values.empty() && values.size() <= kMaxCheckValues, "values", "expected 1 to ", kMaxCheckValues,
                 " values, got ", values.size());
   if (dead_.load()) throw_dead(what);
@@ -553,6 +557,7 @@ void NcclComm::start_max_i64(const std::vector<int64_t>& values) {
 }
 
 std::vector<int64_t> NcclComm::finish_max_i64(const std::string& what) {
+  const OneCaller one(caller_, what);
   DELTACP_CHECK(check_count_ > 0, "values", "expected a started fingerprint check (start_max_i64)");
   const size_t n = check_count_;
   check_count_ = 0;

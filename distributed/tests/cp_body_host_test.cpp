@@ -4,6 +4,7 @@
 //   forward pre-pass  [X_H | X_M]  == [M start + H | M]        (ref::span_affine)
 //   backward pre-pass [Y_dH | Y_Mt] == [Mt dend + dH | Mt]     (ref::span_affine_backward)
 //   merge             fold S <- A_j S + B_j                     (a direct Eigen fold)
+//   OneCaller         NcclComm's one-thread-at-a-time guard (cp.h): a second thread gets CommBusy
 //
 // for gdn, kda, delta and dplr, spans shorter than, equal to and longer than a chunk, grouped value
 // heads, and column tiles that do not divide V + K. The kernels in cp_kernels.cu run exactly these
@@ -13,8 +14,11 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include "deltacp/distributed/cp.h"
 #include "deltacp/distributed/cp_body.h"
 #include "deltacp/reference/affine.h"
 
@@ -279,6 +283,41 @@ void run_merge() {
 
 }  // namespace
 
+// NcclComm's guard (cp.h OneCaller): while one thread is inside a call, another thread's call throws
+// CommBusy naming that call; a nested call of the same thread passes and releases nothing; once the
+// outer call returns, another thread gets in.
+void run_one_caller() {
+  std::atomic<std::thread::id> caller{};
+  bool ok = true;
+  std::string raised;
+  {
+    const dist::OneCaller outer(caller, "the outer call");
+    { const dist::OneCaller nested(caller, "a nested call"); }
+    ok &= caller.load() == std::this_thread::get_id();  // the nested guard left it held
+    std::thread other([&] {
+      try {
+        const dist::OneCaller second(caller, "the all-gather of the CP states");
+      } catch (const dist::CommBusy& e) {
+        raised = e.what();
+      }
+    });
+    other.join();
+    ok &= raised.find("the all-gather of the CP states") != std::string::npos &&
+          raised.find("another thread") != std::string::npos;
+    ok &= caller.load() == std::this_thread::get_id();  // the refused call took nothing
+  }
+  ok &= caller.load() == std::thread::id{};
+  bool entered = false;
+  std::thread later([&] {
+    const dist::OneCaller again(caller, "a later call");
+    entered = true;
+  });
+  later.join();
+  ok &= entered && caller.load() == std::thread::id{};
+  std::printf("%s one caller at a time: refused with \"%s\"\n", ok ? "ok  " : "FAIL", raised.c_str());
+  if (!ok) ++failures;
+}
+
 int main() {
   const struct {
     int variant;
@@ -291,6 +330,7 @@ int main() {
     if (v.variant != dist::kDelta) run_case_fp32_gate(v.variant, v.name);
   }
   run_merge();
+  run_one_caller();
   std::printf("%s: %d failure(s)\n", failures ? "FAIL" : "OK", failures);
   return failures ? 1 : 0;
 }

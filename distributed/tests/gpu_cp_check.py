@@ -9,7 +9,8 @@ check: (1) the CP pre-pass kernels ([H | M], [dH | M^T]) against the CPU referen
        bf16 3e-3 (gdn) / 8e-3 (kda, dplr, delta), relative per tensor; shapes: a sequence spanning
        every rank, many short sequences, cuts inside a chunk, T not divisible by the chunk; (3) bitwise
        identical results run to run, and with the staged local kernels (DELTACP_CP_STAGED) on and off; (4) mismatched cu_seqlens -> the same ValueError on every rank,
-       and ranks calling with different shapes -> the same ValueError naming q on every rank.
+       and ranks calling with different shapes -> the same ValueError naming q on every rank; (5) a second
+       thread calling the communicator while a first waits inside a call -> a RuntimeError saying so.
 --shared-gpu: every rank on GPU 0, exchanging over gloo (CUDA tensors, no deltacp NCCL communicator): the
        CP ops' GPU path (staged local kernels, the cut's piece maps, the composition, the merge) checked
        on a machine with one GPU; the communicator itself (timeouts, abort) is then not exercised.
@@ -29,6 +30,7 @@ import faulthandler
 import json
 import os
 import sys
+import threading
 import time
 
 faulthandler.enable(all_threads=True)  # a SIGSEGV / SIGABRT prints the Python stacks to stderr
@@ -263,6 +265,46 @@ def check_cp(device, world, report):
     return ok_all
 
 
+def check_one_caller(device, world, report):
+    """One thread at a time per communicator (cp.h OneCaller): while a thread of rank 0 waits inside an
+    all-gather (rank 1 joins it 3 s late), a second thread's call raises a RuntimeError saying so, the first
+    call completes, and the context works afterwards."""
+    from deltacp.cp import nccl_backend
+
+    rank = dist.get_rank()
+    ctx = cp.build_context(torch.tensor([0, 128 * world]), device=device, timeout=60, use_nccl=USE_NCCL)
+    if ctx.nccl is None:
+        report["one_caller"] = dict(skipped="no deltacp NCCL communicator", ok=True)
+        return True
+    x = torch.full((1024,), float(rank + 1), device=device)
+    row = {}
+    if rank == 0:
+        def first():
+            try:
+                row["first"] = nccl_backend.all_gather(ctx, x, "the first thread's all-gather")[:, 0].tolist()
+            except Exception as exc:  # noqa: BLE001
+                row["first"] = repr(exc)
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        time.sleep(1.0)  # the first thread now waits inside the all-gather for rank 1
+        try:
+            nccl_backend.all_gather(ctx, x, "the second thread's all-gather")
+            row["second"] = None
+        except RuntimeError as exc:
+            row["second"] = str(exc)
+        thread.join()
+    else:
+        time.sleep(3.0)
+        row["first"] = nccl_backend.all_gather(ctx, x, "the first all-gather")[:, 0].tolist()
+    row["after"] = nccl_backend.all_gather(ctx, x, "an all-gather afterwards")[:, 0].tolist()
+    expected = [float(r + 1) for r in range(world)]
+    row["ok"] = (row["first"] == expected and row["after"] == expected and not ctx.nccl.aborted
+                 and (rank != 0 or "another thread" in (row["second"] or "")))
+    report["one_caller"] = row
+    return row["ok"]
+
+
 def fault(mode, device, world, report):
     rank = dist.get_rank()
     cu, x, do, dht = inputs("gdn", [100, 2048 * world - 100], 4, 4, 64, 64, torch.bfloat16, device)
@@ -340,6 +382,7 @@ def main():
         if args.mode == "check":
             ok = check_prepass(device, report) if nccl_backend.available() else True
             ok = check_cp(device, world, report) and ok
+            ok = check_one_caller(device, world, report) and ok
         else:
             ok = fault(args.mode, device, world, report)
     except Exception as exc:  # noqa: BLE001

@@ -10,7 +10,8 @@ process group instead. What it adds:
     context's timeout and shuts the communicator down for good on a stall or an error
     (CPTimeoutError / RuntimeError on every healthy rank, raised before any further CUDA work);
     every later call on that context raises a RuntimeError naming the first failure (the context
-    must be rebuilt). The buffers of a failed collective are kept alive until the process exits so
+    must be rebuilt). One thread at a time per context: a call while another thread is inside one
+    raises a RuntimeError saying so (and changes nothing). The buffers of a failed collective are kept alive until the process exits so
     that torch never hands memory that NCCL might still write to another tensor;
   * the CP pre-pass kernels ([H | M] of the last local segment, [dH | M^T] of the first) and the
     merge kernel, launched on torch's current stream.
@@ -52,6 +53,8 @@ _QUARANTINE = []
 
 
 def _translate(exc: Exception, what: str, *buffers):
+    if _cp_nccl is not None and isinstance(exc, _cp_nccl.CommBusy):  # refused before anything was enqueued
+        return RuntimeError(str(exc))
     if _cp_nccl is not None and isinstance(exc, (_cp_nccl.CommTimeout, _cp_nccl.CommDead)):
         _QUARANTINE.extend(b for b in buffers if b is not None)
         if isinstance(exc, _cp_nccl.CommTimeout):

@@ -51,6 +51,42 @@ class CommDead : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A second thread called the communicator while another thread was inside a call on it (one thread at a
+// time per communicator, NcclComm below). Nothing was enqueued; the communicator is unharmed.
+class CommBusy : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+// The guard of NcclComm's "one thread at a time": held by the thread inside a call (`caller` holds its id,
+// a default id when none), released when that call returns. A call of another thread meanwhile throws
+// CommBusy naming `what`; a nested call of the same thread (start_max_i64 -> finish_max_i64) passes.
+// Without it two threads (the GIL is released inside every call) would race on the watchdog, the events
+// and the check buffers. distributed/tests/cp_body_host_test.cpp checks it on the host.
+class OneCaller {
+ public:
+  OneCaller(std::atomic<std::thread::id>& caller, const std::string& what) : caller_(caller) {
+    const std::thread::id me = std::this_thread::get_id();
+    std::thread::id none{};
+    if (caller_.compare_exchange_strong(none, me)) {
+      owner_ = true;
+      return;
+    }
+    if (none == me) return;  // nested: the outer call releases it
+    throw CommBusy("deltacp: " + what + ": another thread is inside a call on the same CP communicator; call "
+                   "one CP context from one thread at a time (or build a context per thread)");
+  }
+  ~OneCaller() {
+    if (owner_) caller_.store(std::thread::id{});
+  }
+  OneCaller(const OneCaller&) = delete;
+  OneCaller& operator=(const OneCaller&) = delete;
+
+ private:
+  std::atomic<std::thread::id>& caller_;
+  bool owner_ = false;
+};
+
 // The ncclUniqueId as raw bytes (rank 0 makes it; the others receive it, e.g. through torch.distributed).
 std::string nccl_unique_id();
 
@@ -100,8 +136,9 @@ class NcclComm {
   // waits (polling, with the timeout) until the collective has completed; with wait = false later
   // work on `stream` is ordered after it instead.
   void all_gather(const void* send, void* recv, size_t count, int dtype, void* stream, bool wait = true);
-  // One thread at a time per communicator (the CP ops call it from the autograd thread): the watchdog
-  // below belongs to the last all_gather(wait = false).
+  // One thread at a time per communicator (the CP ops call it from the forward's and the autograd thread,
+  // one after the other): the watchdog below belongs to the last all_gather(wait = false). A call from a
+  // second thread while one is inside a call throws CommBusy (OneCaller), before anything is enqueued.
   // After all_gather(wait = false): waits until that collective has completed and rethrows its failure.
   // The CP ops enqueue the work that reads the gathered buffer first, so the GPU never idles between the
   // collective and that work, and confirm before returning. The wait itself runs in a watchdog thread
@@ -157,6 +194,7 @@ class NcclComm {
   // Joins the watchdog of the last all_gather(wait = false) and returns its failure (null if none).
   std::exception_ptr join_watchdog();
 
+  std::atomic<std::thread::id> caller_{};  // the thread inside a public call (OneCaller); default id: none
   mutable std::mutex mu_;          // serialises every NCCL call on comm_ and the alive -> dead step
   std::atomic<bool> dead_{false};
   std::string failure_;            // guarded by mu_
