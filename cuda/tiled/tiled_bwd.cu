@@ -53,8 +53,10 @@
 // 17.9 ms of kernels (FLA 4.08 ms; docs/perf.md): bwd_dqkg 6.3 ms, bwd_decay 3.5, bwd_wy 3.0, the
 // forward's two scans 1.0, bwd_dh_scan 0.94 (was 12.0 ms, ~47 us per chunk step, before it kept dS
 // in registers and double-buffered its tiles: bwd_dh_scan.cuh), chunk_wy 0.9, bwd_dv_local 0.9,
-// reduce 0.6. The per-chunk stages B2-B4 are next: they accumulate in fp32 shared memory through
-// element-wise epilogues and load tiles element by element.
+// reduce 0.6. Session 10 (2026-11-23, H100): bwd_dqkg accumulates in registers and loads its tiles by
+// cp.async (bwd_dqkg.cuh): 7.07 -> 1.53 ms under Nsight Compute at (1, 32768, 16, 128); forward + backward
+// 12.98 ms at (2, 16384, 16, 128) on H100. B3 and B4 are next: they still accumulate in fp32 shared memory
+// through element-wise epilogues and load tiles element by element.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -165,10 +167,18 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
   if (a.dh0_only || which == Stages::dh_scan_only) return;  // B2-B5 make the input gradients
   if (NC > 0) {
     {
-      constexpr DqkgSmem<Op, KP> L{};
-      auto k = bwd_dqkg_kernel<Op, KP, PERKEY>;
-      prepare(k, L.total, "dq/dk/dg");
-      k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      // Two stages of V tiles where they fit (sm_90: every shape; sm_80: not kda at K > 64), else one.
+      constexpr DqkgSmem<Op, KP, PERKEY, 1> L1{};
+      constexpr DqkgSmem<Op, KP, PERKEY, 2> L2{};
+      if (L2.total <= static_cast<size_t>(max_smem_optin())) {
+        auto k = bwd_dqkg_kernel<Op, KP, PERKEY, 2>;
+        prepare(k, L2.total, "dq/dk/dg");
+        k<<<chunk_grid, kThreads, L2.total, stream>>>(a);
+      } else {
+        auto k = bwd_dqkg_kernel<Op, KP, PERKEY, 1>;
+        prepare(k, L1.total, "dq/dk/dg");
+        k<<<chunk_grid, kThreads, L1.total, stream>>>(a);
+      }
       DELTACP_CUDA_CHECK_LAUNCH();
     }
     {

@@ -111,6 +111,11 @@ std::vector<Shape> shapes() {
   odd.strided = true;
   odd.all_tiers = false;
   v.push_back(odd);
+  // Odd K and V on every tier: the tiled kernels' unaligned paths (no 16-byte copies of padded rows, K not a
+  // multiple of 2 in the backward's paired stores), an empty sequence, chunks cut short.
+  Shape odd_tiled = varlen("K99_V33_strided", {45, 0, 30, 70}, 2, 2, 99, 33);
+  odd_tiled.strided = true;
+  v.push_back(odd_tiled);
   Shape gate32 = varlen("varlen_mixed_g_fp32", {1, 63, 64, 65, 130, 7}, 2, 2, 64, 64);
   gate32.g_fp32 = true;
   v.push_back(gate32);
