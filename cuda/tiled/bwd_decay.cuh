@@ -10,50 +10,58 @@
 //                                                 dk += Yc,          dG -= k * Yc
 //
 // (the k_i and G_i sides of each product, and the k_j and G_j sides; DESIGN.md section 3.)
-//   gdn / delta: E_ij is one scalar per (i, j): the products are four tensor-core GEMMs on the
-//                decayed 64 x 64 matrices dP o E, dA o E, diag(beta) dA o E.
-//   kda:         E depends on d: each (row, key column) sums over the chunk element by element.
 // Finally, per token: dbeta = (stage B3's part) + k . Yr, and dg = reverse cumulative sum over the
 // chunk of dG (G_i = g_1 + ... + g_i), summed over d first for gdn's scalar gate.
-// One CTA per (chunk, value head), 256 threads.
-// Measured: not yet (no GPU timing recorded; see tiled_bwd.cu).
+//
+//   gdn / delta (bwd_decay_scalar_kernel): E_ij is one scalar per (i, j), so the products are tensor-core
+//     GEMMs on the decayed 64 x 64 matrices dP o E, dA o E, diag(beta) dA o E: Yq, Yr and Yc (two
+//     products) accumulate in registers (warp w: rows 16 (w % 4), half w / 4 of the key columns), and one
+//     epilogue adds all three to the workspaces and sums each row's k . Yr and final dG (for dbeta and
+//     dg) from the registers. dP, dA, q, k come by cp.async. One CTA of 8 warps per (chunk, value head).
+//   kda (bwd_decay_kernel): E depends on d: each (row, key column) sums over the chunk element by
+//     element (FLA factorises it into sub-chunks on the tensor cores; not done here).
+// Measured: with this stage and B3 rebuilt, forward + backward on H100 (bf16 GDN) went from 12.98 to
+// 9.50 ms at (2, 16384, 16, 128) (docs/perf.md, session 10). The previous gdn path (four block GEMMs, each
+// with a read-modify-write epilogue, and a serial per-row sum of dG read back from global memory) took
+// 3.44 ms at (1, 32768, 16, 128) on H200 (session 8's profile).
 #pragma once
 
 #include "bwd_common.cuh"
 
 namespace deltacp::cuda::tiled::bwd {
 
-template <class Op, int KP, bool PERKEY>
-struct DecaySmem {
-  static constexpr int PA = kRows + 1, PF = KP + 1;                       // fp32 tiles
-  static constexpr int P64 = pitch_of<Op>(kRows), PK = pitch_of<Op>(KP);  // operand tiles
-  // gdn / delta: Mp = dP o E, Ma = dA o E, Mb = diag(beta) Ma (operands), K, Q (operands), kYr (fp32).
-  // kda: dP, dA, dB = diag(beta) dA (fp32), q, k, G (fp32), per-warp partial sums of k . Yr.
-  size_t m0 = 0, m1 = 0, m2 = 0, x0 = 0, x1 = 0, x2 = 0, G = 0, beta = 0, rowsum = 0, total = 0;
-  __host__ __device__ constexpr DecaySmem() {
+// ---- kda: per key column, element by element -----------------------------------------------------
+template <class Op, int KP>
+struct DecayKdaSmem {
+  static constexpr int PA = kRows + 1, PF = KP + 1;  // fp32 tiles (odd pitches: column walks hit 32 banks)
+  // dP, dA, dB = diag(beta) dA, q, k, G (fp32), per-warp partial sums of k . Yr.
+  size_t dP = 0, dA = 0, dB = 0, q = 0, k = 0, G = 0, beta = 0, rowsum = 0, total = 0;
+  __host__ __device__ constexpr DecayKdaSmem() {
     Carve c;
-    const size_t mat = PERKEY ? sizeof(float) * kRows * PA : sizeof(Op) * kRows * P64;
-    const size_t key = PERKEY ? sizeof(float) * kRows * PF : sizeof(Op) * kRows * PK;
-    m0 = c.take(mat);
-    m1 = c.take(mat);
-    m2 = c.take(mat);
-    x0 = c.take(key);
-    x1 = c.take(key);
-    x2 = c.take(PERKEY ? key : sizeof(float) * kRows * PF);
-    G = c.take(sizeof(float) * kRows);
+    dP = c.take(sizeof(float) * kRows * PA);
+    dA = c.take(sizeof(float) * kRows * PA);
+    dB = c.take(sizeof(float) * kRows * PA);
+    q = c.take(sizeof(float) * kRows * PF);
+    k = c.take(sizeof(float) * kRows * PF);
+    G = c.take(sizeof(float) * kRows * PF);
     beta = c.take(sizeof(float) * kRows);
     rowsum = c.take(sizeof(float) * kRows * (KP / 32));
     total = c.off;
   }
 };
 
-template <class Op, int KP, bool PERKEY>
-__global__ void __launch_bounds__(kThreads) bwd_decay_kernel(const Args a) {
-  constexpr DecaySmem<Op, KP, PERKEY> L{};
-  constexpr int PA = L.PA, PF = L.PF, P64 = L.P64, PK = L.PK;
-  constexpr int kParts = KP / 32;  // warps per key row in the kda loop
+template <class Op, int KP>
+__global__ void __launch_bounds__(kThreads) bwd_decay_kda_kernel(const Args a) {
+  constexpr DecayKdaSmem<Op, KP> L{};
+  constexpr int PA = L.PA, PF = L.PF;
+  constexpr int kParts = KP / 32;  // warps per key row
   extern __shared__ __align__(16) unsigned char smem[];
-  float* Gs = reinterpret_cast<float*>(smem + L.G);  // gdn: G per row
+  float* dPs = reinterpret_cast<float*>(smem + L.dP);
+  float* dAs = reinterpret_cast<float*>(smem + L.dA);
+  float* dBs = reinterpret_cast<float*>(smem + L.dB);
+  float* qs = reinterpret_cast<float*>(smem + L.q);
+  float* ks = reinterpret_cast<float*>(smem + L.k);
+  float* Gk = reinterpret_cast<float*>(smem + L.G);
   float* betas = reinterpret_cast<float*>(smem + L.beta);
   float* rowsum = reinterpret_cast<float*>(smem + L.rowsum);  // [64][kParts]
 
@@ -67,122 +75,49 @@ __global__ void __launch_bounds__(kThreads) bwd_decay_kernel(const Args a) {
   const float* dPg = a.dP + (c * a.HV + hv) * kRows * kRows;
   const float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
 
-  for (int i = tid; i < kRows; i += kThreads) {
+  for (int i = tid; i < kRows; i += kThreads)
     betas[i] = i < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + i, hv)) : 0.f;
-    Gs[i] = (a.gated && !PERKEY) ? G_at(a, false, ch, len, hv, i, 0) : 0.f;
-  }
   for (int e = tid; e < kRows * kParts; e += kThreads) rowsum[e] = 0.f;
   __syncthreads();
-
-  if constexpr (!PERKEY) {
-    Op* Mp = reinterpret_cast<Op*>(smem + L.m0);
-    Op* Ma = reinterpret_cast<Op*>(smem + L.m1);
-    Op* Mb = reinterpret_cast<Op*>(smem + L.m2);
-    Op* Ks = reinterpret_cast<Op*>(smem + L.x0);
-    Op* Qs = reinterpret_cast<Op*>(smem + L.x1);
-    float* kYr = reinterpret_cast<float*>(smem + L.x2);
-    for (int e = tid; e < kRows * kRows; e += kThreads) {
-      const int i = e / kRows, j = e % kRows;
-      // dP, dA are zero outside i >= j; the exponential is only evaluated inside that mask.
-      const float E = (a.gated && i >= j) ? exp_t<Op>(Gs[i] - Gs[j]) : 1.f;
-      const float dp = dPg[e] * E, da = dAg[e] * E;
-      Mp[i * P64 + j] = from_f<Op>(dp);
-      Ma[i * P64 + j] = from_f<Op>(da);
-      Mb[i * P64 + j] = from_f<Op>(betas[i] * da);
+  for (int e = tid; e < kRows * kRows; e += kThreads) {
+    const int i = e / kRows, j = e % kRows;
+    dPs[i * PA + j] = dPg[e];
+    dAs[i * PA + j] = dAg[e];
+    dBs[i * PA + j] = betas[i] * dAg[e];
+  }
+  for (int e = tid; e < kRows * KP; e += kThreads) {
+    const int i = e / KP, d = e % KP;
+    const bool ok = i < len && d < K;
+    qs[i * PF + d] = ok ? to_f(qp[off(a.q, ch.batch, ch.t0 + i, hk) + d]) : 0.f;
+    ks[i * PF + d] = ok ? to_f(kp[off(a.k, ch.batch, ch.t0 + i, hk) + d]) : 0.f;
+    Gk[i * PF + d] = G_at(a, true, ch, len, hv, i, d);  // padding rows repeat the last row; d >= K: 0
+  }
+  __syncthreads();
+  // Thread (row group r, key column d): rows i = r, r + RS, ... below len. A warp shares i
+  // (KP >= 32 consecutive threads per row), so the loop bound is warp-uniform for the shuffles.
+  constexpr int RS = kThreads / KP;
+  const int d = tid % KP, r = tid / KP;
+  for (int i = r; i < len; i += RS) {
+    const float Gi = Gk[i * PF + d];
+    float yq = 0.f, yr = 0.f, ycol = 0.f;
+    for (int j = 0; j <= i; ++j) {  // row i: E_ij^d = e^(G_id - G_jd), j <= i
+      const float kj = ks[j * PF + d] * exp_t<Op>(Gi - Gk[j * PF + d]);
+      yq = fmaf(dPs[i * PA + j], kj, yq);
+      yr = fmaf(dAs[i * PA + j], kj, yr);
     }
-    for (int e = tid; e < kRows * KP; e += kThreads) {
-      const int i = e / KP, d = e % KP;
-      const bool ok = i < len && d < K;
-      Ks[i * PK + d] = ok ? kp[off(a.k, ch.batch, ch.t0 + i, hk) + d] : from_f<Op>(0.f);
-      Qs[i * PK + d] = ok ? qp[off(a.q, ch.batch, ch.t0 + i, hk) + d] : from_f<Op>(0.f);
+    for (int i2 = i; i2 < len; ++i2) {  // column i: E_{i2,i}^d = e^(G_{i2,d} - G_id), i2 >= i
+      const float z = dPs[i2 * PA + i] * qs[i2 * PF + d] + dBs[i2 * PA + i] * ks[i2 * PF + d];
+      ycol = fmaf(z, exp_t<Op>(Gk[i2 * PF + d] - Gi), ycol);
     }
-    __syncthreads();
-    // Yq = (dP o E) K
-    block_gemm<Op, kRows, KP, Lay::rowmajor, Lay::rowmajor>(Mp, P64, Ks, PK, kRows, [&](int i, int d, float y) {
-      if (i < len && d < K) {
-        const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
-        a.dqw[o] += y;
-        if (a.gated) a.dGw[o] += to_f(Qs[i * PK + d]) * y;
-      }
-    });
-    __syncthreads();  // the next product's epilogue may touch the same elements from another thread
-    // Yr = (dA o E) K
-    block_gemm<Op, kRows, KP, Lay::rowmajor, Lay::rowmajor>(Ma, P64, Ks, PK, kRows, [&](int i, int d, float y) {
-      float ky = 0.f;
-      if (i < len && d < K) {
-        const float kv = to_f(Ks[i * PK + d]);
-        const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
-        a.dkw[o] += betas[i] * y;
-        if (a.gated) a.dGw[o] += betas[i] * kv * y;
-        ky = kv * y;
-      }
-      kYr[i * PF + d] = ky;
-    });
-    __syncthreads();
-    // Yc = (dP o E)^T Q + (diag(beta) dA o E)^T K  (A operands: column-major views)
-    auto yc = [&](int j, int d, float y) {
-      if (j < len && d < K) {
-        const int64_t o = ws_row(ch, j, a.HV, hv, a.K) + d;
-        a.dkw[o] += y;
-        if (a.gated) a.dGw[o] -= to_f(Ks[j * PK + d]) * y;
-      }
-    };
-    block_gemm<Op, kRows, KP, Lay::colmajor, Lay::rowmajor>(Mp, P64, Qs, PK, kRows, yc);
-    __syncthreads();
-    block_gemm<Op, kRows, KP, Lay::colmajor, Lay::rowmajor>(Mb, P64, Ks, PK, kRows, yc);
-    __syncthreads();
-    if (tid < kRows) {
-      float s = 0.f;
-      for (int d = 0; d < KP; ++d) s += kYr[tid * PF + d];
-      rowsum[tid * kParts] = s;
+    const float qv = qs[i * PF + d], kv = ks[i * PF + d], b = betas[i];
+    if (d < K) {
+      const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
+      a.dqw[o] += yq;
+      a.dkw[o] += b * yr + ycol;
+      a.dGw[o] += qv * yq + b * kv * yr - kv * ycol;
     }
-  } else {
-    float* dPs = reinterpret_cast<float*>(smem + L.m0);
-    float* dAs = reinterpret_cast<float*>(smem + L.m1);
-    float* dBs = reinterpret_cast<float*>(smem + L.m2);
-    float* qs = reinterpret_cast<float*>(smem + L.x0);
-    float* ks = reinterpret_cast<float*>(smem + L.x1);
-    float* Gk = reinterpret_cast<float*>(smem + L.x2);
-    for (int e = tid; e < kRows * kRows; e += kThreads) {
-      const int i = e / kRows, j = e % kRows;
-      dPs[i * PA + j] = dPg[e];
-      dAs[i * PA + j] = dAg[e];
-      dBs[i * PA + j] = betas[i] * dAg[e];
-    }
-    for (int e = tid; e < kRows * KP; e += kThreads) {
-      const int i = e / KP, d = e % KP;
-      const bool ok = i < len && d < K;
-      qs[i * PF + d] = ok ? to_f(qp[off(a.q, ch.batch, ch.t0 + i, hk) + d]) : 0.f;
-      ks[i * PF + d] = ok ? to_f(kp[off(a.k, ch.batch, ch.t0 + i, hk) + d]) : 0.f;
-      Gk[i * PF + d] = G_at(a, true, ch, len, hv, i, d);  // padding rows repeat the last row; d >= K: 0
-    }
-    __syncthreads();
-    // Thread (row group r, key column d): rows i = r, r + RS, ... below len. A warp shares i
-    // (KP >= 32 consecutive threads per row), so the loop bound is warp-uniform for the shuffles.
-    constexpr int RS = kThreads / KP;
-    const int d = tid % KP, r = tid / KP;
-    for (int i = r; i < len; i += RS) {
-      const float Gi = Gk[i * PF + d];
-      float yq = 0.f, yr = 0.f, ycol = 0.f;
-      for (int j = 0; j <= i; ++j) {  // row i: E_ij^d = e^(G_id - G_jd), j <= i
-        const float kj = ks[j * PF + d] * exp_t<Op>(Gi - Gk[j * PF + d]);
-        yq = fmaf(dPs[i * PA + j], kj, yq);
-        yr = fmaf(dAs[i * PA + j], kj, yr);
-      }
-      for (int i2 = i; i2 < len; ++i2) {  // column i: E_{i2,i}^d = e^(G_{i2,d} - G_id), i2 >= i
-        const float z = dPs[i2 * PA + i] * qs[i2 * PF + d] + dBs[i2 * PA + i] * ks[i2 * PF + d];
-        ycol = fmaf(z, exp_t<Op>(Gk[i2 * PF + d] - Gi), ycol);
-      }
-      const float qv = qs[i * PF + d], kv = ks[i * PF + d], b = betas[i];
-      if (d < K) {
-        const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
-        a.dqw[o] += yq;
-        a.dkw[o] += b * yr + ycol;
-        a.dGw[o] += qv * yq + b * kv * yr - kv * ycol;
-      }
-      const float part = warp_sum(kv * yr);  // kv = 0 for d >= K
-      if ((tid & 31) == 0) rowsum[i * kParts + d / 32] = part;
-    }
+    const float part = warp_sum(kv * yr);  // kv = 0 for d >= K
+    if ((tid & 31) == 0) rowsum[i * kParts + d / 32] = part;
   }
   __syncthreads();
 
@@ -192,30 +127,179 @@ __global__ void __launch_bounds__(kThreads) bwd_decay_kernel(const Args a) {
     for (int p = 0; p < kParts; ++p) s += rowsum[tid * kParts + p];
     st<Op>(a.dbeta, off(a.dbeta, ch.batch, ch.t0 + tid, hv), s);
   }
-  if (!a.gated) return;
   // dg: reverse cumulative sum of dG over the chunk's tokens (G_i = g_1 + ... + g_i, chunk-local).
-  if constexpr (PERKEY) {
-    for (int d = tid; d < K; d += kThreads) {
-      float acc = 0.f;
-      for (int i = len - 1; i >= 0; --i) {
-        acc += a.dGw[ws_row(ch, i, a.HV, hv, a.K) + d];
-        store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + i, hv) + d, acc);
+  for (int d2 = tid; d2 < K; d2 += kThreads) {
+    float acc = 0.f;
+    for (int i = len - 1; i >= 0; --i) {
+      acc += a.dGw[ws_row(ch, i, a.HV, hv, a.K) + d2];
+      store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + i, hv) + d2, acc);
+    }
+  }
+}
+
+// ---- gdn / delta: one decay per (i, j), products on the tensor cores -------------------------------
+template <class Op, int KP>
+struct DecayScalarSmem {
+  static constexpr int PA = kRows + 4;                             // fp32 dP, dA (16-byte rows)
+  static constexpr int P64 = kIs16Bit<Op> ? kRows + 8 : kRows + 4;  // Op 64 x 64 operands
+  static constexpr int PK = kIs16Bit<Op> ? KP + 8 : KP + 4;          // Op q, k
+  size_t dP = 0, dA = 0, Mp = 0, Ma = 0, Mb = 0, q = 0, k = 0, G = 0, beta = 0, part = 0, total = 0;
+  __host__ __device__ constexpr DecayScalarSmem() {
+    Carve c;
+    dP = c.take(sizeof(float) * kRows * PA);
+    dA = c.take(sizeof(float) * kRows * PA);
+    Mp = c.take(sizeof(Op) * kRows * P64);
+    Ma = c.take(sizeof(Op) * kRows * P64);
+    Mb = c.take(sizeof(Op) * kRows * P64);
+    q = c.take(sizeof(Op) * kRows * PK);
+    k = c.take(sizeof(Op) * kRows * PK);
+    G = c.take(sizeof(float) * kRows);
+    beta = c.take(sizeof(float) * kRows);
+    part = c.take(sizeof(float) * 4 * kRows);  // per column half: k . Yr, then dG summed over d
+    total = c.off;
+  }
+};
+
+template <class Op, int KP>
+__global__ void __launch_bounds__(kThreads, 1) bwd_decay_scalar_kernel(const Args a) {
+  constexpr DecayScalarSmem<Op, KP> L{};
+  constexpr int PA = L.PA, P64 = L.P64, PK = L.PK;
+  constexpr int NTK = KP / 16;  // n-tiles of 8 in a warp's half of the key columns
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* dPs = reinterpret_cast<float*>(smem + L.dP);
+  float* dAs = reinterpret_cast<float*>(smem + L.dA);
+  Op* Mp = reinterpret_cast<Op*>(smem + L.Mp);
+  Op* Ma = reinterpret_cast<Op*>(smem + L.Ma);
+  Op* Mb = reinterpret_cast<Op*>(smem + L.Mb);
+  Op* qs = reinterpret_cast<Op*>(smem + L.q);
+  Op* ks = reinterpret_cast<Op*>(smem + L.k);
+  float* Gs = reinterpret_cast<float*>(smem + L.G);
+  float* betas = reinterpret_cast<float*>(smem + L.beta);
+  float* part = reinterpret_cast<float*>(smem + L.part);  // [2][64] k . Yr, [2][64] sum_d dG
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t c = blockIdx.x, hv = blockIdx.y, hk = hv / a.group;
+  const ChunkEntry ch = a.chunks[c];
+  const int len = static_cast<int>(ch.len);
+  const int K = static_cast<int>(a.K);
+
+  // dP, dA (B2, B3; already masked), q, k (rows past len, columns past K zero): one cp.async group.
+  {
+    const float* dPg = a.dP + (c * a.HV + hv) * kRows * kRows;
+    const float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
+    load_tile<float, kThreads>(dPs, PA, dPg, kRows, kRows, kRows, kRows, kRows, vec_ok(dPg, kRows));
+    load_tile<float, kThreads>(dAs, PA, dAg, kRows, kRows, kRows, kRows, kRows, vec_ok(dAg, kRows));
+    const Op* qsrc = static_cast<const Op*>(a.q.ptr) + off(a.q, ch.batch, ch.t0, hk);
+    const Op* ksrc = static_cast<const Op*>(a.k.ptr) + off(a.k, ch.batch, ch.t0, hk);
+    load_tile<Op, kThreads>(qs, PK, qsrc, a.q.stride_t, len, kRows, K, KP, vec_ok(qsrc, a.q.stride_t));
+    load_tile<Op, kThreads>(ks, PK, ksrc, a.k.stride_t, len, kRows, K, KP, vec_ok(ksrc, a.k.stride_t));
+    cp_async_commit();
+  }
+  if (tid < kRows) {
+    betas[tid] = tid < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
+    Gs[tid] = a.gated ? G_at(a, false, ch, len, hv, tid, 0) : 0.f;
+    part[tid] = part[kRows + tid] = part[2 * kRows + tid] = part[3 * kRows + tid] = 0.f;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // dP o E, dA o E, diag(beta) dA o E as operands (dP, dA are zero outside i >= j; the exponential is only
+  // evaluated inside that mask).
+  for (int e = tid; e < kRows * kRows; e += kThreads) {
+    const int i = e / kRows, j = e % kRows;
+    const float E = (a.gated && i >= j) ? exp_t<Op>(Gs[i] - Gs[j]) : 1.f;
+    const float dp = dPs[i * PA + j] * E, da = dAs[i * PA + j] * E;
+    Mp[i * P64 + j] = from_f<Op>(dp);
+    Ma[i * P64 + j] = from_f<Op>(da);
+    Mb[i * P64 + j] = from_f<Op>(betas[i] * da);
+  }
+  __syncthreads();
+
+  const int m0 = 16 * (warp & 3), half = warp >> 2, n0 = half * (KP / 2);
+  float yq[1][NTK][4], yr[1][NTK][4], yc[1][NTK][4];
+  zero_acc(yq);
+  zero_acc(yr);
+  zero_acc(yc);
+  // Yq = (dP o E) K, Yr = (dA o E) K; Yc = (dP o E)^T Q + (diag(beta) dA o E)^T K (column-major views).
+  warp_mma<Op, 1, NTK, Lay::rowmajor, Lay::rowmajor>(yq, Mp, P64, m0, ks, PK, n0, 0, kRows);
+  warp_mma<Op, 1, NTK, Lay::rowmajor, Lay::rowmajor>(yr, Ma, P64, m0, ks, PK, n0, 0, kRows);
+  warp_mma<Op, 1, NTK, Lay::colmajor, Lay::rowmajor>(yc, Mp, P64, m0, qs, PK, n0, 0, kRows);
+  warp_mma<Op, 1, NTK, Lay::colmajor, Lay::rowmajor>(yc, Mb, P64, m0, ks, PK, n0, 0, kRows);
+
+  // One epilogue for all three (the same token row r for Yq, Yr and Yc): dq += Yq, dk += beta Yr + Yc,
+  // dG += q Yq + beta k Yr - k Yc; the row's k . Yr and its final dG summed over this half's columns.
+  const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
+  float kyr[2] = {0.f, 0.f}, gsum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int r = m0 + acc_row(0, 2 * h2), d = n0 + acc_col(nt, 0);
+      if (r >= len || d >= K) continue;
+      const int64_t o = ws_row(ch, r, a.HV, hv, a.K) + d;
+      const float b = betas[r];
+      float dq[2], dk[2], dg[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float q = to_f(qs[r * PK + d + j]), k = to_f(ks[r * PK + d + j]);  // 0 past K
+        const float Yq = yq[0][nt][2 * h2 + j], Yr = yr[0][nt][2 * h2 + j], Yc = yc[0][nt][2 * h2 + j];
+        dq[j] = Yq;
+        dk[j] = b * Yr + Yc;
+        dg[j] = q * Yq + b * k * Yr - k * Yc;
+        kyr[h2] += k * Yr;
+      }
+      if (pairs) {
+        float2* pq = reinterpret_cast<float2*>(a.dqw + o);
+        float2* pk = reinterpret_cast<float2*>(a.dkw + o);
+        const float2 wq = *pq, wk = *pk;
+        *pq = make_float2(wq.x + dq[0], wq.y + dq[1]);
+        *pk = make_float2(wk.x + dk[0], wk.y + dk[1]);
+        if (a.gated) {
+          float2* pg = reinterpret_cast<float2*>(a.dGw + o);
+          const float2 wg = *pg;
+          const float2 ng = make_float2(wg.x + dg[0], wg.y + dg[1]);
+          *pg = ng;
+          gsum[h2] += ng.x + ng.y;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (d + j < K) {
+            a.dqw[o + j] += dq[j];
+            a.dkw[o + j] += dk[j];
+            if (a.gated) {
+              const float ng = a.dGw[o + j] + dg[j];
+              a.dGw[o + j] = ng;
+              gsum[h2] += ng;
+            }
+          }
       }
     }
-  } else {
-    __syncthreads();  // rowsum is reused for the per-row sums over d
-    float* rs = rowsum;
-    if (tid < len) {
-      float s = 0.f;
-      for (int d = 0; d < K; ++d) s += a.dGw[ws_row(ch, tid, a.HV, hv, a.K) + d];
-      rs[tid] = s;
+  // Per row: the four lanes of a row, then lane 4 g writes this half's sums (fixed order).
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    kyr[h2] += __shfl_xor_sync(0xffffffffu, kyr[h2], 1);
+    kyr[h2] += __shfl_xor_sync(0xffffffffu, kyr[h2], 2);
+    gsum[h2] += __shfl_xor_sync(0xffffffffu, gsum[h2], 1);
+    gsum[h2] += __shfl_xor_sync(0xffffffffu, gsum[h2], 2);
+    if ((lane & 3) == 0) {
+      const int r = m0 + (lane >> 2) + 8 * h2;
+      part[half * kRows + r] = kyr[h2];
+      part[(2 + half) * kRows + r] = gsum[h2];
     }
-    __syncthreads();
-    if (tid < len) {
-      float acc = 0.f;
-      for (int i = len - 1; i >= tid; --i) acc += rs[i];
-      store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + tid, hv), acc);
-    }
+  }
+  __syncthreads();
+
+  // dbeta = stage B3's part + k . Yr.
+  if (tid < len) {
+    const float s = a.dbw[(ch.row0 + tid) * a.HV + hv] + (part[tid] + part[kRows + tid]);
+    st<Op>(a.dbeta, off(a.dbeta, ch.batch, ch.t0 + tid, hv), s);
+  }
+  if (!a.gated) return;
+  // dg: reverse cumulative sum over the chunk of dG summed over d (gdn: G_i = g_1 + ... + g_i, chunk-local).
+  if (tid < len) {
+    float acc = 0.f;
+    for (int i = len - 1; i >= tid; --i) acc += part[2 * kRows + i] + part[3 * kRows + i];
+    store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + tid, hv), acc);
   }
 }
 

@@ -8,174 +8,310 @@
 //   Z   = T^T dW:   dk += diag(beta) Z * Gam,  dG += diag(beta) Z * X,             dbeta_i += Z_i . X_i
 //   dA  = -(T^T dT T^T), masked to j < i < len  (= -T^T dT T^T: dT = -T dA T)     -> a.dA (stage B4)
 //
-// One CTA per (chunk, value head), 256 threads. V is walked in tiles of 32 columns (dT and Y),
-// then the key-side products run on 64 x KP tiles. dbeta from this stage goes to a.dbw; dk and dG
-// are added to stage B2's workspaces (each element by one thread: no atomics).
-// Measured: not yet (no GPU timing recorded; see tiled_bwd.cu).
+// One CTA of 8 warps per (chunk, value head); warp w owns rows 16 (w % 4) .. + 16 of every product and
+// half w / 4 of its columns. dT accumulates in registers (mma accumulators) over the walk over V in tiles
+// of BV columns and then the key side; Y and Z are consumed by their epilogues from registers. The V tiles
+// (dU in fp32, rounded in shared memory; v) come by cp.async, NS stages deep; T, k and G (what the key
+// side and the epilogues read) by cp.async at the start, overlapping the V walk. dbeta: each row's parts
+// (per column half, in a fixed order) go to a.dbw; dk and dG are added to stage B2's workspaces (each
+// element by one thread: no atomics, deterministic).
+// At most 128 registers (two CTAs per SM where the shared memory allows: gdn and delta at 16 bits).
+// Measured: with this stage and B4 rebuilt, forward + backward on H100 (bf16 GDN) went from 12.98 to
+// 9.50 ms at (2, 16384, 16, 128) (docs/perf.md, session 10); the previous version took 2.89 ms at
+// (1, 32768, 16, 128) on H200 (session 8's profile), with dT in fp32 shared memory and element-wise loads
+// and epilogues.
 #pragma once
 
 #include "bwd_common.cuh"
 
 namespace deltacp::cuda::tiled::bwd {
 
-template <class Op, int KP>
+template <class Op>
+constexpr int wy_vtile() {
+  return kIs16Bit<Op> ? 32 : 16;
+}
+
+template <class Op, int KP, bool PERKEY, int NS>
 struct WyBwdSmem {
-  static constexpr int PA = kRows + 1;            // fp32 64 x 64
-  static constexpr int P64 = pitch_of<Op>(kRows);  // Op 64 x 64
-  static constexpr int PV = pitch_of<Op>(kVTile), PY = kVTile + 1;
-  static constexpr int PK = pitch_of<Op>(KP), PZ = KP + 1;
-  size_t Ts = 0, Top = 0, dT = 0, dTop = 0, beta = 0, dbeta = 0;
-  size_t dU = 0, Bv = 0, Yv = 0;  // the V loop
-  size_t dWs = 0, Bx = 0, Zx = 0;  // the key-side products (share the V loop's bytes; Zx reuses Bx's)
-  size_t total = 0;
+  static constexpr int BV = wy_vtile<Op>();
+  static constexpr int PA = kRows + 4;                             // fp32 T (16-byte rows)
+  static constexpr int P64 = kIs16Bit<Op> ? kRows + 8 : kRows + 4;  // Op 64 x 64 (fp32: T itself)
+  static constexpr int PV = kIs16Bit<Op> ? BV + 8 : BV + 4;          // Op V tiles
+  static constexpr int PVF = BV + 4;                                // fp32 staging of dU
+  static constexpr int PK = kIs16Bit<Op> ? KP + 8 : KP + 4;          // Op key-side tiles
+  static constexpr int PG = KP + 4;                                 // kda's G tile
+  size_t Ts = 0, Top = 0, beta = 0, part = 0, k = 0, G = 0, dUf = 0, vs = 0, stage = 0, dUop = 0, Bv = 0, dWop = 0,
+         Bx = 0, M1op = 0, dTop = 0, total = 0;
   __host__ __device__ constexpr WyBwdSmem() {
     Carve c;
     Ts = c.take(sizeof(float) * kRows * PA);
     Top = kIs16Bit<Op> ? c.take(sizeof(Op) * kRows * P64) : Ts;  // fp32: the operand is Ts itself
-    dT = c.take(sizeof(float) * kRows * PA);
-    dTop = c.take(sizeof(Op) * kRows * P64);
     beta = c.take(sizeof(float) * kRows);
-    dbeta = c.take(sizeof(float) * kRows);
-    Carve v = c;  // V loop region
-    dU = v.take(sizeof(Op) * kRows * PV);
+    part = c.take(sizeof(float) * 2 * kRows);  // dbeta parts of the two column halves
+    k = c.take(sizeof(Op) * kRows * PK);
+    G = c.take(sizeof(float) * (PERKEY ? kRows * PG : kRows));
+    Carve v = c;  // the V walk's tiles
+    dUf = v.take(sizeof(float) * kRows * PVF);
+    vs = v.take(sizeof(Op) * kRows * PV);
+    stage = v.off - dUf;
+    v.off = dUf + stage * NS;
+    dUop = v.take(sizeof(Op) * kRows * PV);
     Bv = v.take(sizeof(Op) * kRows * PV);
-    Yv = v.take(sizeof(float) * kRows * PY);
-    Carve k = c;  // key-side region, overlapping the V loop's
-    dWs = k.take(sizeof(Op) * kRows * PK);
-    const size_t bx_bytes = sizeof(Op) * kRows * PK, zx_bytes = sizeof(float) * kRows * PZ;
-    Bx = k.take(bx_bytes > zx_bytes ? bx_bytes : zx_bytes);
-    Zx = Bx;
-    total = v.off > k.off ? v.off : k.off;
+    Carve w = c;  // the key side, over the V walk's bytes; M1 and dT later over dW's and (beta X)'s
+    dWop = w.take(sizeof(Op) * kRows * PK);
+    Bx = w.take(sizeof(Op) * kRows * PK);
+    M1op = dWop;
+    dTop = Bx;
+    total = v.off > w.off ? v.off : w.off;
   }
 };
 
-template <class Op, int KP, bool PERKEY>
-__global__ void __launch_bounds__(kThreads) bwd_wy_kernel(const Args a) {
-  constexpr WyBwdSmem<Op, KP> L{};
-  constexpr int PA = L.PA, P64 = L.P64, PV = L.PV, PY = L.PY, PK = L.PK, PZ = L.PZ;
+template <class Op, int KP, bool PERKEY, int NS>
+__global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
+  constexpr WyBwdSmem<Op, KP, PERKEY, NS> L{};
+  constexpr int BV = L.BV, PA = L.PA, P64 = L.P64, PV = L.PV, PVF = L.PVF, PK = L.PK, PG = L.PG;
+  constexpr int NTY = BV / 16, NTK = KP / 16;  // n-tiles of 8 in a warp's half of Y's and Z's columns
   static_assert(kIs16Bit<Op> || PA == P64, "fp32 operand view of T must share its pitch");
+  static_assert(P64 <= PK, "M1 and dT reuse the bytes of the key-side tiles");
   extern __shared__ __align__(16) unsigned char smem[];
   float* Ts = reinterpret_cast<float*>(smem + L.Ts);
   Op* Top = reinterpret_cast<Op*>(smem + L.Top);
-  float* dT = reinterpret_cast<float*>(smem + L.dT);
-  Op* dTop = reinterpret_cast<Op*>(smem + L.dTop);
   float* betas = reinterpret_cast<float*>(smem + L.beta);
-  float* dbeta = reinterpret_cast<float*>(smem + L.dbeta);
-  Op* dUs = reinterpret_cast<Op*>(smem + L.dU);
-  Op* Bvs = reinterpret_cast<Op*>(smem + L.Bv);
-  float* Yv = reinterpret_cast<float*>(smem + L.Yv);
-  Op* dWs = reinterpret_cast<Op*>(smem + L.dWs);
-  Op* Bxs = reinterpret_cast<Op*>(smem + L.Bx);
-  float* Zx = reinterpret_cast<float*>(smem + L.Zx);
+  float* part = reinterpret_cast<float*>(smem + L.part);
+  Op* ks = reinterpret_cast<Op*>(smem + L.k);
+  float* Gs = reinterpret_cast<float*>(smem + L.G);
+  Op* dUop = reinterpret_cast<Op*>(smem + L.dUop);
+  Op* Bv = reinterpret_cast<Op*>(smem + L.Bv);
+  Op* dWop = reinterpret_cast<Op*>(smem + L.dWop);
+  Op* Bx = reinterpret_cast<Op*>(smem + L.Bx);
+  Op* M1op = reinterpret_cast<Op*>(smem + L.M1op);
+  Op* dTop = reinterpret_cast<Op*>(smem + L.dTop);
+  auto at = [&](size_t base, int t) { return smem + base + static_cast<size_t>(t % NS) * L.stage; };
 
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t c = blockIdx.x, hv = blockIdx.y, hk = hv / a.group;
   const ChunkEntry ch = a.chunks[c];
   const int len = static_cast<int>(ch.len);
   const int K = static_cast<int>(a.K);
-  const Op* vp = static_cast<const Op*>(a.v.ptr);
-  const Op* kp = static_cast<const Op*>(a.k.ptr);
+  const int V = static_cast<int>(a.V);
+  const int ntiles = (V + BV - 1) / BV;
+  const Op* vp = static_cast<const Op*>(a.v.ptr) + off(a.v, ch.batch, ch.t0, hv);
+  const float* dUp = a.dvnew + ws_row(ch, 0, a.HV, hv, a.V);
 
-  // T rows i < len from the forward's [R, HV, 64] buffer; padding rows zero (they multiply zeros).
-  for (int e = tid; e < kRows * kRows; e += kThreads) {
-    const int i = e / kRows, j = e % kRows;
-    const float t = i < len ? a.Tinv[((ch.row0 + i) * a.HV + hv) * kRows + j] : 0.f;
-    Ts[i * PA + j] = t;
-    if constexpr (kIs16Bit<Op>) Top[i * P64 + j] = from_f<Op>(t);
-    dT[i * PA + j] = 0.f;
-  }
-  for (int i = tid; i < kRows; i += kThreads) {
-    betas[i] = i < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + i, hv)) : 0.f;
-    dbeta[i] = 0.f;
-  }
-
-  for (int64_t v0 = 0; v0 < a.V; v0 += kVTile) {
-    __syncthreads();  // T, beta ready / the previous tile is fully consumed
-    for (int e = tid; e < kRows * kVTile; e += kThreads) {
-      const int i = e / kVTile, v = e % kVTile;
-      const bool ok = i < len && v0 + v < a.V;
-      dUs[i * PV + v] = from_f<Op>(ok ? a.dvnew[ws_row(ch, i, a.HV, hv, a.V) + v0 + v] : 0.f);
-      Bvs[i * PV + v] = from_f<Op>(ok ? betas[i] * to_f(vp[off(a.v, ch.batch, ch.t0 + i, hv) + v0 + v]) : 0.f);
-    }
-    __syncthreads();
-    // dT += dU (beta V)^T
-    block_gemm<Op, kRows, kRows, Lay::rowmajor, Lay::colmajor>(dUs, PV, Bvs, PV, kVTile,
-                                                               [&](int i, int j, float x) { dT[i * PA + j] += x; });
-    // Y = T^T dU (A = T^T: column-major view of T): dv = beta Y, and Y . v for dbeta.
-    block_gemm<Op, kRows, kVTile, Lay::colmajor, Lay::rowmajor>(Top, P64, dUs, PV, kRows, [&](int i, int v, float y) {
-      float yv = 0.f;
-      if (i < len && v0 + v < a.V) {
-        const int64_t o = off(a.v, ch.batch, ch.t0 + i, hv) + v0 + v;
-        yv = y * to_f(vp[o]);
-        st<Op>(a.dv, off(a.dv, ch.batch, ch.t0 + i, hv) + v0 + v, betas[i] * y);
+  // T, k, G: one cp.async group (rows past len zero), before the V walk's.
+  {
+    const float* tsrc = a.Tinv + (ch.row0 * a.HV + hv) * kRows;
+    load_tile<float, kThreads>(Ts, PA, tsrc, a.HV * kRows, len, kRows, kRows, kRows, vec_ok(tsrc, a.HV * kRows));
+    const Op* ksrc = static_cast<const Op*>(a.k.ptr) + off(a.k, ch.batch, ch.t0, hk);
+    load_tile<Op, kThreads>(ks, PK, ksrc, a.k.stride_t, len, kRows, K, KP, vec_ok(ksrc, a.k.stride_t));
+    if (a.gated) {
+      if constexpr (PERKEY) {
+        const float* gsrc = a.G + ws_row(ch, 0, a.HV, hv, a.K);
+        load_tile<float, kThreads>(Gs, PG, gsrc, a.HV * a.K, len, kRows, K, KP, vec_ok(gsrc, a.HV * a.K));
+      } else {
+        if (tid < len) cp_async_4(Gs + tid, a.G + (ch.row0 + tid) * a.HV + hv);
       }
-      Yv[i * PY + v] = yv;
-    });
-    __syncthreads();
-    if (tid < kRows) {
-      float s = 0.f;
-      for (int v = 0; v < kVTile; ++v) s += Yv[tid * PY + v];
-      dbeta[tid] += s;
     }
+    cp_async_commit();
   }
-  __syncthreads();  // the V loop's region is free
-
-  // dW (fp32 workspace) and beta X = beta k e^G as operands.
-  for (int e = tid; e < kRows * KP; e += kThreads) {
-    const int i = e / KP, d = e % KP;
-    float w = 0.f, bx = 0.f;
-    if (i < len && d < K) {
-      w = a.dW[ws_row(ch, i, a.HV, hv, a.K) + d];
-      bx = betas[i] * to_f(kp[off(a.k, ch.batch, ch.t0 + i, hk) + d]);
-      if (a.gated) bx *= exp_t<Op>(G_at(a, PERKEY, ch, len, hv, i, d));
-    }
-    dWs[i * PK + d] = from_f<Op>(w);
-    Bxs[i * PK + d] = from_f<Op>(bx);
-  }
-  __syncthreads();
-  // dT += dW (beta X)^T
-  block_gemm<Op, kRows, kRows, Lay::rowmajor, Lay::colmajor>(dWs, PK, Bxs, PK, KP,
-                                                             [&](int i, int j, float x) { dT[i * PA + j] += x; });
-  __syncthreads();  // Bx is read; Zx takes its bytes
-  // Z = T^T dW: dk += beta Z Gam, dG += beta Z X, and Z . X for dbeta.
-  block_gemm<Op, kRows, KP, Lay::colmajor, Lay::rowmajor>(Top, P64, dWs, PK, kRows, [&](int i, int d, float z) {
-    float zx = 0.f;
-    if (i < len && d < K) {
-      const float gam = a.gated ? exp_t<Op>(G_at(a, PERKEY, ch, len, hv, i, d)) : 1.f;
-      const float x = to_f(kp[off(a.k, ch.batch, ch.t0 + i, hk) + d]) * gam;
-      const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
-      a.dkw[o] += betas[i] * z * gam;
-      if (a.gated) a.dGw[o] += betas[i] * z * x;
-      zx = z * x;
-    }
-    Zx[i * PZ + d] = zx;
-  });
-  __syncthreads();
   if (tid < kRows) {
-    float s = 0.f;
-    for (int d = 0; d < KP; ++d) s += Zx[tid * PZ + d];
-    dbeta[tid] += s;
+    betas[tid] = tid < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
+    part[tid] = part[kRows + tid] = 0.f;
   }
-  for (int e = tid; e < kRows * kRows; e += kThreads) {
-    const int i = e / kRows, j = e % kRows;
-    dTop[i * P64 + j] = from_f<Op>(dT[i * PA + j]);
+  // V tile t (columns v0 .. v0 + BV) into stage t % NS: one cp.async group.
+  auto issue = [&](int t) {
+    const int v0 = t * BV, vw = min(BV, V - v0);
+    float* dUf = reinterpret_cast<float*>(at(L.dUf, t));
+    Op* vs = reinterpret_cast<Op*>(at(L.vs, t));
+    load_tile<float, kThreads>(dUf, PVF, dUp + v0, a.HV * a.V, len, kRows, vw, BV, vec_ok(dUp + v0, a.HV * a.V));
+    load_tile<Op, kThreads>(vs, PV, vp + v0, a.v.stride_t, len, kRows, vw, BV, vec_ok(vp + v0, a.v.stride_t));
+    cp_async_commit();
+  };
+  if (ntiles > 0) {
+    issue(0);
+    cp_async_wait<1>();  // T, k, G (tile 0 may still be in flight)
+  } else {
+    cp_async_wait<0>();
   }
   __syncthreads();
-  // M1 = T^T dT (reads Top, dTop; overwrites the fp32 dT, which it does not read).
-  block_gemm<Op, kRows, kRows, Lay::colmajor, Lay::rowmajor>(Top, P64, dTop, P64, kRows,
-                                                             [&](int i, int j, float x) { dT[i * PA + j] = x; });
-  __syncthreads();
-  for (int e = tid; e < kRows * kRows; e += kThreads) {
-    const int i = e / kRows, j = e % kRows;
-    dTop[i * P64 + j] = from_f<Op>(dT[i * PA + j]);
+  if constexpr (kIs16Bit<Op>) {
+    for (int e = tid; e < kRows * kRows; e += kThreads) {
+      const int i = e / kRows, j = e % kRows;
+      Top[i * P64 + j] = from_f<Op>(Ts[i * PA + j]);
+    }
+  }
+
+  const int m0 = 16 * (warp & 3), half = warp >> 2;
+  const int g = lane >> 2;  // accumulator rows m0 + g, m0 + g + 8
+  float dt[1][4][4];        // dT, columns 32 half .. + 32
+  zero_acc(dt);
+  // Adds a lane's two row sums (rows m0 + g, m0 + g + 8) to the rows' dbeta part of this column half: the
+  // four lanes of a row first, then lane 4 g adds (the same order every time).
+  auto add_rows = [&](float s0, float s1) {
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    if ((lane & 3) == 0) {
+      part[half * kRows + m0 + g] += s0;
+      part[half * kRows + m0 + g + 8] += s1;
+    }
+  };
+
+  for (int t = 0; t < ntiles; ++t) {
+    if constexpr (NS == 2) {
+      if (t + 1 < ntiles) issue(t + 1);  // stage (t + 1) % 2 was released by the barrier ending tile t - 1
+      else cp_async_commit();            // an empty group keeps the wait count uniform
+      cp_async_wait<1>();
+    } else {
+      if (t > 0) issue(t);
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int v0 = t * BV;
+    const float* dUf = reinterpret_cast<const float*>(at(L.dUf, t));
+    const Op* vs = reinterpret_cast<const Op*>(at(L.vs, t));
+    // dU as an operand, and beta V.
+    {
+      constexpr int EP = kRows * BV / kThreads, TP = BV / EP;
+      static_assert(EP % 4 == 0 && TP * EP == BV, "dU conversion: whole float4 pieces per thread");
+      const int i = tid / TP, v = (tid % TP) * EP;
+#pragma unroll
+      for (int e = 0; e < EP; e += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(dUf + i * PVF + v + e);
+        store_pair(dUop + i * PV + v + e, x.x, x.y);
+        store_pair(dUop + i * PV + v + e + 2, x.z, x.w);
+#pragma unroll
+        for (int j = 0; j < 4; j += 2)
+          store_pair(Bv + i * PV + v + e + j, betas[i] * to_f(vs[i * PV + v + e + j]),
+                     betas[i] * to_f(vs[i * PV + v + e + j + 1]));
+      }
+    }
+    __syncthreads();
+    // dT += dU (beta V)^T (B(v, j) = Bv[j][v]); Y = T^T dU (A = T^T: T's column-major view).
+    warp_mma<Op, 1, 4, Lay::rowmajor, Lay::colmajor>(dt, dUop, PV, m0, Bv, PV, 32 * half, 0, BV);
+    float y[1][NTY][4];
+    zero_acc(y);
+    warp_mma<Op, 1, NTY, Lay::colmajor, Lay::rowmajor>(y, Top, P64, m0, dUop, PV, half * (BV / 2), 0, kRows);
+    // dv = beta Y (rows < len, columns < V), and Y . v into dbeta.
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NTY; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = m0 + acc_row(0, e), v = half * (BV / 2) + acc_col(nt, e);
+        if (i < len && v0 + v < V) {
+          st<Op>(a.dv, off(a.dv, ch.batch, ch.t0 + i, hv) + v0 + v, betas[i] * y[0][nt][e]);
+          s[e >> 1] += y[0][nt][e] * to_f(vs[i * PV + v]);
+        }
+      }
+    add_rows(s[0], s[1]);
+    __syncthreads();  // the stage and dUop / Bv are free for the next tile
+  }
+
+  // dW as an operand, and beta X = beta k e^G (the V walk's bytes are free).
+  auto G_of = [&](int i, int d) -> float {
+    if (!a.gated) return 0.f;
+    if constexpr (PERKEY) return Gs[i * PG + d];
+    return Gs[i];
+  };
+  for (int e = tid; e < kRows * KP; e += kThreads) {  // consecutive threads, consecutive columns
+    const int i = e / KP, d = e % KP;
+    const bool ok = i < len && d < K;
+    dWop[i * PK + d] = from_f<Op>(ok ? a.dW[ws_row(ch, i, a.HV, hv, a.K) + d] : 0.f);
+    float bx = 0.f;
+    if (ok) {
+      bx = betas[i] * to_f(ks[i * PK + d]);
+      if (a.gated) bx *= exp_t<Op>(G_of(i, d));
+    }
+    Bx[i * PK + d] = from_f<Op>(bx);
   }
   __syncthreads();
-  // dA = -M1 T^T (B = T^T: column-major view of T), strictly lower, rows < len.
+  // dT += dW (beta X)^T; Z = T^T dW.
+  warp_mma<Op, 1, 4, Lay::rowmajor, Lay::colmajor>(dt, dWop, PK, m0, Bx, PK, 32 * half, 0, KP);
+  float z[1][NTK][4];
+  zero_acc(z);
+  warp_mma<Op, 1, NTK, Lay::colmajor, Lay::rowmajor>(z, Top, P64, m0, dWop, PK, half * (KP / 2), 0, kRows);
+  __syncthreads();  // dW and beta X are read: M1 and dT take their bytes
+  // dk += beta Z Gam, dG += beta Z X, Z . X into dbeta.
+  {
+    const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = m0 + acc_row(0, 2 * h2), d = half * (KP / 2) + acc_col(nt, 0);
+        if (i >= len || d >= K) continue;
+        const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
+        float dk[2], dg[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float zz = z[0][nt][2 * h2 + j];
+          const float gam = (a.gated && d + j < K) ? exp_t<Op>(G_of(i, d + j)) : 1.f;
+          const float x = d + j < K ? to_f(ks[i * PK + d + j]) * gam : 0.f;
+          dk[j] = betas[i] * zz * gam;
+          dg[j] = betas[i] * zz * x;
+          s[h2] += zz * x;
+        }
+        if (pairs) {
+          float2* pk = reinterpret_cast<float2*>(a.dkw + o);
+          float2 w = *pk;
+          *pk = make_float2(w.x + dk[0], w.y + dk[1]);
+          if (a.gated) {
+            float2* pg = reinterpret_cast<float2*>(a.dGw + o);
+            float2 u = *pg;
+            *pg = make_float2(u.x + dg[0], u.y + dg[1]);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if (d + j < K) {
+              a.dkw[o + j] += dk[j];
+              if (a.gated) a.dGw[o + j] += dg[j];
+            }
+        }
+      }
+    add_rows(s[0], s[1]);
+  }
+  // dT as an operand.
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int i = m0 + acc_row(0, 2 * h2), j = 32 * half + acc_col(nt, 0);
+      store_pair(dTop + i * P64 + j, dt[0][nt][2 * h2], dt[0][nt][2 * h2 + 1]);
+    }
+  __syncthreads();
+  // M1 = T^T dT, as an operand.
+  {
+    float m1[1][4][4];
+    zero_acc(m1);
+    warp_mma<Op, 1, 4, Lay::colmajor, Lay::rowmajor>(m1, Top, P64, m0, dTop, P64, 32 * half, 0, kRows);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = m0 + acc_row(0, 2 * h2), j = 32 * half + acc_col(nt, 0);
+        store_pair(M1op + i * P64 + j, m1[0][nt][2 * h2], m1[0][nt][2 * h2 + 1]);
+      }
+  }
+  __syncthreads();
+  if (tid < len) a.dbw[(ch.row0 + tid) * a.HV + hv] = part[tid] + part[kRows + tid];
+  // dA = -M1 T^T (B(l, j) = T[j][l]: T's column-major view), strictly lower, rows < len.
+  float da[1][4][4];
+  zero_acc(da);
+  warp_mma<Op, 1, 4, Lay::rowmajor, Lay::colmajor>(da, M1op, P64, m0, Top, P64, 32 * half, 0, kRows);
   float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
-  block_gemm<Op, kRows, kRows, Lay::rowmajor, Lay::colmajor>(dTop, P64, Top, P64, kRows, [&](int i, int j, float x) {
-    dAg[i * kRows + j] = (i > j && i < len) ? -x : 0.f;
-  });
-  if (tid < len) a.dbw[(ch.row0 + tid) * a.HV + hv] = dbeta[tid];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int i = m0 + acc_row(0, 2 * h2), j = 32 * half + acc_col(nt, 0);
+      const float x0 = (i > j && i < len) ? -da[0][nt][2 * h2] : 0.f;
+      const float x1 = (i > j + 1 && i < len) ? -da[0][nt][2 * h2 + 1] : 0.f;
+      *reinterpret_cast<float2*>(dAg + i * kRows + j) = make_float2(x0, x1);
+    }
 }
 
 }  // namespace deltacp::cuda::tiled::bwd

@@ -55,8 +55,8 @@
 // in registers and double-buffered its tiles: bwd_dh_scan.cuh), chunk_wy 0.9, bwd_dv_local 0.9,
 // reduce 0.6. Session 10 (2026-11-23, H100): bwd_dqkg accumulates in registers and loads its tiles by
 // cp.async (bwd_dqkg.cuh): 7.07 -> 1.53 ms under Nsight Compute at (1, 32768, 16, 128); forward + backward
-// 12.98 ms at (2, 16384, 16, 128) on H100. B3 and B4 are next: they still accumulate in fp32 shared memory
-// through element-wise epilogues and load tiles element by element.
+// 12.98 ms at (2, 16384, 16, 128) on H100; then B3 (bwd_wy) and B4's gdn / delta path (bwd_decay) the same
+// way: 9.50 ms. Left: kda's B4 (element by element per key column), B1, B0, B5.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -182,17 +182,31 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
       DELTACP_CUDA_CHECK_LAUNCH();
     }
     {
-      constexpr WyBwdSmem<Op, KP> L{};
-      auto k = bwd_wy_kernel<Op, KP, PERKEY>;
-      prepare(k, L.total, "WY");
-      k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      constexpr WyBwdSmem<Op, KP, PERKEY, 1> L1{};
+      constexpr WyBwdSmem<Op, KP, PERKEY, 2> L2{};
+      if (L2.total <= static_cast<size_t>(max_smem_optin())) {
+        auto k = bwd_wy_kernel<Op, KP, PERKEY, 2>;
+        prepare(k, L2.total, "WY");
+        k<<<chunk_grid, kThreads, L2.total, stream>>>(a);
+      } else {
+        auto k = bwd_wy_kernel<Op, KP, PERKEY, 1>;
+        prepare(k, L1.total, "WY");
+        k<<<chunk_grid, kThreads, L1.total, stream>>>(a);
+      }
       DELTACP_CUDA_CHECK_LAUNCH();
     }
     {
-      constexpr DecaySmem<Op, KP, PERKEY> L{};
-      auto k = bwd_decay_kernel<Op, KP, PERKEY>;
-      prepare(k, L.total, "decay");
-      k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      if constexpr (PERKEY) {
+        constexpr DecayKdaSmem<Op, KP> L{};
+        auto k = bwd_decay_kda_kernel<Op, KP>;
+        prepare(k, L.total, "decay");
+        k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      } else {
+        constexpr DecayScalarSmem<Op, KP> L{};
+        auto k = bwd_decay_scalar_kernel<Op, KP>;
+        prepare(k, L.total, "decay");
+        k<<<chunk_grid, kThreads, L.total, stream>>>(a);
+      }
       DELTACP_CUDA_CHECK_LAUNCH();
     }
     const int64_t total = a.B * a.T * a.H * a.K;
