@@ -122,8 +122,9 @@ if has cp && [ -f distributed/tests/run_gpu_cp.sh ]; then
 fi
 if has ncu; then
   # One launch of a kernel under Nsight Compute (full set: warp stall reasons, pipe use, source counters),
-  # from three forwards of one shape. DELTACP_NCU_KERNEL (regex, default the state scan), DELTACP_NCU_SHAPE
-  # (B,T,H,D, default 1,32768,16,128: one sequence, as in the CP bench).
+  # from three forwards of one shape (forward + backward when the kernel's name has "bwd").
+  # DELTACP_NCU_KERNEL (regex, default the state scan), DELTACP_NCU_SHAPE (B,T,H,D, default 1,32768,16,128:
+  # one sequence, as in the CP bench).
   t0=$(date +%s)
   if command -v ncu >/dev/null 2>&1; then
     IFS=, read -r NB NT NH ND <<<"${DELTACP_NCU_SHAPE:-1,32768,16,128}"
@@ -136,8 +137,13 @@ k = F.normalize(torch.randn(B, T, H, D, device='cuda'), dim=-1).bfloat16()
 v = torch.randn(B, T, H, D, device='cuda', dtype=torch.bfloat16)
 g = F.logsigmoid(torch.randn(B, T, H, device='cuda'))
 beta = torch.rand(B, T, H, device='cuda').sigmoid().bfloat16()
+backward = 'bwd' in '${DELTACP_NCU_KERNEL:-}'  # a backward kernel: forward + backward each time
+for t in (q, k, v, g, beta):
+    t.requires_grad_(backward)
 for _ in range(3):
-    deltacp.chunk_gated_delta_rule(q, k, v, g, beta)
+    o, _ = deltacp.chunk_gated_delta_rule(q, k, v, g, beta)
+    if backward:
+        o.backward(torch.ones_like(o))
 torch.cuda.synchronize()
 " >"$OUT/ncu.log" 2>&1
     rc=$?
