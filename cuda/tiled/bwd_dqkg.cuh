@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
   zero_acc(kr);
   zero_acc(dp);
 
-  if (ntiles > 0) issue(0);
+  issue(0);  // V >= 1 (validate.cpp): at least one tile, and the loop's first wait covers q, k, G too
   for (int t = 0; t < ntiles; ++t) {
     if constexpr (NS == 2) {
       // Stage (t + 1) % 2 was last read by tile t - 1, released by the barrier that ended its step.
@@ -201,7 +201,6 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
     warp_mma<Op, 1, NTK, Lay::rowmajor, Lay::colmajor>(kr, Vns, PT, mt_row, dSb, PT, n0k, 0, BV);
     __syncthreads();  // the stage and dVnb / dSb are free for the next tile
   }
-  if (ntiles == 0) cp_async_wait<0>();
 
   // G of (row i, column d), rows clamped to the chunk (only rows < len are used).
   auto G_of = [&](int i, int d) -> float {

@@ -127,12 +127,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
     load_tile<Op, kThreads>(vs, PV, vp + v0, a.v.stride_t, len, kRows, vw, BV, vec_ok(vp + v0, a.v.stride_t));
     cp_async_commit();
   };
-  if (ntiles > 0) {
-    issue(0);
-    cp_async_wait<1>();  // T, k, G (tile 0 may still be in flight)
-  } else {
-    cp_async_wait<0>();
-  }
+  issue(0);            // V >= 1 (validate.cpp): at least one tile
+  cp_async_wait<1>();  // T, k, G (tile 0 may still be in flight)
   __syncthreads();
   if constexpr (kIs16Bit<Op>) {
     for (int e = tid; e < kRows * kRows; e += kThreads) {
