@@ -11,8 +11,9 @@ process group instead. What it adds:
     (CPTimeoutError / RuntimeError on every healthy rank, raised before any further CUDA work);
     every later call on that context raises a RuntimeError naming the first failure (the context
     must be rebuilt). One thread at a time per context: a call while another thread is inside one
-    raises a RuntimeError saying so (and changes nothing). The buffers of a failed collective are kept alive until the process exits so
-    that torch never hands memory that NCCL might still write to another tensor;
+    raises a RuntimeError saying so (and changes nothing). The buffers of a failed collective are
+    kept alive until the process exits so that torch never hands memory that NCCL might still write
+    to another tensor;
   * the CP pre-pass kernels ([H | M] of the last local segment, [dH | M^T] of the first) and the
     merge kernel, launched on torch's current stream.
 """
