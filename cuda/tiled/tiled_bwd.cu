@@ -40,8 +40,9 @@
 // every workspace are fp32, except what the forward stages store in the input dtype (W, v_new, h).
 //
 // Limits: K <= 128 (tiles of KP = 64 or 128 key columns), V <= 256 and chunk_size <= 64 (the forward
-// stages' limits). Shared memory per CTA is up to ~150 KB for fp32 inputs with K > 64 (fits the
-// 163 KB of sm_80 and 227 KB of sm_90; one CTA per SM).
+// stages' limits). Shared memory per CTA: up to 187 KB (B2 with two V stages, kda, fp32, K > 64) where
+// it fits (227 KB on sm_90); B2 and B3 fall back to one stage elsewhere, and every stage's one-stage
+// configuration fits the 163 KB of sm_80 (at most 156 KB).
 //
 // What changed from the previous tier (naive: token-by-token reverse recurrence with checkpoints):
 // the work is chunked; the only sequential part is the dh scan over chunks (K x V state gradient per
