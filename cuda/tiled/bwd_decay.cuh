@@ -18,7 +18,7 @@
 //     products) accumulate in registers (warp w: rows 16 (w % 4), half w / 4 of the key columns), and one
 //     epilogue adds all three to the workspaces and sums each row's k . Yr and final dG (for dbeta and
 //     dg) from the registers. dP, dA, q, k come by cp.async. One CTA of 8 warps per (chunk, value head).
-//   kda (bwd_decay_kernel): E depends on d: each (row, key column) sums over the chunk element by
+//   kda (bwd_decay_kda_kernel): E depends on d: each (row, key column) sums over the chunk element by
 //     element (FLA factorises it into sub-chunks on the tensor cores; not done here).
 // Measured: with this stage and B3 rebuilt, forward + backward on H100 (bf16 GDN) went from 12.98 to
 // 9.50 ms at (2, 16384, 16, 128) (docs/perf.md, session 10). The previous gdn path (four block GEMMs, each
@@ -148,8 +148,10 @@ struct DecayScalarSmem {
     Carve c;
     dP = c.take(sizeof(float) * kRows * PA);
     dA = c.take(sizeof(float) * kRows * PA);
-    Mp = c.take(sizeof(Op) * kRows * P64);
-    Ma = c.take(sizeof(Op) * kRows * P64);
+    // fp32: dP o E and dA o E overwrite dP and dA in place (the same pitch; each element is read and
+    // written by one thread), so that K <= 64 fits the 99 KB of sm_86 / sm_89 (88.6 KB instead of 123 KB).
+    Mp = kIs16Bit<Op> ? c.take(sizeof(Op) * kRows * P64) : dP;
+    Ma = kIs16Bit<Op> ? c.take(sizeof(Op) * kRows * P64) : dA;
     Mb = c.take(sizeof(Op) * kRows * P64);
     q = c.take(sizeof(Op) * kRows * PK);
     k = c.take(sizeof(Op) * kRows * PK);
@@ -165,6 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_scalar_kernel(const Arg
   constexpr DecayScalarSmem<Op, KP> L{};
   constexpr int PA = L.PA, P64 = L.P64, PK = L.PK;
   constexpr int NTK = KP / 16;  // n-tiles of 8 in a warp's half of the key columns
+  static_assert(kIs16Bit<Op> || PA == P64, "fp32: dP o E and dA o E overwrite dP and dA with the same pitch");
   extern __shared__ __align__(16) unsigned char smem[];
   float* dPs = reinterpret_cast<float*>(smem + L.dP);
   float* dAs = reinterpret_cast<float*>(smem + L.dA);
@@ -203,7 +206,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_scalar_kernel(const Arg
   cp_async_wait<0>();
   __syncthreads();
   // dP o E, dA o E, diag(beta) dA o E as operands (dP, dA are zero outside i >= j; the exponential is only
-  // evaluated inside that mask).
+  // evaluated inside that mask). For fp32 the first two overwrite dP and dA in place (element by element,
+  // read before written by the same thread).
   for (int e = tid; e < kRows * kRows; e += kThreads) {
     const int i = e / kRows, j = e % kRows;
     const float E = (a.gated && i >= j) ? exp_t<Op>(Gs[i] - Gs[j]) : 1.f;
