@@ -118,6 +118,57 @@ __device__ __forceinline__ float G_at(const Args& a, bool perkey, const ChunkEnt
   return a.G[(ch.row0 + r) * a.HV + hv];
 }
 
+// ---- the chunk's tiles, by cp.async (the caller commits and waits) ---------------------------------
+// Rows [0, len) of a [B, T, heads, D] input (q, k) at the chunk's tokens and head `head`, columns < D, into
+// a 64 x KP tile of leading dimension ld; zeros elsewhere. Unaligned rows are copied with ordinary loads.
+template <class Op, int KP>
+__device__ __forceinline__ void load_chunk_rows(Op* dst, int ld, const TensorRef& r, const ChunkEntry& ch,
+                                                int64_t head, int len, int D) {
+  const Op* src = static_cast<const Op*>(r.ptr) + off(r, ch.batch, ch.t0, head);
+  load_tile<Op, kThreads>(dst, ld, src, r.stride_t, len, kRows, D, KP, vec_ok(src, r.stride_t));
+}
+// The chunk's cumulative log decay G of value head hv, rows < len: kda a 64 x KP tile (leading dimension
+// ld, zero past K and len), gdn one value per row. Every thread of the block calls it.
+template <int KP, bool PERKEY>
+__device__ __forceinline__ void load_chunk_G(float* dst, int ld, const Args& a, const ChunkEntry& ch, int64_t hv,
+                                             int len) {
+  if constexpr (PERKEY) {
+    const float* src = a.G + ws_row(ch, 0, a.HV, hv, a.K);
+    load_tile<float, kThreads>(dst, ld, src, a.HV * a.K, len, kRows, static_cast<int>(a.K), KP,
+                               vec_ok(src, a.HV * a.K));
+  } else {
+    const int i = static_cast<int>(threadIdx.x);
+    if (i < len) cp_async_4(dst + i, a.G + (ch.row0 + i) * a.HV + hv);
+  }
+}
+// The walk over V tiles of B2 and B3, NS (1 or 2) cp.async stages deep: at step t, after tile 0 was issued
+// before the walk (issue(t) loads tile t into stage t % NS and commits one group), start tile t + 1 (two
+// stages; its stage was last read by tile t - 1, released by the barrier that ended that step) or tile t
+// (one stage), then wait until tile t and every group before it have landed. The caller's barrier follows.
+template <int NS, class Issue>
+__device__ __forceinline__ void await_tile(int t, int ntiles, Issue&& issue) {
+  static_assert(NS == 1 || NS == 2, "one or two stages");
+  if constexpr (NS == 2) {
+    if (t + 1 < ntiles) issue(t + 1);
+    else cp_async_commit();  // an empty group keeps the wait count uniform
+    cp_async_wait<1>();
+  } else {
+    if (t > 0) issue(t);
+    cp_async_wait<0>();
+  }
+}
+// A warp's accumulator block (rows m0 + 16 x 1, columns n0 + 8 NT) rounded into an operand tile of the
+// input dtype (leading dimension ld), two adjacent columns per store.
+template <class Op, int NT>
+__device__ __forceinline__ void acc_to_tile(const float (&acc)[1][NT][4], Op* dst, int ld, int m0, int n0) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2)
+      store_pair(dst + (m0 + acc_row(0, 2 * h2)) * ld + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
+                 acc[0][nt][2 * h2 + 1]);
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int s = 16; s > 0; s >>= 1) x += __shfl_xor_sync(0xffffffffu, x, s);

@@ -192,10 +192,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_scalar_kernel(const Arg
     const float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
     load_tile<float, kThreads>(dPs, PA, dPg, kRows, kRows, kRows, kRows, kRows, vec_ok(dPg, kRows));
     load_tile<float, kThreads>(dAs, PA, dAg, kRows, kRows, kRows, kRows, kRows, vec_ok(dAg, kRows));
-    const Op* qsrc = static_cast<const Op*>(a.q.ptr) + off(a.q, ch.batch, ch.t0, hk);
-    const Op* ksrc = static_cast<const Op*>(a.k.ptr) + off(a.k, ch.batch, ch.t0, hk);
-    load_tile<Op, kThreads>(qs, PK, qsrc, a.q.stride_t, len, kRows, K, KP, vec_ok(qsrc, a.q.stride_t));
-    load_tile<Op, kThreads>(ks, PK, ksrc, a.k.stride_t, len, kRows, K, KP, vec_ok(ksrc, a.k.stride_t));
+    load_chunk_rows<Op, KP>(qs, PK, a.q, ch, hk, len, K);
+    load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
     cp_async_commit();
   }
   if (tid < kRows) {

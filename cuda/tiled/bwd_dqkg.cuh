@@ -109,16 +109,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
 
   // The chunk's q, k, G (the epilogue's; gated variants only): one cp.async group, before tile 0's.
   if (a.gated) {
-    const Op* qsrc = static_cast<const Op*>(a.q.ptr) + off(a.q, ch.batch, ch.t0, hk);
-    const Op* ksrc = static_cast<const Op*>(a.k.ptr) + off(a.k, ch.batch, ch.t0, hk);
-    load_tile<Op, kThreads>(qs, PK, qsrc, a.q.stride_t, len, kRows, K, KP, vec_ok(qsrc, a.q.stride_t));
-    load_tile<Op, kThreads>(ks, PK, ksrc, a.k.stride_t, len, kRows, K, KP, vec_ok(ksrc, a.k.stride_t));
-    if constexpr (PERKEY) {
-      const float* gsrc = a.G + ws_row(ch, 0, a.HV, hv, a.K);
-      load_tile<float, kThreads>(Gs, PG, gsrc, a.HV * a.K, len, kRows, K, KP, vec_ok(gsrc, a.HV * a.K));
-    } else {
-      if (tid < len) cp_async_4(Gs + tid, a.G + (ch.row0 + tid) * a.HV + hv);
-    }
+    load_chunk_rows<Op, KP>(qs, PK, a.q, ch, hk, len, K);
+    load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
+    load_chunk_G<KP, PERKEY>(Gs, PG, a, ch, hv, len);
   }
   cp_async_commit();
   // V tile t (columns v0 .. v0 + BV) into stage t % NS: one cp.async group. Rows past len (or K) and
@@ -150,15 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
 
   issue(0);  // V >= 1 (validate.cpp): at least one tile, and the loop's first wait covers q, k, G too
   for (int t = 0; t < ntiles; ++t) {
-    if constexpr (NS == 2) {
-      // Stage (t + 1) % 2 was last read by tile t - 1, released by the barrier that ended its step.
-      if (t + 1 < ntiles) issue(t + 1);
-      else cp_async_commit();  // an empty group keeps the wait count uniform
-      cp_async_wait<1>();      // tile t (and the chunk's q, k, G) have landed
-    } else {
-      if (t > 0) issue(t);  // the stage was released by the barrier that ended tile t - 1
-      cp_async_wait<0>();
-    }
+    await_tile<NS>(t, ntiles, issue);  // tile t (and the chunk's tiles loaded before the walk) landed
     __syncthreads();
     const Op* dOs = reinterpret_cast<const Op*>(at(L.dO, t));
     const Op* Vns = reinterpret_cast<const Op*>(at(L.Vn, t));

@@ -104,16 +104,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   {
     const float* tsrc = a.Tinv + (ch.row0 * a.HV + hv) * kRows;
     load_tile<float, kThreads>(Ts, PA, tsrc, a.HV * kRows, len, kRows, kRows, kRows, vec_ok(tsrc, a.HV * kRows));
-    const Op* ksrc = static_cast<const Op*>(a.k.ptr) + off(a.k, ch.batch, ch.t0, hk);
-    load_tile<Op, kThreads>(ks, PK, ksrc, a.k.stride_t, len, kRows, K, KP, vec_ok(ksrc, a.k.stride_t));
-    if (a.gated) {
-      if constexpr (PERKEY) {
-        const float* gsrc = a.G + ws_row(ch, 0, a.HV, hv, a.K);
-        load_tile<float, kThreads>(Gs, PG, gsrc, a.HV * a.K, len, kRows, K, KP, vec_ok(gsrc, a.HV * a.K));
-      } else {
-        if (tid < len) cp_async_4(Gs + tid, a.G + (ch.row0 + tid) * a.HV + hv);
-      }
-    }
+    load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
+    if (a.gated) load_chunk_G<KP, PERKEY>(Gs, PG, a, ch, hv, len);
     cp_async_commit();
   }
   if (tid < kRows) {
@@ -157,14 +149,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   };
 
   for (int t = 0; t < ntiles; ++t) {
-    if constexpr (NS == 2) {
-      if (t + 1 < ntiles) issue(t + 1);  // stage (t + 1) % 2 was released by the barrier ending tile t - 1
-      else cp_async_commit();            // an empty group keeps the wait count uniform
-      cp_async_wait<1>();
-    } else {
-      if (t > 0) issue(t);
-      cp_async_wait<0>();
-    }
+    await_tile<NS>(t, ntiles, issue);  // tile t (and the chunk's tiles loaded before the walk) landed
     __syncthreads();
     const int v0 = t * BV;
     const float* dUf = reinterpret_cast<const float*>(at(L.dUf, t));
@@ -272,27 +257,14 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
       }
     add_rows(s[0], s[1]);
   }
-  // dT as an operand.
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int i = m0 + acc_row(0, 2 * h2), j = 32 * half + acc_col(nt, 0);
-      store_pair(dTop + i * P64 + j, dt[0][nt][2 * h2], dt[0][nt][2 * h2 + 1]);
-    }
+  acc_to_tile(dt, dTop, P64, m0, 32 * half);  // dT as an operand
   __syncthreads();
   // M1 = T^T dT, as an operand.
   {
     float m1[1][4][4];
     zero_acc(m1);
     warp_mma<Op, 1, 4, Lay::colmajor, Lay::rowmajor>(m1, Top, P64, m0, dTop, P64, 32 * half, 0, kRows);
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int i = m0 + acc_row(0, 2 * h2), j = 32 * half + acc_col(nt, 0);
-        store_pair(M1op + i * P64 + j, m1[0][nt][2 * h2], m1[0][nt][2 * h2 + 1]);
-      }
+    acc_to_tile(m1, M1op, P64, m0, 32 * half);
   }
   __syncthreads();
   if (tid < len) a.dbw[(ch.row0 + tid) * a.HV + hv] = part[tid] + part[kRows + tid];

@@ -116,6 +116,20 @@ void prepare(Kernel kernel, size_t bytes, const char* stage) {
   DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
+// A per-chunk stage: grid (chunks, value heads), 8 warps, `bytes` of dynamic shared memory.
+template <class Kernel>
+void launch_per_chunk(Kernel kernel, size_t bytes, const char* stage, const Args& a, cudaStream_t stream) {
+  prepare(kernel, bytes, stage);
+  kernel<<<dim3(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.HV)), kThreads, bytes, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+// B2 and B3 walk V in tiles: two cp.async stages where they fit a CTA's shared memory (sm_90: every shape;
+// sm_80: not kda at K > 64), else one.
+template <template <class, int, bool, int> class Smem, class Op, int KP, bool PERKEY>
+bool two_stages_fit() {
+  return Smem<Op, KP, PERKEY, 2>{}.total <= static_cast<size_t>(max_smem_optin());
+}
+
 // B1, the sequential dh scan: column tile BV 64 or 32 and one or two load stages (scan_config.h).
 template <class Op, int KP, bool PERKEY, int BV, int NW>
 void launch_dh_scan_bv(const Args& a, int64_t num_seqs, cudaStream_t stream) {
@@ -152,64 +166,27 @@ enum class Stages { all, through_b0, after_b0, dh_scan_only };
 template <class Op, int KP, bool PERKEY>
 void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages which) {
   const int64_t NC = a.num_chunks;
-  const dim3 chunk_grid(static_cast<unsigned>(NC), static_cast<unsigned>(a.HV));
   DELTACP_CHECK(num_seqs <= INT_MAX, "B", "expected at most ", INT_MAX,
                 " sequences for the tiled backward scan, got ", num_seqs);
 
-  if (NC > 0 && (which == Stages::all || which == Stages::through_b0)) {
-    constexpr DvLocalSmem<Op, KP, PERKEY> L{};
-    auto k = bwd_dv_local_kernel<Op, KP, PERKEY>;
-    prepare(k, L.total, "dv_local");
-    k<<<chunk_grid, kThreads, L.total, stream>>>(a);
-    DELTACP_CUDA_CHECK_LAUNCH();
-  }
+  if (NC > 0 && (which == Stages::all || which == Stages::through_b0))
+    launch_per_chunk(bwd_dv_local_kernel<Op, KP, PERKEY>, DvLocalSmem<Op, KP, PERKEY>{}.total, "dv_local", a, stream);
   if (which == Stages::through_b0) return;
   if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
   if (a.dh0_only || which == Stages::dh_scan_only) return;  // B2-B5 make the input gradients
   if (NC > 0) {
-    {
-      // Two stages of V tiles where they fit (sm_90: every shape; sm_80: not kda at K > 64), else one.
-      constexpr DqkgSmem<Op, KP, PERKEY, 1> L1{};
-      constexpr DqkgSmem<Op, KP, PERKEY, 2> L2{};
-      if (L2.total <= static_cast<size_t>(max_smem_optin())) {
-        auto k = bwd_dqkg_kernel<Op, KP, PERKEY, 2>;
-        prepare(k, L2.total, "dq/dk/dg");
-        k<<<chunk_grid, kThreads, L2.total, stream>>>(a);
-      } else {
-        auto k = bwd_dqkg_kernel<Op, KP, PERKEY, 1>;
-        prepare(k, L1.total, "dq/dk/dg");
-        k<<<chunk_grid, kThreads, L1.total, stream>>>(a);
-      }
-      DELTACP_CUDA_CHECK_LAUNCH();
-    }
-    {
-      constexpr WyBwdSmem<Op, KP, PERKEY, 1> L1{};
-      constexpr WyBwdSmem<Op, KP, PERKEY, 2> L2{};
-      if (L2.total <= static_cast<size_t>(max_smem_optin())) {
-        auto k = bwd_wy_kernel<Op, KP, PERKEY, 2>;
-        prepare(k, L2.total, "WY");
-        k<<<chunk_grid, kThreads, L2.total, stream>>>(a);
-      } else {
-        auto k = bwd_wy_kernel<Op, KP, PERKEY, 1>;
-        prepare(k, L1.total, "WY");
-        k<<<chunk_grid, kThreads, L1.total, stream>>>(a);
-      }
-      DELTACP_CUDA_CHECK_LAUNCH();
-    }
-    {
-      if constexpr (PERKEY) {
-        constexpr DecayKdaSmem<Op, KP> L{};
-        auto k = bwd_decay_kda_kernel<Op, KP>;
-        prepare(k, L.total, "decay");
-        k<<<chunk_grid, kThreads, L.total, stream>>>(a);
-      } else {
-        constexpr DecayScalarSmem<Op, KP> L{};
-        auto k = bwd_decay_scalar_kernel<Op, KP>;
-        prepare(k, L.total, "decay");
-        k<<<chunk_grid, kThreads, L.total, stream>>>(a);
-      }
-      DELTACP_CUDA_CHECK_LAUNCH();
-    }
+    if (two_stages_fit<DqkgSmem, Op, KP, PERKEY>())
+      launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 2>, DqkgSmem<Op, KP, PERKEY, 2>{}.total, "dq/dk/dg", a, stream);
+    else
+      launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 1>, DqkgSmem<Op, KP, PERKEY, 1>{}.total, "dq/dk/dg", a, stream);
+    if (two_stages_fit<WyBwdSmem, Op, KP, PERKEY>())
+      launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 2>, WyBwdSmem<Op, KP, PERKEY, 2>{}.total, "WY", a, stream);
+    else
+      launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 1>, WyBwdSmem<Op, KP, PERKEY, 1>{}.total, "WY", a, stream);
+    if constexpr (PERKEY)
+      launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
+    else
+      launch_per_chunk(bwd_decay_scalar_kernel<Op, KP>, DecayScalarSmem<Op, KP>{}.total, "decay", a, stream);
     const int64_t total = a.B * a.T * a.H * a.K;
     const int64_t blocks = (total + kThreads - 1) / kThreads;
     const unsigned grid = static_cast<unsigned>(blocks < 65536 * 16 ? blocks : 65536 * 16);  // grid-stride beyond
