@@ -2,10 +2,12 @@
 # One call on a lent GPU machine: build, validate, sanitize, benchmark; results under $OUT.
 #
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
-#                                            cpbench (default build,test,sanitize,pytest,bench)
+#                                            cpbench, stages, scan, ncu (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too); on one GPU the checks run as 2 ranks
 #            sharing it over gloo, without the examples and the bench
+#   stages   bench/gpu/stage_times.py: CUDA time of each kernel of the tiled forward + backward (gdn, kda) at
+#            DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
 #   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt,
 #            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
@@ -93,6 +95,16 @@ if has scan; then  # the state scan alone: wgmma against mma.sync (bench/gpu/ben
   tail -24 "$OUT/bench_scan.log"
 fi
 
+if has stages; then  # where the tiled forward + backward spends its time, kernel by kernel
+  t0=$(date +%s)
+  for variant in gdn kda; do
+    timeout 120 python3 bench/gpu/stage_times.py --variant $variant --backward \
+      --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" >>"$OUT/stages.log" 2>&1
+  done
+  say "stages: rc=$? in $(( $(date +%s) - t0 )) s"
+  cat "$OUT/stages.log"
+fi
+
 if has bench; then
   t0=$(date +%s)
   PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout 420 python3 bench/gpu/bench_gpu.py --out "$OUT/bench_gpu.json" \
@@ -124,24 +136,27 @@ if has ncu; then
   # One launch of a kernel under Nsight Compute (full set: warp stall reasons, pipe use, source counters),
   # from three forwards of one shape (forward + backward when the kernel's name has "bwd").
   # DELTACP_NCU_KERNEL (regex, default the state scan), DELTACP_NCU_SHAPE (B,T,H,D, default 1,32768,16,128:
-  # one sequence, as in the CP bench).
+  # one sequence, as in the CP bench), DELTACP_NCU_VARIANT (gdn or kda), DELTACP_NCU_SKIP / _COUNT (matching
+  # launches skipped, then profiled: default 1, 1).
   t0=$(date +%s)
   if command -v ncu >/dev/null 2>&1; then
     IFS=, read -r NB NT NH ND <<<"${DELTACP_NCU_SHAPE:-1,32768,16,128}"
-    timeout 300 ncu --kernel-name "regex:${DELTACP_NCU_KERNEL:-chunk_state_scan}" --launch-skip 1 --launch-count 1 \
+    timeout 300 ncu --kernel-name "regex:${DELTACP_NCU_KERNEL:-chunk_state_scan}" --launch-skip ${DELTACP_NCU_SKIP:-1} \
+      --launch-count ${DELTACP_NCU_COUNT:-1} \
       --set full --import-source yes -o "$OUT/ncu_kernel" -f python3 -c "
 import torch, torch.nn.functional as F, deltacp
 B, T, H, D = $NB, $NT, $NH, $ND
 q = torch.randn(B, T, H, D, device='cuda', dtype=torch.bfloat16)
 k = F.normalize(torch.randn(B, T, H, D, device='cuda'), dim=-1).bfloat16()
 v = torch.randn(B, T, H, D, device='cuda', dtype=torch.bfloat16)
-g = F.logsigmoid(torch.randn(B, T, H, device='cuda'))
+kda = '${DELTACP_NCU_VARIANT:-gdn}' == 'kda'  # kda: a gate per key dimension (FLA's bench: logsigmoid / 8)
+g = F.logsigmoid(torch.randn(B, T, H, D, device='cuda')) / 8 if kda else F.logsigmoid(torch.randn(B, T, H, device='cuda'))
 beta = torch.rand(B, T, H, device='cuda').sigmoid().bfloat16()
 backward = 'bwd' in '${DELTACP_NCU_KERNEL:-}'  # a backward kernel: forward + backward each time
 for t in (q, k, v, g, beta):
     t.requires_grad_(backward)
 for _ in range(3):
-    o, _ = deltacp.chunk_gated_delta_rule(q, k, v, g, beta)
+    o, _ = (deltacp.chunk_kda if kda else deltacp.chunk_gated_delta_rule)(q, k, v, g, beta)
     if backward:
         o.backward(torch.ones_like(o))
 torch.cuda.synchronize()
@@ -152,7 +167,7 @@ torch.cuda.synchronize()
     ncu --import "$OUT/ncu_kernel.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu_source.csv" 2>&1 ||
       say "   ncu source page: not available"
     say "ncu (${DELTACP_NCU_KERNEL:-chunk_state_scan}): rc=$rc in $(( $(date +%s) - t0 )) s"
-    grep -E "Duration|Registers|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | head -30
+    grep -E "Duration|Registers|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Stall" "$OUT/ncu_details.txt" | head -${DELTACP_NCU_LINES:-30}
   else
     say "ncu: not on this image"
   fi

@@ -80,7 +80,9 @@ struct Args {
   float* dA = nullptr;     // [num_chunks, HV, 64, 64]: dL/dA, masked to i > j
   float* dqw = nullptr;    // [R, HV, K]: dq per value head
   float* dkw = nullptr;    // [R, HV, K]: dk per value head
-  float* dGw = nullptr;    // [R, HV, K]: dL/dG (before the reverse cumsum); gated only
+  float* dGw = nullptr;    // kda [R, HV, K]: dL/dG (before the reverse cumsum)
+  float* dGr = nullptr;    // gdn [R, HV]: dL/dG summed over the key columns (B2 writes, B3 adds, B4 reads):
+                           // a scalar gate needs only the row sums, a K-times smaller stream than dGw
   float* dbw = nullptr;    // [R, HV]: dbeta from the WY stage (the decay stage adds the rest)
 };
 
@@ -100,6 +102,18 @@ __device__ __forceinline__ float ld(const TensorRef& r, int64_t o) {
 template <class T>
 __device__ __forceinline__ void st(const TensorRef& r, int64_t o, float x) {
   static_cast<T*>(r.ptr)[o] = from_f<T>(x);
+}
+// Output elements o and o + 1 (the second only when `both`) of a view in the input dtype: one paired store
+// when aligned.
+template <class Op>
+__device__ __forceinline__ void st2(const TensorRef& r, int64_t o, float x0, float x1, bool both) {
+  Op* p = static_cast<Op*>(r.ptr) + o;
+  if (both && reinterpret_cast<uintptr_t>(p) % (2 * sizeof(Op)) == 0) {
+    store_pair(p, x0, x1);
+  } else {
+    p[0] = from_f<Op>(x0);
+    if (both) p[1] = from_f<Op>(x1);
+  }
 }
 // dg is stored in g's dtype: fp32 when Params::g_fp32, else the input dtype T.
 template <class T, class Args>

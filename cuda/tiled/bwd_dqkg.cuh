@@ -220,6 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
 
   // The epilogue on the accumulators: (row i, columns d, d + 1) per lane and n-tile.
   const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
+  float grow[2] = {0.f, 0.f};       // gdn: dG of rows mt_row + g (+ 8) summed over this lane's columns
 #pragma unroll
   for (int nt = 0; nt < NTK; ++nt)
 #pragma unroll
@@ -249,7 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
         *reinterpret_cast<float2*>(a.dqw + o) = make_float2(dq[0], dq[1]);
         *reinterpret_cast<float2*>(a.dkw + o) = make_float2(dk[0], dk[1]);
         *reinterpret_cast<float2*>(a.dW + o) = make_float2(dw[0], dw[1]);
-        if (a.gated) *reinterpret_cast<float2*>(a.dGw + o) = make_float2(dg[0], dg[1]);
+        if constexpr (PERKEY) *reinterpret_cast<float2*>(a.dGw + o) = make_float2(dg[0], dg[1]);
+        else grow[h2] += dg[0] + dg[1];
       } else {
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -257,10 +259,23 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
             a.dqw[o + j] = dq[j];
             a.dkw[o + j] = dk[j];
             a.dW[o + j] = dw[j];
-            if (a.gated) a.dGw[o + j] = dg[j];
+            if constexpr (PERKEY) a.dGw[o + j] = dg[j];
+            else grow[h2] += dg[j];
           }
       }
     }
+  if constexpr (!PERKEY) {
+    if (a.gated) {  // gdn: dGr = each row's dG summed over d, the four lanes of a row and then the two
+                    // column halves in a fixed order (kr_part's bytes are free since kr_sum was formed)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const float s = group_sum<4>(grow[h2]);
+        if ((lane & 3) == 0) kr_part[half * kRows + mt_row + (lane >> 2) + 8 * h2] = s;
+      }
+      __syncthreads();
+      if (tid < len) a.dGr[(ch.row0 + tid) * a.HV + hv] = kr_part[tid] + kr_part[kRows + tid];
+    }
+  }
   // dP = scale dO Vn^T on j <= i < len, zero elsewhere (every element of the 64 x 64 block written).
   float* dPg = a.dP + (c * a.HV + hv) * kRows * kRows;
 #pragma unroll

@@ -3,37 +3,47 @@
 //   P_ij   = sum_d q_id k_jd e^(G_id - G_jd)   for j <= i < len, else 0
 //   dVn   <- scale P^T dO                      (the dh scan, bwd_dh_scan.cuh, adds Kr dS')
 //
-// One CTA per (chunk, value head), 256 threads. P (64 x 64) is formed once, then dO is walked in
-// V tiles of 32 columns: dVn tile = P^T (64 x 64) * dO tile (64 x 32).
+// One CTA per (chunk, value head), 256 threads. q, k, G come by cp.async; P (64 x 64) is formed once,
+// then dO is walked in V tiles of 32 columns loaded by cp.async two stages deep: dVn tile = P^T (64 x 64)
+// * dO tile (64 x 32).
 //   gdn / delta: P = (Q K^T) o E with the scalar decay E_ij = e^(G_i - G_j): one tensor-core product.
-//   kda:         the decay differs per key column, so P is summed element by element
-//                (2080 pairs x K exponentials per chunk); see "what is not done" in tiled_bwd.cu.
+//   kda:         the decay differs per key column: kda_scores (kda_scores.cuh, the forward's own) sums
+//                the off-diagonal 16 x 16 blocks on the tensor cores around a reference row and only
+//                the four diagonal blocks element by element.
 // Writes a.dvnew (fp32) for every token of the chunk and every V column, and for kda a.Qg = Q e^G.
-// Measured: not yet (no GPU timing recorded; see tiled_bwd.cu).
+// Measured (H100, Nsight Compute, bf16 kda (1, 32768, 16, 128)): 4.53 ms when every tile was loaded element
+// by element and kda's P was summed element by element over the whole triangle (2080 pairs x K
+// exponentials per chunk); gdn's took 0.88 ms of session 10's 9.7 ms forward + backward at
+// (2, 16384, 16, 128).
 #pragma once
 
 #include "bwd_common.cuh"
+#include "kda_scores.cuh"
 
 namespace deltacp::cuda::tiled::bwd {
 
 template <class Op, int KP, bool PERKEY>
 struct DvLocalSmem {
-  static constexpr int PK = pitch_of<Op>(KP), PP = pitch_of<Op>(kRows), PV = pitch_of<Op>(kVTile);
-  static constexpr int PG = PERKEY ? KP + 1 : 1;
-  size_t q = 0, k = 0, G = 0, P = 0, dO = 0, total = 0;
+  static constexpr int PK = kIs16Bit<Op> ? KP + 8 : KP + 4;        // q, k (and kda's scratch): 16-byte rows
+  static constexpr int PP = kIs16Bit<Op> ? kRows + 8 : kRows + 4;  // P
+  static constexpr int PV = kIs16Bit<Op> ? kVTile + 8 : kVTile + 4;
+  static constexpr int PG = PERKEY ? KP + 4 : 1;                   // kda's G tile (16-byte rows)
+  size_t q = 0, k = 0, G = 0, P = 0, dO = 0, xr = 0, yr = 0, total = 0;
   __host__ __device__ constexpr DvLocalSmem() {
     Carve c;
     q = c.take(sizeof(Op) * kRows * PK);
     k = c.take(sizeof(Op) * kRows * PK);
     G = c.take(sizeof(float) * kRows * PG);
     P = c.take(sizeof(Op) * kRows * PP);
-    dO = c.take(sizeof(Op) * kRows * PV);
+    dO = c.take(sizeof(Op) * 2 * kRows * PV);  // two stages
+    xr = PERKEY ? c.take(sizeof(Op) * 16 * PK) : 0;  // kda_scores' scratch
+    yr = PERKEY ? c.take(sizeof(Op) * 48 * PK) : 0;
     total = c.off;
   }
 };
 
 template <class Op, int KP, bool PERKEY>
-__global__ void __launch_bounds__(kThreads) bwd_dv_local_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 2) bwd_dv_local_kernel(const Args a) {
   constexpr DvLocalSmem<Op, KP, PERKEY> L{};
   constexpr int PK = L.PK, PP = L.PP, PV = L.PV, PG = L.PG;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -48,26 +58,30 @@ __global__ void __launch_bounds__(kThreads) bwd_dv_local_kernel(const Args a) {
   const ChunkEntry ch = a.chunks[c];
   const int len = static_cast<int>(ch.len);
   const int K = static_cast<int>(a.K);
+  const int V = static_cast<int>(a.V);
 
-  for (int e = tid; e < kRows * KP; e += kThreads) {
-    const int i = e / KP, d = e % KP;
-    const bool ok = i < len && d < K;
-    const int64_t o = ok ? off(a.q, ch.batch, ch.t0 + i, hk) + d : 0;
-    qs[i * PK + d] = ok ? static_cast<const Op*>(a.q.ptr)[o] : from_f<Op>(0.f);
-    const int64_t ok_off = ok ? off(a.k, ch.batch, ch.t0 + i, hk) + d : 0;
-    ks[i * PK + d] = ok ? static_cast<const Op*>(a.k.ptr)[ok_off] : from_f<Op>(0.f);
-  }
+  // q, k and G: one cp.async group (kda's G rows past len repeat the last row, as kda_scores needs; gdn's
+  // are never read there: P is masked to i < len first).
+  load_chunk_rows<Op, KP>(qs, PK, a.q, ch, hk, len, K);
+  load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
   if (a.gated) {
-    if constexpr (PERKEY) {
-      for (int e = tid; e < kRows * KP; e += kThreads) {
-        const int i = e / KP, d = e % KP;
-        Gs[i * PG + d] = G_at(a, true, ch, len, hv, i, d);
-      }
-    } else {
-      for (int i = tid; i < kRows; i += kThreads) Gs[i] = G_at(a, false, ch, len, hv, i, 0);
-    }
+    if constexpr (PERKEY) load_key_gate(Gs, PG, a.G, ch.row0, a.HV, hv, a.K, KP, len);
+    else load_chunk_G<KP, false>(Gs, PG, a, ch, hv, len);
   }
+  cp_async_commit();
+  // dO tile t (columns 32 t ..) into stage t % 2: one group. Rows past len and columns past V are zero.
+  const Op* dop = static_cast<const Op*>(a.dout.ptr) + off(a.dout, ch.batch, ch.t0, hv);
+  const int64_t ldo = a.dout.stride_t;
+  auto issue = [&](int t) {
+    const int v0 = t * kVTile;
+    load_tile<Op, kThreads>(dOs + (t % 2) * kRows * PV, PV, dop + v0, ldo, len, kRows, min(kVTile, V - v0), kVTile,
+                            vec_ok(dop + v0, ldo));
+    cp_async_commit();
+  };
+  issue(0);
+  cp_async_wait<1>();  // q, k, G
   __syncthreads();
+
   if constexpr (PERKEY) {
     // Q e^G for the dh scan (B1), which cannot fold a per-key-column decay into its narrow operands.
     Op* qg = static_cast<Op*>(a.Qg);
@@ -88,30 +102,27 @@ __global__ void __launch_bounds__(kThreads) bwd_dv_local_kernel(const Args a) {
       Ps[i * PP + j] = from_f<Op>(p);
     });
   } else {
+    // kda_scores writes the blocks on and below the block diagonal (rows past len: q is zero there);
+    // the blocks above it are zero.
     for (int e = tid; e < kRows * kRows; e += kThreads) {
       const int i = e / kRows, j = e % kRows;
-      float p = 0.f;
-      if (i >= j && i < len) {
-        for (int d = 0; d < K; ++d)
-          p = fmaf(to_f(qs[i * PK + d]) * to_f(ks[j * PK + d]), exp_t<Op>(Gs[i * PG + d] - Gs[j * PG + d]), p);
-      }
-      Ps[i * PP + j] = from_f<Op>(p);
+      if ((j >> 4) > (i >> 4)) Ps[i * PP + j] = from_f<Op>(0.f);
     }
+    kda_scores<Op, kThreads>(qs, ks, PK, Gs, PG, reinterpret_cast<Op*>(smem + L.xr), reinterpret_cast<Op*>(smem + L.yr),
+                             KP, len, /*inclusive=*/true, [&](int i, int j, float x) { Ps[i * PP + j] = from_f<Op>(x); });
   }
 
-  const Op* dout = static_cast<const Op*>(a.dout.ptr);
-  for (int v0 = 0; v0 < a.V; v0 += kVTile) {
-    __syncthreads();  // P complete; the previous tile's product has finished reading dOs
-    for (int e = tid; e < kRows * kVTile; e += kThreads) {
-      const int i = e / kVTile, v = e % kVTile;
-      const bool ok = i < len && v0 + v < a.V;
-      dOs[i * PV + v] = ok ? dout[off(a.dout, ch.batch, ch.t0 + i, hv) + v0 + v] : from_f<Op>(0.f);
-    }
-    __syncthreads();
+  const int ntiles = (V + kVTile - 1) / kVTile;
+  for (int t = 0; t < ntiles; ++t) {
+    await_tile<2>(t, ntiles, issue);
+    __syncthreads();  // P complete (t = 0); dO tile t landed for every thread
+    const int v0 = t * kVTile;
     // dVn(j, v) = scale sum_i P_ij dO_iv: A = P^T (column-major view of P).
-    block_gemm<Op, kRows, kVTile, Lay::colmajor, Lay::rowmajor>(Ps, PP, dOs, PV, kRows, [&](int j, int v, float x) {
-      if (j < len && v0 + v < a.V) a.dvnew[ws_row(ch, j, a.HV, hv, a.V) + v0 + v] = a.scale * x;
+    block_gemm<Op, kRows, kVTile, Lay::colmajor, Lay::rowmajor>(Ps, PP, dOs + (t % 2) * kRows * PV, PV, kRows,
+                                                                 [&](int j, int v, float x) {
+      if (j < len && v0 + v < V) a.dvnew[ws_row(ch, j, a.HV, hv, a.V) + v0 + v] = a.scale * x;
     });
+    __syncthreads();  // stage t % 2 is free for tile t + 2
   }
 }
 

@@ -42,7 +42,7 @@ struct WyBwdSmem {
   static constexpr int PVF = BV + 4;                                // fp32 staging of dU
   static constexpr int PK = kIs16Bit<Op> ? KP + 8 : KP + 4;          // Op key-side tiles
   static constexpr int PG = KP + 4;                                 // kda's G tile
-  size_t Ts = 0, Top = 0, beta = 0, part = 0, k = 0, G = 0, dUf = 0, vs = 0, stage = 0, dUop = 0, Bv = 0, dWop = 0,
+  size_t Ts = 0, Top = 0, beta = 0, part = 0, gpart = 0, k = 0, G = 0, dUf = 0, vs = 0, stage = 0, dUop = 0, Bv = 0, dWop = 0,
          Bx = 0, M1op = 0, dTop = 0, total = 0;
   __host__ __device__ constexpr WyBwdSmem() {
     Carve c;
@@ -50,6 +50,7 @@ struct WyBwdSmem {
     Top = kIs16Bit<Op> ? c.take(sizeof(Op) * kRows * P64) : Ts;  // fp32: the operand is Ts itself
     beta = c.take(sizeof(float) * kRows);
     part = c.take(sizeof(float) * 2 * kRows);  // dbeta parts of the two column halves
+    gpart = c.take(sizeof(float) * 2 * kRows);  // gdn: dG row sums of the two column halves
     k = c.take(sizeof(Op) * kRows * PK);
     G = c.take(sizeof(float) * (PERKEY ? kRows * PG : kRows));
     Carve v = c;  // the V walk's tiles
@@ -80,6 +81,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   Op* Top = reinterpret_cast<Op*>(smem + L.Top);
   float* betas = reinterpret_cast<float*>(smem + L.beta);
   float* part = reinterpret_cast<float*>(smem + L.part);
+  float* gpart = reinterpret_cast<float*>(smem + L.gpart);
   Op* ks = reinterpret_cast<Op*>(smem + L.k);
   float* Gs = reinterpret_cast<float*>(smem + L.G);
   Op* dUop = reinterpret_cast<Op*>(smem + L.dUop);
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   // dk += beta Z Gam, dG += beta Z X, Z . X into dbeta.
   {
     const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
-    float s[2] = {0.f, 0.f};
+    float s[2] = {0.f, 0.f}, gs[2] = {0.f, 0.f};  // per row: Z . X; gdn: dG summed over this lane's columns
 #pragma unroll
     for (int nt = 0; nt < NTK; ++nt)
 #pragma unroll
@@ -241,21 +243,32 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
           float2* pk = reinterpret_cast<float2*>(a.dkw + o);
           float2 w = *pk;
           *pk = make_float2(w.x + dk[0], w.y + dk[1]);
-          if (a.gated) {
+          if constexpr (PERKEY) {
             float2* pg = reinterpret_cast<float2*>(a.dGw + o);
             float2 u = *pg;
             *pg = make_float2(u.x + dg[0], u.y + dg[1]);
+          } else {
+            gs[h2] += dg[0] + dg[1];
           }
         } else {
 #pragma unroll
           for (int j = 0; j < 2; ++j)
             if (d + j < K) {
               a.dkw[o + j] += dk[j];
-              if (a.gated) a.dGw[o + j] += dg[j];
+              if constexpr (PERKEY) a.dGw[o + j] += dg[j];
+              else gs[h2] += dg[j];
             }
         }
       }
     add_rows(s[0], s[1]);
+    if constexpr (!PERKEY) {  // gdn: the four lanes of a row, then lane 4 g writes this half's sum
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        gs[h2] += __shfl_xor_sync(0xffffffffu, gs[h2], 1);
+        gs[h2] += __shfl_xor_sync(0xffffffffu, gs[h2], 2);
+        if ((lane & 3) == 0) gpart[half * kRows + m0 + g + 8 * h2] = gs[h2];
+      }
+    }
   }
   acc_to_tile(dt, dTop, P64, m0, 32 * half);  // dT as an operand
   __syncthreads();
@@ -268,6 +281,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   }
   __syncthreads();
   if (tid < len) a.dbw[(ch.row0 + tid) * a.HV + hv] = part[tid] + part[kRows + tid];
+  if constexpr (!PERKEY)  // gdn: B2's row sums of dG plus this stage's (the two halves in a fixed order)
+    if (a.gated && tid < len) a.dGr[(ch.row0 + tid) * a.HV + hv] += gpart[tid] + gpart[kRows + tid];
   // dA = -M1 T^T (B(l, j) = T[j][l]: T's column-major view), strictly lower, rows < len.
   float da[1][4][4];
   zero_acc(da);

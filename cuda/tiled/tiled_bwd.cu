@@ -23,7 +23,8 @@
 //   B2 bwd_dqkg       per (chunk, head)            V contractions: dP, dq/dk/dG partials, dW
 //   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
 //   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
-//   B5 reduce_heads   per token element            dq, dk: sum the value heads of each group, cast
+//   B5 reduce_heads   per token element            dq, dk: sum the value heads of each group, cast (only when
+//                                                  HV > H: with one value head per key head B4 writes them)
 // Every workspace element is written by exactly one thread per kernel; no atomics, so two runs give
 // bitwise equal results.
 //
@@ -187,11 +188,13 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
       launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
     else
       launch_per_chunk(bwd_decay_scalar_kernel<Op, KP>, DecayScalarSmem<Op, KP>{}.total, "decay", a, stream);
-    const int64_t total = a.B * a.T * a.H * a.K;
-    const int64_t blocks = (total + kThreads - 1) / kThreads;
-    const unsigned grid = static_cast<unsigned>(blocks < 65536 * 16 ? blocks : 65536 * 16);  // grid-stride beyond
-    bwd_reduce_heads_kernel<Op><<<grid, kThreads, 0, stream>>>(a);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    if (a.group > 1) {  // with one value head per key head, B4 wrote dq and dk itself
+      const int64_t total = a.B * a.T * a.H * a.K;
+      const int64_t blocks = (total + kThreads - 1) / kThreads;
+      const unsigned grid = static_cast<unsigned>(blocks < 65536 * 16 ? blocks : 65536 * 16);  // grid-stride beyond
+      bwd_reduce_heads_kernel<Op><<<grid, kThreads, 0, stream>>>(a);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
   }
 }
 
@@ -291,10 +294,12 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   // Backward (fp32).
   const int64_t bdh = dh0_only ? 0 : NC * p.HV * p.K * p.V * 4, bdvn = R * p.HV * p.V * 4,
                 bkey = dh0_only ? 0 : R * p.HV * p.K * 4, bmat = dh0_only ? 0 : NC * p.HV * kRows * kRows * 4,
-                bdG = gated ? bkey : 0, bdb = dh0_only ? 0 : R * p.HV * 4;
+                bdb = dh0_only ? 0 : R * p.HV * 4;
+  const bool perkey = p.variant == Variant::kda;
+  const int64_t bdG = perkey ? bkey : 0, bdGr = gated && !perkey ? bdb : 0;  // kda dG per key column; gdn row sums
   const size_t odh = ws.plan(bdh), odvn = ws.plan(bdvn), odW = ws.plan(bkey), odP = ws.plan(bmat),
                odA = ws.plan(bmat), odq = ws.plan(bkey), odk = ws.plan(bkey), odG = ws.plan(bdG),
-               odb = ws.plan(bdb);
+               odGr = ws.plan(bdGr), odb = ws.plan(bdb);
   ws.allocate();
 
   float* G = ws.at<float>(oG, bG);
@@ -351,6 +356,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   a.dqw = ws.at<float>(odq, bkey);
   a.dkw = ws.at<float>(odk, bkey);
   a.dGw = ws.at<float>(odG, bdG);
+  a.dGr = ws.at<float>(odGr, bdGr);
   a.dbw = ws.at<float>(odb, bdb);
 
   if (dh0_only) state->states_done = true;  // nothing reads h

@@ -94,6 +94,7 @@
 #include "deltacp/params.h"
 #include "fwd_mma.cuh"
 #include "fwd_stages.cuh"
+#include "kda_scores.cuh"
 #include "scan_config.h"
 
 namespace deltacp::cuda::tiled {
@@ -267,27 +268,6 @@ __host__ __device__ inline OutLayout out_layout(int Kp, int esize, bool kda) {
   return L;
 }
 
-// ---- small device helpers -------------------------------------------------------------------
-// Eight consecutive elements of a shared-memory row (16-byte aligned for T, 32 for float) as floats.
-template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
-  if constexpr (std::is_same<T, float>::value) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = to_f(e[i]);
-  }
-}
-__device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-}
-
 // Fills the per-row gate values of a chunk tile (gdn / delta): g_s[i] = G of row min(i, len - 1)
 // (rows past a short chunk repeat the last row: their relative decays are e^0 and finite),
 // eg_s[i] = e^(g_s[i]). Zero gate for delta. Threads 0..63.
@@ -299,91 +279,6 @@ __device__ __forceinline__ void load_scalar_gate(float* g_s, float* eg_s, const 
     const float gi = has_gate ? G[(row0 + min(i, len - 1)) * HV + hv] : 0.f;
     g_s[i] = gi;
     eg_s[i] = exp_t<T>(gi);
-  }
-}
-
-// kda: Gk[i][d] = G[row min(i, len - 1)][d] for d < K, zero for K <= d < Kp.
-__device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G, int64_t row0, int64_t HV,
-                                              int64_t hv, int64_t K, int Kp, int len) {
-  for (int idx = threadIdx.x; idx < kBT * Kp; idx += blockDim.x) {
-    const int i = idx / Kp, d = idx - i * Kp;
-    Gk[i * ldg + d] = d < K ? G[((row0 + min(i, len - 1)) * HV + hv) * K + d] : 0.f;
-  }
-}
-
-// kda decayed scores of one chunk (see the file comment):
-//   P(i, j) = sum_d X[i][d] Y[j][d] e^(G[i][d] - G[j][d])   for j < i (j <= i when `inclusive`)
-// handed to write(i, j, value) for every (i, j) of the 16 x 16 blocks on or below the block
-// diagonal (value 0 above the diagonal inside diagonal blocks, and for row blocks at or past len).
-// X, Y: 64 x Kp tiles (ld), zero past len. Gk: 64 x Kp fp32 (ldg). Xr (16 x ld), Yr (48 x ld):
-// scratch. Called by all 128 threads; contains __syncthreads.
-template <class T, class Write>
-__device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
-                           bool inclusive, Write write) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Off-diagonal blocks (a, b < a) through the reference row r = 16 a.
-  for (int a = 1; a < 4; ++a) {
-    const int r = 16 * a;
-    const bool active = r < len;  // uniform over the block
-    if (active) {
-      const float* Gr = Gk + r * ldg;
-      const int rows = r + 16;  // Yr: rows [0, r); Xr: rows [r, r + 16)
-      for (int idx = tid; idx < rows * Kp; idx += kThreads) {
-        const int i = idx / Kp, d = idx - i * Kp;
-        if (i < r) {
-          Yr[i * ld + d] = from_f<T>(to_f(Y[i * ld + d]) * exp_t<T>(Gr[d] - Gk[i * ldg + d]));
-        } else {
-          Xr[(i - r) * ld + d] = from_f<T>(to_f(X[i * ld + d]) * exp_t<T>(Gk[i * ldg + d] - Gr[d]));
-        }
-      }
-    }
-    __syncthreads();
-    if (warp < a) {  // warp w: block (a, w)
-      float acc[1][2][4];
-      zero_acc(acc);
-      if (active) warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xr, ld, 0, Yr, ld, 16 * warp, 0, Kp);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) write(r + acc_row(0, e), 16 * warp + acc_col(nt, e), acc[0][nt][e]);
-    }
-    __syncthreads();
-  }
-  // Diagonal blocks: warp a owns block (a, a). Lane: row i = 16 a + (lane % 16), half the d range.
-  {
-    const int a = warp, il = lane & 15, half = lane >> 4;
-    const int i = 16 * a + il;
-    const bool active = 16 * a < len;  // uniform over the warp
-    float part[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) part[j] = 0.f;
-    if (active) {
-      const int dh = Kp / 2;  // a multiple of 8
-      for (int d0 = half * dh; d0 < (half + 1) * dh; d0 += 8) {
-        float xi[8], gi[8];
-        load8(X + i * ld + d0, xi);
-        load8f(Gk + i * ldg + d0, gi);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int jj = 16 * a + j;
-          const bool lower = inclusive ? (j <= il) : (j < il);
-          float yj[8], gj[8];
-          load8(Y + jj * ld + d0, yj);
-          load8f(Gk + jj * ldg + d0, gj);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) part[j] = fmaf(xi[e] * yj[e], exp_t<T>(lower ? gi[e] - gj[e] : 0.f), part[j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 16; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], 16);
-    if (half == 0) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const bool lower = inclusive ? (j <= il) : (j < il);
-        write(i, 16 * a + j, (active && lower) ? part[j] : 0.f);
-      }
-    }
   }
 }
 
@@ -446,23 +341,20 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   {
     const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
     load_tile(Ks, ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
+    if constexpr (kKda) load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);  // with K
     cp_async_commit();
     const T* vsrc = args.v.at(ce.batch, ce.t0, hv);
     load_tile(Vs, ldv, vsrc, args.v.st, len, kBT, static_cast<int>(args.V), Vp, vec_ok(vsrc, args.v.st));
     cp_async_commit();
   }
   if (tid < kBT) beta_s[tid] = tid < len ? to_f(*args.beta.at(ce.batch, ce.t0 + tid, hv)) : 0.f;
-  if constexpr (kKda) {
-    load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);
-  } else {
-    load_scalar_gate<T>(g_s, eg_s, G, ce.row0, HV, hv, len, args.has_gate);
-  }
-  cp_async_wait<1>();  // the K tile (V may still be in flight)
+  if constexpr (!kKda) load_scalar_gate<T>(g_s, eg_s, G, ce.row0, HV, hv, len, args.has_gate);
+  cp_async_wait<1>();  // the K tile and kda's gates (V may still be in flight)
   __syncthreads();
 
   // ---- phase 1: A (strictly lower; row block a is written in columns < 16 (a + 1)) ----
   if constexpr (kKda) {
-    kda_scores<T>(Ks, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/false,
+    kda_scores<T, kThreads>(Ks, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/false,
                   [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; });
   } else {
     float acc[1][8][4];
@@ -853,21 +745,18 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
     const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
     load_tile(Qs, ldk, qsrc, args.q.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(qsrc, args.q.st));
     load_tile(Ks, ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
+    if constexpr (kKda) load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);  // with Q, K
     cp_async_commit();
     if constexpr (!kKda) issue_slab(0);
     cp_async_commit();
   }
-  if constexpr (kKda) {
-    load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);
-  } else {
-    load_scalar_gate<T>(g_s, eg_s, G, ce.row0, HV, hv, len, args.has_gate);
-  }
-  cp_async_wait<1>();  // Q, K
+  if constexpr (!kKda) load_scalar_gate<T>(g_s, eg_s, G, ce.row0, HV, hv, len, args.has_gate);
+  cp_async_wait<1>();  // Q, K (and kda's gates)
   __syncthreads();
 
   // P (16-bit operand); row block w is written in columns < 16 (w + 1)
   if constexpr (kKda) {
-    kda_scores<T>(Qs, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/true,
+    kda_scores<T, kThreads>(Qs, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/true,
                   [&](int i, int j, float x) { Pb[i * ldp + j] = from_f<T>(x); });
     // The scratch (Xr, Yr) is free after kda_scores' last __syncthreads: slab 0 may land there.
     issue_slab(0);

@@ -1,0 +1,140 @@
+// cuda/tiled/kda_scores.cuh — kda's decay-masked chunk scores on the tensor cores, shared by the forward's
+// wy and output stages (tiled_fwd.cu) and the backward's stage B0 (bwd_dv_local.cuh).
+//
+// With a decay per key column, P_ij = sum_d X_id Y_jd e^(G_id - G_jd) cannot pull the decay out of the dot
+// product, and e^-G overflows. kda_scores cuts the 64 x 64 lower triangle into 16 x 16 blocks: an
+// off-diagonal block (a, b < a) is (X_a e^(G - G_r)) (Y_b e^(G_r - G))^T around the reference row
+// r = 16 a (both exponents <= 0 since G decreases along the chunk: one tensor-core product per block row),
+// and the 4 diagonal blocks are summed element by element with e^(G_id - G_jd), j <= i (a quarter of the
+// exponentials of the element-by-element sum over the whole triangle).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "fwd_mma.cuh"
+
+namespace deltacp::cuda::tiled {
+
+// ---- small device helpers -------------------------------------------------------------------
+// Eight consecutive elements of a shared-memory row (16-byte aligned for T, 32 for float) as floats.
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+  if constexpr (std::is_same<T, float>::value) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_f(e[i]);
+  }
+}
+__device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
+// kda: Gk[i][d] (64 rows) = G[row min(i, len - 1)][d] for d < K, zero for K <= d < Kp, by cp.async in 16-byte pieces
+// where G's rows allow it (the caller commits and waits; ldg a multiple of 4). Element-by-element loads
+// here were the kda wy and output stages' bottleneck: each thread waited on 64 dependent global loads
+// (Nsight Compute, H100, kda (1, 32768, 16, 128): ~60% of the wy stage's stall samples on that loop).
+__device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G, int64_t row0, int64_t HV,
+                                              int64_t hv, int64_t K, int Kp, int len) {
+  const float* src = G + (row0 * HV + hv) * K;
+  const int64_t ld = HV * K;
+  const bool vec = vec_ok(src, ld);
+  const int pieces = Kp / 4;  // 16-byte pieces per row
+  for (int idx = threadIdx.x; idx < 64 * pieces; idx += blockDim.x) {
+    const int i = idx / pieces, d = (idx - i * pieces) * 4;
+    float* dst = Gk + i * ldg + d;
+    const float* s = src + min(i, len - 1) * ld + d;
+    if (vec && d + 4 <= K) {
+      cp_async_16(dst, s);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[e] = d + e < K ? s[e] : 0.f;
+    }
+  }
+}
+
+// kda decayed scores of one chunk (see the file comment):
+//   P(i, j) = sum_d X[i][d] Y[j][d] e^(G[i][d] - G[j][d])   for j < i (j <= i when `inclusive`)
+// handed to write(i, j, value) for every (i, j) of the 16 x 16 blocks on or below the block
+// diagonal (value 0 above the diagonal inside diagonal blocks, and for row blocks at or past len).
+// X, Y: 64 x Kp tiles (ld), zero past len. Gk: 64 x Kp fp32 (ldg). Xr (16 x ld), Yr (48 x ld):
+// scratch. Called by all NThreads threads of the block (4 warps or more: warps 0..3 own the diagonal
+// blocks); contains __syncthreads.
+template <class T, int NThreads, class Write>
+__device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
+                           bool inclusive, Write write) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Off-diagonal blocks (a, b < a) through the reference row r = 16 a.
+  for (int a = 1; a < 4; ++a) {
+    const int r = 16 * a;
+    const bool active = r < len;  // uniform over the block
+    if (active) {
+      const float* Gr = Gk + r * ldg;
+      const int rows = r + 16;  // Yr: rows [0, r); Xr: rows [r, r + 16)
+      for (int idx = tid; idx < rows * Kp; idx += NThreads) {
+        const int i = idx / Kp, d = idx - i * Kp;
+        if (i < r) {
+          Yr[i * ld + d] = from_f<T>(to_f(Y[i * ld + d]) * exp_t<T>(Gr[d] - Gk[i * ldg + d]));
+        } else {
+          Xr[(i - r) * ld + d] = from_f<T>(to_f(X[i * ld + d]) * exp_t<T>(Gk[i * ldg + d] - Gr[d]));
+        }
+      }
+    }
+    __syncthreads();
+    if (warp < a) {  // warp w: block (a, w)
+      float acc[1][2][4];
+      zero_acc(acc);
+      if (active) warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xr, ld, 0, Yr, ld, 16 * warp, 0, Kp);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) write(r + acc_row(0, e), 16 * warp + acc_col(nt, e), acc[0][nt][e]);
+    }
+    __syncthreads();
+  }
+  // Diagonal blocks: warp a < 4 owns block (a, a). Lane: row i = 16 a + (lane % 16), half the d range.
+  if (warp < 4) {
+    const int a = warp, il = lane & 15, half = lane >> 4;
+    const int i = 16 * a + il;
+    const bool active = 16 * a < len;  // uniform over the warp
+    float part[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) part[j] = 0.f;
+    if (active) {
+      const int dh = Kp / 2;  // a multiple of 8
+      for (int d0 = half * dh; d0 < (half + 1) * dh; d0 += 8) {
+        float xi[8], gi[8];
+        load8(X + i * ld + d0, xi);
+        load8f(Gk + i * ldg + d0, gi);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const int jj = 16 * a + j;
+          const bool lower = inclusive ? (j <= il) : (j < il);
+          float yj[8], gj[8];
+          load8(Y + jj * ld + d0, yj);
+          load8f(Gk + jj * ldg + d0, gj);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) part[j] = fmaf(xi[e] * yj[e], exp_t<T>(lower ? gi[e] - gj[e] : 0.f), part[j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], 16);
+    if (half == 0) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const bool lower = inclusive ? (j <= il) : (j < il);
+        write(i, 16 * a + j, (active && lower) ? part[j] : 0.f);
+      }
+    }
+  }
+}
+
+}  // namespace deltacp::cuda::tiled
