@@ -27,6 +27,7 @@
 #pragma once
 
 #include "bwd_common.cuh"
+#include "kda_scores.cuh"
 
 namespace deltacp::cuda::tiled::bwd {
 
@@ -150,6 +151,246 @@ __global__ void __launch_bounds__(kThreads) bwd_decay_kda_kernel(const Args a) {
   }
 }
 
+// ---- kda, 16-bit inputs: the off-diagonal 16 x 16 blocks on the tensor cores ----------------------------
+// E_ij^d = e^(G_id - G_jd) factorises around a reference row between i and j: e^(G_i - G_r) e^(G_r - G_j),
+// both exponents <= 0 (G decreases along the chunk). Row block a (rows 16 a ..): for j < 16 a, with r = 16 a,
+//   Yq_i += e^(G_i - G_r) o sum_j dP_ij Kr_j,  Yr_i += e^(G_i - G_r) o sum_j dA_ij Kr_j,  Kr_j = k_j e^(G_r - G_j)
+// and column block b (columns j = 16 b ..): for i >= s = 16 (b + 1),
+//   Yc_j += e^(G_s - G_j) o sum_i (dP_ij Qs_i + beta_i dA_ij Ks_i), Qs_i = q_i e^(G_i - G_s), Ks_i = k_i e^(G_i - G_s)
+// Tensor-core products over 16 a or 64 - s rows (warp w: rows 16 (w % 4), half w / 4 of the key columns); the
+// operands take 192 rows x K exponentials a chunk, and the results go to shared memory scaled back from their
+// reference rows. The pairs inside the four diagonal blocks are then summed element by element in fp32, one
+// thread per (diagonal block, key column): each of its 136 exponentials serves Yq and Yr of row i and Yc of
+// column j at once (4 x 136 x K a chunk, against 2 x 2080 x K in bwd_decay_kda_kernel), and the same thread
+// finishes the block's 16 rows of that column: dq, dk, dG, and k . Yr (summed over a warp's 32 columns).
+template <class Op, int KP>
+struct DecayKdaTcSmem {
+  static constexpr int P64 = kRows + 8, PK = KP + 8;  // Op operand tiles (16-byte rows for ldmatrix)
+  static constexpr int PG = KP + 4, PA = kRows + 4;   // fp32 G, Y and dG; fp32 staging of dP and dA
+  static constexpr int PD = 17;                       // fp32 diagonal blocks of dP, dA: [4][16][17]
+  // Row offsets in the operand region: Kr of row block a at 8 a (a - 1) (a = 1, 2, 3: 16, 32, 48 rows);
+  // Qs, Ks of column block b at 48 b - 8 b (b - 1) (b = 0, 1, 2: 48, 32, 16 rows).
+  static constexpr int kOperandRows = 96;
+  size_t q = 0, k = 0, G = 0, beta = 0, kpart = 0, dPd = 0, dAd = 0, Mp = 0, Ma = 0, Mb = 0, dP = 0, dA = 0, Kr = 0,
+         Qs = 0, Ks = 0, Yq = 0, Yr = 0, Yc = 0, total = 0;
+  __host__ __device__ constexpr DecayKdaTcSmem() {
+    Carve c;
+    q = c.take(sizeof(Op) * kRows * PK);
+    k = c.take(sizeof(Op) * kRows * PK);
+    G = c.take(sizeof(float) * kRows * PG);
+    beta = c.take(sizeof(float) * kRows);
+    kpart = c.take(sizeof(float) * kRows * (KP / 32));  // k . Yr per row and 32 key columns
+    dPd = c.take(sizeof(float) * 4 * 16 * PD);
+    dAd = c.take(sizeof(float) * 4 * 16 * PD);
+    Carve s1 = c;  // the products: their 16-bit operands (the fp32 dP and dA arrive over Kr, Qs, Ks)
+    Mp = s1.take(sizeof(Op) * kRows * P64);
+    Ma = s1.take(sizeof(Op) * kRows * P64);
+    Mb = s1.take(sizeof(Op) * kRows * P64);
+    Carve s0 = s1;
+    dP = s0.take(sizeof(float) * kRows * PA);
+    dA = s0.take(sizeof(float) * kRows * PA);
+    Kr = s1.take(sizeof(Op) * kOperandRows * PK);
+    Qs = s1.take(sizeof(Op) * kOperandRows * PK);
+    Ks = s1.take(sizeof(Op) * kOperandRows * PK);
+    Carve s2 = c;  // then their results (dG of the chunk later over Yq, element by element)
+    Yq = s2.take(sizeof(float) * kRows * PG);
+    Yr = s2.take(sizeof(float) * kRows * PG);
+    Yc = s2.take(sizeof(float) * kRows * PG);
+    const size_t m01 = s0.off > s1.off ? s0.off : s1.off;
+    total = m01 > s2.off ? m01 : s2.off;
+  }
+};
+
+template <class Op, int KP>
+__global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Args a) {
+  static_assert(kIs16Bit<Op>, "the tensor-core kda decay stage takes 16-bit inputs");
+  constexpr DecayKdaTcSmem<Op, KP> L{};
+  constexpr int P64 = L.P64, PK = L.PK, PG = L.PG, PA = L.PA, PD = L.PD;
+  constexpr int NT = KP / 16;  // n-tiles of 8 in a warp's half of the key columns
+  extern __shared__ __align__(16) unsigned char smem[];
+  Op* qs = reinterpret_cast<Op*>(smem + L.q);
+  Op* ks = reinterpret_cast<Op*>(smem + L.k);
+  float* Gs = reinterpret_cast<float*>(smem + L.G);
+  float* betas = reinterpret_cast<float*>(smem + L.beta);
+  float* kpart = reinterpret_cast<float*>(smem + L.kpart);
+  float* dPd = reinterpret_cast<float*>(smem + L.dPd);
+  float* dAd = reinterpret_cast<float*>(smem + L.dAd);
+  Op* Mp = reinterpret_cast<Op*>(smem + L.Mp);
+  Op* Ma = reinterpret_cast<Op*>(smem + L.Ma);
+  Op* Mb = reinterpret_cast<Op*>(smem + L.Mb);
+  float* dPs = reinterpret_cast<float*>(smem + L.dP);
+  float* dAs = reinterpret_cast<float*>(smem + L.dA);
+  Op* Kr = reinterpret_cast<Op*>(smem + L.Kr);
+  Op* Qs = reinterpret_cast<Op*>(smem + L.Qs);
+  Op* Ks = reinterpret_cast<Op*>(smem + L.Ks);
+  float* Yqs = reinterpret_cast<float*>(smem + L.Yq);
+  float* Yrs = reinterpret_cast<float*>(smem + L.Yr);
+  float* Ycs = reinterpret_cast<float*>(smem + L.Yc);
+  float* dGs = Yqs;  // each element read (as Yq) and then written (as dG) by the same thread
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t c = blockIdx.x, hv = blockIdx.y, hk = hv / a.group;
+  const ChunkEntry ch = a.chunks[c];
+  const int len = static_cast<int>(ch.len);
+  const int K = static_cast<int>(a.K);
+
+  // dP, dA (fp32, masked by B2 and B3), q, k (zero past len and K), G (rows past len repeat the last one, so
+  // every exponent below stays finite): one cp.async group.
+  {
+    const float* dPg = a.dP + (c * a.HV + hv) * kRows * kRows;
+    const float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
+    load_tile<float, kThreads>(dPs, PA, dPg, kRows, kRows, kRows, kRows, kRows, vec_ok(dPg, kRows));
+    load_tile<float, kThreads>(dAs, PA, dAg, kRows, kRows, kRows, kRows, kRows, vec_ok(dAg, kRows));
+    load_chunk_rows<Op, KP>(qs, PK, a.q, ch, hk, len, K);
+    load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
+    load_key_gate(Gs, PG, a.G, ch.row0, a.HV, hv, a.K, KP, len);
+    cp_async_commit();
+  }
+  if (tid < kRows) betas[tid] = tid < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
+  cp_async_wait<0>();
+  __syncthreads();
+  // The 16-bit operands dP, dA, diag(beta) dA, and the diagonal blocks of dP and dA in fp32.
+  for (int e = tid; e < kRows * kRows; e += kThreads) {
+    const int i = e / kRows, j = e % kRows;
+    const float dp = dPs[i * PA + j], da = dAs[i * PA + j];
+    Mp[i * P64 + j] = from_f<Op>(dp);
+    Ma[i * P64 + j] = from_f<Op>(da);
+    Mb[i * P64 + j] = from_f<Op>(betas[i] * da);
+    if ((i >> 4) == (j >> 4)) {
+      dPd[(i >> 4) * 16 * PD + (i & 15) * PD + (j & 15)] = dp;
+      dAd[(i >> 4) * 16 * PD + (i & 15) * PD + (j & 15)] = da;
+    }
+  }
+  __syncthreads();  // the staging of dP and dA is free for the operands
+  // Kr of row blocks 1..3 and Qs, Ks of column blocks 0..2 (operand row o; blocks wholly past len skipped).
+  for (int e = tid; e < L.kOperandRows * KP; e += kThreads) {
+    const int o = e / KP, d = e % KP;
+    {  // Kr: o = 8 a (a - 1) + j, j < r = 16 a
+      const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - 8 * blk * (blk - 1), r = 16 * blk;
+      if (r < len) Kr[o * PK + d] = from_f<Op>(to_f(ks[j * PK + d]) * exp_t<Op>(Gs[r * PG + d] - Gs[j * PG + d]));
+    }
+    {  // Qs, Ks: o = 48 b - 8 b (b - 1) + (i - s), i >= s = 16 (b + 1)
+      const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), s = 16 * (blk + 1), i = s + o - (48 * blk - 8 * blk * (blk - 1));
+      if (s < len) {
+        const float E = exp_t<Op>(Gs[i * PG + d] - Gs[s * PG + d]);
+        Qs[o * PK + d] = from_f<Op>(to_f(qs[i * PK + d]) * E);
+        Ks[o * PK + d] = from_f<Op>(to_f(ks[i * PK + d]) * E);
+      }
+    }
+  }
+  __syncthreads();
+
+  {
+    const int blk = warp & 3, m0 = 16 * blk, half = warp >> 2, n0 = half * (KP / 2);
+    const int sref = m0 + 16;  // the column side's reference row (the row side's is m0)
+    float accq[1][NT][4], accr[1][NT][4], accc[1][NT][4];
+    zero_acc(accq);
+    zero_acc(accr);
+    zero_acc(accc);
+    if (blk >= 1 && m0 < len) {  // rows of block blk against columns j < 16 blk
+      const Op* Kra = Kr + 8 * blk * (blk - 1) * PK;
+      warp_mma<Op, 1, NT, Lay::rowmajor, Lay::rowmajor>(accq, Mp, P64, m0, Kra, PK, n0, 0, m0);
+      warp_mma<Op, 1, NT, Lay::rowmajor, Lay::rowmajor>(accr, Ma, P64, m0, Kra, PK, n0, 0, m0);
+    }
+    if (blk <= 2 && sref < len) {  // columns of block blk against rows i >= sref (A: column-major views)
+      const int base = 48 * blk - 8 * blk * (blk - 1);
+      warp_mma<Op, 1, NT, Lay::colmajor, Lay::rowmajor>(accc, Mp + sref * P64, P64, m0, Qs + base * PK, PK, n0,
+                                                         0, kRows - sref);
+      warp_mma<Op, 1, NT, Lay::colmajor, Lay::rowmajor>(accc, Mb + sref * P64, P64, m0, Ks + base * PK, PK, n0,
+                                                         0, kRows - sref);
+    }
+    __syncthreads();  // the operands are read: Yq, Yr, Yc take their bytes
+    // Scaled back from the reference rows: e^(G_r - G_m0) on the row side, e^(G_sref - G_r) on the column side.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int r = m0 + acc_row(0, 2 * h2), d = n0 + acc_col(nt, 0);
+        const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * PG + d);
+        const float2 G0 = *reinterpret_cast<const float2*>(Gs + m0 * PG + d);
+        const float2 Gc = *reinterpret_cast<const float2*>(Gs + (blk <= 2 ? sref : 0) * PG + d);
+        const float er0 = blk >= 1 ? exp_t<Op>(Gr.x - G0.x) : 0.f, er1 = blk >= 1 ? exp_t<Op>(Gr.y - G0.y) : 0.f;
+        const float ec0 = blk <= 2 ? exp_t<Op>(Gc.x - Gr.x) : 0.f, ec1 = blk <= 2 ? exp_t<Op>(Gc.y - Gr.y) : 0.f;
+        const float* q2 = accq[0][nt] + 2 * h2;
+        const float* r2 = accr[0][nt] + 2 * h2;
+        const float* c2 = accc[0][nt] + 2 * h2;
+        *reinterpret_cast<float2*>(Yqs + r * PG + d) = make_float2(q2[0] * er0, q2[1] * er1);
+        *reinterpret_cast<float2*>(Yrs + r * PG + d) = make_float2(r2[0] * er0, r2[1] * er1);
+        *reinterpret_cast<float2*>(Ycs + r * PG + d) = make_float2(c2[0] * ec0, c2[1] * ec1);
+      }
+  }
+  __syncthreads();
+
+  // The diagonal blocks and the outputs: one thread per (block, key column), 4 KP tasks (a warp: one block, 32
+  // consecutive columns). With one value head per key head dq and dk are final here (no stage B5).
+  const bool final_out = a.group == 1;
+  for (int task = tid; task < 4 * KP; task += kThreads) {
+    const int blk = task / KP, d = task % KP, m0 = 16 * blk;
+    if (m0 >= len) continue;  // warp-uniform: the block is past the chunk
+    const bool col = d < K;
+    float qv[16], kv[16], gv[16], yq[16], yr[16], yc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      qv[i] = to_f(qs[(m0 + i) * PK + d]);
+      kv[i] = to_f(ks[(m0 + i) * PK + d]);
+      gv[i] = Gs[(m0 + i) * PG + d];
+      yq[i] = yr[i] = yc[i] = 0.f;
+    }
+    const float* dPb = dPd + blk * 16 * PD;
+    const float* dAb = dAd + blk * 16 * PD;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float bi = betas[m0 + i];
+#pragma unroll
+      for (int j = 0; j <= i; ++j) {
+        const float E = exp_t<Op>(gv[i] - gv[j]);
+        const float p = dPb[i * PD + j], da = dAb[i * PD + j];  // the same for the whole warp
+        yq[i] = fmaf(p * kv[j], E, yq[i]);
+        yr[i] = fmaf(da * kv[j], E, yr[i]);
+        yc[j] = fmaf(p * qv[i] + bi * da * kv[i], E, yc[j]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int r = m0 + i;
+      const bool row = r < len;
+      const float Yq = Yqs[r * PG + d] + yq[i], Yr = Yrs[r * PG + d] + yr[i], Yc = Ycs[r * PG + d] + yc[i];
+      const float b = betas[r];
+      float kyr = 0.f;
+      if (row && col) {
+        const int64_t o = ws_row(ch, r, a.HV, hv, a.K) + d;
+        const float nq = a.dqw[o] + Yq, nk = a.dkw[o] + (b * Yr + Yc);
+        dGs[r * PG + d] = a.dGw[o] + (qv[i] * Yq + b * kv[i] * Yr - kv[i] * Yc);
+        kyr = kv[i] * Yr;
+        if (final_out) {
+          st<Op>(a.dq, off(a.dq, ch.batch, ch.t0 + r, hk) + d, nq);
+          st<Op>(a.dk, off(a.dk, ch.batch, ch.t0 + r, hk) + d, nk);
+        } else {
+          a.dqw[o] = nq;
+          a.dkw[o] = nk;
+        }
+      }
+      kyr = warp_sum(kyr);  // the warp's 32 columns (0 past K and len)
+      if (lane == 0) kpart[r * (KP / 32) + d / 32] = kyr;
+    }
+  }
+  __syncthreads();
+  if (tid < len) {  // dbeta = stage B3's part + k . Yr (the column groups in a fixed order)
+    float s = a.dbw[(ch.row0 + tid) * a.HV + hv];
+#pragma unroll
+    for (int p = 0; p < KP / 32; ++p) s += kpart[tid * (KP / 32) + p];
+    st<Op>(a.dbeta, off(a.dbeta, ch.batch, ch.t0 + tid, hv), s);
+  }
+  // dg: reverse cumulative sum of dG over the chunk's tokens (G_i = g_1 + ... + g_i, chunk-local).
+  for (int d = tid; d < K; d += kThreads) {
+    float acc = 0.f;
+    for (int i = len - 1; i >= 0; --i) {
+      acc += dGs[i * PG + d];
+      store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + i, hv) + d, acc);
+    }
+  }
+}
+
 // ---- gdn / delta: one decay per (i, j), products on the tensor cores -------------------------------
 template <class Op, int KP>
 struct DecayScalarSmem {
@@ -176,10 +417,10 @@ struct DecayScalarSmem {
 };
 
 template <class Op, int KP>
-__global__ void __launch_bounds__(kThreads, 1) bwd_decay_scalar_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 2) bwd_decay_scalar_kernel(const Args a) {
   constexpr DecayScalarSmem<Op, KP> L{};
   constexpr int PA = L.PA, P64 = L.P64, PK = L.PK;
-  constexpr int NTK = KP / 16;  // n-tiles of 8 in a warp's half of the key columns
+  constexpr int NTP = KP / 32;  // n-tiles of 8 in a quarter of the key columns (one pass of a warp)
   static_assert(kIs16Bit<Op> || PA == P64, "fp32: dP o E and dA o E overwrite dP and dA with the same pitch");
   extern __shared__ __align__(16) unsigned char smem[];
   float* dPs = reinterpret_cast<float*>(smem + L.dP);
@@ -229,62 +470,68 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_scalar_kernel(const Arg
   }
   __syncthreads();
 
-  const int m0 = 16 * (warp & 3), half = warp >> 2, n0 = half * (KP / 2);
-  float yq[1][NTK][4], yr[1][NTK][4], yc[1][NTK][4];
-  zero_acc(yq);
-  zero_acc(yr);
-  zero_acc(yc);
-  // Yq = (dP o E) K, Yr = (dA o E) K; Yc = (dP o E)^T Q + (diag(beta) dA o E)^T K (column-major views).
-  warp_mma<Op, 1, NTK, Lay::rowmajor, Lay::rowmajor>(yq, Mp, P64, m0, ks, PK, n0, 0, kRows);
-  warp_mma<Op, 1, NTK, Lay::rowmajor, Lay::rowmajor>(yr, Ma, P64, m0, ks, PK, n0, 0, kRows);
-  warp_mma<Op, 1, NTK, Lay::colmajor, Lay::rowmajor>(yc, Mp, P64, m0, qs, PK, n0, 0, kRows);
-  warp_mma<Op, 1, NTK, Lay::colmajor, Lay::rowmajor>(yc, Mb, P64, m0, ks, PK, n0, 0, kRows);
-
-  // One epilogue for all three (the same token row r for Yq, Yr and Yc): dq += Yq, dk += beta Yr + Yc,
-  // dG += q Yq + beta k Yr - k Yc; the row's k . Yr and its dG summed over this half's columns. With one value
-  // head per key head (group 1) dq and dk are final here and go straight to the outputs (no stage B5).
+  const int m0 = 16 * (warp & 3), half = warp >> 2;
+  // dq, dk final here when there is one value head per key head (group 1): straight to the outputs (no B5).
   const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
   const bool final_out = a.group == 1;
   float kyr[2] = {0.f, 0.f}, gsum[2] = {0.f, 0.f};
+  // Two passes over the warp's half of the key columns, a quarter each: the three accumulators then take
+  // 48 registers instead of 96, so two CTAs fit an SM (one CTA of 8 warps hid too little latency).
+  for (int pass = 0; pass < 2; ++pass) {
+    const int n0 = half * (KP / 2) + pass * (KP / 4);
+    float yq[1][NTP][4], yr[1][NTP][4], yc[1][NTP][4];
+    zero_acc(yq);
+    zero_acc(yr);
+    zero_acc(yc);
+    // Yq = (dP o E) K, Yr = (dA o E) K; Yc = (dP o E)^T Q + (diag(beta) dA o E)^T K (column-major views).
+    warp_mma<Op, 1, NTP, Lay::rowmajor, Lay::rowmajor>(yq, Mp, P64, m0, ks, PK, n0, 0, kRows);
+    warp_mma<Op, 1, NTP, Lay::rowmajor, Lay::rowmajor>(yr, Ma, P64, m0, ks, PK, n0, 0, kRows);
+    warp_mma<Op, 1, NTP, Lay::colmajor, Lay::rowmajor>(yc, Mp, P64, m0, qs, PK, n0, 0, kRows);
+    warp_mma<Op, 1, NTP, Lay::colmajor, Lay::rowmajor>(yc, Mb, P64, m0, ks, PK, n0, 0, kRows);
+
+    // One epilogue for all three (the same token row r for Yq, Yr and Yc): dq += Yq, dk += beta Yr + Yc,
+    // dG += q Yq + beta k Yr - k Yc; the row's k . Yr and its dG summed over these columns.
 #pragma unroll
-  for (int nt = 0; nt < NTK; ++nt)
+    for (int nt = 0; nt < NTP; ++nt)
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int r = m0 + acc_row(0, 2 * h2), d = n0 + acc_col(nt, 0);
-      if (r >= len || d >= K) continue;
-      const int64_t o = ws_row(ch, r, a.HV, hv, a.K) + d;
-      const float b = betas[r];
-      float dq[2], dk[2];
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int r = m0 + acc_row(0, 2 * h2), d = n0 + acc_col(nt, 0);
+        if (r >= len || d >= K) continue;
+        const int64_t o = ws_row(ch, r, a.HV, hv, a.K) + d;
+        const float b = betas[r];
+        float dq[2], dk[2];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float q = to_f(qs[r * PK + d + j]), k = to_f(ks[r * PK + d + j]);  // 0 past K
-        const float Yq = yq[0][nt][2 * h2 + j], Yr = yr[0][nt][2 * h2 + j], Yc = yc[0][nt][2 * h2 + j];
-        dq[j] = Yq;
-        dk[j] = b * Yr + Yc;
-        gsum[h2] += q * Yq + b * k * Yr - k * Yc;  // 0 past K
-        kyr[h2] += k * Yr;
+        for (int j = 0; j < 2; ++j) {
+          const float q = to_f(qs[r * PK + d + j]), k = to_f(ks[r * PK + d + j]);  // 0 past K
+          const float Yq = yq[0][nt][2 * h2 + j], Yr = yr[0][nt][2 * h2 + j], Yc = yc[0][nt][2 * h2 + j];
+          dq[j] = Yq;
+          dk[j] = b * Yr + Yc;
+          gsum[h2] += q * Yq + b * k * Yr - k * Yc;  // 0 past K
+          kyr[h2] += k * Yr;
+        }
+        const bool both = d + 1 < K;
+        float wq[2] = {0.f, 0.f}, wk[2] = {0.f, 0.f};  // B2's and B3's parts
+        if (pairs) {
+          const float2 xq = *reinterpret_cast<const float2*>(a.dqw + o);
+          const float2 xk = *reinterpret_cast<const float2*>(a.dkw + o);
+          wq[0] = xq.x, wq[1] = xq.y, wk[0] = xk.x, wk[1] = xk.y;
+        } else {
+          wq[0] = a.dqw[o], wk[0] = a.dkw[o];
+          if (both) wq[1] = a.dqw[o + 1], wk[1] = a.dkw[o + 1];
+        }
+        const float nq0 = wq[0] + dq[0], nq1 = wq[1] + dq[1], nk0 = wk[0] + dk[0], nk1 = wk[1] + dk[1];
+        if (final_out) {
+          st2<Op>(a.dq, off(a.dq, ch.batch, ch.t0 + r, hk) + d, nq0, nq1, both);
+          st2<Op>(a.dk, off(a.dk, ch.batch, ch.t0 + r, hk) + d, nk0, nk1, both);
+        } else if (pairs) {
+          *reinterpret_cast<float2*>(a.dqw + o) = make_float2(nq0, nq1);
+          *reinterpret_cast<float2*>(a.dkw + o) = make_float2(nk0, nk1);
+        } else {
+          a.dqw[o] = nq0, a.dkw[o] = nk0;
+          if (both) a.dqw[o + 1] = nq1, a.dkw[o + 1] = nk1;
+        }
       }
-      const bool both = d + 1 < K;
-      float wq[2] = {0.f, 0.f}, wk[2] = {0.f, 0.f};  // B2's and B3's parts
-      if (pairs) {
-        const float2 xq = *reinterpret_cast<const float2*>(a.dqw + o), xk = *reinterpret_cast<const float2*>(a.dkw + o);
-        wq[0] = xq.x, wq[1] = xq.y, wk[0] = xk.x, wk[1] = xk.y;
-      } else {
-        wq[0] = a.dqw[o], wk[0] = a.dkw[o];
-        if (both) wq[1] = a.dqw[o + 1], wk[1] = a.dkw[o + 1];
-      }
-      const float nq0 = wq[0] + dq[0], nq1 = wq[1] + dq[1], nk0 = wk[0] + dk[0], nk1 = wk[1] + dk[1];
-      if (final_out) {
-        st2<Op>(a.dq, off(a.dq, ch.batch, ch.t0 + r, hk) + d, nq0, nq1, both);
-        st2<Op>(a.dk, off(a.dk, ch.batch, ch.t0 + r, hk) + d, nk0, nk1, both);
-      } else if (pairs) {
-        *reinterpret_cast<float2*>(a.dqw + o) = make_float2(nq0, nq1);
-        *reinterpret_cast<float2*>(a.dkw + o) = make_float2(nk0, nk1);
-      } else {
-        a.dqw[o] = nq0, a.dkw[o] = nk0;
-        if (both) a.dqw[o + 1] = nq1, a.dkw[o + 1] = nk1;
-      }
-    }
+  }
   // Per row: the four lanes of a row, then lane 4 g writes this half's sums (fixed order).
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {

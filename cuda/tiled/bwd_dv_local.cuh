@@ -108,8 +108,10 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dv_local_kernel(const Args a)
       const int i = e / kRows, j = e % kRows;
       if ((j >> 4) > (i >> 4)) Ps[i * PP + j] = from_f<Op>(0.f);
     }
-    kda_scores<Op, kThreads>(qs, ks, PK, Gs, PG, reinterpret_cast<Op*>(smem + L.xr), reinterpret_cast<Op*>(smem + L.yr),
-                             KP, len, /*inclusive=*/true, [&](int i, int j, float x) { Ps[i * PP + j] = from_f<Op>(x); });
+    Op* xr = reinterpret_cast<Op*>(smem + L.xr);
+    Op* yr = reinterpret_cast<Op*>(smem + L.yr);
+    kda_scores<Op, kThreads>(qs, ks, PK, Gs, PG, xr, yr, KP, len, /*inclusive=*/true,
+                             [&](int i, int j, float x) { Ps[i * PP + j] = from_f<Op>(x); });
   }
 
   const int ntiles = (V + kVTile - 1) / kVTile;

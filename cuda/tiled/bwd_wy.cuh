@@ -42,8 +42,8 @@ struct WyBwdSmem {
   static constexpr int PVF = BV + 4;                                // fp32 staging of dU
   static constexpr int PK = kIs16Bit<Op> ? KP + 8 : KP + 4;          // Op key-side tiles
   static constexpr int PG = KP + 4;                                 // kda's G tile
-  size_t Ts = 0, Top = 0, beta = 0, part = 0, gpart = 0, k = 0, G = 0, dUf = 0, vs = 0, stage = 0, dUop = 0, Bv = 0, dWop = 0,
-         Bx = 0, M1op = 0, dTop = 0, total = 0;
+  size_t Ts = 0, Top = 0, beta = 0, part = 0, gpart = 0, k = 0, G = 0, dUf = 0, vs = 0, stage = 0, dUop = 0, Bv = 0,
+         dWop = 0, Bx = 0, M1op = 0, dTop = 0, total = 0;
   __host__ __device__ constexpr WyBwdSmem() {
     Carve c;
     Ts = c.take(sizeof(float) * kRows * PA);

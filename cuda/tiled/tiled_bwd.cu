@@ -184,9 +184,20 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
       launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 2>, WyBwdSmem<Op, KP, PERKEY, 2>{}.total, "WY", a, stream);
     else
       launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 1>, WyBwdSmem<Op, KP, PERKEY, 1>{}.total, "WY", a, stream);
-    if constexpr (PERKEY)
-      launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
-    else
+    if constexpr (PERKEY) {
+      // 16-bit kda: the off-diagonal blocks on the tensor cores where the CTA fits (sm_90: every K; sm_80:
+      // K <= 64); fp32 (and the rest) sums element by element.
+      constexpr size_t tc_bytes = kIs16Bit<Op> ? DecayKdaTcSmem<Op, KP>{}.total : 0;
+      if constexpr (kIs16Bit<Op>) {
+        if (tc_bytes <= static_cast<size_t>(max_smem_optin())) {
+          launch_per_chunk(bwd_decay_kda_tc_kernel<Op, KP>, tc_bytes, "decay", a, stream);
+        } else {
+          launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
+        }
+      } else {
+        launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
+      }
+    } else
       launch_per_chunk(bwd_decay_scalar_kernel<Op, KP>, DecayScalarSmem<Op, KP>{}.total, "decay", a, stream);
     if (a.group > 1) {  // with one value head per key head, B4 wrote dq and dk itself
       const int64_t total = a.B * a.T * a.H * a.K;
