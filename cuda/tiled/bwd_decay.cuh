@@ -15,15 +15,19 @@
 //
 //   gdn / delta (bwd_decay_scalar_kernel): E_ij is one scalar per (i, j), so the products are tensor-core
 //     GEMMs on the decayed 64 x 64 matrices dP o E, dA o E, diag(beta) dA o E: Yq, Yr and Yc (two
-//     products) accumulate in registers (warp w: rows 16 (w % 4), half w / 4 of the key columns), and one
-//     epilogue adds all three to the workspaces and sums each row's k . Yr and final dG (for dbeta and
-//     dg) from the registers. dP, dA, q, k come by cp.async. One CTA of 8 warps per (chunk, value head).
-//   kda (bwd_decay_kda_kernel): E depends on d: each (row, key column) sums over the chunk element by
-//     element (FLA factorises it into sub-chunks on the tensor cores; not done here).
-// Measured: with this stage and B3 rebuilt, forward + backward on H100 (bf16 GDN) went from 12.98 to
-// 9.50 ms at (2, 16384, 16, 128) (docs/perf.md, session 10). The previous gdn path (four block GEMMs, each
-// with a read-modify-write epilogue, and a serial per-row sum of dG read back from global memory) took
-// 3.44 ms at (1, 32768, 16, 128) on H200 (session 8's profile).
+//     products) accumulate in registers (warp w: rows 16 (w % 4), half w / 4 of the key columns, in two
+//     passes of a quarter each), and one epilogue adds all three to B2's and B3's parts and sums each row's
+//     k . Yr and dG (for dbeta and dg; B2 and B3 hand over dG as row sums, a.dGr) from the registers.
+//     dP, dA, q, k come by cp.async. Two CTAs of 8 warps an SM, one per (chunk, value head).
+//   kda, 16-bit inputs (bwd_decay_kda_tc_kernel): E depends on d; the off-diagonal 16 x 16 blocks factorise
+//     around a reference row onto the tensor cores, the diagonal blocks are summed in fp32 by one thread per
+//     (block, key column) (see the kernel's comment).
+//   kda, fp32 inputs (bwd_decay_kda_kernel): each (row, key column) sums over the chunk element by element.
+// With one value head per key head (group 1) this stage writes dq and dk to the outputs (no stage B5).
+// Measured (H100, bf16, (2, 16384, 16, 128), torch.profiler, docs/perf.md session 11): gdn 1.08 ms (1.64 when
+// dG travelled as an [R, HV, K] workspace and one CTA of 96 accumulator registers a thread filled an SM; 3.44
+// ms on H200 in session 8, four block GEMMs each with a read-modify-write epilogue); kda 2.98 ms (8.35 element
+// by element).
 #pragma once
 
 #include "bwd_common.cuh"

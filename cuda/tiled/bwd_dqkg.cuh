@@ -14,7 +14,8 @@
 //   dG_id  = scale dQG_id q_id Gam_id - dKr_id Kr_id
 //            + [i = len-1] ( e^(Gn_d) dGs_d + sum_j dKr_jd Kr_jd )      (decay of S, and Kr's Gn)
 //
-// dq, dk, dG go to fp32 per-value-head workspaces that stages B3 and B4 add to.
+// dq, dk go to fp32 per-value-head workspaces that stages B3 and B4 add to; dG too for kda, while gdn's
+// scalar gate needs only its row sums (a.dGr, [R, HV]).
 //
 // One CTA of 8 warps per (chunk, value head). The four products accumulate in registers, as mma
 // accumulators, across the walk over V in tiles of BV columns: warp w owns rows 16 (w % 4) .. + 16 of

@@ -13,8 +13,8 @@
 // of BV columns and then the key side; Y and Z are consumed by their epilogues from registers. The V tiles
 // (dU in fp32, rounded in shared memory; v) come by cp.async, NS stages deep; T, k and G (what the key
 // side and the epilogues read) by cp.async at the start, overlapping the V walk. dbeta: each row's parts
-// (per column half, in a fixed order) go to a.dbw; dk and dG are added to stage B2's workspaces (each
-// element by one thread: no atomics, deterministic).
+// (per column half, in a fixed order) go to a.dbw; dk and kda's dG are added to stage B2's workspaces, gdn's
+// dG row sums to a.dGr (each element by one thread: no atomics, deterministic).
 // At most 128 registers: two CTAs per SM where the shared memory allows (under ~113 KB a CTA: 16-bit
 // gdn / delta, fp32 and 16-bit kda at K <= 64, and 16-bit kda at K > 64 with one V stage, which the launch
 // does not pick yet: it takes two stages wherever they fit one CTA; which is faster is not measured).

@@ -48,8 +48,9 @@
 // What changed from the previous tier (naive: token-by-token reverse recurrence with checkpoints):
 // the work is chunked; the only sequential part is the dh scan over chunks (K x V state gradient per
 // CTA); everything else is per-chunk matrix products on tensor cores.
-// Not done: kda's decay-masked products (P, and B4's three products) run element by element with one
-// exponential per (i, j, d) instead of FLA's sub-chunk factorisation onto tensor cores.
+// kda's decay-masked products (P in B0, B4's three) factorise their off-diagonal 16 x 16 blocks around a
+// reference row onto the tensor cores (kda_scores.cuh; bwd_decay.cuh), as FLA's sub-chunks do; only the
+// diagonal blocks are summed element by element (fp32 inputs: B4 wholly element by element).
 //
 // Measured (NVIDIA H200, 2026-11-22, bf16 GDN (2,16384,16,128), torch.profiler): forward+backward
 // 17.9 ms of kernels (FLA 4.08 ms; docs/perf.md): bwd_dqkg 6.3 ms, bwd_decay 3.5, bwd_wy 3.0, the
@@ -58,7 +59,8 @@
 // reduce 0.6. Session 10 (2026-11-23, H100): bwd_dqkg accumulates in registers and loads its tiles by
 // cp.async (bwd_dqkg.cuh): 7.07 -> 1.53 ms under Nsight Compute at (1, 32768, 16, 128); forward + backward
 // 12.98 ms at (2, 16384, 16, 128) on H100; then B3 (bwd_wy) and B4's gdn / delta path (bwd_decay) the same
-// way: 9.50 ms. Left: kda's B4 (element by element per key column), B1, B0, B5.
+// way: 9.50 ms. Session 11 (H100, docs/perf.md): B0 and kda's B4 rebuilt, gdn's dG as row sums, no B5 at
+// group 1: 9.68 -> 7.67 ms of kernels (gdn), 27.9 -> 17.0 ms (kda); on H200 6.87 ms (FLA 3.61 in the same run).
 #include <cuda_runtime.h>
 
 #include <algorithm>

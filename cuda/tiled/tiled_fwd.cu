@@ -74,6 +74,9 @@
 // Session 7 (H200): where a few long sequences leave the scan's grid narrow, stage 3 runs in pieces
 // (scan_split.cu: pass 1 in prepare, a fold, pass 2): (1,32768,16,128) 1.541 ms (FLA 1.286; was 1.971),
 // (1,65536,16,128) 2.782 ms (FLA 2.513; was 3.765).
+// Session 11 (H100, kda (2,16384,16,128)): kda's G tile by cp.async (load_key_gate, kda_scores.cuh) instead of
+// element by element: wy 2.90 -> 2.01 ms, output 2.69 -> 1.87 ms; the kda forward is 4.51 ms on H200 (FLA
+// 1.96), kda_scores' diagonal blocks (both triangles summed, then masked) being what is left.
 #include <cuda_runtime.h>
 
 #include <algorithm>
