@@ -17,7 +17,8 @@
 // gradients and every exponential are fp32.
 //
 // Pitches (leading dimensions, in elements): 16-bit tiles use cols + 8 (ldmatrix rows 16-byte
-// aligned, conflict-free); fp32 tiles use cols + 1 (odd: column walks hit 32 different banks).
+// aligned, conflict-free); fp32 tiles cols + 4 (16-byte rows for cp.async and vector loads), except the
+// element-by-element kda B4's cols + 1 (odd: its column walks hit 32 different banks).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,12 +40,6 @@ constexpr int kThreads = 256;              // every backward kernel runs 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxKeyDim = 128;            // KP in {64, 128}
 constexpr int kVTile = 32;                 // V columns per step of the per-chunk kernels' V loops
-
-// Leading dimension of a tile of `cols` columns stored as E.
-template <class E>
-__host__ __device__ constexpr int pitch_of(int cols) {
-  return kIs16Bit<E> ? cols + 8 : cols + 1;
-}
 
 // Everything a backward kernel reads or writes. Plain data, passed by value to every kernel.
 struct Args {

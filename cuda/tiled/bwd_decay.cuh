@@ -18,7 +18,7 @@
 //     products) accumulate in registers (warp w: rows 16 (w % 4), half w / 4 of the key columns, in two
 //     passes of a quarter each), and one epilogue adds all three to B2's and B3's parts and sums each row's
 //     k . Yr and dG (for dbeta and dg; B2 and B3 hand over dG as row sums, a.dGr) from the registers.
-//     dP, dA, q, k come by cp.async. Two CTAs of 8 warps an SM, one per (chunk, value head).
+//     dP, dA, q, k come by cp.async. One CTA of 8 warps per (chunk, value head); two fit an SM on sm_90.
 //   kda, 16-bit inputs (bwd_decay_kda_tc_kernel): E depends on d; the off-diagonal 16 x 16 blocks factorise
 //     around a reference row onto the tensor cores, the diagonal blocks are summed in fp32 by one thread per
 //     (block, key column) (see the kernel's comment).

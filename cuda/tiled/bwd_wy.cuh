@@ -50,7 +50,7 @@ struct WyBwdSmem {
     Top = kIs16Bit<Op> ? c.take(sizeof(Op) * kRows * P64) : Ts;  // fp32: the operand is Ts itself
     beta = c.take(sizeof(float) * kRows);
     part = c.take(sizeof(float) * 2 * kRows);  // dbeta parts of the two column halves
-    gpart = c.take(sizeof(float) * 2 * kRows);  // gdn: dG row sums of the two column halves
+    gpart = c.take(PERKEY ? 0 : sizeof(float) * 2 * kRows);  // gdn: dG row sums of the two column halves
     k = c.take(sizeof(Op) * kRows * PK);
     G = c.take(sizeof(float) * (PERKEY ? kRows * PG : kRows));
     Carve v = c;  // the V walk's tiles

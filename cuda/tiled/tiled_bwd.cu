@@ -42,7 +42,8 @@
 //
 // Limits: K <= 128 (tiles of KP = 64 or 128 key columns), V <= 256 and chunk_size <= 64 (the forward
 // stages' limits). Shared memory per CTA: up to 187 KB (B2 with two V stages, kda, fp32, K > 64) where
-// it fits (227 KB on sm_90); B2 and B3 fall back to one stage elsewhere, and every stage's one-stage
+// it fits (227 KB on sm_90); B2 and B3 fall back to one stage elsewhere, 16-bit kda's B4 to its
+// element-by-element kernel (the tensor-core one takes 180 KB at K > 64), and every stage's fallback
 // configuration fits the 163 KB of sm_80 (at most 156 KB).
 //
 // What changed from the previous tier (naive: token-by-token reverse recurrence with checkpoints):
