@@ -159,8 +159,13 @@ template <class Op, int KP, bool PERKEY>
 void launch_dh_scan(const Args& a, int64_t num_seqs, cudaStream_t stream) {
   auto ctas_of = [&](int64_t bv) { return num_seqs * a.HV * ((a.V + bv - 1) / bv); };
   constexpr int NW = KP / 16;  // one 16-row m-tile of the state per warp
-  if (scan_tile_width({64, 32}, ctas_of) == 64) launch_dh_scan_bv<Op, KP, PERKEY, 64, NW>(a, num_seqs, stream);
-  else launch_dh_scan_bv<Op, KP, PERKEY, 32, NW>(a, num_seqs, stream);
+  // BV 64 only where its one-stage CTA fits: fp32 at K > 64 takes 206 KB (sm_80 gives 163 KB), at K <= 64
+  // 140 KB (sm_86 / sm_89: 99 KB); BV 32 fits both (157 KB, 98.5 KB).
+  const bool fits64 = DhScanSmem<Op, KP, 1, 64>{}.total <= static_cast<size_t>(max_smem_optin());
+  if (fits64 && scan_tile_width({64, 32}, ctas_of) == 64)
+    launch_dh_scan_bv<Op, KP, PERKEY, 64, NW>(a, num_seqs, stream);
+  else
+    launch_dh_scan_bv<Op, KP, PERKEY, 32, NW>(a, num_seqs, stream);
 }
 
 // Which of B0..B5 one launch_stages call runs: all of them (one-shot backward), or the two halves of
