@@ -39,8 +39,8 @@ __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
 
 // kda: Gk[i][d] (64 rows) = G[row min(i, len - 1)][d] for d < K, zero for K <= d < Kp, by cp.async in 16-byte pieces
 // where G's rows allow it (the caller commits and waits; ldg a multiple of 4). Element-by-element loads
-// here were the kda wy and output stages' bottleneck: each thread waited on 64 dependent global loads
-// (Nsight Compute, H100, kda (1, 32768, 16, 128): ~60% of the wy stage's stall samples on that loop).
+// here cost the kda wy and output stages a third of their time: each thread waited on 64 dependent global
+// loads (Nsight Compute, H100, kda (1, 32768, 16, 128): 32% and 34% of their stall samples on that loop).
 __device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G, int64_t row0, int64_t HV,
                                               int64_t hv, int64_t K, int Kp, int len) {
   const float* src = G + (row0 * HV + hv) * K;
