@@ -35,6 +35,43 @@
 
 namespace deltacp::cuda::tiled::bwd {
 
+// ---- pieces the B4 kernels share --------------------------------------------------------------------
+// Issues the cp.async copies of the chunk's dP and dA (fp32 64 x 64, masked by B2 and B3; leading dimension
+// PA) and its q, k rows (zero past len and K; leading dimension PK). The caller commits and waits.
+template <class Op, int KP>
+__device__ __forceinline__ void load_decay_inputs(float* dPs, float* dAs, int PA, Op* qs, Op* ks, int PK, const Args& a,
+                                                  const ChunkEntry& ch, int64_t c, int64_t hv, int64_t hk) {
+  const int len = static_cast<int>(ch.len), K = static_cast<int>(a.K);
+  const float* dPg = a.dP + (c * a.HV + hv) * kRows * kRows;
+  const float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
+  load_tile<float, kThreads>(dPs, PA, dPg, kRows, kRows, kRows, kRows, kRows, vec_ok(dPg, kRows));
+  load_tile<float, kThreads>(dAs, PA, dAg, kRows, kRows, kRows, kRows, kRows, vec_ok(dAg, kRows));
+  load_chunk_rows<Op, KP>(qs, PK, a.q, ch, hk, len, K);
+  load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
+}
+
+// kda's last step, after a barrier: dbeta = stage B3's part + k . Yr, the row's NP parts (kpart[row * NP + p],
+// one per 32 key columns) summed in a fixed order; dg = reverse cumulative sum of dG over the chunk's tokens
+// (G_i = g_1 + ... + g_i, chunk-local), dG_of(i, d) giving the chunk's final dG.
+template <class Op, int NP, class DG>
+__device__ __forceinline__ void finish_kda_chunk(const Args& a, const ChunkEntry& ch, int64_t hv,
+                                                 const float* kpart, DG&& dG_of) {
+  const int tid = threadIdx.x, len = static_cast<int>(ch.len), K = static_cast<int>(a.K);
+  if (tid < len) {
+    float s = a.dbw[(ch.row0 + tid) * a.HV + hv];
+#pragma unroll
+    for (int p = 0; p < NP; ++p) s += kpart[tid * NP + p];
+    st<Op>(a.dbeta, off(a.dbeta, ch.batch, ch.t0 + tid, hv), s);
+  }
+  for (int d = tid; d < K; d += kThreads) {
+    float acc = 0.f;
+    for (int i = len - 1; i >= 0; --i) {
+      acc += dG_of(i, d);
+      store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + i, hv) + d, acc);
+    }
+  }
+}
+
 // ---- kda: per key column, element by element -----------------------------------------------------
 template <class Op, int KP>
 struct DecayKdaSmem {
@@ -138,21 +175,8 @@ __global__ void __launch_bounds__(kThreads) bwd_decay_kda_kernel(const Args a) {
     if ((tid & 31) == 0) rowsum[i * kParts + d / 32] = part;
   }
   __syncthreads();
-
-  // dbeta = stage B3's part + k . Yr (fixed summation order).
-  if (tid < len) {
-    float s = a.dbw[(ch.row0 + tid) * a.HV + hv];
-    for (int p = 0; p < kParts; ++p) s += rowsum[tid * kParts + p];
-    st<Op>(a.dbeta, off(a.dbeta, ch.batch, ch.t0 + tid, hv), s);
-  }
-  // dg: reverse cumulative sum of dG over the chunk's tokens (G_i = g_1 + ... + g_i, chunk-local).
-  for (int d2 = tid; d2 < K; d2 += kThreads) {
-    float acc = 0.f;
-    for (int i = len - 1; i >= 0; --i) {
-      acc += a.dGw[ws_row(ch, i, a.HV, hv, a.K) + d2];
-      store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + i, hv) + d2, acc);
-    }
-  }
+  finish_kda_chunk<Op, kParts>(a, ch, hv, rowsum,
+                               [&](int i, int d) { return a.dGw[ws_row(ch, i, a.HV, hv, a.K) + d]; });
 }
 
 // ---- kda, 16-bit inputs: the off-diagonal 16 x 16 blocks on the tensor cores ----------------------------
@@ -175,6 +199,8 @@ struct DecayKdaTcSmem {
   // Row offsets in the operand region: Kr of row block a at 8 a (a - 1) (a = 1, 2, 3: 16, 32, 48 rows);
   // Qs, Ks of column block b at 48 b - 8 b (b - 1) (b = 0, 1, 2: 48, 32, 16 rows).
   static constexpr int kOperandRows = 96;
+  __host__ __device__ static constexpr int kr_row0(int a) { return 8 * a * (a - 1); }
+  __host__ __device__ static constexpr int qs_row0(int b) { return 48 * b - 8 * b * (b - 1); }
   size_t q = 0, k = 0, G = 0, beta = 0, kpart = 0, dPd = 0, dAd = 0, Mp = 0, Ma = 0, Mb = 0, dP = 0, dA = 0, Kr = 0,
          Qs = 0, Ks = 0, Yq = 0, Yr = 0, Yc = 0, total = 0;
   __host__ __device__ constexpr DecayKdaTcSmem() {
@@ -240,16 +266,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
 
   // dP, dA (fp32, masked by B2 and B3), q, k (zero past len and K), G (rows past len repeat the last one, so
   // every exponent below stays finite): one cp.async group.
-  {
-    const float* dPg = a.dP + (c * a.HV + hv) * kRows * kRows;
-    const float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
-    load_tile<float, kThreads>(dPs, PA, dPg, kRows, kRows, kRows, kRows, kRows, vec_ok(dPg, kRows));
-    load_tile<float, kThreads>(dAs, PA, dAg, kRows, kRows, kRows, kRows, kRows, vec_ok(dAg, kRows));
-    load_chunk_rows<Op, KP>(qs, PK, a.q, ch, hk, len, K);
-    load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
-    load_key_gate(Gs, PG, a.G, ch.row0, a.HV, hv, a.K, KP, len);
-    cp_async_commit();
-  }
+  load_decay_inputs<Op, KP>(dPs, dAs, PA, qs, ks, PK, a, ch, c, hv, hk);
+  load_key_gate(Gs, PG, a.G, ch.row0, a.HV, hv, a.K, KP, len);
+  cp_async_commit();
   if (tid < kRows) betas[tid] = tid < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
   cp_async_wait<0>();
   __syncthreads();
@@ -270,11 +289,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
   for (int e = tid; e < L.kOperandRows * KP; e += kThreads) {
     const int o = e / KP, d = e % KP;
     {  // Kr: o = 8 a (a - 1) + j, j < r = 16 a
-      const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - 8 * blk * (blk - 1), r = 16 * blk;
+      const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - L.kr_row0(blk), r = 16 * blk;
       if (r < len) Kr[o * PK + d] = from_f<Op>(to_f(ks[j * PK + d]) * exp_t<Op>(Gs[r * PG + d] - Gs[j * PG + d]));
     }
     {  // Qs, Ks: o = 48 b - 8 b (b - 1) + (i - s), i >= s = 16 (b + 1)
-      const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), s = 16 * (blk + 1), i = s + o - (48 * blk - 8 * blk * (blk - 1));
+      const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), s = 16 * (blk + 1), i = s + o - L.qs_row0(blk);
       if (s < len) {
         const float E = exp_t<Op>(Gs[i * PG + d] - Gs[s * PG + d]);
         Qs[o * PK + d] = from_f<Op>(to_f(qs[i * PK + d]) * E);
@@ -292,12 +311,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
     zero_acc(accr);
     zero_acc(accc);
     if (blk >= 1 && m0 < len) {  // rows of block blk against columns j < 16 blk
-      const Op* Kra = Kr + 8 * blk * (blk - 1) * PK;
+      const Op* Kra = Kr + L.kr_row0(blk) * PK;
       warp_mma<Op, 1, NT, Lay::rowmajor, Lay::rowmajor>(accq, Mp, P64, m0, Kra, PK, n0, 0, m0);
       warp_mma<Op, 1, NT, Lay::rowmajor, Lay::rowmajor>(accr, Ma, P64, m0, Kra, PK, n0, 0, m0);
     }
     if (blk <= 2 && sref < len) {  // columns of block blk against rows i >= sref (A: column-major views)
-      const int base = 48 * blk - 8 * blk * (blk - 1);
+      const int base = L.qs_row0(blk);
       warp_mma<Op, 1, NT, Lay::colmajor, Lay::rowmajor>(accc, Mp + sref * P64, P64, m0, Qs + base * PK, PK, n0,
                                                          0, kRows - sref);
       warp_mma<Op, 1, NT, Lay::colmajor, Lay::rowmajor>(accc, Mb + sref * P64, P64, m0, Ks + base * PK, PK, n0,
@@ -379,20 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
     }
   }
   __syncthreads();
-  if (tid < len) {  // dbeta = stage B3's part + k . Yr (the column groups in a fixed order)
-    float s = a.dbw[(ch.row0 + tid) * a.HV + hv];
-#pragma unroll
-    for (int p = 0; p < KP / 32; ++p) s += kpart[tid * (KP / 32) + p];
-    st<Op>(a.dbeta, off(a.dbeta, ch.batch, ch.t0 + tid, hv), s);
-  }
-  // dg: reverse cumulative sum of dG over the chunk's tokens (G_i = g_1 + ... + g_i, chunk-local).
-  for (int d = tid; d < K; d += kThreads) {
-    float acc = 0.f;
-    for (int i = len - 1; i >= 0; --i) {
-      acc += dGs[i * PG + d];
-      store_gate<Op>(a, off(a.dg, ch.batch, ch.t0 + i, hv) + d, acc);
-    }
-  }
+  finish_kda_chunk<Op, KP / 32>(a, ch, hv, kpart, [&](int i, int d) { return dGs[i * PG + d]; });
 }
 
 // ---- gdn / delta: one decay per (i, j), products on the tensor cores -------------------------------
@@ -445,15 +451,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_decay_scalar_kernel(const Arg
   const int K = static_cast<int>(a.K);
 
   // dP, dA (B2, B3; already masked), q, k (rows past len, columns past K zero): one cp.async group.
-  {
-    const float* dPg = a.dP + (c * a.HV + hv) * kRows * kRows;
-    const float* dAg = a.dA + (c * a.HV + hv) * kRows * kRows;
-    load_tile<float, kThreads>(dPs, PA, dPg, kRows, kRows, kRows, kRows, kRows, vec_ok(dPg, kRows));
-    load_tile<float, kThreads>(dAs, PA, dAg, kRows, kRows, kRows, kRows, kRows, vec_ok(dAg, kRows));
-    load_chunk_rows<Op, KP>(qs, PK, a.q, ch, hk, len, K);
-    load_chunk_rows<Op, KP>(ks, PK, a.k, ch, hk, len, K);
-    cp_async_commit();
-  }
+  load_decay_inputs<Op, KP>(dPs, dAs, PA, qs, ks, PK, a, ch, c, hv, hk);
+  cp_async_commit();
   if (tid < kRows) {
     betas[tid] = tid < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
     Gs[tid] = a.gated ? G_at(a, false, ch, len, hv, tid, 0) : 0.f;
