@@ -195,16 +195,14 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
     if constexpr (PERKEY) {
       // 16-bit kda: the off-diagonal blocks on the tensor cores where the CTA fits (sm_90: every K; sm_80:
       // K <= 64); fp32 (and the rest) sums element by element.
-      constexpr size_t tc_bytes = kIs16Bit<Op> ? DecayKdaTcSmem<Op, KP>{}.total : 0;
+      bool on_tensor_cores = false;
       if constexpr (kIs16Bit<Op>) {
-        if (tc_bytes <= static_cast<size_t>(max_smem_optin())) {
-          launch_per_chunk(bwd_decay_kda_tc_kernel<Op, KP>, tc_bytes, "decay", a, stream);
-        } else {
-          launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
-        }
-      } else {
-        launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
+        constexpr size_t bytes = DecayKdaTcSmem<Op, KP>{}.total;
+        on_tensor_cores = bytes <= static_cast<size_t>(max_smem_optin());
+        if (on_tensor_cores) launch_per_chunk(bwd_decay_kda_tc_kernel<Op, KP>, bytes, "decay", a, stream);
       }
+      if (!on_tensor_cores)
+        launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
     } else
       launch_per_chunk(bwd_decay_scalar_kernel<Op, KP>, DecayScalarSmem<Op, KP>{}.total, "decay", a, stream);
     if (a.group > 1) {  // with one value head per key head, B4 wrote dq and dk itself
