@@ -1,4 +1,4 @@
-"""Golden vectors (shared/golden, computed by an independent float32 loop): every telling of the
+"""Golden vectors (tests/data, computed by an independent float32 loop): every telling of the
 reference, simulated CP with random cuts, and the torch op must reproduce the forward and every
 gradient to 1e-5 relative (the producer's own float32 rounding is about 1e-6)."""
 
