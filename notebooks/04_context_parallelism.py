@@ -245,7 +245,7 @@ assert rel_err(folded, HM) < 1e-13
 # pieces' scans side by side from those states. On a CP rank the pre-pass is then those very maps,
 # composed where they lie by one fp32 kernel (`compose_maps_kernel`, the fold above with every piece's
 # map): it costs the local forward the composition (the CP forward step: 1.94 ms against 1.65 on one
-# GPU, docs/context-parallel.md, session 8). Tested in
+# GPU on 2 x H200, 2026-11-23, docs/context-parallel.md). Tested in
 # `tests/python/test_cuda.py::test_scan_in_pieces_matches_the_whole_scan`,
 # `test_staged_forward_reuses_the_piece_maps` and `test_composed_map_is_the_pieces_maps_folded`.
 #

@@ -81,7 +81,7 @@ def fla_fn(variant):
     try:
         import fla.ops.common.chunk_o as chunk_o
         # FLA refuses its GDN backward on Hopper with triton < 3.7.1 (a known wrong-result bug);
-        # switched off for TIMING only, as shared/anchors.md says. Accuracy below is measured
+        # switched off for TIMING only (docs/design.md, benchmark rules). Accuracy below is measured
         # with the guard in place where it applies.
         chunk_o.TRITON_ABOVE_3_7_1 = True
         if variant == "gdn":
@@ -252,7 +252,7 @@ def main():
                     print(json.dumps(row), flush=True)
                     torch.cuda.empty_cache()
     save()
-    # Short table last (the device tool returns the tail of the output).
+    # Short table last (a remote run's log is often read from its tail).
     print(f"\n{'variant':6} {'shape':22} {'dir':8} " + " ".join(f"{n:>16}" for n in ["deltacp-tiled", "deltacp-naive", "fla"]))
     for variant in args.variants.split(","):
         for (B, T, H, D) in shapes:

@@ -88,7 +88,7 @@ def scan_kernel_ms(args, cu, reps=10, fn=None):
     for ev in prof.key_averages():
         if any(x in ev.key for x in ("state_scan", "piece_states", "zero_identity", "gather_final_states")):
             # The kernel's name without its namespace, template arguments and parameters ("(anonymous
-            # namespace)" holds a parenthesis: before session 9 it cut every such name to one key).
+            # namespace)" holds a parenthesis: splitting at the first one would give every such name one key).
             name = ev.key.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0].split("::")[-1]
             per[name] = per.get(name, 0.0) + ev.device_time_total / 1e3 / reps
     return per

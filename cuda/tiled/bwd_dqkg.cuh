@@ -29,7 +29,7 @@
 // accumulators in fp32 shared memory (153 KB), element-wise tile loads and the epilogue reading q, k and
 // G from global memory element by element, took 7.07 ms with 19% of issue slots busy, stalled on global
 // loads; a first register-accumulator version 2.13 ms, a third of it in the dGs sum (a warp-wide shuffle
-// reduction per element). docs/perf.md, session 10.
+// reduction per element).
 #pragma once
 
 #include "bwd_common.cuh"

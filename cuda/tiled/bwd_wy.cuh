@@ -19,8 +19,8 @@
 // gdn / delta, fp32 and 16-bit kda at K <= 64, and 16-bit kda at K > 64 with one V stage, which the launch
 // does not pick yet: it takes two stages wherever they fit one CTA; which is faster is not measured).
 // Measured: with this stage and B4 rebuilt, forward + backward on H100 (bf16 GDN) went from 12.98 to
-// 9.50 ms at (2, 16384, 16, 128) (docs/perf.md, session 10); the previous version took 2.89 ms at
-// (1, 32768, 16, 128) on H200 (session 8's profile), with dT in fp32 shared memory and element-wise loads
+// 9.50 ms at (2, 16384, 16, 128) (2026-11-23); the previous version took 2.89 ms at
+// (1, 32768, 16, 128) on H200 (Nsight Systems profile), with dT in fp32 shared memory and element-wise loads
 // and epilogues.
 #pragma once
 

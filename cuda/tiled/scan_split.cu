@@ -25,15 +25,15 @@
 // that many tokens (rounded up to whole chunks); 0 never cuts. Unset: only where the Hopper scan runs
 // (scan_wgmma.cuh: bf16/fp16, K = 128), the whole scan's grid is narrow (fewer than half a CTA per SM at
 // two warpgroups) and a model of the step times predicts at most 0.85x of the whole scan's time. The
-// model's constants were measured on an H200 (bench/gpu/bench_scan.py, docs/scan-h200-2026-11-22.json):
+// model's constants were measured on an H200 (bench/gpu/bench_scan.py, 2026-11-22):
 // a step of the narrow whole scan 2.05 us; a wave of pass 1's state-only steps 2.1 us; a wave of pass 2's
-// steps, which store h and v_new, 3.4 us (a full wave moves ~3.5 TB/s); a fold step 3.8 us (session 9's
-// tensor-core fold, measured on H100; 10.5 us with session 8's FMA loop, from
-// traces: 0.073 ms for 7 maps, 16 heads; session 7 assumed 3 us, but measured ~16). Never for a
+// steps, which store h and v_new, 3.4 us (a full wave moves ~3.5 TB/s); a fold step 3.8 us (the
+// tensor-core fold, measured on H100; 10.5 us with the earlier FMA loop, from
+// traces: 0.073 ms for 7 maps, 16 heads; a first model assumed 3 us, but measured ~16). Never for a
 // final-state-only problem (the CP pre-pass cuts its own pieces), nor where V + K padded exceeds 256 (the
 // widest state the scans take).
 //
-// Measured (bench/gpu/bench_scan.py, bf16 GDN; docs/perf.md, session 7): H200, (1,32768,16,128) scan
+// Measured (bench/gpu/bench_scan.py, bf16 GDN, 2026-11-22): H200, (1,32768,16,128) scan
 // 1.048 -> 0.593 ms, forward 1.971 -> 1.533 ms; (1,65536,16,128) scan 2.060 -> 1.052 ms, forward 3.765 ->
 // 2.784 ms. H100, (2,32768,8,128) forward 1.888 -> 1.593 ms. (2,16384,16,128) is not cut: forced pieces
 // of 2048 / 8192 tokens took the scan from 0.50 to 0.72 / 0.64 ms (H100).
@@ -86,11 +86,11 @@ __global__ void fill_zero_identity_kernel(float* __restrict__ x, int64_t HV, int
 //
 // Why not FMAs: a step is a (K x K) x (K x 16) product per CTA fed from shared memory. Nsight Compute (H100,
 // the fold of the 7 maps of a 32K-token sequence, 16 heads, K = V = 128; under the profiler's clocks):
-// session 8's FMA loop (512 threads, a runtime slab loop, 10 instructions per 4 FMAs) 93 us, 21K cycles a
+// a plain FMA loop (512 threads, a runtime slab loop, 10 instructions per 4 FMAs) 93 us, 21K cycles a
 // step; a register-tiled, unrolled FMA loop (2 rows x 4 columns a thread) 48 us, waiting on shared loads;
 // this kernel 35 us before the fp32 add per k step (first with cvt.rna.tf32, ~5 instructions on sm_90:
-// 45 us). At the boost clock (bench/gpu/bench_scan.py, session 9): the fold 0.028 ms (4 us a step);
-// compose_state_maps of 8 maps 0.030 ms at width V, 0.057 ms at V + K (FMA loop of session 8: 0.050, 0.070). What is left per step
+// 45 us). At the boost clock (bench/gpu/bench_scan.py, H100): the fold 0.028 ms (4 us a step);
+// compose_state_maps of 8 maps 0.030 ms at width V, 0.057 ms at V + K (the plain FMA loop: 0.050, 0.070). What is left per step
 // (~7K cycles under the profiler, before the fp32 adds): the mma chains, the step's end (barrier,
 // state split, the fold's global stores) and the slab copies.
 //
@@ -258,7 +258,7 @@ __device__ __forceinline__ void carry_tile(int64_t count, MapAt map, int64_t W, 
           for (int n = 0; n < NB; ++n) {
             // The k step's three products (small terms first) from zero, then one fp32 add (round to
             // nearest) into the accumulator: the tensor cores' accumulation truncates, and carried through
-            // the 3 K / 8 products of a step it cost ~1e-6 relative (helper-13's review, session 9).
+            // the 3 K / 8 products of a step it cost 1e-6 to 4e-6 relative (test_compose_state_maps_any_shape, H100).
             float part[4] = {0.f, 0.f, 0.f, 0.f};
             mma_tf32(part, al, bh[n][0], bh[n][1]);
             mma_tf32(part, ah, bl[n][0], bl[n][1]);
@@ -537,6 +537,29 @@ PieceTables::PieceTables(const Params& p, const ScanPlan& plan, const std::vecto
 
 PieceTables::~PieceTables() { workspace_free(fold_seqs_, stream_); }  // stream-ordered, after the kernels
 
+ScanPlan plan_pieces(const Params& p, const std::vector<SeqEntry>& seqs, int64_t L) { return make_plan(seqs, p, L); }
+
+void launch_fold_starts(const Params& p, const PieceTables& tables, int64_t N, const float* h0, float* starts,
+                        cudaStream_t stream) {
+  const int64_t HV = p.HV, K = p.K, V = p.V;
+  const int64_t gz = (V + kFoldCols - 1) / kFoldCols;
+  with_fold_rows(K, [&](auto rows) {
+    auto kernel = fold_piece_states_kernel<decltype(rows)::value>;
+    const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 156 KiB
+    allow_smem(kernel, smem);
+    kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)), kFoldThreads, smem,
+             stream>>>(tables.fold_seqs(), HV, K, V, h0, starts, tables.maps_aligned());
+    DELTACP_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void launch_gather_final_states(const Params& p, const PieceTables& tables, int64_t N, const float* piece_ht,
+                                float* ht, cudaStream_t stream) {
+  gather_final_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(p.HV)), 256, 0, stream>>>(
+      tables.fold_seqs(), p.HV, p.K * p.V, piece_ht, ht);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
 void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan& plan, const float* G, const void* W,
                        const void* U, const void* Kd, void* h, void* v_new, const float* h0, float* ht,
                        cudaStream_t stream, const PieceTables* tables) {
@@ -577,21 +600,9 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
       launch_pass1(p, plan, pass1, G, W, U, Kd, maps, stream);
     }
     DELTACP_CHECK(tables->pieces().num_seqs() == P, "tables", "expected the plan's ", P, " pieces");
-    const int64_t gz = (V + kFoldCols - 1) / kFoldCols;
-    with_fold_rows(K, [&](auto rows) {
-      auto kernel = fold_piece_states_kernel<decltype(rows)::value>;
-      const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 156 KiB
-      allow_smem(kernel, smem);
-      kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)), kFoldThreads,
-               smem, stream>>>(tables->fold_seqs(), HV, K, V, h0, starts, tables->maps_aligned());
-      DELTACP_CUDA_CHECK_LAUNCH();
-    });
+    launch_fold_starts(p, *tables, N, h0, starts, stream);
     launch_chunk_state_scan(p, tables->pieces(), G, W, U, Kd, h, v_new, starts, piece_ht, stream);
-    if (ht != nullptr) {
-      gather_final_states_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV)), 256, 0, stream>>>(
-          tables->fold_seqs(), HV, K * V, piece_ht, ht);
-      DELTACP_CUDA_CHECK_LAUNCH();
-    }
+    if (ht != nullptr) launch_gather_final_states(p, *tables, N, piece_ht, ht, stream);
   } catch (...) {
     workspace_free(ws, stream);
     throw;

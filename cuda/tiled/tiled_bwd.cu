@@ -57,11 +57,11 @@
 // 17.9 ms of kernels (FLA 4.08 ms; docs/perf.md): bwd_dqkg 6.3 ms, bwd_decay 3.5, bwd_wy 3.0, the
 // forward's two scans 1.0, bwd_dh_scan 0.94 (was 12.0 ms, ~47 us per chunk step, before it kept dS
 // in registers and double-buffered its tiles: bwd_dh_scan.cuh), chunk_wy 0.9, bwd_dv_local 0.9,
-// reduce 0.6. Session 10 (2026-11-23, H100): bwd_dqkg accumulates in registers and loads its tiles by
-// cp.async (bwd_dqkg.cuh): 7.07 -> 1.53 ms under Nsight Compute at (1, 32768, 16, 128); forward + backward
-// 12.98 ms at (2, 16384, 16, 128) on H100; then B3 (bwd_wy) and B4's gdn / delta path (bwd_decay) the same
-// way: 9.50 ms. Session 11 (H100, docs/perf.md): B0 and kda's B4 rebuilt, gdn's dG as row sums, no B5 at
-// group 1: 9.68 -> 7.67 ms of kernels (gdn), 27.9 -> 17.0 ms (kda); on H200 6.87 ms (FLA 3.61 in the same run).
+// reduce 0.6. The per-chunk stages now accumulate in registers and load their tiles by cp.async
+// (H100, 2026-11-23): bwd_dqkg 7.07 -> 1.53 ms under Nsight Compute at (1, 32768, 16, 128); with B3
+// (bwd_wy) and B4's gdn / delta path (bwd_decay) built the same way, forward + backward 12.98 -> 9.50 ms
+// at (2, 16384, 16, 128); with B0 and kda's B4 rebuilt, gdn's dG as row sums and no B5 at group 1,
+// 9.68 -> 7.67 ms of kernels (gdn), 27.9 -> 17.0 ms (kda). On H200: 6.87 ms (FLA 3.61 in the same run).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -68,14 +68,14 @@
 // scan 0.50 ms (was 1.05: see stage 3 below for why), wy 0.44, output 0.38. Nsight Compute puts
 // the wy and output stages at ~0.4 issued instructions per scheduler cycle with 12 warps per SM:
 // issue-bound on their element-wise tile loops; they are what to attack next.
-// Session 6 (H200, same harness): stage 3 runs on wgmma where the grid is wide (scan_wgmma.cuh),
+// On Hopper, stage 3 runs on wgmma where the grid is wide (scan_wgmma.cuh; H200, same harness):
 // (1,8192,96,128) 1.701 ms (FLA 1.399), (4,4096,64,128) 2.128 ms (FLA 1.706); the other two shapes
 // keep the mma.sync scan (0.391, 1.427 ms).
-// Session 7 (H200): where a few long sequences leave the scan's grid narrow, stage 3 runs in pieces
-// (scan_split.cu: pass 1 in prepare, a fold, pass 2): (1,32768,16,128) 1.541 ms (FLA 1.286; was 1.971),
-// (1,65536,16,128) 2.782 ms (FLA 2.513; was 3.765).
-// Session 11 (H100, kda (2,16384,16,128)): kda's G tile by cp.async (load_key_gate, kda_scores.cuh) instead of
-// element by element: wy 2.90 -> 2.01 ms, output 2.69 -> 1.87 ms; the kda forward is 4.51 ms on H200 (FLA
+// Where a few long sequences leave the scan's grid narrow, stage 3 runs in pieces (scan_split.cu:
+// pass 1 in prepare, a fold, pass 2; H200): (1,32768,16,128) 1.541 ms (FLA 1.286; 1.971 unsplit),
+// (1,65536,16,128) 2.782 ms (FLA 2.513; 3.765 unsplit).
+// kda's G tile loads by cp.async (load_key_gate, kda_scores.cuh), not element by element (H100, kda
+// (2,16384,16,128)): wy 2.90 -> 2.01 ms, output 2.69 -> 1.87 ms; the kda forward is 4.51 ms on H200 (FLA
 // 1.96), kda_scores' diagonal blocks (both triangles summed, then masked) being what is left.
 #include <cuda_runtime.h>
 

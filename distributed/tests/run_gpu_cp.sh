@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# distributed/tests/run_gpu_cp.sh — context parallelism on 2 GPUs (nvidia-h200-x2), JSON under $OUT.
+# distributed/tests/run_gpu_cp.sh — context parallelism on 2 GPUs (2 x H200, NVLink), JSON under $OUT.
 #
 #   bash distributed/tests/run_gpu_cp.sh            # from the repository root, on a machine with >= 2 GPUs
 #
@@ -40,7 +40,7 @@ fi
 "$PY" -c "import torch, deltacp, deltacp._cp_nccl; print('deltacp', deltacp.__file__, 'cuda tiers:', deltacp.built_with_cuda())" \
   | tee "$OUT/cp_build.txt" || status=1
 
-# The host check also runs in CI on CPUs; DELTACP_CP_SKIP_HOST=1 saves its separate build on a lent GPU machine.
+# The host check also runs in CI on CPUs; DELTACP_CP_SKIP_HOST=1 saves its separate build on a GPU machine.
 [ "${DELTACP_CP_SKIP_HOST:-0}" = 1 ] || step host_body bash -c "cmake -S . -B build-cp-gpu -G Ninja -DDELTACP_BUILD_BENCH=OFF > /dev/null && \
   cmake --build build-cp-gpu --target deltacp_cp_body_host_test && ./build-cp-gpu/distributed/deltacp_cp_body_host_test"
 

@@ -551,7 +551,7 @@ def test_compose_state_maps_any_shape(P, HV, K, V):
             torch.cuda.synchronize()
             err = ((out.double() - want[..., :width]).norm() / want[..., :width].norm()).item()
             # fp32 level: the split-TF32 products with fp32 adds per k step (scan_split.cu carry_tile) measured
-            # ~2e-7; a tensor-core accumulation over whole steps gave 1e-6 to 4e-6 (session 9).
+            # ~2e-7; a tensor-core accumulation over whole steps gave 1e-6 to 4e-6 (H100).
             assert torch.isfinite(out).all() and err < 1e-6, (width, err)
 
 

@@ -106,7 +106,7 @@ std::string nccl_unique_id();
 // creation (ncclCommSplit; deltacp.cp.nccl_backend decides, DELTACP_CP_BLOCKING_GATHER). NCCL enqueues every collective of a
 // non-blocking communicator from a thread it creates for that call (NCCL's group.cc): on 2 x H200 an
 // all-gather of 1 MiB per rank took 0.139 ms that way and takes 0.047 ms on the blocking one (torch's:
-// 0.034 ms; docs/context-parallel.md, session 8). A blocking communicator enqueues in the caller's thread. Blocking is safe here because nothing waits inside NCCL: the
+// 0.034 ms; measured 2026-11-23, docs/context-parallel.md). A blocking communicator enqueues in the caller's thread. Blocking is safe here because nothing waits inside NCCL: the
 // collective's completion is polled (cudaEventQuery) with the timeout as before, and a stall stops both
 // communicators (revoke, else abort: in-flight kernels quit). The one NCCL call that could still block is
 // an enqueue that must first connect to its peers (inside the lock, out of the timeout's reach); a warm-up
