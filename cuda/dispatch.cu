@@ -41,18 +41,29 @@ constexpr bool kHaveTiledBackward =
 #else
     false;
 #endif
+constexpr bool kHaveFusedForward =
+#ifdef DELTACP_HAVE_FUSED_FWD
+    true;
+#else
+    false;
+#endif
+
+// What the last forward or backward of this thread ran, and why (last_tier_choice, api.h).
+thread_local TierChoice g_last_choice{Method::naive, "no CUDA call yet"};
 
 bool tier_built(Method tier, bool backward) {
   switch (tier) {
     case Method::naive: return true;
     case Method::tiled: return backward ? kHaveTiledBackward : kHaveTiledForward;
+    case Method::fused: return !backward && kHaveFusedForward;
     default: return false;
   }
 }
 
 std::string built_tiers(bool backward) {
   std::string s = "naive";
-  if (tier_built(Method::tiled, backward)) s += " or tiled";
+  if (tier_built(Method::tiled, backward)) s += ", tiled";
+  if (tier_built(Method::fused, backward)) s += ", fused";
   return s;
 }
 
@@ -147,6 +158,7 @@ bool supports(Variant v, Method tier, bool backward) {
   switch (tier) {
     case Method::naive: return true;  // all four variants, forward and backward
     case Method::tiled: return v == Variant::gdn || v == Variant::kda || v == Variant::delta;
+    case Method::fused: return !backward && (v == Variant::gdn || v == Variant::delta);
     default: return false;
   }
 }
@@ -154,10 +166,14 @@ bool supports(Variant v, Method tier, bool backward) {
 void forward(const Params& p, Method tier) {
   check_tier(tier, false);
   validate_on_gpu(p, tier, false);
+  g_last_choice = TierChoice{tier, std::string("asked for by name")};
   switch (tier) {
     case Method::naive: naive_forward(p); return;
 #ifdef DELTACP_HAVE_TILED_FWD
     case Method::tiled: tiled_forward(p); return;
+#endif
+#ifdef DELTACP_HAVE_FUSED_FWD
+    case Method::fused: fused::forward(p); return;
 #endif
     default: break;
   }
@@ -167,6 +183,7 @@ void forward(const Params& p, Method tier) {
 void backward(const Params& p, Method tier) {
   check_tier(tier, true);
   validate_on_gpu(p, tier, true);
+  g_last_choice = TierChoice{tier, std::string("asked for by name")};
   switch (tier) {
     case Method::naive: naive_backward(p); return;
 #ifdef DELTACP_HAVE_TILED_BWD
@@ -176,6 +193,42 @@ void backward(const Params& p, Method tier) {
   }
   throw_error("tier", "no CUDA backward for tier ", to_string(tier));  // unreachable after check_tier
 }
+
+// The fastest tier that runs p: fused (Hopper) where its kernels apply, else tiled, else naive.
+TierChoice choose_forward_tier(const Params& p) {
+  std::string why;
+#ifdef DELTACP_HAVE_FUSED_FWD
+  if (supports(p.variant, Method::fused, false)) {
+    const char* refusal = fused::forward_refusal(p);
+    if (refusal == nullptr) return {Method::fused, "the fused tier applies (the fastest)"};
+    why = std::string("the fused tier does not apply: ") + refusal;
+  } else {
+    why = std::string("the fused tier does not implement variant ") + to_string(p.variant);
+  }
+#else
+  why = "this build has no fused tier";
+#endif
+  if (supports(p.variant, Method::tiled, false)) return {Method::tiled, why};
+  return {Method::naive, why + (why.empty() ? "" : "; ") + "the tiled tier does not implement variant " +
+                             to_string(p.variant)};
+}
+
+Method forward_auto(const Params& p) {
+  const TierChoice choice = choose_forward_tier(p);
+  forward(p, choice.tier);
+  g_last_choice = choice;
+  return choice.tier;
+}
+
+Method backward_auto(const Params& p) {
+  const Method tier = supports(p.variant, Method::tiled, true) ? Method::tiled : Method::naive;
+  backward(p, tier);
+  g_last_choice = TierChoice{tier, tier == Method::tiled ? "the fastest backward that implements the variant"
+                                                         : "the tiled tier does not implement the variant"};
+  return tier;
+}
+
+TierChoice last_tier_choice() { return g_last_choice; }
 
 namespace {
 // Every step of the staged (tiled) forward or backward checks what forward() / backward() check.

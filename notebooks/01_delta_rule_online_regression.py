@@ -18,7 +18,7 @@
 # $\beta$ and the gate $g$ do: exact writes, overshoot, how the state norm behaves over time and
 # how quickly old content is forgotten.
 #
-# **The recurrence** (one sequence, one head; state $S \in \mathbb{R}^{K\times V}$; DESIGN.md section 2):
+# **The recurrence** (one sequence, one head; state $S \in \mathbb{R}^{K\times V}$; docs/design.md section 2):
 #
 # $$S \leftarrow D_t S,\qquad u_t = \beta_t\,(v_t - S^\top k_t),\qquad S \leftarrow S + k_t u_t^\top,\qquad o_t = S^\top (\text{scale}\; q_t)$$
 #

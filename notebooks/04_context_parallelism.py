@@ -22,7 +22,7 @@
 # (`deltacp.reference.cp_simulate`), forward and backward, and finally measure how rounding in the
 # chain of maps behaves in fp32 versus bf16.
 #
-# ## The algorithm (DESIGN.md section 4)
+# ## The algorithm (docs/design.md section 4)
 #
 # Packed batch ($B=1$, global `cu_seqlens`); rank $r$ holds tokens $[b_r, e_r)$.
 #

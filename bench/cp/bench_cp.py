@@ -1,4 +1,4 @@
-"""bench/cp/bench_cp.py — the CP state exchange, four ways, side by side (DESIGN.md section 4).
+"""bench/cp/bench_cp.py — the CP state exchange, four ways, side by side (docs/design.md section 4).
 
     torchrun --nproc_per_node=2 bench/cp/bench_cp.py                       # GPUs: NCCL, bf16 GDN, H=16, K=V=128
     torchrun --nproc_per_node=4 bench/cp/bench_cp.py --device cpu --tokens 256 --heads 2 --head-dim 16   # smoke
@@ -324,7 +324,7 @@ def main():
                 results[f"local_forward_bv{bv}_s{stages}"] = time_it(local_forward, args.repeat, args.warmup)
         results["overlap_forward_plus_exchange"] = time_it(overlapped, args.repeat, args.warmup)
 
-        # Parallel efficiency (issue 5's measure): one rank's CP step, forward + backward through the
+        # Parallel efficiency (docs/design.md section 8): one rank's CP step, forward + backward through the
         # autograd op, against the same per-rank work on one GPU without CP (the plain op on the
         # rank's slice). g has q's dtype here: the CP ops do not take the fp32 gate yet.
         import deltacp
@@ -424,7 +424,7 @@ def main():
             if cpt > 0:
                 print(f"  parallel efficiency {d:8} single-GPU per-rank work / CP step = {one / cpt:6.1%}")
         ag = max(r["times"].get("allgather", 0.0) for r in rows)
-        # Issue 5's second measure: what the CP forward adds to the local forward before the local kernel can
+        # The second CP measure: what the CP forward adds to the local forward before the local kernel can
         # run from its initial state: the pre-pass beyond the stages the local forward runs anyway (prepare:
         # stages 1 and 2 and the scan's pass 1), the all-gather and the merge (rank 0, which sends).
         r0 = rows[0]["times"]

@@ -2,7 +2,7 @@
 //
 // One GDN head (B = 1, H = 1), fp32, T = 1K..16K, K = V = 64 and 128; counter tokens/s.
 // The chunked form turns T rank-1 updates into T / C matrix products, which is the point of
-// DESIGN.md section 3; bench/cpu/README in docs/perf-cpu.md records the ratio at T = 16K.
+// docs/design.md section 3; bench/cpu/README in docs/perf-cpu.md records the ratio at T = 16K.
 //
 //   ./build/bench/cpu/bench_reference --benchmark_out=bench-cpu.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>

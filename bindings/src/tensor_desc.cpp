@@ -2,7 +2,7 @@
 // the shapes (Params itself only carries sizes and strides, so shapes are checked here, once, for
 // both the numpy and the torch front ends).
 //
-// Expected shapes (FLA's layouts, DESIGN.md section 6):
+// Expected shapes (FLA's layouts, docs/design.md section 6):
 //   q, k, dq, dk              [B, T, H, K]
 //   v, o, dout, dv            [B, T, HV, V]
 //   g, dg                     gdn [B, T, HV]; kda, dplr [B, T, HV, K]; delta: none

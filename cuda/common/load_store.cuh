@@ -1,6 +1,6 @@
 // cuda/common/load_store.cuh — element loads/stores between the input dtypes and fp32.
 //
-// Every kernel computes in fp32 (DESIGN.md section 6: inputs fp32/bf16/fp16, accumulation and
+// Every kernel computes in fp32 (docs/design.md section 6: inputs fp32/bf16/fp16, accumulation and
 // states fp32). These overloads are the only place the element type shows up in a kernel body:
 //
 //   float x = deltacp::cuda::load_f(ptr + i);     // T = float, __nv_bfloat16 or __half -> float

@@ -1,6 +1,6 @@
 // cuda/naive/naive_common.cuh — pieces shared by the naive tier's forward and backward kernels.
 //
-// The naive tier runs the token recurrence of DESIGN.md section 2 directly:
+// The naive tier runs the token recurrence of docs/design.md section 2 directly:
 //
 //   gdn, kda, delta:  Sd = D_t S_{t-1};  u = beta_t (v_t - Sd^T k_t);  S_t = Sd + k_t u^T
 //   dplr:             S_t = D_t S_{t-1} + k_t v_t^T + b_t (a_t^T S_{t-1})

@@ -1,7 +1,7 @@
 // cuda/naive/naive_fwd.cu — naive tier, forward: the token recurrence, one block per
 // (sequence, value head, tile of value columns), the fp32 state in registers.
 //
-// Algorithm (DESIGN.md section 2), for each token t of the block's sequence, in order:
+// Algorithm (docs/design.md section 2), for each token t of the block's sequence, in order:
 //   gdn, kda, delta:  Sd = D_t S;  u = beta_t (v_t - Sd^T k_t);  S = Sd + k_t u^T
 //   dplr:             S = D_t S + k_t v_t^T + b_t (a_t^T S)
 //   o_t = S^T (scale q_t)

@@ -1,7 +1,7 @@
 // cuda/tiled/bwd_common.cuh — shared pieces of the tiled backward (tiled_bwd.cu): the argument
 // block every backward kernel takes, shared-memory carving, and one block-wide matrix product.
 //
-// Notation (one chunk of n <= 64 tokens, one value head; DESIGN.md section 3), used by every
+// Notation (one chunk of n <= 64 tokens, one value head; docs/design.md section 3), used by every
 // bwd_*.cuh file:
 //   G     within-chunk cumulative log decay (n x K; gdn: one scalar per row; delta: 0)
 //   E_ij^d = e^(G_id - G_jd) for i >= j (mask first, then exp: never e^-G)

@@ -9,7 +9,7 @@
 //   Yc_jd = sum_{i>=j} (dP_ij q_id + beta_i dA_ij k_id) E_ij^d
 //                                                 dk += Yc,          dG -= k * Yc
 //
-// (the k_i and G_i sides of each product, and the k_j and G_j sides; DESIGN.md section 3.)
+// (the k_i and G_i sides of each product, and the k_j and G_j sides; docs/design.md section 3.)
 // Finally, per token: dbeta = (stage B3's part) + k . Yr, and dg = reverse cumulative sum over the
 // chunk of dG (G_i = g_1 + ... + g_i), summed over d first for gdn's scalar gate.
 //

@@ -1,6 +1,6 @@
 // cuda/tiled/chunk_table.cuh — the chunk index table of the tiled tier (forward and backward).
 //
-// The chunked WY algorithm (DESIGN.md section 3) cuts every sequence into chunks of `chunk_size`
+// The chunked WY algorithm (docs/design.md section 3) cuts every sequence into chunks of `chunk_size`
 // tokens, restarting at each sequence start; the last chunk of a sequence may be shorter. Kernels
 // that run one CTA per chunk need, for a flat chunk index c, where that chunk lives:
 //
@@ -24,7 +24,7 @@
 // workspace pool (../common/workspace_pool.h); the ChunkTable object owns that memory and frees it on
 // the same stream when it is destroyed, so kernels launched on that stream before the destructor runs may use it.
 //
-// Everything is int64 (DESIGN.md section 6).
+// Everything is int64 (docs/design.md section 6).
 //
 // Usage (host):
 //   deltacp::cuda::tiled::ChunkTable table(p, p.chunk_size, stream);

@@ -1,6 +1,6 @@
 // cuda/tiled/fwd_mma.cuh — warp-level tile products and shared-memory tile copies of the tiled tier.
 //
-// Every matrix product of the chunked algorithm (DESIGN.md section 3) is C += A B on tiles that
+// Every matrix product of the chunked algorithm (docs/design.md section 3) is C += A B on tiles that
 // sit in shared memory. One warp computes a C block of MT x NT tiles of 16 x 8, held in registers
 // in the accumulator layout of the tensor-core instruction mma.sync.m16n8k16 (g = lane / 4,
 // t = lane % 4):

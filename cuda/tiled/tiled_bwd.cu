@@ -1,4 +1,4 @@
-// cuda/tiled/tiled_bwd.cu — tiled tier, backward: the chunked WY algorithm (DESIGN.md section 3)
+// cuda/tiled/tiled_bwd.cu — tiled tier, backward: the chunked WY algorithm (docs/design.md section 3)
 // differentiated by reverse mode, one kernel per stage, tensor-core tiles.
 //
 // Gradients of L = sum(o * do) + sum(ht * dht) for gdn, kda and delta. For one chunk (notation in

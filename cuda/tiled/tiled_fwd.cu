@@ -1,6 +1,6 @@
 // cuda/tiled/tiled_fwd.cu — the tiled tier's forward: the chunked WY algorithm, one kernel per stage.
 //
-// Algorithm (DESIGN.md section 3; reference/include/deltacp/reference/chunked.h). Each sequence is
+// Algorithm (docs/design.md section 3; reference/include/deltacp/reference/chunked.h). Each sequence is
 // cut into chunks of C = p.chunk_size <= 64 tokens (restarting at every sequence start; the last
 // chunk may be short). For a chunk with state S at its start, G = within-chunk cumsum of g:
 //

@@ -1,4 +1,4 @@
-// Telling 2: the chunked WY form (DESIGN.md section 3; the formulas are in chunked.h) and its
+// Telling 2: the chunked WY form (docs/design.md section 3; the formulas are in chunked.h) and its
 // backward, derived line by line by reverse mode through the same formulas.
 //
 // One primitive carries every decayed product so that no exponential can overflow:

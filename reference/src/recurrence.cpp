@@ -1,4 +1,4 @@
-// Telling 1: the token recurrence (DESIGN.md section 2) and its exact reverse-mode backward.
+// Telling 1: the token recurrence (docs/design.md section 2) and its exact reverse-mode backward.
 //
 // Forward, gdn / kda / delta, one token:          Forward, dplr, one token:
 //   Sd  = D_t S_{t-1}                               S_t = D_t S_{t-1} + k_t v_t^T + b_t (a_t^T S_{t-1})

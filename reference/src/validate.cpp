@@ -1,5 +1,5 @@
 // Input checks shared by every backend: each failure names the argument, the expectation and
-// what was given (DESIGN.md section 6). Nothing here touches tensor memory except
+// what was given (docs/design.md section 6). Nothing here touches tensor memory except
 // check_finite_host, which the reference runs on its host inputs.
 #include "deltacp/validate.h"
 

@@ -1,4 +1,4 @@
-// tests/cpp/shapes.h — the shapes that bite (DESIGN.md section 7), shared by the test suites.
+// tests/cpp/shapes.h — the shapes that bite (docs/design.md section 7), shared by the test suites.
 #pragma once
 
 #include <map>

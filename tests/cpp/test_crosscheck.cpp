@@ -1,4 +1,4 @@
-// The cross-validation chain in fp64 (DESIGN.md section 7): the token recurrence == the chunked
+// The cross-validation chain in fp64 (docs/design.md section 7): the token recurrence == the chunked
 // WY form (C = 16, 32, 64) == the affine (M, H) folds == simulated context parallelism (1..8
 // ranks, cuts inside chunks, a sequence spanning 3+ ranks) to 1e-12 relative, forward and backward,
 // for delta, gdn, kda and dplr over the shapes that bite.

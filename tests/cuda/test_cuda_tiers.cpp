@@ -12,7 +12,7 @@
 //   3. upload, fill every GPU output with NaN bytes (0xFF) first, run the tier, download;
 //   4. relative error ||x - ref|| / ||ref|| per tensor (o, ht; dq, dk, dv, dg, dbeta, da, db, dh0),
 //      printed, and checked against 1e-5 (fp32 inputs) or 1e-2 (bf16 / fp16 inputs).
-// Shapes that bite (DESIGN.md section 7): T = 1, T < chunk, T = chunk - 1, chunk, chunk + 1,
+// Shapes that bite (docs/design.md section 7): T = 1, T < chunk, T = chunk - 1, chunk, chunk + 1,
 // many short sequences (with an empty one), K != V, K in {32, 64, 128, 256}, varlen, B > 1,
 // grouped values (HV = 2H), with and without h0 / ht, strided (padded) views, and g / dg kept in
 // fp32 beside 16-bit inputs (Params::g_fp32, FLA's habit). Shapes marked

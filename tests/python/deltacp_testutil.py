@@ -8,7 +8,7 @@ VARIANTS = ("delta", "gdn", "kda", "dplr")
 
 
 def rel_err(x, ref) -> float:
-    """||x - ref|| / ||ref|| (DESIGN.md section 7); absolute when ref is zero."""
+    """||x - ref|| / ||ref|| (docs/design.md section 7); absolute when ref is zero."""
     x = np.asarray(x, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     assert x.shape == ref.shape, (x.shape, ref.shape)

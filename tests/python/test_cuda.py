@@ -1,6 +1,6 @@
 """The torch ops on CUDA tensors through the CUDA tiers (backend="naive" / "tiled" / "fused"), autograd
 included, against the float64 reference evaluated on the same (rounded) inputs. Tolerances from
-DESIGN.md section 7: fp32 inputs 1e-5 relative, bf16 1e-2. Skipped without a CUDA device; a tier
+docs/design.md section 7: fp32 inputs 1e-5 relative, bf16 1e-2. Skipped without a CUDA device; a tier
 (variant, direction) that this build does not implement is skipped with the reason."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """deltacp.reference on numpy: the four tellings agree in float64 (1e-12), gradients match finite
 differences, varlen equals separate sequences, simulated CP equals the single-process result, and
-the per-head pieces satisfy their defining equations (DESIGN.md sections 2-4)."""
+the per-head pieces satisfy their defining equations (docs/design.md sections 2-4)."""
 
 from __future__ import annotations
 

@@ -90,50 +90,71 @@ def _last_dim_contiguous(t):
     return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-class _DeltaRuleFunction(torch.autograd.Function):
-    """o, ht = f(q, k, v, g, beta, a, b, h0); backward by deltacp (reference or CUDA tier)."""
+_GATE_NAME = {"gdn": "g", "kda": "g", "delta": "g", "dplr": "gk"}
 
-    @staticmethod
-    def forward(ctx, cfg: _Config, q, k, v, g, beta, a, b, h0):
-        B, T, _, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
-        descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
-        o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
-        descs["o"] = torch_desc(o, "o")
-        ht = None
-        if cfg.output_final_state:
-            ht = torch.empty((_num_seqs(cfg, q), HV, K, V), dtype=cfg.state_dtype, device=q.device)
-            descs["ht"] = torch_desc(ht, "ht")
-        _run(cfg, "forward", cfg.fwd_method, descs)
-        ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, g, beta, a, b, h0)
-        ctx.set_materialize_grads(False)
-        return o, ht
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dht):
-        cfg: _Config = ctx.cfg
-        q, k, v, g, beta, a, b, h0 = ctx.saved_tensors
-        if do is None:  # only ht was used
-            do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
-        do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
-        descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
-        descs["dout"] = torch_desc(do, "do")
-        if dht is not None:
-            dht = dht.to(cfg.state_dtype).contiguous()
-            descs["dht"] = torch_desc(dht, "dht")
-        grads = {}
-        for field, t, name in (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name),
-                               ("beta", beta, "beta"), ("a", a, "a"), ("b", b, "b"), ("h0", h0, "initial_state")):
-            if t is None:
-                grads[field] = None
-                continue
-            grads[field] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            descs["d" + field] = torch_desc(grads[field], "d" + name)
-        _run(cfg, "backward", cfg.bwd_method, descs)
-        return (None, grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], grads["a"], grads["b"],
-                grads["h0"])
+def _config(variant, backend, q, scale, chunk_size, output_final_state, cu, cu_host, needs_grad) -> _Config:
+    """The _Config of one call, inside the registered op (deltacp/_library.py): the backend is resolved
+    here, where the C++ core may be asked what this build has, not in the code torch.compile traces."""
+    cfg = _Config()
+    cfg.variant = variant
+    cfg.gate_name = _GATE_NAME[variant]
+    cfg.device = q.device
+    cfg.state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cfg.compute = "float64" if q.dtype == torch.float64 else "float32"
+    cfg.scale = scale
+    cfg.chunk_size = chunk_size
+    cfg.output_final_state = output_final_state
+    cfg.cu = cu
+    # The host copy of the offsets the CUDA tiers plan with: one device-to-host copy unless given.
+    cfg.cu_host = cu if (cu is None or q.device.type == "cpu") else (
+        cu_host if cu_host is not None else cu.to("cpu"))
+    cfg.fwd_method, cfg.bwd_method = _resolve_backend(variant, backend, q.device, needs_grad)
+    return cfg
+
+
+def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0):
+    """-> (o [B, T, HV, V], ht [N, HV, K, V] or an empty tensor without output_final_state)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
+    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+    descs["o"] = torch_desc(o, "o")
+    if cfg.output_final_state:
+        ht = torch.empty((_num_seqs(cfg, q), HV, K, V), dtype=cfg.state_dtype, device=q.device)
+        descs["ht"] = torch_desc(ht, "ht")
+    else:
+        ht = torch.empty((0,), dtype=cfg.state_dtype, device=q.device)
+    _run(cfg, "forward", cfg.fwd_method, descs)
+    return o, ht
+
+
+def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht):
+    """-> [dq, dk, dv, dg, dbeta, da, db, dh0], an empty tensor for each absent input."""
+    descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
+    descs["dout"] = torch_desc(do, "do")
+    if dht is not None:
+        descs["dht"] = torch_desc(dht, "dht")
+    grads = []
+    for field, t, name in (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name),
+                           ("beta", beta, "beta"), ("a", a, "a"), ("b", b, "b"), ("h0", h0, "initial_state")):
+        if t is None:
+            grads.append(torch.empty((0,), dtype=q.dtype, device=q.device))
+            continue
+        grads.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+        descs["d" + field] = torch_desc(grads[-1], "d" + name)
+    _run(cfg, "backward", cfg.bwd_method, descs)
+    return grads
+
+
+def _check_gate_range(g, lower: float, gate_name: str = "g") -> None:
+    """safe_gate's promise lower <= g <= 0 on a precomputed log decay (deltacp.fla_options)."""
+    if g is None or g.numel() == 0:
+        return
+    lo, hi = float(g.min()), float(g.max())
+    if not (lo >= lower and hi <= 0.0):
+        raise ValueError(f"deltacp: argument '{gate_name}': safe_gate=True promises {lower} <= {gate_name} <= 0 "
+                         f"(lower_bound), got values in [{lo}, {hi}]; pass safe_gate=False for gates outside it")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """deltacp.reference — the Eigen reference on numpy arrays (FLA's layouts, float64 by default).
 
-Batched ops, the same conventions as flash-linear-attention (DESIGN.md sections 2 and 6)::
+Batched ops, the same conventions as flash-linear-attention (docs/design.md sections 2 and 6)::
 
     q, k [B, T, H, K]   v [B, T, HV, V]   g: gdn [B, T, HV], kda/dplr [B, T, HV, K]   beta [B, T, HV]
     a, b [B, T, HV, K] (dplr)   states [N, HV, K, V]   cu_seqlens [N + 1] int64 (B == 1, packed)
@@ -271,7 +271,7 @@ def dplr_backward(q, k, v, a, b, gk, do, dht=None, scale=None, initial_state=Non
 def cp_simulate(variant, q, k, v, g=None, beta=None, a=None, b=None, *, cuts: Sequence[int], gk=None, scale=None,
                 initial_state=None, output_final_state=True, cu_seqlens=None, chunk_size=64, backward=False, do=None,
                 dht=None, return_exchange=False):
-    """Context parallelism simulated in one process (DESIGN.md section 4, reference/cp.h).
+    """Context parallelism simulated in one process (docs/design.md section 4, reference/cp.h).
 
     Packed inputs (B == 1; ``cu_seqlens`` None means one sequence) are cut into ranks at the global
     token positions ``cuts`` (strictly increasing, inside (0, T)). Each rank folds its last segment

@@ -2,7 +2,7 @@
 //
 // The Eigen reference (reference/), every CUDA tier (cuda/) and the context-parallel layer
 // (distributed/) take exactly this struct, the way flash-attention's kernels all take one
-// Flash_fwd_params. Layouts are FLA's (DESIGN.md section 6):
+// Flash_fwd_params. Layouts are FLA's (docs/design.md section 6):
 //
 //   q, k        [B, T, H,  K]      queries and keys
 //   v, o        [B, T, HV, V]      values and outputs        (HV = H, or a multiple of H: grouped values)
@@ -33,7 +33,7 @@ enum class DType : int { f64 = 0, f32 = 1, bf16 = 2, f16 = 3 };
 // Which telling of the algorithm runs. The reference implements the first three on the CPU;
 // the CUDA tiers are naive (token loop), tiled (chunked, one kernel per stage), fused (Hopper).
 enum class Method : int {
-  recurrent = 0,  // token by token:           S <- D_t S + k_t u_t^T          (DESIGN.md eq. section 2)
+  recurrent = 0,  // token by token:           S <- D_t S + k_t u_t^T          (docs/design.md section 2)
   chunked = 1,    // WY form chunk by chunk:   A, T = (I + A)^-1, W, U, v_new  (section 3)
   affine = 2,     // chunk maps (M, H) folded: S' = M S + H, outputs from the chunk formula
   naive = 10,     // CUDA tier: one block per (sequence, value head), token loop
@@ -96,7 +96,7 @@ struct Params {
   //   Final-state-only forward: o null and ht given. Only ht is computed; no output is written
   //   (and no output buffer needs to exist). This is what the context-parallel pre-pass runs: the
   //   final state of a span whose values are augmented with K zero columns is [H | M], the affine
-  //   map S_end = M S_start + H of the span (DESIGN.md section 4). Every backend supports it.
+  //   map S_end = M S_start + H of the span (docs/design.md section 4). Every backend supports it.
   TensorRef o;
   void* ht = nullptr;  // optional [N, HV, K, V]
 

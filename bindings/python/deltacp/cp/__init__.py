@@ -1,4 +1,4 @@
-"""deltacp.cp — context parallelism for delta-rule attention (DESIGN.md section 4).
+"""deltacp.cp — context parallelism for delta-rule attention (docs/design.md section 4).
 
     import torch.distributed as dist, deltacp.cp as cp
     dist.init_process_group("gloo")                      # or "nccl" for CUDA tensors
@@ -16,6 +16,11 @@ the group. See context.py (the plan, ownership of states, timeouts) and ops.py (
 from .context import CPContext, CPTimeoutError, build_context, split_even
 from .ops import (chunk_delta_rule_cp, chunk_dplr_cp, chunk_gated_delta_rule_cp, chunk_kda_cp, cp_apply,
                   exchange_bytes, last_stats)
+from .ring_attention import (attention_reference, causal_pairs, ring_attention, zigzag_positions, zigzag_shard,
+                             zigzag_unshard)
+from .ring_attention import last_stats as ring_attention_stats
 
 __all__ = ["CPContext", "CPTimeoutError", "build_context", "split_even", "chunk_gated_delta_rule_cp",
-           "chunk_kda_cp", "chunk_delta_rule_cp", "chunk_dplr_cp", "cp_apply", "exchange_bytes", "last_stats"]
+           "chunk_kda_cp", "chunk_delta_rule_cp", "chunk_dplr_cp", "cp_apply", "exchange_bytes", "last_stats",
+           "ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions", "causal_pairs",
+           "attention_reference", "ring_attention_stats"]

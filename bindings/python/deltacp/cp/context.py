@@ -2,7 +2,7 @@
 
 A packed batch (B = 1) of N sequences with global offsets ``cu_seqlens = [0, t1, ..., T]`` is cut
 into ``world`` equal, contiguous slices; rank r holds the global tokens [r T / world, (r + 1) T / world)
-(DESIGN.md section 4, reference/include/deltacp/cp_plan.h). A sequence cut by a rank boundary
+(docs/design.md section 4, reference/include/deltacp/cp_plan.h). A sequence cut by a rank boundary
 continues on the next rank, so only two local segments can be shared with other ranks:
 
     the FIRST local segment may continue a sequence begun on the ``pre_ranks`` ranks before;

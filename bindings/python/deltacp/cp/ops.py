@@ -1,4 +1,4 @@
-"""deltacp.cp.ops — context-parallel forward and backward with autograd (DESIGN.md section 4).
+"""deltacp.cp.ops — context-parallel forward and backward with autograd (docs/design.md section 4).
 
 Each rank holds its slice of a packed batch (see context.py) and calls, with rank-local tensors,
 

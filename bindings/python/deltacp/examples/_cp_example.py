@@ -27,7 +27,7 @@ import torch.distributed as dist
 import deltacp
 import deltacp.cp as cp
 
-# Relative-error tolerances of CP against one process (DESIGN.md section 7; issue 5).
+# Relative-error tolerances of CP against one process (docs/design.md section 7).
 TOLERANCE = {
     "float64": {"gdn": 1e-10, "kda": 1e-10},
     "float32": {"gdn": 1e-5, "kda": 1e-5},

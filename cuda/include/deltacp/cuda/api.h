@@ -9,11 +9,12 @@
 //
 //   tier    Method::naive  one block per (sequence, value head), token loop      cuda/naive/
 //           Method::tiled  chunked WY algorithm, one kernel per stage, mma       cuda/tiled/
-//           Method::fused  Hopper fused kernels (later)                          cuda/fused/
+//           Method::fused  Hopper: the state on chip through a sequence, forward  cuda/fused/
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "deltacp/params.h"
@@ -34,6 +35,18 @@ void forward(const Params& p, Method tier);
 // Validates p and launches the tier's backward: writes dq, dk, dv, dg (gdn/kda/dplr), dbeta
 // (gdn/kda/delta), da/db (dplr) and dh0 when p.dh0 is set. Recomputes forward states itself.
 void backward(const Params& p, Method tier);
+
+// The forward with the tier chosen for p (choose_forward_tier in dispatch.cu): fused where its kernels
+// apply (cuda/include/deltacp/cuda/tiers.h fused::forward_refusal), else tiled, else naive. Returns it.
+Method forward_auto(const Params& p);
+// The backward on the fastest tier that implements p's variant (tiled, else naive). Returns it.
+Method backward_auto(const Params& p);
+// Which tier the last forward or backward launched by this thread ran, and why that one.
+struct TierChoice {
+  Method tier;
+  std::string why;
+};
+TierChoice last_tier_choice();
 
 // The forward in stages around h0, for context parallelism (the tiled tier only):
 //

@@ -15,6 +15,11 @@ void naive_forward(const Params& p);   // cuda/naive/naive_fwd.cu
 void naive_backward(const Params& p);  // cuda/naive/naive_bwd.cu
 void tiled_forward(const Params& p);   // cuda/tiled/tiled_fwd.cu
 void tiled_backward(const Params& p);  // cuda/tiled/tiled_bwd.cu
+namespace fused {                      // cuda/fused/fused_fwd.cu
+// Why the fused forward cannot run p (variant, dtype, shape, alignment, GPU), or nullptr when it can.
+const char* forward_refusal(const Params& p);
+void forward(const Params& p);         // throws deltacp::Error naming 'backend' with the refusal
+}  // namespace fused
 // The staged forward (api.h), cuda/tiled/tiled_fwd.cu.
 std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p);
 void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values);

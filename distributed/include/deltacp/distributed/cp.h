@@ -1,6 +1,6 @@
 // deltacp/distributed/cp.h — context parallelism on GPUs: the pre-pass, merge and NCCL exchange.
 //
-// The host API of distributed/ (DESIGN.md section 4; the math is in cp_body.h):
+// The host API of distributed/ (docs/design.md section 4; the math is in cp_body.h):
 //
 //   prepass_forward   [H | M] of one span (a rank's last local segment)     [HV, K, V + K] fp32
 //   prepass_backward  [dH | M^T] of one span (a rank's first local segment) [HV, K, V + K] fp32

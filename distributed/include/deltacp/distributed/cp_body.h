@@ -2,7 +2,7 @@
 //
 // measured: not yet (fp32 CUDA cores, no tensor cores; see "speed" below).
 //
-// What it computes (DESIGN.md sections 3-4, reference/include/deltacp/reference/affine.h):
+// What it computes (docs/design.md sections 3-4, reference/include/deltacp/reference/affine.h):
 //
 //   forward pre-pass over one span of n tokens (a rank's LAST local segment), per value head:
 //     X = [start | I]  (K x (V + K), fp32; start = the sequence's h0 when it starts here, else 0)

@@ -1,4 +1,4 @@
-// deltacp/reference/chunked.h — telling 2: the chunked WY form (DESIGN.md section 3).
+// deltacp/reference/chunked.h — telling 2: the chunked WY form (docs/design.md section 3).
 //
 // For one chunk of n tokens that starts in state S, with G the within-chunk cumulative sum of the
 // log decay (row i = g_1 + ... + g_i, a K-vector; 0 for delta) and Beta = diag(beta):

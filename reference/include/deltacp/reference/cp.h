@@ -1,6 +1,6 @@
 // deltacp/reference/cp.h — telling 4: context parallelism simulated in one process.
 //
-// Forward (DESIGN.md section 4): each rank folds its LAST local segment from (S = 0, M = I) into
+// Forward (docs/design.md section 4): each rank folds its LAST local segment from (S = 0, M = I) into
 // (M_r, H_r); the ranks all-gather [H_r | M_r]; rank r's initial state for its first segment is the
 // fold over the earlier ranks j of the same sequence, S <- M_j S + H_j, started from the user's h0
 // of that sequence; then each rank runs the chunked forward on its own tokens.
