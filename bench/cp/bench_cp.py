@@ -455,7 +455,10 @@ def main():
                       ", ".join(f"{n[:48]} {t:.3f}" for n, t in table[:8]))
         out = args.json or os.path.join(os.environ.get("OUT", "."), "bench_cp.json")
         with open(out, "w") as f:
-            json.dump(dict(world=world, device=str(device.type), config=vars(args), ranks=rows,
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            # kind, gpu and date: what bench/gpu/make_docs.py reads (docs/results/cp-<gpu>x<world>.json)
+            json.dump(dict(kind="cp", gpu=gpu, date=datetime.date.today().isoformat(), world=world,
+                           device=str(device.type), config=vars(args), ranks=rows,
                            bytes=dict(allgather=bytes_ag, ring=bytes_ring, scan=bytes_scan)), f, indent=1)
         print(f"  JSON: {out}")
     dist.barrier()

@@ -9,7 +9,7 @@ Measures, on the GPU it runs on:
   * accuracy on one small problem: each implementation's relative error against the fp64
     reference (deltacp.reference on the CPU, same bf16-rounded inputs), FLA's beside ours.
 
-Writes JSON (--out); bench/gpu/make_perf_md.py turns it into docs/perf.md.
+Writes JSON (--out); copied to docs/results/perf-<gpu>.json, bench/gpu/make_docs.py turns it into docs/perf.md.
 
     PYTHONPATH=fla_src python3 bench/gpu/bench_gpu.py --out $OUT/bench_gpu.json
 """
@@ -54,7 +54,7 @@ def chunked_flops(B, T, H, D, backward):
 
 # ---- inputs ---------------------------------------------------------------------------------
 def make_inputs(B, T, H, D, variant, dtype=torch.bfloat16, seed=0, device="cuda", V=None):
-    """q, k (L2-normalised) of head dim D, v of head dim V (default D), g, beta; see make_perf_md.py."""
+    """q, k (L2-normalised) of head dim D, v of head dim V (default D), g, beta; see docs/design.md section 8."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, T, H, D, device=device, dtype=torch.float32, generator=gen)
     k = F.normalize(torch.randn(B, T, H, D, device=device, dtype=torch.float32, generator=gen), dim=-1)
@@ -187,7 +187,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_gpu.json")
     ap.add_argument("--variants", default="gdn,kda")
-    ap.add_argument("--tiers", default="tiled,naive")
+    ap.add_argument("--tiers", default="fused,tiled,naive")
     ap.add_argument("--time-variants", default=None, help="variants to time (default: all of --variants); "
                     "accuracy is measured for every variant")
     ap.add_argument("--naive-shapes", type=int, default=1,
@@ -253,12 +253,13 @@ def main():
                     torch.cuda.empty_cache()
     save()
     # Short table last (a remote run's log is often read from its tail).
-    print(f"\n{'variant':6} {'shape':22} {'dir':8} " + " ".join(f"{n:>16}" for n in ["deltacp-tiled", "deltacp-naive", "fla"]))
+    names = [f"deltacp-{t}" for t in args.tiers.split(",")] + ["fla"]
+    print(f"\n{'variant':6} {'shape':22} {'dir':8} " + " ".join(f"{n:>16}" for n in names))
     for variant in args.variants.split(","):
         for (B, T, H, D) in shapes:
             for d in ("fwd", "fwd+bwd"):
                 cells = []
-                for n in ["deltacp-tiled", "deltacp-naive", "fla"]:
+                for n in names:
                     r = [x for x in res["rows"] if x["variant"] == variant and x["impl"] == n and
                          (x["B"], x["T"], x["H"], x["D"]) == (B, T, H, D) and x["direction"] == d]
                     cells.append(f"{r[0]['ms']:>13.3f} ms" if r and "ms" in r[0] else f"{'-':>16}")
