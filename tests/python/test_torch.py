@@ -123,7 +123,7 @@ def test_fla_conventions():
     o4, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm_in_kernel=True)
     o5, _ = deltacp.chunk_gated_delta_rule(qn, kn, t["v"], t["g"], t["beta"])
     assert rel_err(o4.numpy(), o5.numpy()) < 1e-14
-    assert deltacp.chunk_dplr_delta_rule is deltacp.chunk_dplr
+    assert deltacp.chunk_dplr_delta_rule is deltacp.dplr.chunk_dplr_delta_rule  # FLA's order: deltacp.dplr
 
 
 def test_cp_context_is_handed_to_deltacp_cp():

@@ -18,8 +18,10 @@ __version__ = "0.1.0"
 
 _TORCH_OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_dplr", "chunk_dplr_delta_rule",
               "BACKENDS")
+# FLA's DPLR entry points with FLA's argument order (deltacp.dplr), imported with torch on first use.
+_DPLR_OPS = ("chunk_dplr_delta_rule", "chunk_rwkv7")
 
-__all__ = ["reference", "Error", "built_with_cuda", "cuda_available", "cuda_release_workspace", *_TORCH_OPS]
+__all__ = ["reference", "Error", "built_with_cuda", "cuda_available", "cuda_release_workspace", *_TORCH_OPS, "chunk_rwkv7"]
 
 
 def built_with_cuda() -> bool:
@@ -42,6 +44,10 @@ def cuda_release_workspace() -> None:
 
 
 def __getattr__(name):
+    if name in _DPLR_OPS:
+        from . import dplr
+
+        return getattr(dplr, name)
     # The torch ops live in deltacp.ops, imported (with torch) only when first asked for.
     if name in _TORCH_OPS:
         from . import ops
