@@ -11,10 +11,12 @@ Tensors go to C++ as (data pointer, dtype, shape, strides): no copies; the last 
 contiguous. Outputs and gradients are allocated with torch. On CUDA the work is launched on torch's
 current stream of the tensors' device. ``backend``:
 
-    None         "reference" for CPU tensors; the fastest CUDA tier built for CUDA tensors
+    None         "reference" for CPU tensors; for CUDA tensors the fastest CUDA tier whose kernels apply to
+                 the call (fused on Hopper where it applies, else tiled; ``deltacp.last_cuda_tier()``)
     "reference"  the chunked Eigen reference (CPU tensors; float64 computes in float64, else float32)
     "recurrent"  the token-recurrence Eigen reference (CPU tensors)
-    "naive" / "tiled" / "fused"   the CUDA tiers (CUDA tensors)
+    "naive" / "tiled" / "fused"   the CUDA tiers (CUDA tensors); "fused" raises an error naming what it does
+                 not support, and its gradients run on the tiled backward
 
 Gradients flow through ``torch.autograd.Function``s whose backward is deltacp's own (the reference's
 exact backward or the CUDA tier's). ``cp_context=`` (from ``deltacp.cp.build_context``) hands the call
@@ -30,7 +32,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _core
+from . import _core, fla_options
 from ._describe import torch_desc
 
 __all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_dplr", "chunk_dplr_delta_rule",
@@ -147,6 +149,34 @@ def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht):
     return grads
 
 
+class _DeltaRuleFunction(torch.autograd.Function):
+    """o, ht = f(cfg, q, k, v, g, beta, a, b, h0) for callers that build a _Config themselves (their
+    methods chosen): eager autograd over _forward / _backward. The public ops use the registered
+    deltacp::chunk_fwd instead (deltacp/_library.py), which torch.compile traces."""
+
+    @staticmethod
+    def forward(ctx, cfg: _Config, q, k, v, g, beta, a, b, h0):
+        o, ht = _forward(cfg, q, k, v, g, beta, a, b, h0)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, g, beta, a, b, h0)
+        ctx.set_materialize_grads(False)
+        return o, (ht if cfg.output_final_state else None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        cfg: _Config = ctx.cfg
+        q, k, v, g, beta, a, b, h0 = ctx.saved_tensors
+        if do is None:  # only ht was used
+            do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
+        do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
+        if dht is not None:
+            dht = dht.to(cfg.state_dtype).contiguous()
+        grads = _backward(cfg, q, k, v, g, beta, a, b, h0, do, dht)
+        inputs = (q, k, v, g, beta, a, b, h0)
+        return (None, *(None if t is None else d for t, d in zip(inputs, grads)))
+
+
 def _check_gate_range(g, lower: float, gate_name: str = "g") -> None:
     """safe_gate's promise lower <= g <= 0 on a precomputed log decay (deltacp.fla_options)."""
     if g is None or g.numel() == 0:
@@ -182,8 +212,7 @@ def _tensor(t, name, ref=None, optional=False, allow_fp32=False):
 
 def _l2norm(x):
     """x / sqrt(sum(x^2) + 1e-6) along the last dim, in float32 or better (FLA's in-kernel l2norm)."""
-    xf = x if x.dtype == torch.float64 else x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    return fla_options.l2norm(x)
 
 
 def _pick_cuda_tier(variant: str, backward: bool) -> Optional[str]:
@@ -220,7 +249,17 @@ def _resolve_backend(variant, backend, device, needs_grad):
         if needs_grad and bwd is None:
             raise ValueError(f"deltacp: argument 'backend': no CUDA tier implements the backward of variant "
                              f"'{variant}' in this build")
-        return fwd, bwd or fwd
+        # "auto": the C++ dispatch picks per call the fastest tier whose kernels apply to these inputs
+        # (shape, dtype, GPU); deltacp.last_cuda_tier() says which ran and why.
+        return "auto", bwd or fwd
+    if backend == "fused" and needs_grad and _core.cuda_supports(variant, "fused", False) \
+            and not _core.cuda_supports(variant, "fused", True):
+        # The fused tier has a forward only: its gradients come from the fastest backward built.
+        bwd = _pick_cuda_tier(variant, True)
+        if bwd is None:
+            raise ValueError(f"deltacp: argument 'backend': no CUDA tier implements the backward of variant "
+                             f"'{variant}' in this build")
+        return "fused", bwd
     if not _core.cuda_supports(variant, backend, False):
         raise ValueError(f"deltacp: argument 'backend': CUDA tier {backend!r} does not implement variant "
                          f"'{variant}' in this build")
@@ -255,22 +294,47 @@ def _offsets(cu_seqlens, cu_seqlens_cpu, device):
     return cu, host
 
 
-def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
-           chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu, gate_name="g"):
-    if cp_context is not None:
+def _host_offsets(cu_seqlens_cpu):
+    """cu_seqlens_cpu (FLA's host copy of the offsets) as int64 on the CPU, or None."""
+    if cu_seqlens_cpu is None:
+        return None
+    if not isinstance(cu_seqlens_cpu, torch.Tensor):
+        cu_seqlens_cpu = torch.as_tensor(cu_seqlens_cpu)
+    if cu_seqlens_cpu.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"deltacp: argument 'cu_seqlens_cpu': expected dtype int64 (or int32), got "
+                        f"{cu_seqlens_cpu.dtype}")
+    return cu_seqlens_cpu.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _op_offsets(cu_seqlens, cu_seqlens_cpu, device):
+    """cu_seqlens as int64 on `device` and the host copy when given. The
+    registered op makes the host copy itself when it needs one and none was given."""
+    if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
-            raise ValueError("deltacp: argument 'cu_seqlens_cpu': expected None with cp_context (the CP context "
-                             "carries the rank-local offsets and their host copy), got a tensor")
-        # Context parallelism lives in deltacp.cp (its own autograd Function and exchange).
+            raise ValueError("deltacp: argument 'cu_seqlens_cpu': given without cu_seqlens")
+        return None, None
+    if not isinstance(cu_seqlens, torch.Tensor):
         try:
-            from .cp import cp_apply
-        except ImportError as exc:
-            raise NotImplementedError("deltacp: argument 'cp_context': context parallelism (deltacp.cp) is not "
-                                      f"available in this installation: {exc}") from exc
-        return cp_apply(variant, q, k, v, g, beta, a, b, cp_context=cp_context, scale=scale,
-                        initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
-                        backend=backend, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate_name=gate_name,
-                        cu_seqlens=cu_seqlens)
+            cu_seqlens = torch.as_tensor(cu_seqlens)
+        except Exception as exc:  # noqa: BLE001 - report which argument
+            raise TypeError(f"deltacp: argument 'cu_seqlens': expected a LongTensor, got "
+                            f"{type(cu_seqlens).__name__}") from exc
+    if cu_seqlens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"deltacp: argument 'cu_seqlens': expected dtype int64 (or int32), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
+                         f"{list(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
+    return cu, (None if device.type == "cpu" else _host_offsets(cu_seqlens_cpu))
+
+
+def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
+           chunk_size, cp_context, cu_seqlens_cpu, opts: Optional[fla_options.FlaOptions] = None, gate_name="g"):
+    # Everything here is either an argument check on metadata or a torch op, so that torch.compile
+    # traces it into one graph; the C++ core is reached only inside the registered ops.
+    if cp_context is not None and cu_seqlens_cpu is not None:
+        raise ValueError("deltacp: argument 'cu_seqlens_cpu': expected None with cp_context (the CP context "
+                         "carries the rank-local offsets and their host copy), got a tensor")
     q = _tensor(q, "q")
     k = _tensor(k, "k", q)
     v = _tensor(v, "v", q)
@@ -285,23 +349,15 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
         raise ValueError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(float(scale)):
+        raise ValueError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-
-    cfg = _Config()
-    cfg.variant = variant
-    cfg.gate_name = gate_name
-    cfg.device = q.device
-    cfg.state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    cfg.compute = "float64" if q.dtype == torch.float64 else "float32"
-    cfg.scale = None if scale is None else float(scale)
-    if cfg.scale is not None and not math.isfinite(cfg.scale):
-        raise ValueError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
-    cfg.chunk_size = int(chunk_size)
-    cfg.output_final_state = bool(output_final_state)
-    cfg.cu, cfg.cu_host = _offsets(cu_seqlens, cu_seqlens_cpu, q.device)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
+    opts = opts if opts is not None else fla_options.FlaOptions(variant)
+    q, k, g, beta = fla_options.preprocess(opts, q, k, g, beta)
+    gate_bound = opts.gate_check_bound()
 
     h0 = None
     if initial_state is not None:
@@ -313,35 +369,153 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
                              f"{initial_state.device}")
         if initial_state.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"deltacp: argument 'initial_state': expected a floating dtype, got {initial_state.dtype}")
-        h0 = initial_state.to(cfg.state_dtype).contiguous()  # no-op when already fp32 (fp64) and contiguous
+        h0 = initial_state.transpose(-1, -2) if opts.state_v_first and initial_state.dim() >= 2 else initial_state
+        state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        h0 = h0.to(state_dtype).contiguous()  # no-op when already fp32 (fp64) and contiguous
 
+    if cp_context is not None:
+        # Context parallelism lives in deltacp.cp (its own autograd Function and exchange); the options
+        # are pure pre-processing, applied above.
+        if opts.return_intermediate_states:
+            raise ValueError("deltacp: argument 'return_intermediate_states': not supported with cp_context")
+        if gate_bound is not None:
+            _check_gate_range(g, gate_bound, gate_name)
+        try:
+            from .cp import cp_apply
+        except ImportError as exc:
+            raise NotImplementedError("deltacp: argument 'cp_context': context parallelism (deltacp.cp) is not "
+                                      f"available in this installation: {exc}") from exc
+        o, ht = cp_apply(variant, q, k, v, g, beta, a, b, cp_context=cp_context, scale=scale, initial_state=h0,
+                         output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
+                         use_qk_l2norm_in_kernel=False, gate_name=gate_name, cu_seqlens=cu_seqlens)
+        if ht is not None and opts.state_v_first:
+            ht = ht.transpose(-1, -2).contiguous()
+        return o, ht
+
+    cu, cu_host = _op_offsets(cu_seqlens, cu_seqlens_cpu, q.device)
+    output_final_state = bool(output_final_state)
+    scale = None if scale is None else float(scale)
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    cfg.fwd_method, cfg.bwd_method = _resolve_backend(variant, backend, q.device, needs_grad)
-    o, ht = _DeltaRuleFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
-    return o, (ht if cfg.output_final_state else None)
+    o, ht = _library.chunk_fwd(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, backend, scale, int(chunk_size),
+                               output_final_state, needs_grad, gate_bound)
+    if not output_final_state:
+        ht = None
+    elif opts.state_v_first:
+        ht = ht.transpose(-1, -2).contiguous()
+    if opts.return_intermediate_states:
+        h = _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, backend, scale, int(chunk_size))
+        return o, ht, (h.transpose(-1, -2).contiguous() if opts.state_v_first else h)
+    return o, ht
+
+
+def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, backend, scale, chunk_size):
+    """FLA's return_intermediate_states (inference mode only): the state at the start of every chunk,
+    h [B, NT, HV, K, V] (varlen: [1, total chunks, HV, K, V], sequence by sequence), in q's dtype.
+
+    Chunk c of every sequence is run as one packed varlen call from the states the previous call
+    left; ceil(longest sequence / chunk_size) calls. This tier is for checking and inference, not speed."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if cu is None:
+        bounds = [(i * T, (i + 1) * T) for i in range(B)]
+        flat = [x.reshape((1, B * T) + tuple(x.shape[2:])) for x in (q, k, v, g, beta)]
+    else:
+        host = (cu if cu_host is None else cu_host).tolist()
+        bounds = list(zip(host[:-1], host[1:]))
+        flat = [q, k, v, g, beta]
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    N = len(bounds)
+    states = (torch.zeros((N, HV, K, V), dtype=state_dtype, device=q.device) if h0 is None else h0.clone())
+    counts = [-(-(e - s) // chunk_size) for s, e in bounds]
+    first = [sum(counts[:i]) for i in range(N)]
+    h = torch.empty((sum(counts), HV, K, V), dtype=q.dtype, device=q.device)
+    for c in range(max(counts, default=0)):
+        active = [i for i in range(N) if counts[i] > c]
+        pieces = [(bounds[i][0] + c * chunk_size, min(bounds[i][0] + (c + 1) * chunk_size, bounds[i][1]))
+                  for i in active]
+        idx = torch.tensor(active, device=q.device)
+        h[torch.tensor([first[i] + c for i in active], device=q.device)] = states[idx].to(q.dtype)
+        rows = torch.cat([torch.arange(s, e) for s, e in pieces]).to(q.device)
+        offsets = torch.tensor([0] + [e - s for s, e in pieces]).cumsum(0)
+        xs = [x.index_select(1, rows) for x in flat]
+        _, ht = _library.chunk_fwd(*xs[:3], xs[3], xs[4], None, None, states[idx].contiguous(), offsets.to(q.device),
+                                   offsets, variant, backend, scale, chunk_size, True, False, None)
+        states[idx] = ht
+    return h.reshape((B if cu is None else 1, -1, HV, K, V))
+
+
+def _flags(**named):
+    for name, value in named.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"deltacp: argument '{name}': expected a bool, got {type(value).__name__}")
 
 
 # ---------------------------------------------------------------------------------------------
 # the public ops (FLA's names and argument order)
 # ---------------------------------------------------------------------------------------------
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
-                           output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
-                           chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False, cu_seqlens_cpu=None,
-                           cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                           use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+                           state_v_first: bool = False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, *,
+                           use_gate_in_kernel: bool = False, A_log=None, dt_bias=None, chunk_size: int = 64,
+                           backend: Optional[str] = None, **kwargs) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated DeltaNet. q, k [B, T, H, K]; v [B, T, HV, V]; g (log decay) and beta [B, T, HV];
-    initial_state [N, HV, K, V]. Returns (o [B, T, HV, V], final_state [N, HV, K, V] or None)."""
+    initial_state [N, HV, K, V]. Returns (o [B, T, HV, V], final_state [N, HV, K, V] or None).
+
+    FLA 0.5.2's arguments, positions and defaults; ``use_gate_in_kernel``, ``A_log``, ``dt_bias`` and
+    ``chunk_size`` by keyword (FLA's ``**kwargs``), and deltacp's ``backend``. The options'
+    meanings: deltacp/fla_options.py and docs/fla-compat.md. Unknown keywords raise TypeError."""
+    q = _tensor(q, "q")
+    v = _tensor(v, "v", q)
+    _check_4d(q, v)
+    opts = fla_options.parse("gdn", q, v, kwargs=kwargs, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                             state_v_first=state_v_first, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                             dt_bias=dt_bias)
     return _apply("gdn", q, k, v, g, beta, None, None, scale, initial_state, output_final_state, cu_seqlens,
-                  backend, chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu)
+                  backend, chunk_size, cp_context, cu_seqlens_cpu, opts)
 
 
 def chunk_kda(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None, output_final_state: bool = False,
-              cu_seqlens=None, backend: Optional[str] = None, *, chunk_size: int = 64,
-              use_qk_l2norm_in_kernel: bool = False, cu_seqlens_cpu=None,
-              cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Kimi Delta Attention: like chunk_gated_delta_rule with g per key dim, [B, T, HV, K]."""
+              use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+              use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, safe_gate: bool = False,
+              lower_bound: Optional[float] = None, disable_recompute: bool = False,
+              return_intermediate_states: bool = False, state_v_first: bool = False, cu_seqlens=None,
+              cu_seqlens_cpu=None, cp_context=None, *, A_log=None, dt_bias=None, chunk_size: int = 64,
+              backend: Optional[str] = None, **kwargs):
+    """Kimi Delta Attention: like chunk_gated_delta_rule with g per key dim, [B, T, HV, K].
+
+    FLA 0.5.2's arguments, positions and defaults; ``A_log``, ``dt_bias`` and ``chunk_size`` by
+    keyword (FLA's ``**kwargs``), and deltacp's ``backend``. Returns (o, final_state or None), and
+    with return_intermediate_states=True (inference mode) (o, final_state or None, h). The options'
+    meanings (the lower-bound gate, safe_gate's checked range): deltacp/fla_options.py and
+    docs/fla-compat.md. Unknown keywords raise TypeError."""
+    q = _tensor(q, "q")
+    v = _tensor(v, "v", q)
+    _check_4d(q, v)
+    opts = fla_options.parse("kda", q, v, kwargs=kwargs, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             use_gate_in_kernel=use_gate_in_kernel,
+                             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                             safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+                             return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+                             A_log=A_log, dt_bias=dt_bias)
     return _apply("kda", q, k, v, g, beta, None, None, scale, initial_state, output_final_state, cu_seqlens,
-                  backend, chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu)
+                  backend, chunk_size, cp_context, cu_seqlens_cpu, opts)
+
+
+def _check_4d(q, v):
+    if q.dim() != 4:
+        raise ValueError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
+    if v.dim() != 4:
+        raise ValueError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
+
+
+def _l2norm_only(variant, use_qk_l2norm_in_kernel):
+    _flags(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    opts = fla_options.FlaOptions(variant)
+    opts.use_qk_l2norm_in_kernel = use_qk_l2norm_in_kernel
+    return opts
 
 
 def chunk_delta_rule(q, k, v, beta, scale: Optional[float] = None, initial_state=None,
@@ -350,7 +524,7 @@ def chunk_delta_rule(q, k, v, beta, scale: Optional[float] = None, initial_state
                      cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """DeltaNet (no gate): beta [B, T, HV]."""
     return _apply("delta", q, k, v, None, beta, None, None, scale, initial_state, output_final_state, cu_seqlens,
-                  backend, chunk_size, use_qk_l2norm_in_kernel, cp_context, cu_seqlens_cpu)
+                  backend, chunk_size, cp_context, cu_seqlens_cpu, _l2norm_only("delta", use_qk_l2norm_in_kernel))
 
 
 def chunk_dplr(q, k, v, a, b, gk, scale: Optional[float] = None, initial_state=None,
@@ -359,7 +533,9 @@ def chunk_dplr(q, k, v, a, b, gk, scale: Optional[float] = None, initial_state=N
                cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """DPLR (RWKV-7 family): S <- diag(e^gk) S + k v^T + b (a^T S). a, b, gk [B, T, HV, K]."""
     return _apply("dplr", q, k, v, gk, None, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
-                  chunk_size, False, cp_context, cu_seqlens_cpu, gate_name="gk")
+                  chunk_size, cp_context, cu_seqlens_cpu, gate_name="gk")
 
 
 chunk_dplr_delta_rule = chunk_dplr  # FLA's name
+
+from . import _library  # noqa: E402  (registers deltacp::chunk_fwd / chunk_bwd; imports this module)

@@ -18,6 +18,10 @@ Per-head pieces (one sequence, one value head, rows are tokens; always float64),
 ``chunk_wy``, ``chunk_step``, ``chunk_states``, ``chunk_affine``, ``span_affine``,
 ``span_affine_tokens``, ``span_affine_backward``, ``compose``, ``recurrent_forward``, ...
 and ``cp_simulate`` for context parallelism simulated over ranks cut at given token positions.
+
+FLA's optional keyword arguments of chunk_gated_delta_rule / chunk_kda (the in-kernel l2 norm, beta
+sigmoid, the gate from A_log and dt_bias, the kda lower-bound gate, the V-first state layout), with
+their backward written out: ``fla_forward``, ``fla_backward``, ``fla_gate``, ``l2norm``, ...
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ __all__ = [
     "chunk_wy", "chunk_step", "chunk_states", "chunked_forward", "chunked_backward", "chunk_affine",
     "span_affine", "span_affine_tokens", "span_affine_backward", "compose", "affine_forward",
     "recurrent_forward", "recurrent_backward", "unit_lower_inverse", "chunk_ranges",
+    "fla_forward", "fla_backward", "fla_gate", "fla_gate_backward", "l2norm", "l2norm_backward", "beta_sigmoid",
+    "beta_sigmoid_backward", "sigmoid", "softplus",
 ]
 
 # Public gate / gradient names per variant: dplr calls its gate gk (FLA's name).
@@ -511,3 +517,160 @@ def unit_lower_inverse(A):
 def chunk_ranges(n: int, chunk_size: int):
     """[(t0, t1), ...] chunk ranges of a slice of n tokens."""
     return _core.chunk_ranges(int(n), int(chunk_size))
+
+
+# ---------------------------------------------------------------------------------------------
+# FLA's optional keyword arguments of chunk_gated_delta_rule / chunk_kda (float64 ground truth)
+# ---------------------------------------------------------------------------------------------
+# The torch ops apply these as a pre-pass (deltacp/fla_options.py) and let autograd differentiate it;
+# here each is written out with its backward by hand, so the two derivations check each other.
+FLA_L2NORM_EPS = 1e-6
+FLA_SOFTPLUS_THRESHOLD = 20.0
+
+
+def _f64(x, name):
+    return np.asarray(_to_float_array(x, name), dtype=np.float64)
+
+
+def sigmoid(x):
+    """1 / (1 + e^-x) without overflow."""
+    x = np.asarray(x, dtype=np.float64)
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def softplus(x):
+    """FLA's softplus: x above 20, else log(1 + e^x)."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(x > FLA_SOFTPLUS_THRESHOLD, x, np.log1p(np.exp(np.minimum(x, FLA_SOFTPLUS_THRESHOLD))))
+
+
+def _softplus_grad(x):
+    return np.where(x > FLA_SOFTPLUS_THRESHOLD, 1.0, sigmoid(x))
+
+
+def l2norm(x, eps=FLA_L2NORM_EPS):
+    """use_qk_l2norm_in_kernel: x / sqrt(sum(x^2) + eps) over the last dim."""
+    x = _f64(x, "x")
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def l2norm_backward(x, dy, eps=FLA_L2NORM_EPS):
+    """dx of y = x r, r = (sum(x^2) + eps)^-1/2: r dy - r^3 x sum(x dy)."""
+    x, dy = _f64(x, "x"), _f64(dy, "dy")
+    r = 1.0 / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
+    return r * dy - r ** 3 * x * (x * dy).sum(-1, keepdims=True)
+
+
+def beta_sigmoid(beta, allow_neg_eigval=False):
+    """use_beta_sigmoid_in_kernel: sigmoid(beta), 2 sigmoid(beta) with allow_neg_eigval."""
+    return (2.0 if allow_neg_eigval else 1.0) * sigmoid(_f64(beta, "beta"))
+
+
+def beta_sigmoid_backward(beta, dy, allow_neg_eigval=False):
+    s = sigmoid(_f64(beta, "beta"))
+    return (2.0 if allow_neg_eigval else 1.0) * s * (1.0 - s) * _f64(dy, "dy")
+
+
+def _gate_parts(variant, g, A_log, dt_bias):
+    """(x = g + dt_bias, exp(A_log) broadcast over x, dt_bias shape): gdn g [B, T, HV], A_log and
+    dt_bias [HV]; kda g [B, T, HV, K], A_log [HV], dt_bias [HV * K] or [HV, K]."""
+    g = _f64(g, "g")
+    A = _f64(A_log, "A_log").reshape(-1)
+    x = g.copy()
+    if dt_bias is not None:
+        x = x + _f64(dt_bias, "dt_bias").reshape(g.shape[2:])
+    a = np.exp(A) if variant == "gdn" else np.exp(A)[:, None]
+    return x, a
+
+
+def fla_gate(variant, g, A_log, dt_bias=None, lower_bound=None):
+    """use_gate_in_kernel: the log decay from the raw gate input. -exp(A_log) softplus(g + dt_bias);
+    kda with lower_bound: lower_bound sigmoid(exp(A_log) (g + dt_bias))."""
+    x, a = _gate_parts(variant, g, A_log, dt_bias)
+    if lower_bound is None:
+        return -a * softplus(x)
+    return float(lower_bound) * sigmoid(a * x)
+
+
+def fla_gate_backward(variant, g, A_log, dt_bias, dy, lower_bound=None):
+    """-> (dg, dA_log [HV], ddt_bias in dt_bias's shape or None) for the upstream gradient dy."""
+    x, a = _gate_parts(variant, g, A_log, dt_bias)
+    dy = _f64(dy, "dy")
+    if lower_bound is None:
+        y = -a * softplus(x)
+        dx = -a * _softplus_grad(x) * dy
+        dA_full = dy * y                                  # d y / d A_log = y
+    else:
+        s = sigmoid(a * x)
+        dz = float(lower_bound) * s * (1.0 - s) * dy      # z = a x
+        dx = dz * a
+        dA_full = dz * a * x
+    sum_axes = (0, 1) if variant == "gdn" else (0, 1, 3)
+    dA = dA_full.sum(axis=sum_axes).reshape(np.shape(A_log))
+    ddt = None if dt_bias is None else dx.sum(axis=(0, 1)).reshape(np.shape(dt_bias))
+    return dx, dA, ddt
+
+
+def _fla_prepass(variant, q, k, g, beta, o):
+    """The inputs of the core op after FLA's options `o` (a dict of the keyword arguments)."""
+    if o.get("allow_neg_eigval") and not o.get("use_beta_sigmoid_in_kernel"):
+        raise ValueError("deltacp: argument 'allow_neg_eigval': True needs use_beta_sigmoid_in_kernel=True")
+    if o.get("lower_bound") is not None and variant != "kda":
+        raise ValueError("deltacp: argument 'lower_bound': only kda has the lower-bound gate")
+    qq, kk, gg, bb = _f64(q, "q"), _f64(k, "k"), _f64(g, "g"), _f64(beta, "beta")
+    if o.get("use_qk_l2norm_in_kernel"):
+        qq, kk = l2norm(qq), l2norm(kk)
+    if o.get("use_beta_sigmoid_in_kernel"):
+        bb = beta_sigmoid(bb, o.get("allow_neg_eigval", False))
+    if o.get("use_gate_in_kernel"):
+        gg = fla_gate(variant, gg, o["A_log"], o.get("dt_bias"), o.get("lower_bound"))
+    return qq, kk, gg, bb
+
+
+def _swap_kv(x):
+    return None if x is None else np.ascontiguousarray(np.swapaxes(_f64(x, "state"), -1, -2))
+
+
+def fla_forward(variant, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
+                cu_seqlens=None, chunk_size=None, *, method=None, **options):
+    """gdn / kda forward with FLA 0.5.2's keyword options (float64): use_qk_l2norm_in_kernel,
+    use_gate_in_kernel with A_log and dt_bias, lower_bound (kda), use_beta_sigmoid_in_kernel,
+    allow_neg_eigval, state_v_first (states [N, HV, V, K]) -> (o, final_state or None)."""
+    if variant not in ("gdn", "kda"):
+        raise ValueError(f"deltacp: argument 'variant': expected 'gdn' or 'kda', got {variant!r}")
+    qq, kk, gg, bb = _fla_prepass(variant, q, k, g, beta, options)
+    v_first = options.get("state_v_first", False)
+    h0 = _swap_kv(initial_state) if v_first else initial_state
+    fwd = gated_delta_rule if variant == "gdn" else kda
+    o, ht = fwd(qq, kk, _f64(v, "v"), gg, bb, scale=scale, initial_state=h0, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, chunk_size=chunk_size, method=method)
+    return o, (_swap_kv(ht) if v_first and ht is not None else ht)
+
+
+def fla_backward(variant, q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
+                 chunk_size=None, *, method=None, **options) -> dict:
+    """The gradients of fla_forward's L = sum(o * do) + sum(ht * dht) with respect to its raw inputs:
+    dict(dq, dk, dv, dg, dbeta, dh0) and, with use_gate_in_kernel, dA_log and ddt_bias (None without
+    dt_bias). The core backward's gradients chained through the options' hand-written backward."""
+    if variant not in ("gdn", "kda"):
+        raise ValueError(f"deltacp: argument 'variant': expected 'gdn' or 'kda', got {variant!r}")
+    o = options
+    qq, kk, gg, bb = _fla_prepass(variant, q, k, g, beta, o)
+    v_first = o.get("state_v_first", False)
+    h0 = _swap_kv(initial_state) if v_first else initial_state
+    dht_kv = _swap_kv(dht) if v_first else dht
+    bwd = gated_delta_rule_backward if variant == "gdn" else kda_backward
+    grads = bwd(qq, kk, _f64(v, "v"), gg, bb, do, dht=dht_kv, scale=scale, initial_state=h0, cu_seqlens=cu_seqlens,
+                chunk_size=chunk_size, method=method)
+    if o.get("use_qk_l2norm_in_kernel"):
+        grads["dq"] = l2norm_backward(q, grads["dq"])
+        grads["dk"] = l2norm_backward(k, grads["dk"])
+    if o.get("use_beta_sigmoid_in_kernel"):
+        grads["dbeta"] = beta_sigmoid_backward(beta, grads["dbeta"], o.get("allow_neg_eigval", False))
+    if o.get("use_gate_in_kernel"):
+        grads["dg"], grads["dA_log"], grads["ddt_bias"] = fla_gate_backward(
+            variant, g, o["A_log"], o.get("dt_bias"), grads["dg"], o.get("lower_bound"))
+    if v_first and grads.get("dh0") is not None:
+        grads["dh0"] = _swap_kv(grads["dh0"])
+    return grads
