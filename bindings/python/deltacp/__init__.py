@@ -48,6 +48,10 @@ def __getattr__(name):
         from . import dplr
 
         return getattr(dplr, name)
+    if name == "causal_conv1d":  # the short convolution, with torch on first use (deltacp/conv1d.py)
+        from .conv1d import causal_conv1d
+
+        return causal_conv1d
     # The torch ops live in deltacp.ops, imported (with torch) only when first asked for.
     if name in _TORCH_OPS:
         from . import ops

@@ -75,6 +75,9 @@ class CPContext:
     # the exchange then carries H (dH) alone, [HV, K, V] instead of [HV, K, V + K] per rank.
     maps_read: bool
     nccl: Optional[object] = field(default=None, compare=False)  # deltacp._cp_nccl.Communicator, if any
+    # Width W of the causal short convolution (deltacp.causal_conv1d) run with this context: each rank
+    # takes the W - 1 tokens before its first one from earlier ranks (deltacp/cp/conv1d.py).
+    conv1d_kernel_size: Optional[int] = None
 
     @property
     def first_continues(self) -> bool:
@@ -211,7 +214,7 @@ def _cu_list(cu_seqlens) -> List[int]:
 
 
 def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[float] = None,
-                  use_nccl: Optional[bool] = None) -> CPContext:
+                  use_nccl: Optional[bool] = None, conv1d_kernel_size: Optional[int] = None) -> CPContext:
     """The CP context of this rank for a packed batch with GLOBAL offsets ``cu_seqlens`` (B = 1).
 
     cu_seqlens  int64 tensor or list [0, t1, ..., T], the same on every rank (checked: a mismatch
@@ -223,6 +226,8 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
     timeout     seconds a CP collective may take before every rank raises (default
                 DELTACP_CP_TIMEOUT or 300 s). On gloo it bounds each wait; with the NCCL communicator
                 it is the communicator's abort timeout.
+    conv1d_kernel_size  the width W >= 1 of deltacp.causal_conv1d under this context (as FLA's
+                build_cp_context); None when no convolution runs with it.
     use_nccl    for CUDA tensors, create deltacp's own NCCL communicator (deltacp._cp_nccl): True,
                 False, or None = when the module is built and device is CUDA. Its unique id is made
                 on rank 0 and broadcast through `group`.
@@ -237,6 +242,10 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
     if not timeout > 0:
         raise ValueError(f"deltacp: argument 'timeout': expected a positive number of seconds, got {timeout}")
     cu = _cu_list(cu_seqlens)
+    if conv1d_kernel_size is not None and (isinstance(conv1d_kernel_size, bool) or not isinstance(conv1d_kernel_size, int)
+                                           or conv1d_kernel_size < 1):
+        raise ValueError(f"deltacp: argument 'conv1d_kernel_size': expected an int >= 1 (the convolution width), got "
+                         f"{conv1d_kernel_size!r}")
     if device is None:
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
             device = cu_seqlens.device
@@ -247,7 +256,8 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
     device = torch.device(device)
 
     fingerprint = _hash62(("cu_seqlens", tuple(cu), world))
-    agree({"cu_seqlens": tuple(cu), "world": world}, group, rank, timeout, "build_context")
+    agree({"cu_seqlens": tuple(cu), "world": world, "conv1d_kernel_size": conv1d_kernel_size}, group, rank, timeout,
+          "build_context")
     # Same cu_seqlens everywhere from here on, so every rank raises the same planning error.
     plans = _core.cp_plan_even(cu, world)  # ValueError naming 'cu_seqlens' when T % world != 0
     plan = plans[rank]
@@ -277,7 +287,7 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
                      seq_ids=[int(x) for x in plan["seq_ids"]], pre_ranks=int(plan["pre_ranks"]),
                      post_ranks=int(plan["post_ranks"]), starts_here=starts_here, ends_here=ends_here,
                      empty_seqs=empty, fingerprint=fingerprint, timeout=timeout, maps_read=maps_read,
-                     nccl=nccl)
+                     nccl=nccl, conv1d_kernel_size=conv1d_kernel_size)
 
 
 def transitions_read(plans) -> bool:
