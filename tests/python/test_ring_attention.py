@@ -9,7 +9,8 @@ rank in the environment); every worker runs all cases and writes a JSON report. 
   * zigzag_unshard(zigzag_shard(x)) == x on every rank, and the layout itself (rank 0 of 4 holds
     tokens 0, 7, 8, 15 with block = 1; blocks r and 2N-1-r by default);
   * the causal work each rank counted (visible (query, key) pairs) is the same on every rank, while
-    contiguous slices would give the last rank 2N - 1 times the first rank's;
+    contiguous slices would give the last rank 2N - 1 times the first rank's; with the default block
+    every rank also computes the same number of block pairs (2N + 1);
   * lengths the layout cannot deal evenly are rejected with a ValueError naming the argument.
 """
 
@@ -185,6 +186,11 @@ def test_causal_work_is_balanced(world):
         assert len(set(work)) == 1, (block, work)
         B, H = 2, 4
         assert sum(work) == B * H * T * (T + 1) // 2  # every visible pair counted once, somewhere
+    # What the default layout's blocks make every rank compute (masked pairs of diagonal blocks
+    # included): 2N + 1 block pairs of (T / 2N)^2 on every rank.
+    computed = [next(c for c in rep["cases"] if c["causal"] and c["block"] is None and c["dtype"] == "float32"
+                     and c["hkv"] == 4)["stats"]["computed_pairs"] for rep in reports(world)]
+    assert computed == [2 * 4 * (2 * world + 1) * (T // (2 * world)) ** 2] * world, computed
     # The same count for contiguous slices: the last rank does 2N - 1 times the first rank's work
     # (up to the diagonal's share), the imbalance zig-zag removes.
     n = T // world

@@ -165,18 +165,20 @@ def attention_reference(q, k, v, causal=True, scale=None):
 # block compute (torch, any device): queries [B, H, n, D] against one key block [B, H, m, D]
 # ---------------------------------------------------------------------------------------------
 class _Pieces:
-    """How one (query block, key block) pair is computed: per (query piece, key piece) pair of
-    contiguous runs, skipped (all masked), unmasked (all visible) or masked. More than 4 runs on a
-    side (a small block size) are computed as one masked piece."""
+    """How one rank's queries meet one rank's key block: per (query piece, key piece) pair, skipped
+    (all masked), unmasked (all visible) or masked. The pieces are the zig-zag blocks when a rank holds
+    at most 4 of them (with the default block every rank then computes 2N + 1 block pairs: balanced),
+    otherwise (a small block size) all of the rank's tokens as one masked piece."""
 
-    def __init__(self, qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
+    def __init__(self, qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, block: int):
         self.items = []
         self.visible = causal_pairs(qpos, kpos) if causal else len(qpos) * len(kpos)
         self.computed = 0
-        qr = _runs(qpos) if causal else [(0, len(qpos))]
-        kr = _runs(kpos) if causal else [(0, len(kpos))]
-        if len(qr) > 4 or len(kr) > 4:
-            qr, kr = [(0, len(qpos))], [(0, len(kpos))]
+        n = len(qpos)
+        if causal and n // block <= 4:
+            qr = kr = [(s, block) for s in range(0, n, block)]
+        else:
+            qr, kr = [(0, n)], [(0, len(kpos))]
         for qs, qn in qr:
             qp = qpos[qs:qs + qn]
             for ks, kn in kr:
@@ -311,7 +313,7 @@ class _RingAttention(torch.autograd.Function):
                 works = ring.start(cur, nxt, forward=True, tag=0)
                 sent += cur.numel() * cur.element_size()
             kk, vv = _unpack(cur, kv)
-            pieces = _Pieces(pos[rank], pos[src], causal)
+            pieces = _Pieces(pos[rank], pos[src], causal, block)
             visible += pieces.visible
             computed += pieces.computed
             o_b, l_b = _block_forward(qh, _expand(_heads_first(kk).to(acc), groups),
@@ -347,7 +349,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank + step) % world  # the backward ring runs the other way: K/V from rank r + 1
             works = ring.start(cur, nxt, forward=False, tag=0) if step < world - 1 else None
             kk, vv = _unpack(cur, kv)
-            pieces = _Pieces(pos[rank], pos[src], causal)
+            pieces = _Pieces(pos[rank], pos[src], causal, block)
             dq_b, dk_b, dv_b = _block_backward(qh, _expand(_heads_first(kk).to(acc), groups),
                                                _expand(_heads_first(vv).to(acc), groups), do, delta, lse, scale,
                                                pieces, acc)

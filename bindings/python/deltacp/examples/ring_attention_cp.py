@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -43,6 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--repeat", type=int, default=1, help="timed repetitions (median reported)")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--baseline", action="store_true",
+                   help="rank 0 also times plain attention (torch's scaled_dot_product_attention) over the whole "
+                        "sequence on one device and prints the parallel efficiency: that time / (N x the slowest "
+                        "rank's ring step), forward + backward")
+    p.add_argument("--json", default=None, help="rank 0 writes the configuration, every rank's row and the "
+                                                "baseline to this file (docs/results/ring-attention-*.json)")
     return p.parse_args(argv)
 
 
@@ -123,10 +130,47 @@ def _run(args, device) -> int:
                   f"{e.get('dk', float('nan')):>9.2e} {e.get('dv', float('nan')):>9.2e} {r['work']:>14d} "
                   f"{r['computed']:>10d} {r['sent']:>9d} {r['fwd']:>8.2f} {r['bwd']:>8.2f}  {check}")
         sys.stdout.flush()
+    base = _baseline(args, device, dt) if args.baseline and rank == 0 else None
+    if rank == 0:
+        step_ms = max(r["fwd"] + r["bwd"] for r in rows)
+        if base is not None:
+            print(f"one device, scaled_dot_product_attention over all {T} tokens: fwd+bwd {base:.2f} ms; "
+                  f"parallel efficiency {base:.2f} / ({world} x {step_ms:.2f}) = {base / (world * step_ms):.3f}")
+        if args.json:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            with open(args.json, "w") as f:
+                json.dump(dict(kind="ring_attention", device=name, world=world, backend=dist.get_backend(),
+                               config=dict(batch=B, tokens=T, heads=H, kv_heads=HKV, head_dim=D, dtype=args.dtype,
+                                           causal=args.causal, block=args.block or T // (2 * world),
+                                           repeat=args.repeat),
+                               rows=rows, step_fwd_bwd_ms=step_ms, baseline_fwd_bwd_ms=base,
+                               efficiency=None if base is None else base / (world * step_ms)), f, indent=1)
     failed = not all(r["ok"] for r in rows)
     if failed and rank == 0:
         print("deltacp: ring attention MISMATCH against the single-process run", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _baseline(args, device, dt):
+    """Median fwd+bwd ms of plain attention over the whole sequence on this device (grouped K/V by
+    torch's enable_gqa)."""
+    import torch.nn.functional as F
+
+    B, T, H, HKV, D = args.batch, args.seqlen, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(B, H, T, D, device=device, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(B, HKV, T, D, device=device, dtype=dt, requires_grad=True) for _ in range(2))
+    do = torch.randn(B, H, T, D, device=device, dtype=dt)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(max(1, args.repeat) + 1):
+        sync()
+        t0 = time.perf_counter()
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=HKV != H)
+        o.backward(do)
+        sync()
+        if i:  # the first call is a warm-up
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":
