@@ -9,6 +9,7 @@
 // method     host:  "recurrent" | "chunked" | "affine"   -> deltacp::ref::forward/backward<S>
 //                   "cp" (with cuts)                      -> deltacp::ref::cp_forward/cp_backward<S>
 //            CUDA:  "naive" | "tiled" | "fused"           -> deltacp::cuda::forward/backward
+//                   "auto"                                -> the fastest tier that applies (forward_auto)
 // compute    the reference's scalar type S: "float64" or "float32" (the CUDA tiers accumulate in fp32)
 // tensors    {field: (ptr, dtype, shape, strides, device[, name])} — see tensor_desc.h; outputs are
 //            allocated by the caller (numpy / torch) and written in place, nothing is copied.
@@ -38,6 +39,10 @@ namespace {
 enum class Kind { reference, cp, cuda };
 
 Kind kind_of(const std::string& method, Method* m) {
+  if (method == "auto") {  // CUDA: the tier chosen per call (deltacp::cuda::forward_auto / backward_auto)
+    *m = Method::fused;
+    return Kind::cuda;
+  }
   if (method == "cp") {
     *m = Method::chunked;
     return Kind::cp;
@@ -102,7 +107,13 @@ py::object run(const std::string& direction, const std::string& variant, const s
 #ifdef DELTACP_WITH_CUDA
     p.stream = reinterpret_cast<void*>(stream);
     py::gil_scoped_release nogil;
-    if (backward) {
+    if (method == "auto") {
+      if (backward) {
+        cuda::backward_auto(p);
+      } else {
+        cuda::forward_auto(p);
+      }
+    } else if (backward) {
       cuda::backward(p, m);
     } else {
       cuda::forward(p, m);
@@ -317,6 +328,16 @@ void cuda_release_workspace() {
 #endif
 }
 
+// (tier, why) of the last CUDA forward or backward this thread launched.
+py::tuple cuda_last_tier() {
+#ifdef DELTACP_WITH_CUDA
+  const cuda::TierChoice c = cuda::last_tier_choice();
+  return py::make_tuple(std::string(to_string(c.tier)), c.why);
+#else
+  return py::make_tuple(std::string("none"), std::string("this deltacp was built without CUDA"));
+#endif
+}
+
 bool cuda_supports(const std::string& variant, const std::string& tier, bool backward) {
 #ifdef DELTACP_WITH_CUDA
   return cuda::supports(variant_from_string(variant), method_from_string(tier), backward);
@@ -397,6 +418,8 @@ void register_batch_api(py::module_& m) {
         "width] leaving them when entered with init (0: [0 | I]), into out.");
   m.def("cuda_release_workspace", &cuda_release_workspace,
         "Hand the CUDA kernels' cached workspace memory back to the driver (no-op without CUDA).");
+  m.def("cuda_last_tier", &cuda_last_tier,
+        "(tier, why): the CUDA tier the last forward or backward of this thread ran, and why that one.");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),
         "Whether the CUDA tier implements (variant, direction) in this build.");
   m.def(

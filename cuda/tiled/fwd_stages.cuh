@@ -160,6 +160,19 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
                        const void* W, const void* U, const void* Kd, void* h, void* v_new, const float* h0,
                        float* ht, cudaStream_t stream, const PieceTables* tables = nullptr);
 
+// The pieces of L chunks each that the scan in pieces would cut p's sequences into (a sequence of at most
+// L chunks stays whole). Host only. The fused tier (cuda/fused/) plans its own piece length with it.
+ScanPlan plan_pieces(const Params& p, const std::vector<SeqEntry>& seqs, int64_t L);
+
+// The fold alone: starts [P, HV, K, V] fp32 = every piece's start state from h0 (nullptr: zero) and the
+// tables' pass-1 maps (N sequences). And the last piece's final state of each sequence into ht [N, HV, K, V],
+// from piece_ht [P, HV, K, V]. launch_state_scan runs both around its pass 2; the fused tier runs its own
+// pass 2 between them.
+void launch_fold_starts(const Params& p, const PieceTables& tables, int64_t N, const float* h0, float* starts,
+                        cudaStream_t stream);
+void launch_gather_final_states(const Params& p, const PieceTables& tables, int64_t N, const float* piece_ht,
+                                float* ht, cudaStream_t stream);
+
 // The CP pre-pass of a cut sequence: its P pieces' maps [P, HV, K, V + K] (launch_pass1, every piece)
 // composed in fp32 into out [HV, K, width] = the state leaving the sequence when it is entered with init
 // ([HV, K, width] fp32; nullptr: [0 | I], the identity in the columns from V on). width = V + K gives

@@ -21,7 +21,8 @@ _TORCH_OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_
 # FLA's DPLR entry points with FLA's argument order (deltacp.dplr), imported with torch on first use.
 _DPLR_OPS = ("chunk_dplr_delta_rule", "chunk_rwkv7")
 
-__all__ = ["reference", "Error", "built_with_cuda", "cuda_available", "cuda_release_workspace", *_TORCH_OPS, "chunk_rwkv7"]
+__all__ = ["reference", "Error", "built_with_cuda", "cuda_available", "cuda_release_workspace", "last_cuda_tier",
+           *_TORCH_OPS, "chunk_rwkv7"]
 
 
 def built_with_cuda() -> bool:
@@ -32,6 +33,13 @@ def built_with_cuda() -> bool:
 def cuda_available() -> bool:
     """True when the CUDA tiers are built and a CUDA device is usable."""
     return _core.cuda_available()
+
+
+def last_cuda_tier() -> tuple:
+    """(tier, why): the CUDA tier ("naive", "tiled" or "fused") that the last CUDA forward or backward of
+    this thread ran, and why that one (with ``backend=None`` the dispatch picks per call the fastest tier
+    whose kernels apply to the inputs)."""
+    return _core.cuda_last_tier()
 
 
 def cuda_release_workspace() -> None:

@@ -1,0 +1,583 @@
+// cuda/fused/fused_fwd.cu — the fused tier's forward (Hopper, sm_90a): the state stays on chip from a
+// sequence's first chunk to its last, and each chunk's output is produced where its state is.
+//
+// Algorithm (docs/design.md, the chunked WY form; reference/include/deltacp/reference/chunked.h). For a
+// chunk of n <= 64 tokens with state S (K x V, fp32) at its start and G the within-chunk cumulative log
+// decay, with W = T Beta (K e^G) and U = T Beta V from the WY stage:
+//
+//   Vn = U - W S
+//   O  = scale ( e^G (Q S) + P Vn ),   P = tril(Q K^T) o e^(G_i - G_j)  (j <= i, diagonal included)
+//   S' = e^(G_n) S + (K e^(G_n - G))^T Vn
+//
+// Pipeline. What does not depend on the state runs token-parallel first, on every chunk at once (the
+// tiled tier's stages 1 and 2, cuda/tiled/fwd_stages.cuh): G = cumsum g, and the WY stage's W and U. Then
+// one kernel, fused_chain_kernel below, walks each sequence's chunks with S in registers and does every
+// product that touches S, and the output:
+//
+//   CTA       one per (sequence or piece, value head, 64 NWG state columns); NWG = 1 or 2 warpgroups
+//             of 128 threads, each owning 64 state columns (all 128 key rows) as an fp32 wgmma
+//             accumulator (64 registers per thread), written transposed (S^T) so that every product
+//             that reads S takes it straight from registers as the A operand
+//   loads     the next chunk's W, K, Q tiles (64 tokens x 128 keys, 16-bit, 128-byte swizzle), U's
+//             columns and G, by cp.async two stages deep, while this chunk computes
+//   per chunk (each warpgroup; "rs": A from registers, "ss": both operands from shared memory)
+//     (1) P^ = Q K^T            8 x wgmma m64n64k16 ss   (state-free: issued first, its own group)
+//     (2) Va = S^T W^T          8 x wgmma m64n64k16 rs
+//         Oa = S^T Q^T          8 x wgmma m64n64k16 rs   (same group as (2))
+//     (3) P  = mask and decay of P^ in registers -> 16-bit, into the warpgroup's own swizzled 64 x 64
+//         tile (it is the B operand of (5)), while (2) runs
+//     (4) Vn^T = U^T - Va;  Oa *= e^(G_i) per token;  Vns^T = Vn^T e^(G_n - G_j) -> A fragments
+//     (5) S^T <- e^(G_n) S^T + Vns^T K       4 x wgmma m64n128k16 rs (K's tile MN-major)
+//         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major)
+//     (6) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as
+//         16-byte pieces of whole rows while the next chunk's products run
+//   So per chunk only q, k, W, U, g come in and o goes out; no per-chunk state (h), no v_new and no
+//   second pass over q and k, which the tiled tier's stages 3 and 4 move through HBM.
+//
+// Long sequences with few chains (B * HV CTAs would leave most SMs idle): exact intra-card context
+// parallelism. The sequences are cut into pieces of whole chunks; each piece's affine map [H_j | M_j]
+// (the state it leaves when entered with [0 | I]) comes from the tiled tier's state-only scan (pass 1,
+// side by side), a fold gives every piece its true start state S_{j+1} = M_j S_j + H_j in fp32, and the
+// fused kernel runs every piece from it (cuda/tiled/scan_split.cu has the algebra). No gate-threshold
+// shortcut: the start states are exact up to rounding. fused_plan below picks the piece length.
+//
+// Numerics: the tiled tier's roundings (S, Vn, P to 16 bits for the products, fp32 accumulation, fp32
+// state), so the fused forward agrees with the tiled one to bf16 rounding and with fp64 within 1e-2.
+//
+// Applies to: gdn and delta; bf16 / fp16 inputs; K = V = 128; q, k, o 16-byte aligned rows; compute
+// capability 9.0 in a build with sm_90a code (fused_forward_refusal says why not, and the dispatch falls
+// back to the tiled tier or, when the fused tier was asked for by name, raises an error with the reason).
+//
+// Shared memory (bf16, NWG = 2): two load stages of W, K, Q (16 KB each), U (64 x 136) and G: 132 KB;
+// per warpgroup a P tile (8 KB) and an output staging tile (9 KB): 167 KB in all, one CTA per SM.
+//
+// Measured speed: see docs/perf.md (fused rows) and this file's commit history.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../common/check.h"
+#include "../common/device_info.h"
+#include "../common/load_store.cuh"
+#include "../common/workspace_pool.h"
+#include "../tiled/chunk_table.cuh"
+#include "../tiled/fwd_mma.cuh"
+#include "../tiled/fwd_stages.cuh"
+#include "../tiled/wgmma_ops.cuh"
+#include "deltacp/cuda/tiers.h"
+#include "deltacp/error.h"
+#include "deltacp/params.h"
+
+namespace deltacp::cuda::fused {
+namespace {
+
+using tiled::ChunkTable;
+using tiled::SeqEntry;
+
+constexpr int kKeys = 128;   // K: key rows of the state
+constexpr int kCols = 64;    // state columns per warpgroup
+constexpr int kLdStage = 72; // leading dimension (elements) of the output staging tile
+
+// A [B, T, heads, D] tensor: base pointer and int64 element strides (D contiguous).
+template <class E>
+struct Rows {
+  E* ptr = nullptr;
+  int64_t sb = 0, st = 0, sh = 0;
+  __device__ __forceinline__ E* at(int64_t b, int64_t t, int64_t h) const { return ptr + b * sb + t * st + h * sh; }
+};
+template <class E>
+Rows<E> rows_of(const TensorRef& r) {
+  return Rows<E>{static_cast<E*>(r.ptr), r.stride_b, r.stride_t, r.stride_h};
+}
+
+template <class T>
+struct ChainArgs {
+  Rows<const T> q, k;
+  Rows<T> o;
+  const SeqEntry* seqs = nullptr;
+  const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
+  const T* W = nullptr;      // [R, HV, 128]
+  const T* U = nullptr;      // [R, HV, 128]
+  const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
+  float* ht = nullptr;       // the same shape, or nullptr
+  int64_t Tlen = 0, HV = 0, group = 1;
+  int chunk_size = 64;
+  float scale = 1.f;
+};
+
+// Shared memory of one CTA (offsets from a 1024-byte aligned base: the swizzled tiles need it).
+struct ChainLayout {
+  int w, k, q, u, g;  // stage 0's buffers; stage s adds s * stage
+  int stage;
+  int ldu;            // U tile leading dimension (elements)
+  int p;              // per-warpgroup P tiles (8 KB apart)
+  int os;             // per-warpgroup output staging tiles
+  int bytes;          // everything, plus 1024 bytes of slack for the alignment
+};
+__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize) {
+  auto up = [](int x, int a) { return (x + a - 1) / a * a; };
+  ChainLayout L;
+  L.ldu = kCols * nwg + 8;
+  int o = 0;
+  L.w = o;
+  o += 64 * 2 * 128;  // two blocks of 64 rows x 128 B
+  L.k = o;
+  o += 64 * 2 * 128;
+  L.q = o;
+  o += 64 * 2 * 128;
+  L.u = o;
+  o += up(64 * L.ldu * esize, 128);
+  L.g = o;
+  o += 64 * 4;
+  L.stage = up(o, 1024);
+  o = 2 * L.stage;
+  L.p = o;
+  o += nwg * 64 * 128;
+  L.os = o;
+  o += nwg * 64 * kLdStage * esize;
+  L.bytes = o + 1024;
+  return L;
+}
+
+// One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns), sequential over
+// the sequence's chunks (the file comment gives the steps).
+template <class T, int NWG>
+__global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> args) {
+#ifdef DELTACP_WGMMA_DEVICE
+  using namespace tiled;
+  constexpr int kThr = 128 * NWG, BVC = kCols * NWG;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const ChainLayout L = chain_layout(NWG, sizeof(T));
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t n = blockIdx.x, hv = blockIdx.y, HV = args.HV;
+  const int v0 = blockIdx.z * BVC;   // the CTA's first state column
+  const int vw = v0 + kCols * wg;    // this warpgroup's first state column
+  const int jr = 16 * wi + g;        // this thread's rows of S^T: jr and jr + 8
+  const int64_t hk = hv / args.group;
+  const SeqEntry se = args.seqs[n];
+  const int cs = args.chunk_size;
+  const bool has_gate = args.G != nullptr;
+
+  // S^T in the m64n128 accumulator layout: S[4 nb + e] = state (key row 8 nb + 2 t + (e & 1),
+  // column vw + jr + 8 (e >> 1)).
+  const int64_t state0 = (n * HV + hv) * kKeys * kKeys;
+  float S[64];
+#pragma unroll
+  for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
+      S[4 * nb + e] = args.h0 != nullptr ? args.h0[state0 + d * kKeys + col] : 0.f;
+    }
+
+  auto chunk_row0 = [&](int64_t c) { return se.batch * args.Tlen + se.bos + c * cs; };
+  auto chunk_len = [&](int64_t c) { return static_cast<int>(min(static_cast<int64_t>(cs), se.len - c * cs)); };
+  auto issue = [&](int64_t c) {
+    const int64_t row0 = chunk_row0(c), t0 = se.bos + c * cs;
+    const int len = chunk_len(c);
+    unsigned char* st = smem + static_cast<int>(c & 1) * L.stage;
+    load_tile_sw128<T, kThr>(st + L.w, args.W + (row0 * HV + hv) * kKeys, HV * kKeys, len);
+    load_tile_sw128<T, kThr>(st + L.k, args.k.at(se.batch, t0, hk), args.k.st, len);
+    load_tile_sw128<T, kThr>(st + L.q, args.q.at(se.batch, t0, hk), args.q.st, len);
+    load_tile_u<T, kThr, BVC>(reinterpret_cast<T*>(st + L.u), L.ldu, args.U + (row0 * HV + hv) * kKeys + v0,
+                              HV * kKeys, len, BVC);
+    float* gbuf = reinterpret_cast<float*>(st + L.g);
+    if (tid < 64) {
+      if (has_gate) {
+        cp_async_4(gbuf + tid, args.G + (row0 + min(tid, len - 1)) * HV + hv);
+      } else {
+        gbuf[tid] = 0.f;
+      }
+    }
+    cp_async_commit();
+  };
+  unsigned char* ptile = smem + L.p + wg * 64 * 128;
+  const uint32_t p_addr = smem_u32(ptile);
+  T* os = reinterpret_cast<T*>(smem + L.os) + wg * 64 * kLdStage;
+  // stmatrix / ldmatrix row addresses: lane -> matrix q = lane / 8 (n-block parity q / 2, row half q % 2).
+  const int sq = lane >> 3, srr = lane & 7;
+  const int srow = 8 * (sq >> 1) + srr, scol = 16 * wi + 8 * (sq & 1);
+
+  const int64_t nchunks = se.num_chunks;
+  if (nchunks > 0) issue(0);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int len = chunk_len(c);
+    const int64_t t0 = se.bos + c * cs;
+    const unsigned char* st = smem + static_cast<int>(c & 1) * L.stage;
+    if (c + 1 < nchunks) {
+      issue(c + 1);  // stage (c + 1) % 2 was released by the barrier that ended chunk c - 1
+    } else {
+      cp_async_commit();
+    }
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    const float* gbuf = reinterpret_cast<const float*>(st + L.g);
+    const T* Us = reinterpret_cast<const T*>(st + L.u);
+    const uint32_t w_addr = smem_u32(st + L.w), k_addr = smem_u32(st + L.k), q_addr = smem_u32(st + L.q);
+
+    // (1) P^ = Q K^T: tokens x tokens, state-free.
+    float Pacc[32], Va[32], Oa[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) Pacc[i] = Va[i] = Oa[i] = 0.f;
+    wg_fence();
+    reg_fence(Pacc);
+    reg_fence(Va);
+    reg_fence(Oa);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+      wgmma_n64_ss<T>(Pacc, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off, 16, 1024), kk > 0);
+    }
+    wg_commit();
+    // (2) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers.
+    uint32_t sa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) sa[kk][r] = pack2<T>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+      wgmma_n64_rs<T>(Va, sa[kk], wg_desc(w_addr + off, 16, 1024), kk > 0);
+      wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
+    }
+    wg_commit();
+
+    // (3) P = tril(P^) o e^(G_i - G_j) into this warpgroup's swizzled tile: row i, columns j (128 B rows).
+    wg_wait<1>();
+    reg_fence(Pacc);
+    {
+      const int i0 = 16 * wi + g;
+      const float gi0 = gbuf[i0], gi1 = gbuf[i0 + 8];
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb) {
+        const int j = 8 * nb + 2 * t;
+        const float gj0 = gbuf[j], gj1 = gbuf[j + 1];
+        // mask before the exponential: for j > i the exponent may be positive
+        const float p00 = j <= i0 ? exp_t<T>(gi0 - gj0) * Pacc[4 * nb] : 0.f;
+        const float p01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) * Pacc[4 * nb + 1] : 0.f;
+        const float p10 = j <= i0 + 8 ? exp_t<T>(gi1 - gj0) * Pacc[4 * nb + 2] : 0.f;
+        const float p11 = j + 1 <= i0 + 8 ? exp_t<T>(gi1 - gj1) * Pacc[4 * nb + 3] : 0.f;
+        const int r0 = i0, r1 = i0 + 8;
+        *reinterpret_cast<uint32_t*>(ptile + r0 * 128 + ((nb ^ (r0 & 7)) << 4) + 4 * t) = pack2<T>(p00, p01);
+        *reinterpret_cast<uint32_t*>(ptile + r1 * 128 + ((nb ^ (r1 & 7)) << 4) + 4 * t) = pack2<T>(p10, p11);
+      }
+    }
+    fence_proxy_async();  // the P tile's generic-proxy writes, before the tensor cores read it
+    wg_wait<0>();
+    reg_fence(Va);
+    reg_fence(Oa);
+    reg_fence(sa);
+    warpgroup_bar(wg);  // every row of the P tile is written
+
+    // (4) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i.
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t u[4];
+      ldmatrix_x4_trans(u, Us + (16 * np + srow) * L.ldu + kCols * wg + scol);
+#pragma unroll
+      for (int qd = 0; qd < 4; ++qd) {
+        const int at = 8 * np + 2 * qd;  // n-block 2 np + qd / 2, row half qd % 2
+        const float2 uf = unpack2<T>(u[qd]);
+        Va[at] = uf.x - Va[at];
+        Va[at + 1] = uf.y - Va[at + 1];
+      }
+    }
+    const float glast = gbuf[len - 1];
+    uint32_t va[4][4], vo[4][4];  // Vns^T (state update) and Vn^T (output) as A fragments
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
+      const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
+      const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
+      const float f0 = exp_t<T>(glast - ga.x), f1 = exp_t<T>(glast - ga.y);
+      const float f2 = exp_t<T>(glast - gb.x), f3 = exp_t<T>(glast - gb.y);
+      va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
+      va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
+      va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
+      va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
+      const float e0 = exp_t<T>(ga.x), e1 = exp_t<T>(ga.y), e2 = exp_t<T>(gb.x), e3 = exp_t<T>(gb.y);
+      Oa[8 * kk] *= e0;
+      Oa[8 * kk + 1] *= e1;
+      Oa[8 * kk + 2] *= e0;
+      Oa[8 * kk + 3] *= e1;
+      Oa[8 * kk + 4] *= e2;
+      Oa[8 * kk + 5] *= e3;
+      Oa[8 * kk + 6] *= e2;
+      Oa[8 * kk + 7] *= e3;
+    }
+
+    // (5) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.
+    const float eg = exp_t<T>(glast);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) S[i] *= eg;
+    wg_fence();
+    reg_fence(S);
+    reg_fence(Oa);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(S, va[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Oa, vo[kk], wg_desc(p_addr + kk * 32, 16, 1024), 1);
+    wg_commit();
+    wg_wait_all();
+    reg_fence(S);
+    reg_fence(Oa);
+    reg_fence(va);
+    reg_fence(vo);
+
+    // (6) O = scale Oa^T: staged tokens x 64 columns, then 16-byte pieces of the chunk's rows.
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      const float s = args.scale;
+      const uint32_t r[4] = {pack2<T>(s * Oa[8 * np], s * Oa[8 * np + 1]),
+                             pack2<T>(s * Oa[8 * np + 2], s * Oa[8 * np + 3]),
+                             pack2<T>(s * Oa[8 * np + 4], s * Oa[8 * np + 5]),
+                             pack2<T>(s * Oa[8 * np + 6], s * Oa[8 * np + 7])};
+      stmatrix_x4_trans(os + (16 * np + srow) * kLdStage + scol, r);
+    }
+    warpgroup_bar(wg);
+    {
+      const int i0 = wtid >> 3, pc = (wtid & 7) * 8;
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int i = i0 + 16 * it;
+        if (i < len)
+          *reinterpret_cast<uint4*>(args.o.at(se.batch, t0 + i, hv) + vw + pc) =
+              *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
+      }
+    }
+    __syncthreads();  // this stage, the P tiles and the staging tiles are free
+  }
+
+  if (args.ht != nullptr) {
+#pragma unroll
+    for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
+        args.ht[state0 + d * kKeys + col] = S[4 * nb + e];
+      }
+  }
+#else
+  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
+#endif
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+bool rows_aligned16(const TensorRef& r, int64_t es) {
+  return aligned16(r.ptr) && (r.stride_b * es) % 16 == 0 && (r.stride_t * es) % 16 == 0 &&
+         (r.stride_h * es) % 16 == 0;
+}
+
+// DELTACP_FUSED_PIECE: -1 when unset, else tokens per piece (0: never cut).
+int64_t piece_tokens_from_env() {
+  const char* env = std::getenv("DELTACP_FUSED_PIECE");
+  if (env == nullptr || *env == '\0') return -1;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  DELTACP_CHECK(end != nullptr && *end == '\0' && v >= 0, "DELTACP_FUSED_PIECE",
+                "expected 0 (never cut) or a positive number of tokens per piece, got '", env, "'");
+  return v;
+}
+
+// DELTACP_FUSED_WG: 0 (unset) = by the grid's width, else 1 or 2 warpgroups per CTA.
+int warpgroups_from_env() {
+  const char* env = std::getenv("DELTACP_FUSED_WG");
+  if (env == nullptr || *env == '\0') return 0;
+  DELTACP_CHECK(std::string(env) == "1" || std::string(env) == "2", "DELTACP_FUSED_WG", "expected 1 or 2, got '",
+                env, "'");
+  return std::atoi(env);
+}
+
+// The time model of the piece choice, in microseconds, for the sequences seqs cut into pieces of L chunks
+// (L = 0: not cut). A chain step is one chunk of one CTA; CTAs beyond one per SM run in further waves.
+//   whole or pass 2:  waves(pieces x HV x column tiles) x L x step_us
+//   pass 1 (maps):    waves(cut pieces x HV x 2) x L x map_step_us (a state V + K = 256 columns wide, the
+//                     tiled tier's state-only scan)
+//   fold:             (most pieces - 1) x fold_us
+// The constants are the tiled tier's measured map step and fold (cuda/tiled/scan_split.cu) and the fused
+// chain step measured on an H200 (docs/perf.md); the choice is tested at sequence boundaries and pieces
+// shorter than a chunk in tests/python/test_fused.py.
+double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t L, int sms, int col_tiles) {
+  constexpr double step_us = 3.0, map_step_us = 2.1, fold_us = 3.8;
+  int64_t pieces = 0, maps = 0, most = 1, longest = 0;
+  for (const SeqEntry& s : seqs) {
+    const int64_t P = L > 0 ? std::max<int64_t>(1, (s.num_chunks + L - 1) / L) : 1;
+    pieces += P;
+    if (P > 1) maps += P;
+    most = std::max(most, P);
+    longest = std::max(longest, L > 0 ? std::min(L, s.num_chunks) : s.num_chunks);
+  }
+  auto waves = [&](int64_t ctas) { return static_cast<double>((ctas + sms - 1) / sms); };
+  const double chain = waves(pieces * HV * col_tiles) * static_cast<double>(longest) * step_us;
+  const double pass1 = maps > 0 ? waves(maps * HV * 2) * static_cast<double>(longest) * map_step_us : 0.0;
+  return chain + pass1 + fold_us * static_cast<double>(most - 1);
+}
+
+}  // namespace
+
+const char* forward_refusal(const Params& p) {
+#ifndef DELTACP_HAVE_SM90A
+  (void)p;
+  return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
+#else
+  if (p.variant != Variant::gdn && p.variant != Variant::delta)
+    return "it implements gdn and delta (kda and dplr run on the tiled and naive tiers)";
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
+  if (p.K != kKeys || p.V != kKeys) return "it takes K = V = 128";
+  if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
+  if (p.final_state_only()) return "it computes the output (a final-state-only call runs on the tiled tier)";
+  const int64_t es = dtype_size(p.dtype);
+  if (!rows_aligned16(p.q, es)) return "it reads q in 16-byte pieces (q's pointer or strides are not 16-byte aligned)";
+  if (!rows_aligned16(p.k, es)) return "it reads k in 16-byte pieces (k's pointer or strides are not 16-byte aligned)";
+  if (!rows_aligned16(p.o, es)) return "it writes o in 16-byte pieces (o's pointer or strides are not 16-byte aligned)";
+  if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
+      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
+    return "it runs on compute capability 9.0 (H100 / H200) only";
+  return nullptr;
+#endif
+}
+
+namespace {
+// Chunks per piece for intra-card CP (0: whole sequences): DELTACP_FUSED_PIECE=<tokens> forces it (0 never
+// cuts); unset, the length the time model predicts fastest, if it beats whole sequences by 15%.
+int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
+  const int64_t env = piece_tokens_from_env();
+  if (env == 0 || seqs.empty()) return 0;
+  int64_t most = 0;
+  for (const SeqEntry& s : seqs) most = std::max(most, s.num_chunks);
+  if (env > 0) {
+    const int64_t L = std::max<int64_t>(1, (env + p.chunk_size - 1) / p.chunk_size);
+    return most > L ? L : 0;
+  }
+  const int sms = sm_count();
+  const double whole = fused_predicted_us(seqs, p.HV, 0, sms, 2);
+  int64_t best_L = 0;
+  double best = 0.85 * whole;  // cut only for a clear predicted gain
+  for (int64_t L : {8, 16, 32, 64, 128, 256}) {
+    if (L >= most) break;
+    const double us = fused_predicted_us(seqs, p.HV, L, sms, 2);
+    if (us < best) best = us, best_L = L;
+  }
+  return best_L;
+}
+
+template <class T>
+void launch_chain(const Params& p, const ChunkTable& table, const float* G, const void* W, const void* U,
+                  const float* h0, float* ht, cudaStream_t stream) {
+  if (table.num_seqs() == 0) return;
+  ChainArgs<T> a;
+  a.q = rows_of<const T>(p.q);
+  a.k = rows_of<const T>(p.k);
+  a.o = rows_of<T>(p.o);
+  a.seqs = table.seqs();
+  a.G = p.variant == Variant::delta ? nullptr : G;
+  a.W = static_cast<const T*>(W);
+  a.U = static_cast<const T*>(U);
+  a.h0 = h0;
+  a.ht = ht;
+  a.Tlen = p.T;
+  a.HV = p.HV;
+  a.group = p.HV / p.H;
+  a.chunk_size = p.chunk_size;
+  a.scale = static_cast<float>(p.scale);
+  // Two warpgroups share one copy of each chunk's tiles; one per CTA doubles the CTAs, which pays where
+  // the grid would leave SMs idle.
+  int nwg = warpgroups_from_env();
+  if (nwg == 0) nwg = 2 * table.num_seqs() * p.HV >= sm_count() ? 2 : 1;
+  const ChainLayout L = chain_layout(nwg, sizeof(T));
+  auto kernel = nwg == 2 ? fused_chain_kernel<T, 2> : fused_chain_kernel<T, 1>;
+  DELTACP_CHECK(L.bytes <= max_smem_optin(), "K", "the fused forward needs ", L.bytes,
+                " bytes of shared memory; this GPU allows ", max_smem_optin());
+  DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes));
+  const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>(kKeys / (kCols * nwg)));
+  kernel<<<grid, 128 * nwg, L.bytes, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void forward(const Params& p) {
+  if (const char* why = forward_refusal(p))
+    throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const ChunkTable table(p, p.chunk_size, stream);
+  if (table.num_seqs() == 0) return;
+  const int64_t R = p.B * p.T, es = dtype_size(p.dtype);
+  auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
+  const bool gated = p.variant == Variant::gdn;
+  const int64_t bytes_G = gated ? align(R * p.HV * 4) : 0;
+  const int64_t bytes_W = align(R * p.HV * kKeys * es), bytes_U = align(R * p.HV * kKeys * es);
+
+  // The plan: whole sequences, or pieces of L chunks (intra-card CP).
+  const int64_t Lc = fused_piece_chunks(p, table.host_seqs());
+  tiled::ScanPlan plan;
+  if (Lc > 0) plan = tiled::plan_pieces(p, table.host_seqs(), Lc);
+  const int64_t N = table.num_seqs(), KV = p.K * p.V;
+  std::vector<int64_t> pass1;                 // every piece but each cut sequence's last
+  std::vector<const float*> seq_maps(static_cast<size_t>(N), nullptr);
+  std::vector<int64_t> pass1_first(static_cast<size_t>(N), -1);
+  if (plan.cut())
+    for (int64_t s = 0; s < N; ++s) {
+      if (plan.pieces_of(s) < 2) continue;
+      pass1_first[static_cast<size_t>(s)] = static_cast<int64_t>(pass1.size());
+      for (int64_t i = plan.first_piece[s]; i + 1 < plan.first_piece[s + 1]; ++i) pass1.push_back(i);
+    }
+  const int64_t P = plan.cut() ? static_cast<int64_t>(plan.pieces.size()) : 0;
+  const int64_t bytes_maps = align(static_cast<int64_t>(pass1.size()) * p.HV * p.K * (p.V + p.K) * 4);
+  const int64_t bytes_starts = align(P * p.HV * KV * 4), bytes_pht = p.ht != nullptr ? bytes_starts : 0;
+  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_maps + bytes_starts + bytes_pht;
+  char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
+  try {
+    char* at = ws;
+    auto take = [&](int64_t b) {
+      char* r = b > 0 ? at : nullptr;
+      at += b;
+      return r;
+    };
+    float* G = reinterpret_cast<float*>(take(bytes_G));
+    void* W = take(bytes_W);
+    void* U = take(bytes_U);
+    float* maps = reinterpret_cast<float*>(take(bytes_maps));
+    float* starts = reinterpret_cast<float*>(take(bytes_starts));
+    float* piece_ht = reinterpret_cast<float*>(take(bytes_pht));
+    tiled::launch_chunk_cumsum(p, table, G, stream);
+    tiled::launch_chunk_wy(p, table, G, W, U, /*Kd=*/nullptr, /*Tinv=*/nullptr, stream);
+    dispatch_dtype(p.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if constexpr (tiled::kIs16Bit<T>) {
+        if (!plan.cut()) {
+          launch_chain<T>(p, table, G, W, U, static_cast<const float*>(p.h0), static_cast<float*>(p.ht), stream);
+          return;
+        }
+        for (int64_t s = 0; s < N; ++s)
+          if (pass1_first[static_cast<size_t>(s)] >= 0)
+            seq_maps[static_cast<size_t>(s)] = maps + pass1_first[static_cast<size_t>(s)] * p.HV * p.K * (p.V + p.K);
+        tiled::launch_pass1(p, plan, pass1, G, W, U, nullptr, maps, stream);
+        const tiled::PieceTables tables(p, plan, seq_maps, stream);
+        tiled::launch_fold_starts(p, tables, N, static_cast<const float*>(p.h0), starts, stream);
+        launch_chain<T>(p, tables.pieces(), G, W, U, starts, piece_ht, stream);
+        if (p.ht != nullptr) tiled::launch_gather_final_states(p, tables, N, piece_ht, static_cast<float*>(p.ht), stream);
+      }
+    });
+  } catch (...) {
+    workspace_free(ws, stream);
+    throw;
+  }
+  workspace_free(ws, stream);
+}
+
+}  // namespace deltacp::cuda::fused

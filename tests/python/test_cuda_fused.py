@@ -1,0 +1,183 @@
+"""The fused tier (cuda/fused/, Hopper): its forward against the float64 reference on the same rounded
+inputs and against the tiled tier, intra-card CP at sequence boundaries and pieces shorter than a chunk,
+what the default dispatch picks and why, and the errors of backend="fused" where it does not apply.
+Tolerance: bf16 / fp16 1e-2 relative (docs/design.md). Skipped without a CUDA device; the tests that need
+the fused kernels skip on a GPU that is not compute capability 9.0."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deltacp  # noqa: E402
+import deltacp.reference as ref  # noqa: E402
+from deltacp_testutil import input_names, make_problem, ref_forward, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _hopper():
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+def _need_fused():
+    if not deltacp.built_with_cuda() or not deltacp._core.cuda_supports("gdn", "fused", False):
+        pytest.fail("a CUDA device is present but this build has no fused tier")
+    if not _hopper():
+        pytest.skip("the fused kernels run on compute capability 9.0 (H100 / H200)")
+
+
+def _tensors(p, variant, dtype, grad=False):
+    names = input_names(variant)
+    t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda", requires_grad=grad)
+         for n in names}
+    h0 = None if p["initial_state"] is None else torch.tensor(p["initial_state"], dtype=torch.float32, device="cuda")
+    cu = None if p["cu_seqlens"] is None else torch.tensor(p["cu_seqlens"], device="cuda")
+    return t, h0, cu
+
+
+def _op(variant):
+    return deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_delta_rule
+
+
+def _run(variant, t, h0, cu, backend):
+    args = [t["q"], t["k"], t["v"]] + ([t["g"]] if variant == "gdn" else []) + [t["beta"]]
+    return _op(variant)(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+
+
+def _reference(variant, p, t, h0):
+    rounded = dict(p, **{n: t[n].detach().double().cpu().numpy() for n in input_names(variant)})
+    if h0 is not None:
+        rounded["initial_state"] = h0.double().cpu().numpy()
+    return ref_forward(ref, variant, rounded)
+
+
+def _poison():
+    """NaN in freed allocator blocks: an output element the kernel never writes shows up."""
+    junk = torch.full((1 << 24,), float("nan"), dtype=torch.float32, device="cuda")
+    del junk
+
+
+# (B, T, H, HV, cu_seqlens, with h0): fixed lengths around the chunk size, grouped values, packed varlen
+# with sequences of 1 token and an empty one.
+CASES = {
+    "fixed": (2, 200, 2, 2, None, True),
+    "grouped": (1, 130, 1, 3, None, False),
+    "varlen": (1, None, 2, 2, [0, 1, 17, 81, 145, 145, 146, 400], True),
+    "one_chunk": (3, 64, 1, 1, None, True),
+}
+
+
+@pytest.mark.parametrize("variant", ["gdn", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_against_reference_and_tiled(variant, dtype, case, monkeypatch):
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")  # whole sequences here; the pieces are tested below
+    B, T, H, HV, cu, with_h0 = CASES[case]
+    p = make_problem(variant, B=B, T=T or 0, H=H, HV=HV, K=128, V=128, cu_seqlens=cu, h0=with_h0, seed=7)
+    t, h0, cu_t = _tensors(p, variant, dtype)
+    o_ref, ht_ref = _reference(variant, p, t, h0)
+    _poison()
+    o, ht = _run(variant, t, h0, cu_t, "fused")
+    torch.cuda.synchronize()
+    assert deltacp.last_cuda_tier()[0] == "fused"
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
+    assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
+    o_t, ht_t = _run(variant, t, h0, cu_t, "tiled")
+    # Same roundings as the tiled tier (fp32 state, 16-bit product operands): closer than to fp64.
+    assert rel_err(o.double().cpu().numpy(), o_t.double().cpu().numpy()) < 5e-3
+    assert rel_err(ht.double().cpu().numpy(), ht_t.double().cpu().numpy()) < 5e-3
+
+
+@pytest.mark.parametrize("piece", [64, 100, 256])
+def test_fused_intra_card_pieces_are_exact(piece, monkeypatch):
+    """Sequences cut into pieces (DELTACP_FUSED_PIECE tokens, rounded up to whole chunks), each run from the
+    start state the fold of the pieces' maps gives it: the same answer as whole sequences to rounding, at
+    packed-sequence boundaries, with sequences shorter than a piece and last pieces shorter than a chunk."""
+    _need_fused()
+    cu = [0, 1, 65, 300, 301, 1000, 1100]
+    p = make_problem("gdn", B=1, H=2, HV=4, K=128, V=128, cu_seqlens=cu, seed=11)
+    t, h0, cu_t = _tensors(p, "gdn", torch.bfloat16)
+    o_ref, ht_ref = _reference("gdn", p, t, h0)
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    o_whole, ht_whole = _run("gdn", t, h0, cu_t, "fused")
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
+    _poison()
+    o, ht = _run("gdn", t, h0, cu_t, "fused")
+    torch.cuda.synchronize()
+    assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
+    assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
+    assert rel_err(o.double().cpu().numpy(), o_whole.double().cpu().numpy()) < 5e-3
+    assert rel_err(ht.double().cpu().numpy(), ht_whole.double().cpu().numpy()) < 5e-3
+
+
+def test_fused_long_sequence_few_heads_default_plan():
+    """One long sequence and few heads: the default plan (intra-card CP where the time model predicts a gain)
+    still gives the reference's answer."""
+    _need_fused()
+    p = make_problem("gdn", B=1, T=8192, H=2, K=128, V=128, seed=13)
+    t, h0, cu_t = _tensors(p, "gdn", torch.bfloat16)
+    o_ref, ht_ref = _reference("gdn", p, t, h0)
+    o, ht = _run("gdn", t, h0, cu_t, "fused")
+    torch.cuda.synchronize()
+    assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
+    assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
+
+
+def test_fused_default_dispatch_says_which_tier_ran_and_why():
+    _need_fused()
+    p = make_problem("gdn", B=1, T=100, H=2, K=128, V=128, seed=3)
+    t, h0, cu = _tensors(p, "gdn", torch.bfloat16)
+    _run("gdn", t, h0, cu, None)
+    tier, why = deltacp.last_cuda_tier()
+    assert tier == "fused", why
+    p = make_problem("gdn", B=1, T=100, H=2, K=64, V=64, seed=3)
+    t, h0, cu = _tensors(p, "gdn", torch.bfloat16)
+    _run("gdn", t, h0, cu, None)
+    tier, why = deltacp.last_cuda_tier()
+    assert tier == "tiled" and "K = V = 128" in why
+    t32, h0, cu = _tensors(make_problem("gdn", B=1, T=100, H=2, K=128, V=128, seed=3), "gdn", torch.float32)
+    _run("gdn", t32, h0, cu, None)
+    tier, why = deltacp.last_cuda_tier()
+    assert tier == "tiled" and "bf16 or fp16" in why
+
+
+@pytest.mark.parametrize("what", ["K64", "fp32", "kda", "unaligned_q"])
+def test_fused_by_name_refuses_with_the_reason(what):
+    _need_fused()
+    variant = "kda" if what == "kda" else "gdn"
+    K = 64 if what == "K64" else 128
+    p = make_problem(variant, B=1, T=80, H=1, K=K, V=K, seed=5)
+    t, h0, cu = _tensors(p, variant, torch.float32 if what == "fp32" else torch.bfloat16)
+    if what == "unaligned_q":  # rows of q 8 bytes off a 16-byte boundary
+        buf = torch.empty(t["q"].numel() + 4, dtype=t["q"].dtype, device="cuda")
+        q = buf[4:].view_as(t["q"])
+        q.copy_(t["q"])
+        t["q"] = q
+    expect = {"K64": "K = V = 128", "fp32": "bf16 or fp16", "kda": "'kda'", "unaligned_q": "q's pointer"}[what]
+    args = [t["q"], t["k"], t["v"], t["g"], t["beta"]]
+    op = deltacp.chunk_kda if variant == "kda" else deltacp.chunk_gated_delta_rule
+    with pytest.raises(ValueError, match="fused") as info:
+        op(*args, initial_state=h0, output_final_state=True, backend="fused")
+    assert expect in str(info.value)
+
+
+def test_fused_forward_with_gradients_through_the_tiled_backward():
+    """backend="fused" with grad: the forward runs fused, the gradients on the tiled backward; both equal
+    the all-tiled call's to bf16 rounding."""
+    _need_fused()
+    p = make_problem("gdn", B=2, T=150, H=2, K=128, V=128, seed=9)
+    grads = {}
+    for backend in ("fused", "tiled"):
+        t, h0, cu = _tensors(p, "gdn", torch.bfloat16, grad=True)
+        o, ht = _run("gdn", t, h0, cu, backend)
+        rng = np.random.default_rng(2)
+        do = torch.tensor(rng.standard_normal(o.shape), dtype=o.dtype, device="cuda")
+        (o.float() * do.float()).sum().backward()
+        grads[backend] = {n: t[n].grad.double().cpu().numpy() for n in t}
+    for n in grads["fused"]:
+        assert rel_err(grads["fused"][n], grads["tiled"][n]) < 5e-3, n
