@@ -145,16 +145,17 @@ def test_options_low_precision_cpu(variant, dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
-@pytest.mark.parametrize("tier", ["naive", "tiled", "fused"])
+@pytest.mark.parametrize("tier", ["naive", "tiled", None], ids=["naive", "tiled", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_options_cuda(variant, tier, dtype):
-    """The options on the CUDA tiers (pre-pass in torch on the GPU), fixed and varlen shapes."""
+    """The options on the CUDA tiers (pre-pass in torch on the GPU), fixed and varlen shapes; "default"
+    is backend=None, the dispatch's choice (the fused tier where its kernels apply)."""
     if not deltacp.built_with_cuda():
         pytest.fail("a CUDA device is present but deltacp was built without the CUDA tiers")
-    if not deltacp._core.cuda_supports(variant, tier, True):
+    if tier is not None and not deltacp._core.cuda_supports(variant, tier, True):
         pytest.skip(f"tier {tier} does not implement {variant} forward and backward in this build")
     case = "kimi" if variant == "kda" else "qwen3next"
-    shape = dict(B=2, T=100, H=2, HV=4, K=32, V=64)
+    shape = dict(B=2, T=100, H=2, HV=4, K=128, V=128)
     _check_against_reference(variant, case, dtype, "cuda", tier, chunk_size=64, **shape)
     _check_against_reference(variant, case, dtype, "cuda", tier, cu=[0, 1, 70, 140], chunk_size=64, **shape)
 
@@ -393,3 +394,63 @@ def test_transpose_state_layout_warns():
         warnings.simplefilter("always")
         _kda(transpose_state_layout=False)
     assert any(issubclass(w.category, DeprecationWarning) for w in seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# context parallelism: the options are applied before the call reaches deltacp.cp
+# ---------------------------------------------------------------------------------------------
+_CP_T = 22
+_CP_CU = [0, 5, 17, _CP_T]  # the middle sequence crosses the rank boundary at token 11
+
+
+def _cp_inputs():
+    p, opts = _raw("kda", "kimi", B=1, T=_CP_T, H=1, HV=2, K=4, V=3, seed=13)
+    opts.pop("state_v_first")
+    return p, opts
+
+
+def _cp_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    from deltacp.cp import build_context
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        p, opts = _cp_inputs()
+        lo, hi = rank * _CP_T // world, (rank + 1) * _CP_T // world
+        t = {n: torch.tensor(p[n][:, lo:hi], requires_grad=True) for n in ("q", "k", "v", "g", "beta")}
+        prm = {n: torch.tensor(opts[n], requires_grad=True) for n in ("A_log", "dt_bias")}
+        ctx = build_context(torch.tensor(_CP_CU))
+        o, _ = deltacp.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], cp_context=ctx, **dict(opts, **prm))
+        (o * torch.tensor(p["do"][:, lo:hi])).sum().backward()
+        out = {"o": o.detach().numpy()}
+        out.update({"d" + n: x.grad.numpy() for n, x in {**t, **prm}.items()})
+        np.savez(f"{out_dir}/rank{rank}.npz", **out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_options_under_context_parallelism(tmp_path):
+    """Two gloo processes, a sequence crossing the rank boundary, every kda option: the per-rank
+    outputs and gradients equal the single-process call's slices; dA_log and ddt_bias summed over
+    the ranks equal the single-process ones."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    world = 2
+    # spawn (not fork: autograd's threads in this process make a forked child's backward fail)
+    mp.start_processes(_cp_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True,
+                       start_method="spawn")
+    p, opts = _cp_inputs()
+    t = {n: torch.tensor(p[n], requires_grad=True) for n in ("q", "k", "v", "g", "beta")}
+    prm = {n: torch.tensor(opts[n], requires_grad=True) for n in ("A_log", "dt_bias")}
+    o, _ = deltacp.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=torch.tensor(_CP_CU),
+                             **dict(opts, **prm))
+    (o * torch.tensor(p["do"])).sum().backward()
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+    assert rel_err(np.concatenate([r["o"] for r in ranks], axis=1), o.detach().numpy()) < 1e-11
+    for n, x in t.items():
+        assert rel_err(np.concatenate([r["d" + n] for r in ranks], axis=1), x.grad.numpy()) < 1e-11, n
+    for n, x in prm.items():
+        assert rel_err(sum(r["d" + n] for r in ranks), x.grad.numpy()) < 1e-11, n

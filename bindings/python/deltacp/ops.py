@@ -4,8 +4,10 @@
                                            output_final_state=False, cu_seqlens=None, backend=None)
 
 Same names, layouts and argument order as flash-linear-attention's ``chunk_gated_delta_rule`` /
-``chunk_kda`` / ``chunk_delta_rule`` / ``chunk_dplr_delta_rule`` (FLA passes ``use_qk_l2norm_in_kernel``
-positionally before ``cu_seqlens``; here it is keyword-only, so pass it by name in both).
+``chunk_kda`` / ``chunk_delta_rule`` / ``chunk_dplr_delta_rule``. ``chunk_gated_delta_rule`` and
+``chunk_kda`` take FLA 0.5.2's whole call (positions, defaults and every keyword option: the in-kernel
+l2 norm, beta sigmoid, the A_log / dt_bias gate, safe_gate, state_v_first, ...; deltacp/fla_options.py,
+docs/fla-compat.md); an argument deltacp does not take raises TypeError naming it.
 
 Tensors go to C++ as (data pointer, dtype, shape, strides): no copies; the last dimension must be
 contiguous. Outputs and gradients are allocated with torch. On CUDA the work is launched on torch's
@@ -18,10 +20,12 @@ current stream of the tensors' device. ``backend``:
     "naive" / "tiled" / "fused"   the CUDA tiers (CUDA tensors); "fused" raises an error naming what it does
                  not support, and its gradients run on the tiled backward
 
-Gradients flow through ``torch.autograd.Function``s whose backward is deltacp's own (the reference's
-exact backward or the CUDA tier's). ``cp_context=`` (from ``deltacp.cp.build_context``) hands the call
-to deltacp.cp's context-parallel op. States are float32 (float64 when the inputs are float64);
-``initial_state`` of another float dtype is cast (differentiably) first.
+The kernels are reached through the torch.library custom ops ``deltacp::chunk_fwd`` /
+``deltacp::chunk_bwd`` (deltacp/_library.py: fake implementations and registered autograd, so
+torch.compile(fullgraph=True) traces a layer calling these ops); the gradient is deltacp's own backward
+(the reference's exact backward or the CUDA tier's). ``cp_context=`` (from ``deltacp.cp.build_context``)
+hands the call to deltacp.cp's context-parallel op. States are float32 (float64 when the inputs are
+float64); ``initial_state`` of another float dtype is cast (differentiably) first.
 """
 
 from __future__ import annotations
