@@ -298,40 +298,6 @@ def _offsets(cu_seqlens, cu_seqlens_cpu, device):
     return cu, host
 
 
-def _host_offsets(cu_seqlens_cpu):
-    """cu_seqlens_cpu (FLA's host copy of the offsets) as int64 on the CPU, or None."""
-    if cu_seqlens_cpu is None:
-        return None
-    if not isinstance(cu_seqlens_cpu, torch.Tensor):
-        cu_seqlens_cpu = torch.as_tensor(cu_seqlens_cpu)
-    if cu_seqlens_cpu.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"deltacp: argument 'cu_seqlens_cpu': expected dtype int64 (or int32), got "
-                        f"{cu_seqlens_cpu.dtype}")
-    return cu_seqlens_cpu.to(device="cpu", dtype=torch.int64).contiguous()
-
-
-def _op_offsets(cu_seqlens, cu_seqlens_cpu, device):
-    """cu_seqlens as int64 on `device` and the host copy when given. The
-    registered op makes the host copy itself when it needs one and none was given."""
-    if cu_seqlens is None:
-        if cu_seqlens_cpu is not None:
-            raise ValueError("deltacp: argument 'cu_seqlens_cpu': given without cu_seqlens")
-        return None, None
-    if not isinstance(cu_seqlens, torch.Tensor):
-        try:
-            cu_seqlens = torch.as_tensor(cu_seqlens)
-        except Exception as exc:  # noqa: BLE001 - report which argument
-            raise TypeError(f"deltacp: argument 'cu_seqlens': expected a LongTensor, got "
-                            f"{type(cu_seqlens).__name__}") from exc
-    if cu_seqlens.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"deltacp: argument 'cu_seqlens': expected dtype int64 (or int32), got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1:
-        raise ValueError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
-                         f"{list(cu_seqlens.shape)}")
-    cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
-    return cu, (None if device.type == "cpu" else _host_offsets(cu_seqlens_cpu))
-
-
 def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
            chunk_size, cp_context, cu_seqlens_cpu, opts: Optional[fla_options.FlaOptions] = None, gate_name="g"):
     # Everything here is either an argument check on metadata or a torch op, so that torch.compile
@@ -396,7 +362,8 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
             ht = ht.transpose(-1, -2).contiguous()
         return o, ht
 
-    cu, cu_host = _op_offsets(cu_seqlens, cu_seqlens_cpu, q.device)
+    cu, cu_host = _offsets(cu_seqlens, cu_seqlens_cpu, q.device)
+    cu_host = cu_host if q.device.type == "cuda" else None  # made once here for the forward and the backward
     output_final_state = bool(output_final_state)
     scale = None if scale is None else float(scale)
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
