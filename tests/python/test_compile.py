@@ -163,3 +163,14 @@ def test_compiled_matches_reference_numbers():
     o_ref, ht_ref = ref.fla_forward("kda", q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, **opts)
     assert rel_err(o.numpy(), o_ref) < 1e-12
     assert rel_err(ht.numpy(), ht_ref) < 1e-12
+
+
+def test_second_derivative_is_refused():
+    """The C++ backward is not differentiable: a double backward raises instead of returning a wrong
+    (zero) second derivative."""
+    p = make_problem("gdn", B=1, T=8, H=1, K=4, V=3, seed=51)
+    q = torch.tensor(p["q"], requires_grad=True)
+    o, _ = deltacp.chunk_gated_delta_rule(q, *(torch.tensor(p[n]) for n in ("k", "v", "g", "beta")))
+    (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="chunk_bwd"):
+        dq.sum().backward()

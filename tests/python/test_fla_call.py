@@ -183,27 +183,27 @@ def _logit(p):
     return np.log(p) - np.log1p(-p)
 
 
-@pytest.mark.parametrize("variant", ["gdn", "kda"])
-def test_golden_through_options(golden, variant):
+@pytest.mark.parametrize("variant,gate", [("gdn", "softplus"), ("kda", "softplus"), ("kda", "lower_bound")])
+def test_golden_through_options(golden, variant, gate):
     """The golden q, k are unit vectors and its gates log decays: scaled q, k with
     use_qk_l2norm_in_kernel, beta's logits with use_beta_sigmoid_in_kernel, and a raw gate that the
-    gate maps back onto g (gdn: -exp(A_log) softplus(g + dt_bias); kda: the lower-bound form) give the
+    gate maps back onto g (-exp(A_log) softplus(g + dt_bias), or kda's lower-bound form) give the
     golden outputs; the gradients are the golden ones chained through the options' derivatives."""
     z = golden(f"{variant}_small")
     HV = z["v"].shape[2]
     rng = np.random.default_rng(5)
     A_log = 0.3 * rng.standard_normal(HV)
-    a = np.exp(A_log)
-    if variant == "gdn":
-        dt_bias = 0.2 * rng.standard_normal(HV)
-        g_raw = np.log(np.expm1(-z["g"] / a)) - dt_bias         # softplus^-1(-g / exp(A_log))
+    a = np.exp(A_log) if variant == "gdn" else np.exp(A_log)[:, None]
+    K = z["q"].shape[-1]
+    dt_bias = 0.2 * rng.standard_normal(HV if variant == "gdn" else HV * K)
+    bias = dt_bias if variant == "gdn" else dt_bias.reshape(HV, K)
+    if gate == "softplus":
+        g_raw = np.log(np.expm1(-z["g"] / a)) - bias             # softplus^-1(-g / exp(A_log))
         lower_bound = None
     else:
-        K = z["q"].shape[-1]
-        dt_bias = 0.2 * rng.standard_normal(HV * K)
         lower_bound = -2.0                                      # golden kda gates lie in (-2, 0)
         assert z["g"].min() > lower_bound
-        g_raw = _logit(z["g"] / lower_bound) / a[:, None] - dt_bias.reshape(HV, K)
+        g_raw = _logit(z["g"] / lower_bound) / a - bias
     opts = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                 state_v_first=True)
     if lower_bound is not None:
