@@ -98,7 +98,7 @@ def _flag(name, value) -> bool:
     return value
 
 
-def _take_deprecated(variant: str, kwargs: dict, state_v_first: bool) -> bool:
+def _take_deprecated(kwargs: dict, state_v_first: bool) -> bool:
     """FLA's deprecated spellings in **kwargs: transpose_state_layout (-> state_v_first), head_first."""
     if "head_first" in kwargs:
         raise TypeError("deltacp: argument 'head_first': not supported (FLA removed it too); inputs are "
@@ -115,8 +115,8 @@ def _take_deprecated(variant: str, kwargs: dict, state_v_first: bool) -> bool:
 
 
 def _reject_unknown(variant: str, kwargs: dict) -> None:
+    other = "kda" if variant == "gdn" else "gdn"
     for name in kwargs:
-        other = "kda" if variant == "gdn" else "gdn"
         where = ""
         if name in _OPTIONS[other]:
             where = (f" (FLA 0.5.2 has it on {_OP_NAME[other]} only; its {_OP_NAME[variant]} would ignore it, "
@@ -142,7 +142,7 @@ def parse(variant: str, q, v, *, kwargs: dict, **given) -> FlaOptions:
     else the caller passed."""
     opts = FlaOptions(variant)
     kwargs = dict(kwargs)
-    given["state_v_first"] = _take_deprecated(variant, kwargs, given.get("state_v_first", False))
+    given["state_v_first"] = _take_deprecated(kwargs, _flag("state_v_first", given["state_v_first"]))
     _reject_unknown(variant, kwargs)
     for name in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
                  "safe_gate", "disable_recompute", "return_intermediate_states", "state_v_first"):
