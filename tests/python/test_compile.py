@@ -64,7 +64,7 @@ class _Layer(torch.nn.Module):
         self.A_log = torch.nn.Parameter(torch.rand(H, generator=gen, dtype=torch.float32).mul(0.5).log1p())
         self.dt_bias = torch.nn.Parameter(0.1 * torch.randn(gate_dim, generator=gen, dtype=torch.float32))
 
-    def forward(self, x, state):
+    def forward(self, x, state, cu_seqlens=None):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split([self.H * self.K, self.H * self.K, self.H * self.V], dim=-1)
         q, k = q.reshape(B, T, self.H, self.K), k.reshape(B, T, self.H, self.K)
@@ -73,6 +73,7 @@ class _Layer(torch.nn.Module):
         g = g.reshape(B, T, self.H, self.K) if self.variant == "kda" else g
         beta = self.b(x)
         common = dict(A_log=self.A_log, dt_bias=self.dt_bias, initial_state=state, output_final_state=True,
+                      cu_seqlens=cu_seqlens,
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                       allow_neg_eigval=True, state_v_first=True)
         if self.variant == "kda":
@@ -82,9 +83,9 @@ class _Layer(torch.nn.Module):
         return self.out(o.reshape(B, T, -1)), ht
 
 
-def _step(layer, fn, x, state):
+def _step(layer, fn, x, state, cu=None):
     layer.zero_grad(set_to_none=True)
-    y, ht = fn(x, state)
+    y, ht = fn(x, state, cu)
     (y.square().mean() + ht.float().square().mean()).backward()
     return y.detach(), ht.detach(), {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
 
@@ -103,10 +104,10 @@ def _recording_aot_eager():
     return aot_autograd(fw_compiler=keep, bw_compiler=keep), codes
 
 
-def _compare(layer, x, state, backend, tol):
-    eager = _step(layer, layer, x, state)
+def _compare(layer, x, state, backend, tol, cu=None):
+    eager = _step(layer, layer, x, state, cu)
     compiled_fn = torch.compile(layer, fullgraph=True, backend=backend)
-    compiled = _step(layer, compiled_fn, x, state)
+    compiled = _step(layer, compiled_fn, x, state, cu)
     assert rel_err(compiled[0].double().cpu().numpy(), eager[0].double().cpu().numpy()) < tol
     assert rel_err(compiled[1].double().cpu().numpy(), eager[1].double().cpu().numpy()) < tol
     for name, grad in eager[2].items():
@@ -114,15 +115,16 @@ def _compare(layer, x, state, backend, tol):
         assert err < tol, f"grad of {name}: {err:.3e}"
 
 
-@pytest.mark.parametrize("variant", ["gdn", "kda"])
-def test_compiled_layer_cpu(variant):
+@pytest.mark.parametrize("variant,varlen", [("gdn", False), ("kda", False), ("kda", True)])
+def test_compiled_layer_cpu(variant, varlen):
     """fullgraph=True: a graph break (an untraceable call in the op's Python) fails the test."""
     torch.manual_seed(0)
     layer = _Layer(variant)
-    x = torch.randn(2, 19, 16, dtype=torch.float64)
+    x = torch.randn(1 if varlen else 2, 38 if varlen else 19, 16, dtype=torch.float64)
+    cu = torch.tensor([0, 11, 38]) if varlen else None
     state = 0.1 * torch.randn(2, 2, 8, 8, dtype=torch.float32)
     backend, codes = _recording_aot_eager()
-    _compare(layer, x, state, backend, 1e-12)
+    _compare(layer, x, state, backend, 1e-12, cu)
     # one forward graph holding the registered op, one backward graph holding its gradient op
     assert len(codes) == 2
     assert "deltacp.chunk_fwd" in codes[0] and "deltacp.chunk_bwd" in codes[1]
