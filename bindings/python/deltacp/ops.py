@@ -385,7 +385,7 @@ def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, backend, sca
     h [B, NT, HV, K, V] (varlen: [1, total chunks, HV, K, V], sequence by sequence), in q's dtype.
 
     Chunk c of every sequence is run as one packed varlen call from the states the previous call
-    left; ceil(longest sequence / chunk_size) calls. This tier is for checking and inference, not speed."""
+    left: ceil(longest sequence / chunk_size) calls, a path for inference and checks, not for speed."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu is None:
