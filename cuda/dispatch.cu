@@ -20,6 +20,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "common/finite_check.h"
 #include "common/workspace_pool.h"
 #include "deltacp/cuda/api.h"
 #include "deltacp/cuda/tiers.h"
@@ -163,7 +164,7 @@ bool supports(Variant v, Method tier, bool backward) {
   }
 }
 
-void forward(const Params& p, Method tier) {
+static void run_forward(const Params& p, Method tier) {
   check_tier(tier, false);
   validate_on_gpu(p, tier, false);
   g_last_choice = TierChoice{tier, std::string("asked for by name")};
@@ -180,7 +181,17 @@ void forward(const Params& p, Method tier) {
   throw_error("tier", "no CUDA forward for tier ", to_string(tier));  // unreachable after check_tier
 }
 
-void backward(const Params& p, Method tier) {
+// DELTACP_CHECK=1: the numeric checks of docs/errors.md around the kernels (common/finite_check.h).
+void forward(const Params& p, Method tier) {
+  if (!numeric_checks_requested()) return run_forward(p, tier);
+  check_tier(tier, false);
+  validate_on_gpu(p, tier, false);  // the arguments first: the checks read the tensors
+  check_inputs_on_device(p, false);
+  run_forward(p, tier);
+  check_outputs_on_device(p, false);
+}
+
+static void run_backward(const Params& p, Method tier) {
   check_tier(tier, true);
   validate_on_gpu(p, tier, true);
   g_last_choice = TierChoice{tier, std::string("asked for by name")};
@@ -192,6 +203,15 @@ void backward(const Params& p, Method tier) {
     default: break;
   }
   throw_error("tier", "no CUDA backward for tier ", to_string(tier));  // unreachable after check_tier
+}
+
+void backward(const Params& p, Method tier) {
+  if (!numeric_checks_requested()) return run_backward(p, tier);
+  check_tier(tier, true);
+  validate_on_gpu(p, tier, true);
+  check_inputs_on_device(p, true);
+  run_backward(p, tier);
+  check_outputs_on_device(p, true);
 }
 
 // The fastest tier that runs p: fused (Hopper) where its kernels apply, else tiled, else naive.

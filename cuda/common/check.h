@@ -4,8 +4,9 @@
 //   kernel<<<grid, block, smem, stream>>>(...);
 //   DELTACP_CUDA_CHECK_LAUNCH();                                  // cudaGetLastError after a launch
 //
-// The message names the failing expression, cudaGetErrorString and the source location, so a bad
-// launch configuration or an out-of-memory reads as one line instead of a silent wrong answer.
+// The message names the failing expression, cudaGetErrorString and the source file's name and line
+// (not the build machine's path), so a bad launch configuration reads as one line instead of a silent
+// wrong answer. An out-of-memory throws deltacp::OutOfMemory (Python: deltacp.OutOfMemoryError).
 // Host-only header (plain C++ plus the CUDA runtime API); usable from .cu and .cpp files.
 #pragma once
 
@@ -15,12 +16,29 @@
 
 namespace deltacp::cuda::detail {
 
+// "cuda/tiled/tiled_fwd.cu" from __FILE__ (an absolute path of the build machine): the part from the
+// last "cuda/" on, else the file name.
+inline const char* source_name(const char* file) {
+  const char* base = file;
+  for (const char* c = file; *c; ++c) {
+    if (c[0] == 'c' && c[1] == 'u' && c[2] == 'd' && c[3] == 'a' && c[4] == '/' && (c == file || c[-1] == '/'))
+      base = c;
+  }
+  if (base != file) return base;
+  for (const char* c = file; *c; ++c)
+    if (*c == '/') base = c + 1;
+  return base;
+}
+
 [[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line) {
   // Reset the runtime's last-error slot (for non-sticky errors) so a later, unrelated
   // cudaGetLastError() does not report this failure a second time.
   (void)cudaGetLastError();
+  if (err == cudaErrorMemoryAllocation)
+    ::deltacp::throw_error_as<::deltacp::OutOfMemory>("cuda", expr, " failed: out of device memory (",
+                                                      source_name(file), ":", line, ")");
   ::deltacp::throw_error("cuda", expr, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err), " (",
-                         file, ":", line, ")");
+                         source_name(file), ":", line, ")");
 }
 
 }  // namespace deltacp::cuda::detail

@@ -58,10 +58,26 @@ inline cudaMemPool_t workspace_pool() {
   return all.pools[device];
 }
 
+// Throws deltacp::OutOfMemory (Python: deltacp.OutOfMemoryError) saying what was asked and what is
+// free when the allocation does not fit.
 inline void* workspace_alloc(size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return nullptr;
   void* ptr = nullptr;
-  DELTACP_CUDA_CHECK(cudaMallocFromPoolAsync(&ptr, bytes, workspace_pool(), stream));
+  const cudaError_t err = cudaMallocFromPoolAsync(&ptr, bytes, workspace_pool(), stream);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // not sticky: clear it so a later check does not report it again
+    size_t free_b = 0, total_b = 0;
+    (void)cudaMemGetInfo(&free_b, &total_b);
+    uint64_t cached = 0;
+    (void)cudaMemPoolGetAttribute(workspace_pool(), cudaMemPoolAttrReservedMemCurrent, &cached);
+    const double GiB = 1024.0 * 1024.0 * 1024.0;
+    ::deltacp::throw_error_as<::deltacp::OutOfMemory>(
+        "cuda", "out of device memory for the kernels' workspace: requested ", bytes, " bytes (",
+        bytes / GiB, " GiB), free on the device ", free_b, " bytes (", free_b / GiB, " GiB) of ", total_b,
+        " (", total_b / GiB, " GiB); deltacp's workspace pool holds ", cached,
+        " bytes (deltacp.cuda_release_workspace() hands its unused part back)");
+  }
+  if (err != cudaSuccess) ::deltacp::cuda::detail::throw_cuda_error(err, "cudaMallocFromPoolAsync", __FILE__, __LINE__);
   return ptr;
 }
 

@@ -163,10 +163,10 @@ void backward_each(const Params& p, Telling telling) {
 
 }  // namespace
 
+namespace {
+
 template <class S>
-void forward(const Params& p, Method method) {
-  validate_forward(p);
-  check_finite_host(p, /*backward=*/false);
+void forward_unchecked(const Params& p, Method method) {
   const int C = p.chunk_size;
   // Final-state-only forward (o null, ht given; params.h): every telling skips its outputs.
   const bool with_o = p.o.defined();
@@ -192,9 +192,7 @@ void forward(const Params& p, Method method) {
 // dh0-only backward (every input gradient null, dh0 given; params.h): the tellings compute all
 // gradients anyway (dL/dh0 needs most of the same chain); store_grads writes only dh0.
 template <class S>
-void backward(const Params& p, Method method) {
-  validate_backward(p);
-  check_finite_host(p, /*backward=*/true);
+void backward_unchecked(const Params& p, Method method) {
   const int C = p.chunk_size;
   switch (method) {
     case Method::recurrent:
@@ -209,6 +207,26 @@ void backward(const Params& p, Method method) {
     default:
       throw_error("method", "expected recurrent, chunked or affine for the reference, got ", to_string(method));
   }
+}
+
+}  // namespace
+
+// The numeric checks of docs/errors.md run on every call: inputs finite and g <= 0 (gdn, kda) before,
+// outputs finite after (a pass over the tensors, small beside the O(T K V) work).
+template <class S>
+void forward(const Params& p, Method method) {
+  validate_forward(p);
+  check_finite_host(p, /*backward=*/false);
+  forward_unchecked<S>(p, method);
+  check_outputs_host(p, /*backward=*/false);
+}
+
+template <class S>
+void backward(const Params& p, Method method) {
+  validate_backward(p);
+  check_finite_host(p, /*backward=*/true);
+  backward_unchecked<S>(p, method);
+  check_outputs_host(p, /*backward=*/true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -288,6 +306,7 @@ void cp_forward(const Params& p, const std::vector<int64_t>& cuts, CpExchange<S>
         scatter_state<S>(p.ht, p.state_dtype, p, n, hv, h0.size() ? h0 : Mat<S>(Mat<S>::Zero(p.K, p.V)));
       }
   }
+  check_outputs_host(p, /*backward=*/false);
 }
 
 template <class S>
@@ -354,6 +373,7 @@ void cp_backward(const Params& p, const std::vector<int64_t>& cuts, CpExchange<S
     for (int64_t h = 0; h < p.H; ++h)
       store_grads<S>(p, n, h, std::vector<HeadGrads<S>>(grads[n].begin() + h * G, grads[n].begin() + (h + 1) * G),
                      h * G);
+  check_outputs_host(p, /*backward=*/true);
 }
 
 #define DELTACP_INSTANTIATE(S)                                                                      \

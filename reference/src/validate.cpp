@@ -1,9 +1,11 @@
 // Input checks shared by every backend: each failure names the argument, the expectation and
 // what was given (docs/design.md section 6). Nothing here touches tensor memory except
-// check_finite_host, which the reference runs on its host inputs.
+// check_finite_host and check_outputs_host, the numeric checks of docs/errors.md, which the
+// reference runs on its host inputs and outputs.
 #include "deltacp/validate.h"
 
 #include <cmath>
+#include <string>
 
 #include "deltacp/cp_plan.h"
 #include "deltacp/dtype.h"
@@ -123,9 +125,17 @@ void validate_backward(const Params& p) {
 
 namespace {
 
-// Walks a [B, T, heads, D] view (within the valid token range) and throws at the first non-finite.
-void check_view(const Params& p, const TensorRef& t, const char* name, int64_t heads, int64_t D,
-                DType dt) {
+std::string at(int64_t b, int64_t t, int64_t h, int64_t d) {
+  return "[" + std::to_string(b) + ", " + std::to_string(t) + ", " + std::to_string(h) + ", " + std::to_string(d) +
+         "]";
+}
+
+// What to look for in a view: non-finite values, and for a log decay also values > 0.
+enum class Scan { finite, log_decay };
+
+// Walks a [B, T, heads, D] view (within the valid token range) and throws at the first bad value.
+void check_view(const Params& p, const TensorRef& t, const char* name, int64_t heads, int64_t D, DType dt,
+                const char* what, Scan scan = Scan::finite) {
   if (!t.defined()) return;
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t s = 0; s < p.T; ++s)
@@ -133,37 +143,78 @@ void check_view(const Params& p, const TensorRef& t, const char* name, int64_t h
         const int64_t base = t.offset(b, s, h);
         for (int64_t d = 0; d < D; ++d) {
           const double x = load_as<double>(t.ptr, base + d, dt);
-          if (!std::isfinite(x))
-            throw_error(name, "expected finite values, found ", x, " at [", b, ", ", s, ", ", h, ", ", d, "]");
+          if (!std::isfinite(x)) throw NumericError(name, nonfinite_message(what, x, at(b, s, h, d)));
+          if (scan == Scan::log_decay && x > 0) throw NumericError(name, positive_gate_message(x, at(b, s, h, d)));
         }
       }
 }
 
-void check_state(const Params& p, const void* ptr, const char* name) {
+void check_state(const Params& p, const void* ptr, const char* name, const char* what) {
   if (!ptr) return;
   const int64_t n = p.state_elems();
   for (int64_t i = 0; i < n; ++i) {
     const double x = load_as<double>(ptr, i, p.state_dtype);
-    if (!std::isfinite(x)) throw_error(name, "expected finite values, found ", x, " at flat index ", i);
+    if (!std::isfinite(x))
+      throw NumericError(name, nonfinite_message(what, x, "flat index " + std::to_string(i) + " of [N, HV, K, V]"));
   }
 }
 
 }  // namespace
 
+std::string nonfinite_message(const char* what, double value, const std::string& index) {
+  std::string m = std::string("expected finite values, found ");
+  detail::append(m, value, " at ", index);
+  if (std::string(what) == "input") return m;
+  // A non-finite output from finite inputs with g <= 0 (both checked first): the recurrence grew
+  // without bound. With log decays <= 0 the only source is the delta step I - beta k k^T, whose
+  // eigenvalue along k is 1 - beta ||k||^2: below -1 (beta ||k||^2 > 2) it doubles the state's
+  // component along k at every such token.
+  return m + " (non-finite " + what +
+         " from finite inputs): keys of large norm make the delta rule unstable (a step scales the state "
+         "along k by 1 - beta ||k||^2, which exceeds 1 in size when beta ||k||^2 > 2); normalise k "
+         "(use_qk_l2norm_in_kernel=True) or keep beta ||k||^2 <= 2";
+}
+
+std::string positive_gate_message(double value, const std::string& index) {
+  std::string m = "expected log decays <= 0, got ";
+  detail::append(m, value, " at ", index,
+                 ": a positive gate multiplies the state by exp(g) > 1 every token and grows it without bound "
+                 "(pass g = logsigmoid(x) or -softplus(x), as the models do)");
+  return m;
+}
+
 void check_finite_host(const Params& p, bool backward) {
   const int64_t gdim = per_key_gate(p.variant) ? p.K : 1;
-  check_view(p, p.q, "q", p.H, p.K, p.dtype);
-  check_view(p, p.k, "k", p.H, p.K, p.dtype);
-  check_view(p, p.v, "v", p.HV, p.V, p.dtype);
-  check_view(p, p.g, p.variant == Variant::dplr ? "gk" : "g", p.HV, gdim, p.gate_dtype());
-  check_view(p, p.beta, "beta", p.HV, 1, p.dtype);
-  check_view(p, p.a, "a", p.HV, p.K, p.dtype);
-  check_view(p, p.b, "b", p.HV, p.K, p.dtype);
-  check_state(p, p.h0, "initial_state");
+  const Scan gate_scan = (p.variant == Variant::gdn || p.variant == Variant::kda) ? Scan::log_decay : Scan::finite;
+  check_view(p, p.q, "q", p.H, p.K, p.dtype, "input");
+  check_view(p, p.k, "k", p.H, p.K, p.dtype, "input");
+  check_view(p, p.v, "v", p.HV, p.V, p.dtype, "input");
+  check_view(p, p.g, p.variant == Variant::dplr ? "gk" : "g", p.HV, gdim, p.gate_dtype(), "input", gate_scan);
+  check_view(p, p.beta, "beta", p.HV, 1, p.dtype, "input");
+  check_view(p, p.a, "a", p.HV, p.K, p.dtype, "input");
+  check_view(p, p.b, "b", p.HV, p.K, p.dtype, "input");
+  check_state(p, p.h0, "initial_state", "input");
   if (backward) {
-    check_view(p, p.dout, "do", p.HV, p.V, p.dtype);
-    check_state(p, p.dht, "dht");
+    check_view(p, p.dout, "do", p.HV, p.V, p.dtype, "input");
+    check_state(p, p.dht, "dht", "input");
   }
+}
+
+void check_outputs_host(const Params& p, bool backward) {
+  if (!backward) {
+    check_view(p, p.o, "o", p.HV, p.V, p.dtype, "output");
+    check_state(p, p.ht, "ht", "output");
+    return;
+  }
+  const int64_t gdim = per_key_gate(p.variant) ? p.K : 1;
+  check_view(p, p.dq, "dq", p.H, p.K, p.dtype, "gradient");
+  check_view(p, p.dk, "dk", p.H, p.K, p.dtype, "gradient");
+  check_view(p, p.dv, "dv", p.HV, p.V, p.dtype, "gradient");
+  check_view(p, p.dg, p.variant == Variant::dplr ? "dgk" : "dg", p.HV, gdim, p.gate_dtype(), "gradient");
+  check_view(p, p.dbeta, "dbeta", p.HV, 1, p.dtype, "gradient");
+  check_view(p, p.da, "da", p.HV, p.K, p.dtype, "gradient");
+  check_view(p, p.db, "db", p.HV, p.K, p.dtype, "gradient");
+  check_state(p, p.dh0, "dh0", "gradient");
 }
 
 }  // namespace deltacp

@@ -1,5 +1,6 @@
-"""Every bad input raises the documented error naming the argument: ValueError (deltacp.Error is a
-ValueError) for shapes, layouts, values and devices; TypeError for dtypes and non-tensors."""
+"""Every bad input raises the documented error naming the argument: ValueError (deltacp.Error, the C++
+core's deltacp.InvalidArgumentError, is one) for shapes, layouts, values and devices; TypeError for dtypes
+and non-tensors; the package's exception classes (deltacp/errors.py)."""
 
 from __future__ import annotations
 
@@ -134,6 +135,36 @@ def test_numpy_bad_input(label, call, exc, pattern):
 def test_value_errors_are_deltacp_errors():
     with pytest.raises(deltacp.Error):
         _fwd(chunk_size=48)
+
+
+def test_exception_classes():
+    """The package's exceptions: one base, each kind also the builtin it stands for (deltacp/errors.py)."""
+    assert deltacp.Error is deltacp.InvalidArgumentError
+    assert deltacp._core.Error is deltacp.InvalidArgumentError
+    for cls, builtin in ((deltacp.InvalidArgumentError, ValueError), (deltacp.NumericError, ValueError),
+                         (deltacp.DTypeError, TypeError), (deltacp.OutOfMemoryError, MemoryError),
+                         (deltacp.CUDAError, RuntimeError), (deltacp.CPTimeoutError, RuntimeError)):
+        assert issubclass(cls, deltacp.DeltaCPError) and issubclass(cls, builtin), cls
+    assert issubclass(deltacp.NumericError, deltacp.InvalidArgumentError)
+    e = deltacp.OutOfMemoryError("deltacp: argument 'cuda': out of device memory")
+    assert e.argument == "cuda" and deltacp.DeltaCPError("no argument here").argument == ""
+
+
+def test_core_errors_carry_the_argument():
+    """An error of the C++ core arrives as the package's class with .argument set, and its message holds
+    no path of the machine that built the module."""
+    with pytest.raises(deltacp.InvalidArgumentError) as info:
+        _fwd(chunk_size=48)
+    assert info.value.argument == "chunk_size"
+    assert type(info.value) is deltacp.InvalidArgumentError
+    with pytest.raises(deltacp.NumericError) as info:
+        _fwd(q=np.where(np.arange(20)[None, :, None, None] == 3, np.nan, P["q"]))
+    assert info.value.argument == "q" and "/" not in str(info.value).split("argument")[0]
+
+
+def test_cp_timeout_error_is_the_package_class():
+    cp_context = pytest.importorskip("deltacp.cp.context")
+    assert cp_context.CPTimeoutError is deltacp.CPTimeoutError
 
 
 # --------------------------------------------------------------------------------------------

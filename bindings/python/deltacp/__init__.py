@@ -6,13 +6,16 @@
 
 ``deltacp.reference`` needs only numpy. The torch ops (chunk_gated_delta_rule, chunk_kda,
 chunk_delta_rule, chunk_dplr) import torch on first use, so the package imports without torch.
-Bad input raises ValueError (``deltacp.Error`` is its subclass raised by the C++ core) or
-TypeError, naming the argument.
+Errors: ``deltacp.DeltaCPError`` and its kinds (deltacp/errors.py), each also the builtin it stands for:
+InvalidArgumentError (ValueError; ``deltacp.Error``), NumericError (ValueError: non-finite values, a log
+decay g > 0; docs/errors.md), DTypeError (TypeError), OutOfMemoryError (MemoryError), CUDAError
+(RuntimeError), CPTimeoutError (RuntimeError). Messages name the argument.
 """
 
+from .errors import (CPTimeoutError, CUDAError, DeltaCPError, DTypeError, Error, InvalidArgumentError, NumericError,
+                     OutOfMemoryError)
 from . import _core
 from . import reference
-from ._core import Error
 
 __version__ = "0.1.0"
 
@@ -21,7 +24,8 @@ _TORCH_OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_
 # FLA's DPLR entry points with FLA's argument order (deltacp.dplr), imported with torch on first use.
 _DPLR_OPS = ("chunk_dplr_delta_rule", "chunk_rwkv7")
 
-__all__ = ["reference", "Error", "built_with_cuda", "cuda_available", "cuda_release_workspace", "last_cuda_tier",
+__all__ = ["reference", "Error", "DeltaCPError", "InvalidArgumentError", "NumericError", "DTypeError",
+           "OutOfMemoryError", "CUDAError", "CPTimeoutError", "built_with_cuda", "cuda_available", "cuda_release_workspace", "last_cuda_tier",
            *_TORCH_OPS, "chunk_rwkv7"]
 
 

@@ -1,9 +1,13 @@
-// deltacp/error.h — the project's own exception.
+// deltacp/error.h — the project's own exceptions.
 //
-// Bad input never crashes, hangs or returns NaN silently: every check throws deltacp::Error
-// whose message names the argument, what was expected and what was given, e.g.
+// Bad input never crashes, hangs or returns NaN silently: every check throws deltacp::Error (or one
+// of its kinds below) whose message names the argument, what was expected and what was given, e.g.
 //   deltacp: argument 'cu_seqlens': expected cu_seqlens[0] == 0, got 3
-// The Python bindings translate it to ValueError (argument errors) or RuntimeError.
+// The Python bindings (bindings/src/module.cpp) raise each kind as its class of deltacp/errors.py:
+//   Error          -> deltacp.InvalidArgumentError (a ValueError); argument 'cuda': deltacp.CUDAError
+//   NumericError   -> deltacp.NumericError (a ValueError): non-finite inputs or outputs, a gate > 0
+//   OutOfMemory    -> deltacp.OutOfMemoryError (a MemoryError)
+// The contract for numeric checks is docs/errors.md.
 #pragma once
 
 #include <cstdio>
@@ -25,6 +29,19 @@ class Error : public std::runtime_error {
   std::string argument_;
 };
 
+// Values that make the recurrence blow up: a non-finite input, a log decay g > 0, or a non-finite
+// output or gradient (docs/errors.md: the message names the tensor, the first bad index and the likely cause).
+class NumericError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A device allocation that did not fit; the message gives the bytes requested and free.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 // Messages are built with std::string and snprintf/to_string, not with iostreams: inside a Python
 // process that also loaded torch, formatting an integer through std::ostream segfaulted on the GPU
@@ -39,6 +56,10 @@ void append_one(std::string& out, const T& x) {
   if constexpr (std::is_integral_v<T>) {
     out += std::to_string(x);
   } else if constexpr (std::is_floating_point_v<T>) {
+    if (x != x) {  // NaN: "nan" whatever its sign bit ("%g" may print "-nan")
+      out += "nan";
+      return;
+    }
     char buf[64];
     std::snprintf(buf, sizeof buf, "%g", static_cast<double>(x));
     out += buf;
@@ -66,6 +87,14 @@ template <class... Parts>
   std::string message;
   detail::append(message, parts...);
   throw Error(argument, message);
+}
+
+// The same for one of Error's kinds: throw_error_as<NumericError>("g", "expected ...").
+template <class E, class... Parts>
+[[noreturn]] void throw_error_as(const std::string& argument, const Parts&... parts) {
+  std::string message;
+  detail::append(message, parts...);
+  throw E(argument, message);
 }
 
 }  // namespace deltacp

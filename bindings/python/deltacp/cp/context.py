@@ -34,15 +34,12 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
+from ..errors import CPTimeoutError
 
 __all__ = ["CPContext", "build_context", "DEFAULT_TIMEOUT_S", "CPTimeoutError", "agree", "wait_collective"]
 
 # Seconds a collective may take before every rank gives up with a clear error (DELTACP_CP_TIMEOUT).
 DEFAULT_TIMEOUT_S = float(os.environ.get("DELTACP_CP_TIMEOUT", "300"))
-
-
-class CPTimeoutError(RuntimeError):
-    """A CP collective did not complete in time: a rank stalled, exited or is running other code."""
 
 
 @dataclass(frozen=True)
