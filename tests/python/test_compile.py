@@ -104,7 +104,7 @@ def _recording_aot_eager():
     return aot_autograd(fw_compiler=keep, bw_compiler=keep), codes
 
 
-def _compare(layer, x, state, backend, tol, cu=None):
+def _compare(layer, x, state, backend, tol, cu=None, grad_tol=None):
     eager = _step(layer, layer, x, state, cu)
     compiled_fn = torch.compile(layer, fullgraph=True, backend=backend)
     compiled = _step(layer, compiled_fn, x, state, cu)
@@ -112,7 +112,7 @@ def _compare(layer, x, state, backend, tol, cu=None):
     assert rel_err(compiled[1].double().cpu().numpy(), eager[1].double().cpu().numpy()) < tol
     for name, grad in eager[2].items():
         err = rel_err(compiled[2][name].double().cpu().numpy(), grad.double().cpu().numpy())
-        assert err < tol, f"grad of {name}: {err:.3e}"
+        assert err < (grad_tol or tol), f"grad of {name}: {err:.3e}"
 
 
 @pytest.mark.parametrize("variant,varlen", [("gdn", False), ("kda", False), ("kda", True)])
@@ -133,14 +133,17 @@ def test_compiled_layer_cpu(variant, varlen):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
 def test_compiled_layer_cuda(variant):
-    """The same layer on CUDA through Inductor (float32 weights; the default CUDA tier)."""
+    """The same layer on CUDA through Inductor (float32 weights; the default CUDA tier). Inductor
+    reassociates the float32 arithmetic around the op (projections, l2 norm, gate): on the CPU the
+    same float32 layer compiled by Inductor differed from eager by 1.7e-7 in the output and up to
+    6.8e-5 in a parameter gradient (sums over every token), hence 1e-5 / 1e-3 here."""
     if not deltacp.built_with_cuda():
         pytest.fail("a CUDA device is present but deltacp was built without the CUDA tiers")
     torch.manual_seed(0)
     layer = _Layer(variant, d=64, H=2, K=64, V=64, dtype=torch.float32).cuda()
     x = torch.randn(2, 150, 64, device="cuda")
     state = 0.1 * torch.randn(2, 2, 64, 64, device="cuda")
-    _compare(layer, x, state, "inductor", 1e-5)
+    _compare(layer, x, state, "inductor", 1e-5, grad_tol=1e-3)
 
 
 def test_compiled_matches_reference_numbers():
