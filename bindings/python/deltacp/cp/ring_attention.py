@@ -33,11 +33,16 @@ Grouped K/V heads (H query heads, HKV | H key/value heads): K/V travel with HKV 
 expanded to H heads for the compute and its dK/dV summed back over the group.
 
 On CPU tensors the group is gloo and the block compute runs in torch (fp32 accumulators; fp64 stays
-fp64); CUDA tensors take the same path over NCCL (torch's kernels, no fused ring kernel here yet).
+fp64). CUDA tensors exchange over NCCL (torch.distributed's send/recv); bf16 / fp16 with head dim 64
+or 128 run each step in deltacp's CUDA ring-step kernels (cuda/attention/ring_step.cu: the causal
+mask from global positions, the merge into fp32 accumulators, the backward's dQ and per-block dK/dV)
+when the module was built with CUDA; other CUDA inputs, or DELTACP_RING_KERNEL=torch, take the torch
+block compute.
 """
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -292,6 +297,22 @@ def _reduce_groups(dx, groups):
     return dx.view(B, H // groups, groups, T, D).sum(dim=2)
 
 
+def _cuda_step(q, v):
+    """deltacp._core's CUDA ring step applies: CUDA bf16/fp16 tensors, head dim 64 or 128 for q, k and
+    v, and DELTACP_RING_KERNEL is not 'torch' (that forces the torch block compute)."""
+    if not q.is_cuda or os.environ.get("DELTACP_RING_KERNEL", "auto") == "torch":
+        return False
+    from .. import _core
+
+    return (hasattr(_core, "attention_ring_step_forward") and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] in (64, 128) and v.shape[-1] == q.shape[-1])
+
+
+def _desc(t):
+    """A tensor as deltacp._core's attention step reads it: (ptr, dtype, shape, strides, device)."""
+    return (t.data_ptr(), str(t.dtype).replace("torch.", ""), list(t.shape), list(t.stride()), str(t.device))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, block, rank, world):
@@ -299,12 +320,22 @@ class _RingAttention(torch.autograd.Function):
         pos = [zigzag_positions(T, world, r, block) for r in range(world)]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         groups = q.shape[2] // k.shape[2]
-        qh = _heads_first(q).to(acc).contiguous()  # K/V travel in their own dtype, computed in acc
+        kernel = _cuda_step(q, v)
+        if kernel:  # the CUDA step merges into (o, lse) in place, reading q in its own dtype and layout
+            from .. import _core
+
+            q = q if q.stride(-1) == 1 else q.contiguous()
+            dpos = [p.to(q.device) for p in pos]
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            o = torch.zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=acc, device=q.device)
+            lse = torch.full(o.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        else:
+            qh = _heads_first(q).to(acc).contiguous()  # K/V travel in their own dtype, computed in acc
+            o = lse = None
         kv = [k.contiguous(), v.contiguous()]
         ring = _Ring(group, rank, world)
         cur = _pack(*kv)
         nxt = torch.empty_like(cur)
-        o = lse = None
         visible = computed = sent = 0
         for step in range(world):
             src = (rank - step) % world
@@ -316,28 +347,39 @@ class _RingAttention(torch.autograd.Function):
             pieces = _Pieces(pos[rank], pos[src], causal, block)
             visible += pieces.visible
             computed += pieces.computed
-            o_b, l_b = _block_forward(qh, _expand(_heads_first(kk).to(acc), groups),
-                                      _expand(_heads_first(vv).to(acc), groups), scale, pieces, acc)
-            o, lse = (o_b, l_b) if o is None else _merge(o, lse, o_b, l_b)
+            if kernel:
+                _core.attention_ring_step_forward(_desc(q), _desc(kk), _desc(vv), _desc(dpos[rank]), _desc(dpos[src]),
+                                                  _desc(o), _desc(lse), causal, scale, stream)
+            else:
+                o_b, l_b = _block_forward(qh, _expand(_heads_first(kk).to(acc), groups),
+                                          _expand(_heads_first(vv).to(acc), groups), scale, pieces, acc)
+                o, lse = (o_b, l_b) if o is None else _merge(o, lse, o_b, l_b)
             _wait(works)
             cur, nxt = nxt, cur
         BH = q.shape[0] * q.shape[2]
         last_stats.update(visible_pairs=visible * BH, computed_pairs=computed * BH, sent_bytes=sent, steps=world)
         out = o.transpose(1, 2).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.cfg = (causal, scale, group, block, rank, world, pos)
+        ctx.cfg = (causal, scale, group, block, rank, world, pos, kernel)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
-        causal, scale, group, block, rank, world, pos = ctx.cfg
+        causal, scale, group, block, rank, world, pos, kernel = ctx.cfg
         acc = o.dtype
         groups = q.shape[2] // k.shape[2]
         qh = _heads_first(q).to(acc)
         do = _heads_first(dout).to(acc).contiguous()
         delta = (do * o).sum(-1)  # rowdot(dO, O) with the fp32 O of the forward
         dq = torch.zeros(qh.shape, dtype=acc, device=q.device)
+        if kernel:
+            from .. import _core
+
+            dout = dout.contiguous()
+            dpos = [p.to(q.device) for p in pos]
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            lse_c, delta = lse.contiguous(), delta.contiguous()
         kv = [k.contiguous(), v.contiguous()]
         dkv_like = [torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device)]
         ring = _Ring(group, rank, world)
@@ -350,11 +392,20 @@ class _RingAttention(torch.autograd.Function):
             works = ring.start(cur, nxt, forward=False, tag=0) if step < world - 1 else None
             kk, vv = _unpack(cur, kv)
             pieces = _Pieces(pos[rank], pos[src], causal, block)
-            dq_b, dk_b, dv_b = _block_backward(qh, _expand(_heads_first(kk).to(acc), groups),
-                                               _expand(_heads_first(vv).to(acc), groups), do, delta, lse, scale,
-                                               pieces, acc)
-            dq += dq_b
-            share = _pack(_reduce_groups(dk_b, groups).transpose(1, 2), _reduce_groups(dv_b, groups).transpose(1, 2))
+            if kernel:
+                dk_b = torch.zeros(k.shape[0], k.shape[2], k.shape[1], k.shape[3], dtype=acc, device=q.device)
+                dv_b = torch.zeros(v.shape[0], v.shape[2], v.shape[1], v.shape[3], dtype=acc, device=q.device)
+                _core.attention_ring_step_backward(_desc(q), _desc(kk), _desc(vv), _desc(dout), _desc(dpos[rank]),
+                                                   _desc(dpos[src]), _desc(lse_c), _desc(delta), _desc(dq),
+                                                   _desc(dk_b), _desc(dv_b), causal, scale, stream)
+                share = _pack(dk_b.transpose(1, 2), dv_b.transpose(1, 2))
+            else:
+                dq_b, dk_b, dv_b = _block_backward(qh, _expand(_heads_first(kk).to(acc), groups),
+                                                   _expand(_heads_first(vv).to(acc), groups), do, delta, lse, scale,
+                                                   pieces, acc)
+                dq += dq_b
+                share = _pack(_reduce_groups(dk_b, groups).transpose(1, 2),
+                              _reduce_groups(dv_b, groups).transpose(1, 2))
             if step == 0:
                 dacc = share
             else:

@@ -54,7 +54,7 @@ def parse_args(argv=None):
 
 
 def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
