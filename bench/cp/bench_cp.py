@@ -150,7 +150,7 @@ def main():
     time_it = timer(device)
 
     import deltacp.cp as cp
-    from deltacp.cp import nccl_backend, ops as cp_ops
+    from deltacp.cp import nccl_backend, exchange as cp_exchange, local as cp_local, ops as cp_ops
 
     T_rank = args.tokens
     cu = [0, T_rank * world]  # one sequence over every rank
@@ -162,7 +162,7 @@ def main():
     g = torch.nn.functional.logsigmoid(torch.randn(1, T_rank, HV, generator=gen) + 4).to(device, dtype)
     beta = torch.sigmoid(torch.randn(1, T_rank, HV, generator=gen)).to(device, dtype)
 
-    cfg = cp_ops._Cfg()
+    cfg = cp_local._Cfg()
     cfg.variant, cfg.gate_name, cfg.scale, cfg.chunk_size = "gdn", "g", None, 64
     cfg.output_final_state, cfg.compute, cfg.state_dtype = False, "float32", torch.float32
     cfg.ctx, cfg.device, cfg.H, cfg.HV, cfg.K, cfg.V, cfg.num_seqs, cfg.has_h0 = ctx, device, H, HV, K, V, 1, False
@@ -174,13 +174,13 @@ def main():
     # The forward pre-pass as the CP forward runs it: [H | M] of the last segment, plus the first segment's
     # per-piece transitions for the backward pre-pass where the first segment continues (rank > 0).
     want_maps = ctx.first_continues
-    prepass = lambda: cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None,  # noqa: E731
+    prepass = lambda: cp_exchange._prepass_forward(cfg, q, k, v, g, beta, None, None, None,  # noqa: E731
                                               want_first_maps=want_maps)
     do_pre = torch.randn(1, T_rank, HV, V, generator=gen).to(device, dtype)
     first_maps = [None]
-    prepass_bwd = lambda: cp_ops._prepass_backward(cfg, q, k, v, g, beta, None, None, do_pre, None,  # noqa: E731
+    prepass_bwd = lambda: cp_exchange._prepass_backward(cfg, q, k, v, g, beta, None, None, do_pre, None,  # noqa: E731
                                                    first_maps=first_maps[0])
-    prepass_bwd_widened = lambda: cp_ops._prepass_backward(cfg, q, k, v, g, beta, None, None,  # noqa: E731
+    prepass_bwd_widened = lambda: cp_exchange._prepass_backward(cfg, q, k, v, g, beta, None, None,  # noqa: E731
                                                            do_pre, None)
     errors = {}
     if use_kernels:
@@ -198,33 +198,33 @@ def main():
                 results[f"prepass_{name}_piece{piece}"] = time_it(fn, args.repeat, args.warmup)
         # The CP steps below use the library's default piece length (cp/ops.py _piece_bounds).
         os.environ.pop("DELTACP_CP_PREPASS_PIECE", None)
-        piece_default = cp_ops._piece_tokens(cfg, T_rank)
+        piece_default = cp_local._piece_tokens(cfg, T_rank)
         results["prepass"] = time_it(prepass, args.repeat, args.warmup)
         first_maps[0] = prepass()[1]
         results["prepass_bwd"] = time_it(prepass_bwd, args.repeat, args.warmup)
         # The pre-pass as the staged CP forward runs it: the local forward prepared (cumulative gates and WY,
         # which the local forward then does not repeat), the pieces from its stages (cp/ops.py).
-        if cp_ops._staged_available(cfg, "forward", q, g):
+        if cp_local._staged_available(cfg, "forward", q, g):
             from deltacp import _core
             from deltacp._describe import torch_desc as _td
 
             o_staged = torch.empty_like(v)
 
             def local_descs():  # the rank's local forward, as the staged CP forward describes it
-                descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
+                descs = cp_local._descs(cfg, q, k, v, g, beta, None, None, cu=ctx.cu_seqlens, cu_host=ctx.cu_seqlens_cpu)
                 descs["o"] = _td(o_staged, "o")
                 return descs
 
             def prepass_staged():
                 descs = local_descs()
-                handle = cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", descs)
-                sent = cp_ops._prepass_forward(cfg, q, k, v, g, beta, None, None, None, want_first_maps=want_maps,
-                                               prepared=cp_ops._PreparedForward(handle, 0), local_descs=descs)[0]
+                handle = cp_local._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", descs)
+                sent = cp_exchange._prepass_forward(cfg, q, k, v, g, beta, None, None, None, want_first_maps=want_maps,
+                                               prepared=cp_local._PreparedForward(handle, 0), local_descs=descs)[0]
                 torch.cuda.current_stream(device).synchronize()  # the handle's workspace outlives the kernels
                 return sent
 
             def prepare_only():  # what the local forward does before h0 anyway (stages 1, 2; the scan's pass 1)
-                cp_ops._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", local_descs())
+                cp_local._staged_call(cfg, _core.staged_forward_prepare, "gdn", "tiled", local_descs())
                 torch.cuda.current_stream(device).synchronize()
 
             # The staged pre-pass at each piece length and forced scan configuration (scan_config.h).
@@ -245,11 +245,11 @@ def main():
         errors["prepass_bwd_widened"] = float((prepass_bwd_widened() - prepass_bwd()).norm() /
                                               prepass_bwd().norm().clamp_min(1e-30))
     sent = prepass()[0]  # what the CP op all-gathers: [H | M], or [H] when no merge reads M (ctx.maps_read)
-    X = cp_ops._augmented_forward(cfg, q, k, v, g, beta, None, None, None)  # [HV, K, V + K]: the ring and scan's maps
+    X = cp_local._augmented_forward(cfg, q, k, v, g, beta, None, None, None)  # [HV, K, V + K]: the ring and scan's maps
 
     def allgather():
-        gathered = cp_ops._all_gather(cfg, sent, "bench all-gather")
-        return cp_ops._merge_forward(cfg, gathered)
+        gathered = cp_exchange._all_gather(cfg, sent, "bench all-gather")
+        return cp_exchange._merge_forward(cfg, gathered)
 
     def ring():
         S = torch.zeros((HV, K, V), dtype=torch.float32, device=device)
@@ -302,11 +302,11 @@ def main():
         from deltacp._describe import torch_desc
 
         o = torch.empty_like(v)
-        descs = cp_ops._descs(cfg, q, k, v, g, beta, None, None)
+        descs = cp_local._descs(cfg, q, k, v, g, beta, None, None)
         descs["o"] = torch_desc(o, "o")
 
         def local_forward():
-            cp_ops._run(cfg, "forward", cfg.fwd_method, descs)
+            cp_local._run(cfg, "forward", cfg.fwd_method, descs)
 
         side = torch.cuda.Stream(device)
 
@@ -404,7 +404,7 @@ def main():
                                       piece_default=piece_default if use_kernels else None,
                                       scan_cut=scan_cut))
     if rank == 0:
-        bytes_ag = cp_ops.exchange_bytes(ctx, HV, K, V)
+        bytes_ag = cp_exchange.exchange_bytes(ctx, HV, K, V)
         bytes_ring = HV * K * V * 4
         bytes_scan = math.ceil(math.log2(world)) * HV * K * (V + K) * 4 if world > 1 else 0
         print(f"CP exchange, {world} ranks ({device.type}), GDN {args.dtype}, H={H} K=V={K}, {T_rank} tokens/rank, "

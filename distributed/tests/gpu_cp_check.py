@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import deltacp
 import deltacp.cp as cp
-from deltacp.cp import ops as cp_ops
+from deltacp.cp import autograd as cp_autograd, local as cp_local
 
 TOL = {"float32": 1e-5, "bfloat16": {"gdn": 3e-3, "kda": 8e-3, "dplr": 8e-3, "delta": 8e-3}}
 FAULT_TIMEOUT_S = 10.0
@@ -119,9 +119,9 @@ def check_prepass(device, report):
                 gpu_b = nccl_backend.prepass_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start)
                 cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
                 cfg.device, cfg.fwd_method, cfg.bwd_method = torch.device("cpu"), "chunked", "chunked"
-                ref_f = cp_ops._augmented_forward(cfg, *[cpu(t) for t in (x["q"], x["k"], x["v"], g, beta, a, b)],
+                ref_f = cp_local._augmented_forward(cfg, *[cpu(t) for t in (x["q"], x["k"], x["v"], g, beta, a, b)],
                                                   start.cpu())
-                ref_b = cp_ops._augmented_backward(cfg, *[cpu(t) for t in (x["q"], x["k"], x["v"], g, beta, a, b)],
+                ref_b = cp_local._augmented_backward(cfg, *[cpu(t) for t in (x["q"], x["k"], x["v"], g, beta, a, b)],
                                                    do.cpu(), start.cpu())
                 ef, eb = rel(gpu_f, ref_f), rel(gpu_b, ref_b)
                 ok = ef <= 1e-5 and eb <= 1e-5
@@ -130,8 +130,8 @@ def check_prepass(device, report):
                 # (final-state-only forward, dh0-only backward) on the augmented problem.
                 if deltacp._core.cuda_supports(variant, "tiled", True):
                     cfg.device = device
-                    tf = cp_ops._augmented_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start, method="tiled")
-                    tb = cp_ops._augmented_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start,
+                    tf = cp_local._augmented_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start, method="tiled")
+                    tb = cp_local._augmented_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start,
                                                     method="tiled")
                     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit operands in the tensor-core products
                     row.update(err_fwd_tiled=rel(tf, ref_f), err_bwd_tiled=rel(tb, ref_b), tol_tiled=tol)
@@ -139,9 +139,9 @@ def check_prepass(device, report):
                     # The same in pieces run side by side (one varlen call) and composed in fp32.
                     bounds = {65: [0, 64, 65], 300: [0, 20, 84, 212, 300]}.get(n)
                     if bounds:
-                        pf = cp_ops._augmented_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start,
+                        pf = cp_local._augmented_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start,
                                                        method="tiled", bounds=bounds)
-                        pb = cp_ops._augmented_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start,
+                        pb = cp_local._augmented_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start,
                                                         method="tiled", bounds=bounds)
                         row.update(err_fwd_pieces=rel(pf, ref_f), err_bwd_pieces=rel(pb, ref_b), bounds=bounds)
                         row["ok"] = row["ok"] and row["err_fwd_pieces"] <= tol and row["err_bwd_pieces"] <= tol
@@ -310,7 +310,7 @@ def fault(mode, device, world, report):
     cu, x, do, dht = inputs("gdn", [100, 2048 * world - 100], 4, 4, 64, 64, torch.bfloat16, device)
     ctx = cp.build_context(torch.tensor(cu), device=device, timeout=FAULT_TIMEOUT_S, use_nccl=USE_NCCL)
     if rank == 1:
-        original = cp_ops._prepass_forward
+        original = cp_autograd._prepass_forward
 
         def stalled(*args, **kwargs):
             if mode == "exit":
@@ -319,7 +319,7 @@ def fault(mode, device, world, report):
             time.sleep(3 * FAULT_TIMEOUT_S)
             return original(*args, **kwargs)
 
-        cp_ops._prepass_forward = stalled
+        cp_autograd._prepass_forward = stalled
     loc = {n: (t if n == "h0" else cp.split_even(t, ctx)) for n, t in x.items()}
     t0 = time.time()
     try:

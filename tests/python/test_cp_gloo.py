@@ -201,7 +201,7 @@ def _compare(case, rank, world):
 def _fault(scenario, rank, world, victim):
     """Runs one fault scenario; returns what this rank saw (exception type and text, seconds)."""
     import deltacp.cp as cp
-    from deltacp.cp import ops as cp_ops
+    from deltacp.cp import autograd as cp_autograd
 
     case = dict(variant="gdn", dtype="float32", seqlens=[7, 24 * world - 7], states=True, HV_mult=1, chunk=16)
     if scenario in ("bad_gate_dtype", "mismatch_gate_dtype"):
@@ -215,7 +215,7 @@ def _fault(scenario, rank, world, victim):
     try:
         ctx = cp.build_context(cu, timeout=FAULT_TIMEOUT_S)
         if scenario in ("sleep", "exit") and rank == victim:
-            original = cp_ops._prepass_forward
+            original = cp_autograd._prepass_forward
 
             def stalled(*args, **kwargs):  # in the pre-pass (the fingerprint check started), before the all-gather
                 if scenario == "exit":
@@ -224,7 +224,7 @@ def _fault(scenario, rank, world, victim):
                 time.sleep(3 * FAULT_TIMEOUT_S)
                 return original(*args, **kwargs)
 
-            cp_ops._prepass_forward = stalled
+            cp_autograd._prepass_forward = stalled
         loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone() for n, t in x.items()}
         if scenario == "mismatch_dtype" and rank == victim:
             loc = {n: t.double() for n, t in loc.items()}

@@ -490,7 +490,7 @@ def test_composed_map_is_the_pieces_maps_folded(variant, monkeypatch):
     forward_composed_map's bits. A bad width, a wrong size or a sequence not cut raise naming the argument."""
     _require_cuda_build()
     from deltacp import _core
-    from deltacp.cp.ops import _fold_maps
+    from deltacp.cp.local import _fold_maps
 
     monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "64")
     t, h0, d, desc = _cuda_problem(variant, torch.bfloat16, cu_seqlens=(0, 40, 340))  # 40 tokens; 5 pieces
@@ -542,7 +542,7 @@ def test_compose_state_maps_any_shape(P, HV, K, V):
     memory) against torch's fp64 fold, at width V + K and V, from [0 | I] and from a given state."""
     _require_cuda_build()
     from deltacp import _core
-    from deltacp.cp.ops import _fold_maps
+    from deltacp.cp.local import _fold_maps
 
     gen = torch.Generator().manual_seed(P * 1000 + K)
     H = torch.randn(P, HV, K, V, generator=gen)

@@ -1,5 +1,5 @@
 """The state-only modes of deltacp::Params through the bindings (bindings/src/tensor_desc.cpp), and the
-CP pre-pass that runs on them (deltacp.cp.ops): CPU only.
+CP pre-pass that runs on them (deltacp.cp.local, deltacp.cp.exchange): CPU only.
 
   * a forward without "o" but with "ht" (final-state-only) gives exactly the full run's ht;
   * a backward without any input gradient but with "dh0" (dh0-only) gives exactly the full run's dh0;
@@ -118,11 +118,11 @@ def test_no_gradients_and_no_dh0_names_dq():
 # the CP pre-pass on the state-only modes (CPU: the chunked reference)
 # ---------------------------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
-from deltacp.cp import ops as cp_ops  # noqa: E402
+from deltacp.cp import exchange as cp_exchange, local as cp_local  # noqa: E402
 
 
 def _cfg(variant, H, HV, K, V, device="cpu", fwd="chunked", bwd="chunked", ctx=None):
-    cfg = cp_ops._Cfg()
+    cfg = cp_local._Cfg()
     cfg.variant, cfg.gate_name, cfg.scale, cfg.chunk_size = variant, "gk" if variant == "dplr" else "g", None, 16
     cfg.compute, cfg.state_dtype, cfg.device = "float64", torch.float64, torch.device(device)
     cfg.H, cfg.HV, cfg.K, cfg.V = H, HV, K, V
@@ -146,8 +146,8 @@ def _span_problem(variant, seed, rng_seed, ctx=None):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_augmented_prepass_gives_the_span_maps(variant):
     p, cfg, args, start, dend, do = _span_problem(variant, seed=9, rng_seed=1)
-    fwd = cp_ops._augmented_forward(cfg, *args, start).numpy()
-    bwd = cp_ops._augmented_backward(cfg, *args, do, dend).numpy()
+    fwd = cp_local._augmented_forward(cfg, *args, start).numpy()
+    bwd = cp_local._augmented_backward(cfg, *args, do, dend).numpy()
     # (M, H) and (M^T, dH) of the span from the per-head reference pieces.
     head = {n: p[n][0, :, 0] for n in ("q", "k", "v", "g", "beta", "a", "b") if p.get(n) is not None}
     M, H = ref.span_affine(variant, chunk_size=16, **head)
@@ -164,10 +164,10 @@ def test_prepass_in_pieces_equals_the_whole_span(variant, bounds):
     """cp/ops.py: the pieces' maps composed by _fold_maps (2 to 4 pieces, with and without a short head
     piece) equal the one-piece pre-pass in fp64, forward and backward, with a start state and a dend."""
     _, cfg, args, start, dend, do = _span_problem(variant, seed=11, rng_seed=2)
-    whole_f = cp_ops._augmented_forward(cfg, *args, start).numpy()
-    whole_b = cp_ops._augmented_backward(cfg, *args, do, dend).numpy()
-    piece_f = cp_ops._augmented_forward(cfg, *args, start, bounds=bounds).numpy()
-    piece_b = cp_ops._augmented_backward(cfg, *args, do, dend, bounds=bounds).numpy()
+    whole_f = cp_local._augmented_forward(cfg, *args, start).numpy()
+    whole_b = cp_local._augmented_backward(cfg, *args, do, dend).numpy()
+    piece_f = cp_local._augmented_forward(cfg, *args, start, bounds=bounds).numpy()
+    piece_b = cp_local._augmented_backward(cfg, *args, do, dend, bounds=bounds).numpy()
     np.testing.assert_allclose(piece_f, whole_f, rtol=1e-11, atol=1e-12)
     np.testing.assert_allclose(piece_b, whole_b, rtol=1e-11, atol=1e-12)
 
@@ -188,15 +188,15 @@ def test_backward_prepass_from_the_forward_maps(monkeypatch, variant, segments, 
                           cu_seqlens_global_list=[0, 52, 200], seq_ids=list(range(n_seg)), starts_here=[False] * n_seg,
                           ends_here=[False] * n_seg, maps_read=True)
     _, cfg, args, _, _, do = _span_problem(variant, seed=12, rng_seed=4, ctx=ctx)
-    sent, maps = cp_ops._prepass_forward(cfg, *args, None, want_first_maps=True)
+    sent, maps = cp_exchange._prepass_forward(cfg, *args, None, want_first_maps=True)
     assert maps is not None and maps.M.shape == (len(maps.bounds) - 1, 1, 5, 5)
-    assert cp_ops._prepass_forward(cfg, *args, None)[1] is None
-    old = cp_ops._prepass_backward(cfg, *args, do, None).numpy()
-    new = cp_ops._prepass_backward(cfg, *args, do, None, first_maps=maps).numpy()
+    assert cp_exchange._prepass_forward(cfg, *args, None)[1] is None
+    old = cp_exchange._prepass_backward(cfg, *args, do, None).numpy()
+    new = cp_exchange._prepass_backward(cfg, *args, do, None, first_maps=maps).numpy()
     np.testing.assert_allclose(new, old, rtol=1e-11, atol=1e-12)
     # The backward follows the forward's pieces even when the setting changes in between.
     monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", "32" if piece == "16" else "16")
-    moved = cp_ops._prepass_backward(cfg, *args, do, None, first_maps=maps).numpy()
+    moved = cp_exchange._prepass_backward(cfg, *args, do, None, first_maps=maps).numpy()
     np.testing.assert_allclose(moved, old, rtol=1e-11, atol=1e-12)
 
 
@@ -205,24 +205,24 @@ def test_piece_bounds_follow_the_one_device_chunk_grid(monkeypatch):
     DELTACP_CP_PREPASS_PIECE tokens (default: one on CPUs, quarters of the span on GPUs); a bad setting
     names the variable."""
     cfg = _cfg("gdn", 1, 1, 4, 4)  # chunk 16, CPU: one piece by default
-    assert cp_ops._piece_bounds(cfg, 100, 0) == [0, 100]
-    assert cp_ops._piece_bounds(cfg, 100, 7) == [0, 7, 100]
+    assert cp_local._piece_bounds(cfg, 100, 0) == [0, 100]
+    assert cp_local._piece_bounds(cfg, 100, 7) == [0, 7, 100]
     gpu = _cfg("gdn", 1, 1, 4, 4, device="cuda")  # CUDA default: quarters of the span, >= 2048 tokens
     gpu.chunk_size = 64
-    assert cp_ops._piece_bounds(gpu, 32768, 0) == [0, 8192, 16384, 24576, 32768]
-    assert cp_ops._piece_bounds(gpu, 32768, 20) == [0, 20, 8212, 16404, 24596, 32768]
-    assert cp_ops._piece_bounds(gpu, 5000, 0) == [0, 2048, 4096, 5000]
-    assert cp_ops._piece_bounds(gpu, 1012, 0) == [0, 1012]
+    assert cp_local._piece_bounds(gpu, 32768, 0) == [0, 8192, 16384, 24576, 32768]
+    assert cp_local._piece_bounds(gpu, 32768, 20) == [0, 20, 8212, 16404, 24596, 32768]
+    assert cp_local._piece_bounds(gpu, 5000, 0) == [0, 2048, 4096, 5000]
+    assert cp_local._piece_bounds(gpu, 1012, 0) == [0, 1012]
     monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", "32")
-    assert cp_ops._piece_bounds(cfg, 100, 0) == [0, 32, 64, 96, 100]
-    assert cp_ops._piece_bounds(cfg, 100, 7) == [0, 7, 39, 71, 100]
-    assert cp_ops._piece_bounds(cfg, 32, 0) == [0, 32]
+    assert cp_local._piece_bounds(cfg, 100, 0) == [0, 32, 64, 96, 100]
+    assert cp_local._piece_bounds(cfg, 100, 7) == [0, 7, 39, 71, 100]
+    assert cp_local._piece_bounds(cfg, 32, 0) == [0, 32]
     monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", "20")  # rounded up to whole chunks of 16
-    assert cp_ops._piece_bounds(cfg, 100, 0) == [0, 32, 64, 96, 100]
+    assert cp_local._piece_bounds(cfg, 100, 0) == [0, 32, 64, 96, 100]
     for bad in ("-16", "x"):
         monkeypatch.setenv("DELTACP_CP_PREPASS_PIECE", bad)
         with pytest.raises(ValueError, match="DELTACP_CP_PREPASS_PIECE"):
-            cp_ops._piece_bounds(cfg, 100, 0)
+            cp_local._piece_bounds(cfg, 100, 0)
 
 
 @pytest.mark.parametrize("cu,world,read", [
@@ -267,14 +267,14 @@ def test_until_confirmed_waits_for_the_collective_even_when_its_body_raises(monk
         if what == "stalled":
             raise RuntimeError("collective timed out")
 
-    monkeypatch.setattr(cp_ops, "_confirm", fake_confirm)
-    with cp_ops._until_confirmed(None, "ok"):
+    monkeypatch.setattr(cp_exchange, "_confirm", fake_confirm)
+    with cp_exchange._until_confirmed(None, "ok"):
         pass
     with pytest.raises(RuntimeError, match="timed out"):
-        with cp_ops._until_confirmed(None, "stalled"):
+        with cp_exchange._until_confirmed(None, "stalled"):
             pass
     with pytest.raises(KeyError, match="body"):
-        with cp_ops._until_confirmed(None, "stalled"):
+        with cp_exchange._until_confirmed(None, "stalled"):
             raise KeyError("body")
     assert calls == ["ok", "stalled", "stalled"]
 
@@ -288,13 +288,13 @@ def test_fold_maps_is_the_chain():
         H, M = torch.zeros(2, 3, 4, dtype=X.dtype), torch.eye(3, dtype=X.dtype).expand(2, 3, 3)
         for p in range(P):
             H, M = X[p, :, :, 4:] @ H + X[p, :, :, :4], X[p, :, :, 4:] @ M
-        got = cp_ops._fold_maps(X, 4)
+        got = cp_local._fold_maps(X, 4)
         np.testing.assert_allclose(got[..., :4].numpy(), H.numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(got[..., 4:].numpy(), M.numpy(), rtol=1e-12, atol=1e-12)
         # the offset alone (no merge reads the composed transition), in order and reversed
-        np.testing.assert_allclose(cp_ops._fold_offsets(X[..., :4], X[..., 4:]).numpy(), H.numpy(),
+        np.testing.assert_allclose(cp_local._fold_offsets(X[..., :4], X[..., 4:]).numpy(), H.numpy(),
                                    rtol=1e-12, atol=1e-12)
-        back = cp_ops._fold_offsets(X.flip(0)[..., :4], X.flip(0)[..., 4:], reverse=True)
+        back = cp_local._fold_offsets(X.flip(0)[..., :4], X.flip(0)[..., 4:], reverse=True)
         np.testing.assert_allclose(back.numpy(), H.numpy(), rtol=1e-12, atol=1e-12)
 
 
@@ -313,15 +313,15 @@ def test_cuda_prepass_route(monkeypatch, variant, fwd, K, V, route):
     monkeypatch.delenv("DELTACP_CP_PREPASS", raising=False)
     cfg = _cfg(variant, 2, 2, K, V, device="cuda", fwd=fwd, bwd=fwd, ctx=_FakeCtx())
     q = torch.empty(0, dtype=torch.bfloat16)
-    assert cp_ops._prepass_route(cfg, "forward", q, None) == route
-    assert cp_ops._prepass_route(cfg, "backward", q, None) == route
+    assert cp_local._prepass_route(cfg, "forward", q, None) == route
+    assert cp_local._prepass_route(cfg, "backward", q, None) == route
     monkeypatch.setenv("DELTACP_CP_PREPASS", "loops")
-    assert cp_ops._prepass_route(cfg, "forward", q, None) == "loops"
+    assert cp_local._prepass_route(cfg, "forward", q, None) == "loops"
     monkeypatch.setenv("DELTACP_CP_PREPASS", "chunked")
-    assert cp_ops._prepass_route(cfg, "forward", q, None) == "chunked"
+    assert cp_local._prepass_route(cfg, "forward", q, None) == "chunked"
     monkeypatch.setenv("DELTACP_CP_PREPASS", "fast")
     with pytest.raises(ValueError, match="DELTACP_CP_PREPASS"):
-        cp_ops._prepass_route(cfg, "forward", q, None)
+        cp_local._prepass_route(cfg, "forward", q, None)
 
 
 def test_cuda_prepass_route_without_the_nccl_module_is_chunked():
@@ -329,8 +329,8 @@ def test_cuda_prepass_route_without_the_nccl_module_is_chunked():
         nccl = None
 
     cfg = _cfg("dplr", 2, 2, 64, 64, device="cuda", fwd="naive", bwd="naive", ctx=NoNccl())
-    assert cp_ops._prepass_route(cfg, "forward", torch.empty(0), None) == "chunked"
-    assert cp_ops._prepass_route(_cfg("gdn", 2, 2, 8, 8), "forward", torch.empty(0), None) == "chunked"  # CPU
+    assert cp_local._prepass_route(cfg, "forward", torch.empty(0), None) == "chunked"
+    assert cp_local._prepass_route(_cfg("gdn", 2, 2, 8, 8), "forward", torch.empty(0), None) == "chunked"  # CPU
 
 
 def test_tiled_prepass_that_does_not_fit_falls_back_to_the_loops(monkeypatch):
@@ -347,30 +347,30 @@ def test_tiled_prepass_that_does_not_fit_falls_back_to_the_loops(monkeypatch):
         calls.append("loops")
         return "loops-result"
 
-    cp_ops._TILED_PREPASS_UNFIT.clear()
-    assert cp_ops._prepass_chunked_or_loops(cfg, "forward", too_big, loops, q, None) == "loops-result"
+    cp_local._TILED_PREPASS_UNFIT.clear()
+    assert cp_local._prepass_chunked_or_loops(cfg, "forward", too_big, loops, q, None) == "loops-result"
     assert calls == ["chunked", "loops"]
-    assert cp_ops._prepass_route(cfg, "forward", q, None) == "loops"  # remembered for this shape
-    assert cp_ops._prepass_route(cfg, "backward", q, None) == "chunked"  # per direction
+    assert cp_local._prepass_route(cfg, "forward", q, None) == "loops"  # remembered for this shape
+    assert cp_local._prepass_route(cfg, "backward", q, None) == "chunked"  # per direction
 
     def bad_input():
         raise ValueError("deltacp: argument 'g': expected shape [B, T, HV, K]")
 
     with pytest.raises(ValueError, match="'g'"):  # other errors are never swallowed
-        cp_ops._prepass_chunked_or_loops(cfg, "backward", bad_input, loops, q, None)
-    cp_ops._TILED_PREPASS_UNFIT.clear()
+        cp_local._prepass_chunked_or_loops(cfg, "backward", bad_input, loops, q, None)
+    cp_local._TILED_PREPASS_UNFIT.clear()
 
 
 def test_grid_pad_realigns_the_first_segment_with_the_one_device_chunks():
     """cp/ops.py _grid_pad: tokens up to the one-device chunk boundary, 0 where nothing needs aligning."""
     from types import SimpleNamespace
 
-    from deltacp.cp import ops as cp_ops
+    from deltacp.cp import local as cp_local
 
     def pad(begin, seq_start, seg_len, chunk=64, method="tiled", continues=True):
         ctx = SimpleNamespace(first_continues=continues, cu_seqlens_list=[0, seg_len, seg_len + 7], begin=begin,
                               cu_seqlens_global_list=[0, seq_start, 10 ** 6], seq_ids=[1])
-        return cp_ops._grid_pad(SimpleNamespace(ctx=ctx, fwd_method=method, chunk_size=chunk))
+        return cp_local._grid_pad(SimpleNamespace(ctx=ctx, fwd_method=method, chunk_size=chunk))
 
     assert pad(1012, 0, 1000) == 12  # 1012 + 12 = 1024, the next chunk boundary of the sequence
     assert pad(1012, 100, 1000) == 48  # offset 912 -> 960

@@ -45,7 +45,8 @@ __all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_dpl
 BACKENDS = ("reference", "recurrent", "naive", "tiled", "fused")
 _CPU_METHOD = {"reference": "chunked", "recurrent": "recurrent"}
 _CUDA_TIERS = ("fused", "tiled", "naive")  # fastest first
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# The tensor check, the tensor descriptions and the core call, shared with deltacp.cp (deltacp/_calls.py).
+from ._calls import _FLOAT_DTYPES, _run, _tensor, tensor_descs  # noqa: E402,F401
 
 
 class _Config:
@@ -53,35 +54,6 @@ class _Config:
 
     __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
                  "cu", "cu_host", "device", "gate_name", "state_dtype")
-
-
-def _run(cfg: _Config, direction: str, method: str, descs: dict) -> None:
-    if cfg.device.type == "cuda":
-        with torch.cuda.device(cfg.device):
-            stream = torch.cuda.current_stream(cfg.device).cuda_stream
-            _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
-                      False)
-    else:
-        _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
-
-
-def tensor_descs(gate_name, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
-    """The descriptions _core.run takes for the inputs (the single-device and the CP ops share it)."""
-    d = {"q": torch_desc(q, "q"), "k": torch_desc(k, "k"), "v": torch_desc(v, "v")}
-    if g is not None:
-        d["g"] = torch_desc(g, gate_name)
-    if beta is not None:
-        d["beta"] = torch_desc(beta, "beta")
-    if a is not None:
-        d["a"] = torch_desc(a, "a")
-        d["b"] = torch_desc(b, "b")
-    if h0 is not None:
-        d["h0"] = torch_desc(h0, "initial_state")
-    if cu is not None:
-        d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
-        if cu_host is not None and cu_host is not cu:
-            d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
-    return d
 
 
 def _input_descs(cfg: _Config, q, k, v, g, beta, a, b, h0) -> dict:
@@ -194,26 +166,6 @@ def _check_gate_range(g, lower: float, gate_name: str = "g") -> None:
 # ---------------------------------------------------------------------------------------------
 # argument checks shared by the public ops
 # ---------------------------------------------------------------------------------------------
-def _tensor(t, name, ref=None, optional=False, allow_fp32=False):
-    if t is None:
-        if optional:
-            return None
-        raise ValueError(f"deltacp: argument '{name}': is required")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"deltacp: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
-    if ref is None:
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"deltacp: argument '{name}': expected dtype float64, float32, bfloat16 or float16, "
-                            f"got {t.dtype}")
-        return t
-    if t.device != ref.device:
-        raise ValueError(f"deltacp: argument '{name}': expected device {ref.device} (like q), got {t.device}")
-    if t.dtype != ref.dtype and not (allow_fp32 and t.dtype == torch.float32):
-        alt = " or torch.float32" if allow_fp32 else ""
-        raise TypeError(f"deltacp: argument '{name}': expected dtype {ref.dtype} (like q){alt}, got {t.dtype}")
-    return t
-
-
 def _l2norm(x):
     """x / sqrt(sum(x^2) + 1e-6) along the last dim, in float32 or better (FLA's in-kernel l2norm)."""
     return fla_options.l2norm(x)

@@ -26,7 +26,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .context import CPTimeoutError
+from ..errors import CPTimeoutError
 
 try:
     from .. import _cp_nccl

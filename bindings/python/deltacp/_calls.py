@@ -1,0 +1,67 @@
+"""deltacp._calls — one call of the C++ core from torch tensors: the argument check every torch op
+makes of a tensor, the tensor descriptions ``_core.run`` takes, and the call on the tensors' CUDA stream.
+
+Shared by the single-device ops (deltacp.ops) and the context-parallel ops (deltacp.cp), which both
+import it; it imports neither (the package's imports run one way: tests/python/test_imports.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _core
+from ._describe import torch_desc
+from .errors import DTypeError, InvalidArgumentError
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _run(cfg, direction: str, method: str, descs: dict) -> None:
+    """_core.run for cfg (variant, compute, scale, chunk_size, device: deltacp.ops._Config or
+    deltacp.cp's _Cfg), on the current stream of cfg.device for CUDA tensors."""
+    if cfg.device.type == "cuda":
+        with torch.cuda.device(cfg.device):
+            stream = torch.cuda.current_stream(cfg.device).cuda_stream
+            _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
+                      False)
+    else:
+        _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
+
+
+def tensor_descs(gate_name, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
+    """The descriptions _core.run takes for the inputs (the single-device and the CP ops share it)."""
+    d = {"q": torch_desc(q, "q"), "k": torch_desc(k, "k"), "v": torch_desc(v, "v")}
+    if g is not None:
+        d["g"] = torch_desc(g, gate_name)
+    if beta is not None:
+        d["beta"] = torch_desc(beta, "beta")
+    if a is not None:
+        d["a"] = torch_desc(a, "a")
+        d["b"] = torch_desc(b, "b")
+    if h0 is not None:
+        d["h0"] = torch_desc(h0, "initial_state")
+    if cu is not None:
+        d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
+        if cu_host is not None and cu_host is not cu:
+            d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
+    return d
+
+
+def _tensor(t, name, ref=None, optional=False, allow_fp32=False):
+    if t is None:
+        if optional:
+            return None
+        raise InvalidArgumentError(f"deltacp: argument '{name}': is required")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"deltacp: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if ref is None:
+        if t.dtype not in _FLOAT_DTYPES:
+            raise DTypeError(f"deltacp: argument '{name}': expected dtype float64, float32, bfloat16 or float16, "
+                             f"got {t.dtype}")
+        return t
+    if t.device != ref.device:
+        raise InvalidArgumentError(f"deltacp: argument '{name}': expected device {ref.device} (like q), got {t.device}")
+    if t.dtype != ref.dtype and not (allow_fp32 and t.dtype == torch.float32):
+        alt = " or torch.float32" if allow_fp32 else ""
+        raise DTypeError(f"deltacp: argument '{name}': expected dtype {ref.dtype} (like q){alt}, got {t.dtype}")
+    return t
