@@ -169,7 +169,7 @@ print("every gradient of the 4-rank backward matches one process (dq, dk, dv, dg
 # buffer. The backward is the transpose: run the backward with upstream $[\mathrm{d}o \mid 0]$ and
 # $\mathrm{d}h_t = [0 \mid I]$; its $\mathrm{d}h_0$ is $[\mathrm{d}H \mid M^\top]$.
 #
-# `deltacp.cp` does exactly this on every backend (`bindings/python/deltacp/cp/ops.py`,
+# `deltacp.cp` does exactly this on every backend (`bindings/python/deltacp/cp/local.py`,
 # `_augmented_forward` / `_augmented_backward`), through two modes of the shared parameter struct
 # (`reference/include/deltacp/params.h`): a *final-state-only* forward (no output buffer, only
 # $h_t$) and a *dh0-only* backward (no input gradients, only $\mathrm{d}h_0$). On GPUs that is the
@@ -205,9 +205,9 @@ assert rel_err(g_aug["dh0"][:, V:], M.T) < 1e-13  # the backward map is the tran
 # (whole chunks), each piece run from $[0 \mid I]$ **at the same time** (one varlen call: the pieces
 # are just more sequences), and the pieces' $[H_p \mid M_p]$ composed afterwards in fp32,
 # $(M_b, H_b)\circ(M_a, H_a) = (M_b M_a,\ M_b H_a + H_b)$. That is what `deltacp.cp` does
-# (`_piece_bounds`, `_fold_maps` in `bindings/python/deltacp/cp/ops.py`; default on GPUs: quarters of
+# (`_piece_bounds`, `_fold_maps` in `bindings/python/deltacp/cp/local.py`; default on GPUs: quarters of
 # the slice). On 2 H200s it took the pre-pass from 1.85 to 1.60 ms, against a local forward of 2.0 ms
-# (docs/context-parallel.md): still far from the 10% goal, because every piece still runs the whole
+# (2 x H200, 2026-11-22): still far from the 10% goal, because every piece still runs the whole
 # WY and scan machinery over $V + K$ columns. The backward keeps the forward's per-piece $M_p$ and
 # computes only $\mathrm{d}H_p$ over the $V$ real columns. Below, three pieces of span $r$ against the
 # single augmented run.

@@ -184,7 +184,7 @@ def main():
                                                            do_pre, None)
     errors = {}
     if use_kernels:
-        # The pre-pass in pieces of P tokens run side by side and composed in fp32 (cp/ops.py
+        # The pre-pass in pieces of P tokens run side by side and composed in fp32 (cp/local.py
         # _piece_bounds); 0 = the whole span as one sequential scan. Both directions, each piece length.
         whole = {}
         for piece in args.pieces:
@@ -196,14 +196,14 @@ def main():
                 errors[f"prepass_{name}_piece{piece}"] = float((got - whole[name]).norm() /
                                                                 whole[name].norm().clamp_min(1e-30))
                 results[f"prepass_{name}_piece{piece}"] = time_it(fn, args.repeat, args.warmup)
-        # The CP steps below use the library's default piece length (cp/ops.py _piece_bounds).
+        # The CP steps below use the library's default piece length (cp/local.py _piece_bounds).
         os.environ.pop("DELTACP_CP_PREPASS_PIECE", None)
         piece_default = cp_local._piece_tokens(cfg, T_rank)
         results["prepass"] = time_it(prepass, args.repeat, args.warmup)
         first_maps[0] = prepass()[1]
         results["prepass_bwd"] = time_it(prepass_bwd, args.repeat, args.warmup)
         # The pre-pass as the staged CP forward runs it: the local forward prepared (cumulative gates and WY,
-        # which the local forward then does not repeat), the pieces from its stages (cp/ops.py).
+        # which the local forward then does not repeat), the pieces from its stages (cp/local.py).
         if cp_local._staged_available(cfg, "forward", q, g):
             from deltacp import _core
             from deltacp._describe import torch_desc as _td

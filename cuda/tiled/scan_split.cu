@@ -5,7 +5,7 @@
 // one CTA per (sequence, value head, column tile). A chunk step takes about 2 us whichever kernel runs it
 // (Nsight Compute: latency-bound, one warp per scheduler), so one 32K-token sequence with 16 heads is 512
 // steps on 16-64 CTAs of an H200's 132 SMs: 1.05 ms, half of the whole forward. The CP pre-pass
-// (docs/context-parallel.md) already cuts a span into pieces whose affine maps are computed side by side.
+// (docs/design.md section 4.2) already cuts a span into pieces whose affine maps are computed side by side.
 // The same algebra inside one GPU, for a sequence cut into pieces j = 0 .. P-1 of whole chunks:
 //
 //   pass 1  pieces 0 .. P-2, each from [0 | I], final state only, a state V + K columns wide whose last K
@@ -40,7 +40,7 @@
 //
 // The forward runs pass 1 in its prepare stage over every piece of every cut sequence, the last ones too
 // (pass1_pieces): a CP rank's pre-pass is then these maps composed where they lie, one launch of
-// compose_maps_kernel (deltacp/cuda/api.h forward_composed_map; bindings/python/deltacp/cp/ops.py
+// compose_maps_kernel (deltacp/cuda/api.h forward_composed_map; bindings/python/deltacp/cp/exchange.py
 // _composed_local_maps), and prepare also builds pass 2's tables (PieceTables), so finish only launches.
 #include <cuda_runtime.h>
 

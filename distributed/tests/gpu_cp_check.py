@@ -95,7 +95,7 @@ def call(variant, x, chunk, states, cp_context=None, cu=None):
     return fns[variant](x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
 
 
-class _Cfg:  # the fields of deltacp.cp.ops._Cfg the pre-pass reads
+class _Cfg:  # the fields of deltacp.cp.local._Cfg the pre-pass reads
     pass
 
 

@@ -161,7 +161,7 @@ def test_augmented_prepass_gives_the_span_maps(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("bounds", [[0, 16, 45], [0, 5, 21, 37, 45], [0, 3, 19, 35, 45]])
 def test_prepass_in_pieces_equals_the_whole_span(variant, bounds):
-    """cp/ops.py: the pieces' maps composed by _fold_maps (2 to 4 pieces, with and without a short head
+    """cp/local.py: the pieces' maps composed by _fold_maps (2 to 4 pieces, with and without a short head
     piece) equal the one-piece pre-pass in fp64, forward and backward, with a start state and a dend."""
     _, cfg, args, start, dend, do = _span_problem(variant, seed=11, rng_seed=2)
     whole_f = cp_local._augmented_forward(cfg, *args, start).numpy()
@@ -176,7 +176,7 @@ def test_prepass_in_pieces_equals_the_whole_span(variant, bounds):
 @pytest.mark.parametrize("segments", [[0, 45], [0, 20, 45]])
 @pytest.mark.parametrize("piece", ["0", "16"])
 def test_backward_prepass_from_the_forward_maps(monkeypatch, variant, segments, piece):
-    """cp/ops.py: the backward pre-pass from the forward's per-piece transitions (dH over the V columns
+    """cp/exchange.py: the backward pre-pass from the forward's per-piece transitions (dH over the V columns
     only, composed with M_p^T) equals the widened [v | 0] run, in fp64: one local segment continuing on
     both sides (the maps come from the [H | M] pieces) and two segments (from _transitions), with a
     head piece (the rank starts 7 tokens into its sequence) and in pieces of 16 tokens or one."""
@@ -201,7 +201,7 @@ def test_backward_prepass_from_the_forward_maps(monkeypatch, variant, segments, 
 
 
 def test_piece_bounds_follow_the_one_device_chunk_grid(monkeypatch):
-    """cp/ops.py _piece_bounds: a head piece up to the first one-device boundary, then whole pieces of
+    """cp/local.py _piece_bounds: a head piece up to the first one-device boundary, then whole pieces of
     DELTACP_CP_PREPASS_PIECE tokens (default: one on CPUs, quarters of the span on GPUs); a bad setting
     names the variable."""
     cfg = _cfg("gdn", 1, 1, 4, 4)  # chunk 16, CPU: one piece by default
@@ -246,7 +246,7 @@ def test_transitions_read_only_inside_a_sequence(cu, world, read):
     H = [rng.standard_normal((K, V)) for _ in range(world)]
     M = [rng.standard_normal((K, K)) for _ in range(world)]
     for r, plan in enumerate(plans):
-        js = range(r - plan["pre_ranks"], r)  # the ranks the merge of rank r folds (cp/ops.py _merge_forward)
+        js = range(r - plan["pre_ranks"], r)  # the ranks the merge of rank r folds (cp/exchange.py _merge_forward)
         S = np.zeros((K, V))
         S_garbage = np.zeros((K, V))
         for i, j in enumerate(js):
@@ -258,7 +258,7 @@ def test_transitions_read_only_inside_a_sequence(cu, world, read):
 
 
 def test_until_confirmed_waits_for_the_collective_even_when_its_body_raises(monkeypatch):
-    """cp/ops.py _until_confirmed: the collective of an all-gather(wait=False) is confirmed on a normal exit
+    """cp/exchange.py _until_confirmed: the collective of an all-gather(wait=False) is confirmed on a normal exit
     (its error propagates) and also when the body raises (the body's error propagates, not the collective's)."""
     calls = []
 
@@ -362,7 +362,7 @@ def test_tiled_prepass_that_does_not_fit_falls_back_to_the_loops(monkeypatch):
 
 
 def test_grid_pad_realigns_the_first_segment_with_the_one_device_chunks():
-    """cp/ops.py _grid_pad: tokens up to the one-device chunk boundary, 0 where nothing needs aligning."""
+    """cp/local.py _grid_pad: tokens up to the one-device chunk boundary, 0 where nothing needs aligning."""
     from types import SimpleNamespace
 
     from deltacp.cp import local as cp_local
