@@ -175,7 +175,7 @@ print("every gradient of the 4-rank backward matches one process (dq, dk, dv, dg
 # $h_t$) and a *dh0-only* backward (no input gradients, only $\mathrm{d}h_0$). On GPUs that is the
 # tiled tier's tensor-core scan: 2.9 ms on an H200 for 32768 tokens of 16 heads with
 # $K = V = 128$ as one sequential run, where hand-written fp32 loops took 51.8 ms
-# (docs/context-parallel.md). Below, the augmented runs against the span maps computed from the chunks.
+# (2 x H200, 2026-11-22). Below, the augmented runs against the span maps computed from the chunks.
 
 # %%
 r = 1
@@ -230,7 +230,7 @@ assert rel_err(folded, HM) < 1e-13
 # $W$, $U$), and the pre-pass runs only the state scan over the pieces, on a state of $V + K$ columns
 # whose first $V$ columns read $U$ and whose last $K$ see zero values (`StagedForward` in
 # `cuda/include/deltacp/cuda/api.h`). The local forward then skips its own WY stage: the CP step's
-# forward went from 4.51 to 2.86 ms against 2.08 ms on one GPU (docs/context-parallel.md).
+# forward went from 4.51 to 2.86 ms against 2.08 ms on one GPU (2 x H200, 2026-11-22).
 #
 # On Hopper that scan of the pieces runs on `wgmma` (`cuda/tiled/scan_wgmma.cuh`). It keeps the state
 # transposed, $S^\top$, in registers, so that both products of a chunk step,
@@ -514,7 +514,7 @@ for err in tree_err.values():
 #   state forgets quickly, about $10^{-2}$ when it remembers long. Re-rounding at each of the ten
 #   levels adds little to the first rounding of the maps.
 # - **What that means for a tensor-core tree pre-pass.** bf16 products are not good enough: they
-#   would be worse than the tiled scan's own state error, about $2\times10^{-3}$ (docs/perf.md).
+#   would be worse than the tiled scan's own state error, about $2\times10^{-3}$ (bf16 accuracy table, docs/perf.md).
 #   The compositions need tf32, or bf16 split into two halves (three products). The per-chunk maps
 #   can come from the same 16-bit WY factors the local kernel uses.
 # - **Cost.** About 1 GFLOP per head here, in 10 dependent rounds instead of 1024 sequential steps.

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 bench/cp/bench_allgather.py [--sizes-mib 0.25,1,2,4,16] [--json F]
 
 The CP exchange moves world x [HV, K, V + K] fp32 (4 MiB at H = 16, K = V = 128 over 2 ranks) or
-world x [HV, K, V] when no rank's transition is read (docs/context-parallel.md). This measures the
+world x [HV, K, V] when no rank's transition is read (docs/design.md section 4.1). This measures the
 same sizes through torch.distributed's NCCL group and, when built, deltacp's own communicator
 (deltacp._cp_nccl, the one the CP ops use): its all-gathers on the blocking communicator split off for
 them (the default) and on the non-blocking one (DELTACP_CP_BLOCKING_GATHER=0), whose every collective

@@ -39,7 +39,7 @@
 // What changed from the previous tier: first tier (mirrors the reference's recurrent_backward,
 // which keeps every state on the host; here only checkpoints and one interval of states).
 // Measured (NVIDIA H200, 2026-11-22, bf16, forward+backward at (4,2048,16,128)): GDN 30.6 ms,
-// KDA 45.8 ms (docs/perf.md).
+// KDA 45.8 ms.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -54,7 +54,7 @@
 // diagonal blocks are summed element by element (fp32 inputs: B4 wholly element by element).
 //
 // Measured (NVIDIA H200, 2026-11-22, bf16 GDN (2,16384,16,128), torch.profiler): forward+backward
-// 17.9 ms of kernels (FLA 4.08 ms; docs/perf.md): bwd_dqkg 6.3 ms, bwd_decay 3.5, bwd_wy 3.0, the
+// 17.9 ms of kernels (FLA 4.08 ms): bwd_dqkg 6.3 ms, bwd_decay 3.5, bwd_wy 3.0, the
 // forward's two scans 1.0, bwd_dh_scan 0.94 (was 12.0 ms, ~47 us per chunk step, before it kept dS
 // in registers and double-buffered its tiles: bwd_dh_scan.cuh), chunk_wy 0.9, bwd_dv_local 0.9,
 // reduce 0.6. The per-chunk stages now accumulate in registers and load their tiles by cp.async

@@ -61,8 +61,8 @@
 // fp32 inputs need about twice the shared memory (the scan then runs one load stage); fp32 with
 // K or V = 256 does not fit an sm_80 (an Error names K). bf16/fp16 fit up to K = V = 256.
 //
-// Measured (NVIDIA H200, 2026-11-22, bf16 GDN, median of do_bench, FLA 0.5.2 in the same run;
-// docs/perf.md): (B,T,H,D) = (4,2048,16,128) 0.387 ms (FLA 0.436), (1,8192,96,128) 1.941 ms (FLA
+// Measured (NVIDIA H200, 2026-11-22, bf16 GDN, median of do_bench, FLA 0.5.2 in the same
+// run): (B,T,H,D) = (4,2048,16,128) 0.387 ms (FLA 0.436), (1,8192,96,128) 1.941 ms (FLA
 // 1.405), (2,16384,16,128) 1.410 ms (FLA 1.040), (4,4096,64,128) 2.369 ms (FLA 1.712); KDA
 // (4,2048,16,128) 1.595 ms (FLA 1.305, before the scan rework). Per kernel at (2,16384,16,128):
 // scan 0.50 ms (was 1.05: see stage 3 below for why), wy 0.44, output 0.38. Nsight Compute puts

@@ -19,7 +19,7 @@
 // communicator alive after a CUDA error in the wait (so the destructor later ran
 // ncclCommFinalize/Destroy, a graceful teardown, on a broken communicator, possibly from the
 // garbage collector), and let abort() race with a wait in another thread (the GIL is released while
-// waiting). docs/context-parallel.md (the GPU fault tests) has the diagnosis.
+// waiting). The GPU fault tests (distributed/tests/gpu_cp_check.py) reproduce both.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <nccl.h>

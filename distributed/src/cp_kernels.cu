@@ -7,7 +7,7 @@
 //
 // Measured (2 x NVIDIA H200, 2026-11-22, bf16 GDN, H = 16, K = V = 128, 32768 tokens per rank):
 // pre-pass 51.8 ms against a 7.4 ms local forward: these plain fp32 loops are the CP bottleneck
-// (docs/context-parallel.md). Correct: within 2.2e-7 of the reference on GPUs
+// (their time measured by bench/cp/bench_cp.py). Correct: within 2.2e-7 of the reference on GPUs
 // (distributed/tests/run_gpu_cp.sh) and checked on the host by cp_body_host_test.
 #include <cuda_runtime.h>
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from ..errors import CPTimeoutError
+from ..errors import CPTimeoutError, DTypeError, InvalidArgumentError
 
 __all__ = ["CPContext", "build_context", "DEFAULT_TIMEOUT_S", "CPTimeoutError", "agree", "wait_collective"]
 
@@ -183,7 +183,7 @@ def agree_finish(pending: _PendingAgreement) -> None:
     names, n = pending.names, len(pending.names)
     bad = [names[i] for i in range(n) if int(both[i]) != -int(both[n + i])]
     if bad:
-        raise ValueError(f"deltacp: argument '{bad[0]}': expected the same {bad[0]} on every rank of the CP group "
+        raise InvalidArgumentError(f"deltacp: argument '{bad[0]}': expected the same {bad[0]} on every rank of the CP group "
                          f"before {pending.what}, but the ranks disagree (fingerprints differ for: {', '.join(bad)})")
 
 
@@ -193,10 +193,10 @@ def agree_finish(pending: _PendingAgreement) -> None:
 def _cu_list(cu_seqlens) -> List[int]:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"deltacp: argument 'cu_seqlens': expected an int64 (or int32) tensor, got "
+            raise DTypeError(f"deltacp: argument 'cu_seqlens': expected an int64 (or int32) tensor, got "
                             f"{cu_seqlens.dtype}")
         if cu_seqlens.dim() != 1:
-            raise ValueError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
+            raise InvalidArgumentError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
                              f"{list(cu_seqlens.shape)}")
         return [int(x) for x in cu_seqlens.cpu().tolist()]
     if isinstance(cu_seqlens, (str, bytes)) or not isinstance(cu_seqlens, Sequence):
@@ -237,11 +237,11 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
     backend = str(dist.get_backend(group))
     timeout = DEFAULT_TIMEOUT_S if timeout is None else float(timeout)
     if not timeout > 0:
-        raise ValueError(f"deltacp: argument 'timeout': expected a positive number of seconds, got {timeout}")
+        raise InvalidArgumentError(f"deltacp: argument 'timeout': expected a positive number of seconds, got {timeout}")
     cu = _cu_list(cu_seqlens)
     if conv1d_kernel_size is not None and (isinstance(conv1d_kernel_size, bool) or not isinstance(conv1d_kernel_size, int)
                                            or conv1d_kernel_size < 1):
-        raise ValueError(f"deltacp: argument 'conv1d_kernel_size': expected an int >= 1 (the convolution width), got "
+        raise InvalidArgumentError(f"deltacp: argument 'conv1d_kernel_size': expected an int >= 1 (the convolution width), got "
                          f"{conv1d_kernel_size!r}")
     if device is None:
         if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":

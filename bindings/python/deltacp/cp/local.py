@@ -19,6 +19,7 @@ import torch
 from .. import _core
 from .._calls import _run, tensor_descs
 from .._describe import torch_desc
+from ..errors import InvalidArgumentError
 from .context import CPContext
 
 
@@ -240,7 +241,7 @@ def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
     forward stages only where the pre-pass takes the tiled route (q, g: its inputs)."""
     flag = os.environ.get("DELTACP_CP_STAGED", "1").strip()
     if flag not in ("0", "1"):
-        raise ValueError(f"deltacp: environment variable 'DELTACP_CP_STAGED': expected 0 or 1, got {flag!r}")
+        raise InvalidArgumentError(f"deltacp: environment variable 'DELTACP_CP_STAGED': expected 0 or 1, got {flag!r}")
     if not (flag == "1" and cfg.device.type == "cuda" and _core.built_with_cuda()):
         return False
     if direction == "backward":
@@ -367,7 +368,7 @@ def _piece_bounds(cfg: _Cfg, n: int, aligned_from: int):
     is DELTACP_CP_PREPASS_PIECE tokens (rounded up to whole chunks; 0: one piece) or, by default on CUDA,
     a quarter of the span but at least _MIN_PIECE_TOKENS; on CPUs the span stays whole (no parallel gain).
 
-    Why a quarter: on 2x H200 (bf16 GDN, H = 16, K = V = 128, a 32768-token span; docs/context-parallel.md)
+    Why a quarter: on 2x H200 (bf16 GDN, H = 16, K = V = 128, a 32768-token span; 2026-11-22)
     the forward pre-pass took 1.85 / 1.97 / 1.79 / 1.68 / 1.59 ms in one piece / pieces of 1024 / 2048 /
     4096 / 8192 tokens, the backward 3.03 / 2.59 / 2.40 / 2.29 / 2.21 ms: more pieces fill the GPU, but
     each costs a state load and store of K x (V + K) fp32 per head and a composition."""
@@ -398,7 +399,7 @@ def _piece_tokens(cfg: _Cfg, n: int) -> int:
     except ValueError:
         piece = -1
     if piece < 0:
-        raise ValueError(f"deltacp: environment variable 'DELTACP_CP_PREPASS_PIECE': expected 0 (one piece) or "
+        raise InvalidArgumentError(f"deltacp: environment variable 'DELTACP_CP_PREPASS_PIECE': expected 0 (one piece) or "
                          f"a positive number of tokens per pre-pass piece, got {text!r}")
     return _round_up(piece, cfg.chunk_size)  # whole chunks
 
@@ -476,7 +477,7 @@ def _use_nccl_kernels(cfg: _Cfg) -> bool:
 def _prepass_mode() -> str:
     mode = os.environ.get("DELTACP_CP_PREPASS", "auto").strip().lower() or "auto"
     if mode not in _PREPASS_MODES:
-        raise ValueError(f"deltacp: environment variable 'DELTACP_CP_PREPASS': expected one of {_PREPASS_MODES}, "
+        raise InvalidArgumentError(f"deltacp: environment variable 'DELTACP_CP_PREPASS': expected one of {_PREPASS_MODES}, "
                          f"got {mode!r}")
     return mode
 

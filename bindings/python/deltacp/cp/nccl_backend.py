@@ -26,7 +26,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from ..errors import CPTimeoutError
+from ..errors import CPTimeoutError, InvalidArgumentError
 
 try:
     from .. import _cp_nccl
@@ -97,7 +97,7 @@ def create_communicator(group, rank: int, world: int, device: torch.device, time
     dist.all_gather_object(entries, me, group=group)
     bad = [(r, e["mode"]) for r, e in enumerate(entries) if e["mode"] not in _GATHER_MODES]
     if bad:  # the same error on every rank, after the exchange
-        raise ValueError("deltacp: environment variable 'DELTACP_CP_BLOCKING_GATHER': expected auto, 0 or 1 on "
+        raise InvalidArgumentError("deltacp: environment variable 'DELTACP_CP_BLOCKING_GATHER': expected auto, 0 or 1 on "
                          "every rank, got " + ", ".join(f"{m!r} on rank {r}" for r, m in bad))
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
@@ -112,14 +112,14 @@ def _views(**tensors) -> dict:
         if t is None:
             continue
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"deltacp: argument '{name}': the last dimension must be contiguous")
+            raise InvalidArgumentError(f"deltacp: argument '{name}': the last dimension must be contiguous")
         out[name] = (int(t.data_ptr()), int(t.stride(1)), int(t.stride(2)))
     return out
 
 
 def _prepass(direction, cfg, q, k, v, g, beta, a, b, do, init):
     if cfg.state_dtype != torch.float32:
-        raise ValueError(f"deltacp: argument 'q': the CUDA CP path keeps fp32 states; got {q.dtype} inputs "
+        raise InvalidArgumentError(f"deltacp: argument 'q': the CUDA CP path keeps fp32 states; got {q.dtype} inputs "
                          f"(use float32, bfloat16 or float16 on GPUs)")
     out = torch.empty((cfg.HV, cfg.K, cfg.V + cfg.K), dtype=torch.float32, device=q.device)
     if init is not None:

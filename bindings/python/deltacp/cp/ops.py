@@ -84,6 +84,7 @@ import torch
 
 from .. import _core
 from .._calls import _tensor
+from ..errors import InvalidArgumentError
 from ..fla_options import l2norm as _l2norm
 from .context import CPContext, agree, agree_start
 from .autograd import _CPFunction
@@ -102,23 +103,23 @@ _CUDA_TIERS = ("fused", "tiled", "naive")
 def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
     if device.type == "cpu":
         if backend not in (None, "reference"):
-            raise ValueError(f"deltacp: argument 'backend': context parallelism on CPU tensors runs the chunked "
+            raise InvalidArgumentError(f"deltacp: argument 'backend': context parallelism on CPU tensors runs the chunked "
                              f"reference; expected None or 'reference', got {backend!r}")
         return "chunked", "chunked"
     if device.type != "cuda":
-        raise ValueError(f"deltacp: argument 'q': expected a CPU or CUDA tensor, got device {device}")
+        raise InvalidArgumentError(f"deltacp: argument 'q': expected a CPU or CUDA tensor, got device {device}")
     if not _core.built_with_cuda():
-        raise ValueError("deltacp: argument 'q': got CUDA tensors, but this deltacp was built without the CUDA tiers")
+        raise InvalidArgumentError("deltacp: argument 'q': got CUDA tensors, but this deltacp was built without the CUDA tiers")
     tiers = _CUDA_TIERS if backend is None else (backend,)
     if backend is not None and backend not in _CUDA_TIERS:
-        raise ValueError(f"deltacp: argument 'backend': expected None or one of {_CUDA_TIERS} for CUDA tensors, "
+        raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {_CUDA_TIERS} for CUDA tensors, "
                          f"got {backend!r}")
     fwd = next((t for t in tiers if _core.cuda_supports(variant, t, False)), None)
     bwd = next((t for t in tiers if _core.cuda_supports(variant, t, True)), None)
     if fwd is None:
-        raise ValueError(f"deltacp: argument 'backend': no CUDA tier among {tiers} implements variant '{variant}'")
+        raise InvalidArgumentError(f"deltacp: argument 'backend': no CUDA tier among {tiers} implements variant '{variant}'")
     if needs_grad and bwd is None:
-        raise ValueError(f"deltacp: argument 'backend': no CUDA tier among {tiers} implements the backward of "
+        raise InvalidArgumentError(f"deltacp: argument 'backend': no CUDA tier among {tiers} implements the backward of "
                          f"variant '{variant}'")
     return fwd, bwd or fwd
 
@@ -132,7 +133,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
         raise TypeError(f"deltacp: argument 'cp_context': expected a deltacp.cp.CPContext (from "
                         f"deltacp.cp.build_context), got {type(ctx).__name__}")
     if cu_seqlens is not None:
-        raise ValueError("deltacp: argument 'cu_seqlens': do not pass cu_seqlens with cp_context; the rank-local "
+        raise InvalidArgumentError("deltacp: argument 'cu_seqlens': do not pass cu_seqlens with cp_context; the rank-local "
                          "offsets come from the context (build_context takes the global ones)")
     q = _tensor(q, "q")
     k = _tensor(k, "k", q)
@@ -145,7 +146,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
     if scale is not None and not math.isfinite(float(scale)):
-        raise ValueError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
+        raise InvalidArgumentError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
 
@@ -193,9 +194,9 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
         except ValueError as exc:
             name = str(exc).split("'")[1]
             if name in local_errors:
-                raise ValueError(local_errors[name]) from exc
+                raise InvalidArgumentError(local_errors[name]) from exc
             raise
-        raise ValueError(next(iter(local_errors.values())))
+        raise InvalidArgumentError(next(iter(local_errors.values())))
     # Started here, finished before the first exchange (_finish_check): the check overlaps the pre-pass.
     pending_check = agree_start(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {variant} forward", ctx=ctx)
 
