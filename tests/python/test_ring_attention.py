@@ -221,6 +221,17 @@ def test_bad_lengths_rejected():
         cp.ring_attention(q[:, :2], q[:, :2].double(), q[:, :2])
 
 
+def test_step_kind_from_the_environment(monkeypatch):
+    import deltacp.cp as cp
+
+    q = torch.zeros(1, 4, 2, 8)
+    monkeypatch.setenv("DELTACP_RING_KERNEL", "fast")
+    with pytest.raises(ValueError, match="DELTACP_RING_KERNEL.*auto, deltacp, flash, torch"):
+        cp.ring_attention(q, q, q)
+    monkeypatch.setenv("DELTACP_RING_KERNEL", "flash")  # CPU tensors: the torch block compute regardless
+    assert torch.equal(cp.ring_attention(q, q, q), torch.zeros(1, 4, 2, 8))
+
+
 def test_single_rank_matches_sdpa():
     """World 1 without torch.distributed: the ring is plain attention (against torch's own SDPA)."""
     import torch.nn.functional as F

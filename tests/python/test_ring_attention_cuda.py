@@ -5,8 +5,9 @@ GPUs. Skipped without a CUDA device or without the CUDA build.
     positions merged into the fp32 accumulators give o and lse of attention over both blocks; the
     backward with the final (lse, delta) summed over the blocks gives dq, dk, dv (bf16 and fp16, head
     dims 64 and 128, grouped K/V, causal and not): relative error <= 1e-4;
-  * deltacp.cp.ring_attention on one GPU (kernel path) equals plain attention (bf16 1e-2) and the torch
-    block path (DELTACP_RING_KERNEL=torch);
+  * deltacp.cp.ring_attention on one GPU equals plain attention (bf16 1e-2) with the ring-step kernels
+    (the default), with torch's flash kernels per block pair (DELTACP_RING_KERNEL=flash) and with the
+    torch block path (DELTACP_RING_KERNEL=torch);
   * with 2+ GPUs: torchrun ring_attention_cp over NCCL, checked against one process by the example;
   * bad input to the step names the argument.
 
@@ -110,14 +111,17 @@ def test_ring_attention_one_gpu(D, monkeypatch):
         o.backward(do.to(DEV))
         return [o] + [t.grad for t in x]
 
-    kernel = run()
+    kernel = run()  # the default on CUDA bf16: deltacp's ring-step kernels
+    monkeypatch.setenv("DELTACP_RING_KERNEL", "flash")
+    flash = run()
     monkeypatch.setenv("DELTACP_RING_KERNEL", "torch")
     torch_path = run()
     full = [t.double().requires_grad_() for t in (q, k, v)]
     o_ref = cp.attention_reference(*full, causal=True)
     (o_ref * do.double()).sum().backward()
-    for got, alt, want in zip(kernel, torch_path, [o_ref] + [t.grad for t in full]):
+    for got, fl, alt, want in zip(kernel, flash, torch_path, [o_ref] + [t.grad for t in full]):
         assert _rel(got.cpu(), want) < 1e-2
+        assert _rel(fl.cpu(), want) < 1e-2
         assert _rel(got.cpu(), alt.cpu()) < 1e-2
 
 
@@ -126,9 +130,11 @@ def test_ring_attention_nccl_two_gpus():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "deltacp.examples.ring_attention_cp", "--device", "cuda", "--dtype", "bfloat16", "--seqlen", "2048",
            "--heads", "8", "--kv-heads", "2", "--head-dim", "128"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "NCCL" in res.stdout
+    for kernel in ("deltacp", "flash"):
+        res = subprocess.run(cmd + ["--kernel", kernel], capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "NCCL" in res.stdout
 
 
 def test_step_bad_input_names_the_argument():

@@ -36,8 +36,10 @@ On CPU tensors the group is gloo and the block compute runs in torch (fp32 accum
 fp64). CUDA tensors exchange over NCCL (torch.distributed's send/recv); bf16 / fp16 with head dim 64
 or 128 run each step in deltacp's CUDA ring-step kernels (cuda/attention/ring_step.cu: the causal
 mask from global positions, the merge into fp32 accumulators, the backward's dQ and per-block dK/dV)
-when the module was built with CUDA; other CUDA inputs, or DELTACP_RING_KERNEL=torch, take the torch
-block compute.
+when the module was built with CUDA; other CUDA inputs take the torch block compute.
+DELTACP_RING_KERNEL=flash runs each block pair through torch's flash-attention kernels instead (the
+tensor-core path: a diagonal pair with flash's causal mask, its lse merged in fp32; the backward with
+the final o and lse, as ring-flash-attention does), =torch forces the torch block compute.
 """
 
 from __future__ import annotations
@@ -297,20 +299,78 @@ def _reduce_groups(dx, groups):
     return dx.view(B, H // groups, groups, T, D).sum(dim=2)
 
 
-def _cuda_step(q, v):
-    """deltacp._core's CUDA ring step applies: CUDA bf16/fp16 tensors, head dim 64 or 128 for q, k and
-    v, and DELTACP_RING_KERNEL is not 'torch' (that forces the torch block compute)."""
-    if not q.is_cuda or os.environ.get("DELTACP_RING_KERNEL", "auto") == "torch":
-        return False
+_STEP_KINDS = ("auto", "deltacp", "flash", "torch")
+
+
+def _step_kind(q, v, causal, block):
+    """How each ring step computes: 'deltacp' (deltacp._core's CUDA ring step), 'flash' (torch's flash
+    attention kernels per block pair) or 'torch' (the torch block compute). DELTACP_RING_KERNEL picks:
+    auto (default: deltacp for CUDA bf16/fp16 with head dim 64 or 128 when built, else torch), deltacp,
+    flash or torch. flash takes causal blocks only as whole zig-zag blocks (a rank holding at most 4)."""
+    want = os.environ.get("DELTACP_RING_KERNEL", "auto")
+    if want not in _STEP_KINDS:
+        raise ValueError(f"deltacp: DELTACP_RING_KERNEL: expected one of {', '.join(_STEP_KINDS)}, got {want!r}")
+    if not q.is_cuda or want == "torch":
+        return "torch"
+    half = q.dtype in (torch.bfloat16, torch.float16) and v.shape[-1] == q.shape[-1]
+    if want == "flash":
+        if not (half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256):
+            raise ValueError(f"deltacp: argument 'q': DELTACP_RING_KERNEL=flash needs bf16/fp16 q, k, v of one head "
+                             f"dim (a multiple of 8, at most 256), got {q.dtype}, {q.shape[-1]} and {v.shape[-1]}")
+        if causal and q.shape[1] // block > 4:
+            raise ValueError(f"deltacp: argument 'block': DELTACP_RING_KERNEL=flash masks whole zig-zag blocks only "
+                             f"(at most 4 per rank), got {q.shape[1] // block} blocks of {block} tokens per rank")
+        return "flash"
     from .. import _core
 
-    return (hasattr(_core, "attention_ring_step_forward") and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] in (64, 128) and v.shape[-1] == q.shape[-1])
+    built = hasattr(_core, "attention_ring_step_forward")
+    fits = built and half and q.shape[-1] in (64, 128)
+    if want == "deltacp" and not fits:
+        raise ValueError(f"deltacp: argument 'q': DELTACP_RING_KERNEL=deltacp needs the CUDA build and bf16/fp16 "
+                         f"q, k, v with head dim 64 or 128, got {q.dtype}, head dims {q.shape[-1]} / {v.shape[-1]}"
+                         f"{'' if built else ' (deltacp was built without CUDA)'}")
+    return "deltacp" if fits else "torch"
 
 
 def _desc(t):
     """A tensor as deltacp._core's attention step reads it: (ptr, dtype, shape, strides, device)."""
     return (t.data_ptr(), str(t.dtype).replace("torch.", ""), list(t.shape), list(t.stride()), str(t.device))
+
+
+def _flash_forward(q, kk, vv, o, lse, pieces, groups, scale):
+    """One ring step by torch's flash attention per (query block, key block) pair: a diagonal pair
+    (the same zig-zag block) with flash's causal mask, an earlier key block unmasked; each result
+    merged into (o, lse). Returns what each pair's backward needs."""
+    saved = []
+    for qs, qn, ks, kn, mask in pieces.items:
+        qq = q[:, qs:qs + qn].transpose(1, 2)
+        k_p = _expand(_heads_first(kk[:, ks:ks + kn]), groups)
+        v_p = _expand(_heads_first(vv[:, ks:ks + kn]), groups)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qq, k_p, v_p, 0.0, mask is not None, False,
+                                                                 scale=scale)
+        rows = slice(qs, qs + qn)
+        o[:, :, rows], lse[:, :, rows] = _merge(o[:, :, rows], lse[:, :, rows], res[0].float(), res[1].float())
+        saved.append((qs, qn, ks, kn, mask is not None, res[2], res[3], res[6], res[7]))
+    return saved
+
+
+def _flash_backward(q, kk, vv, dout, o_in, lse, dq, saved, groups, scale):
+    """One ring step's backward by flash's backward per block pair, from the FINAL o and lse (each
+    pair's exact share): dq accumulated in place; returns the block's dK, dV [B, HKV, T, D] (fp32)."""
+    B, T, HKV, D = kk.shape
+    dk = torch.zeros(B, HKV * groups, T, D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, HKV * groups, T, vv.shape[-1], dtype=torch.float32, device=q.device)
+    for qs, qn, ks, kn, is_causal, cum_q, cum_k, seed, offset in saved:
+        qq = q[:, qs:qs + qn].transpose(1, 2)
+        k_p = _expand(_heads_first(kk[:, ks:ks + kn]), groups)
+        v_p = _expand(_heads_first(vv[:, ks:ks + kn]), groups)
+        g = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout[:, qs:qs + qn].transpose(1, 2), qq, k_p, v_p, o_in[:, :, qs:qs + qn],
+            lse[:, :, qs:qs + qn].contiguous(), cum_q, cum_k, qn, kn, 0.0, is_causal, seed, offset, scale=scale)
+        dq[:, :, qs:qs + qn] += g[0].float()
+        dk[:, :, ks:ks + kn] += g[1].float()
+        dv[:, :, ks:ks + kn] += g[2].float()
+    return _reduce_groups(dk, groups), _reduce_groups(dv, groups)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -320,8 +380,9 @@ class _RingAttention(torch.autograd.Function):
         pos = [zigzag_positions(T, world, r, block) for r in range(world)]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         groups = q.shape[2] // k.shape[2]
-        kernel = _cuda_step(q, v)
-        if kernel:  # the CUDA step merges into (o, lse) in place, reading q in its own dtype and layout
+        kind = _step_kind(q, v, causal, block)
+        flash_saved = {}  # flash: per source rank, what each block pair's backward needs from its forward
+        if kind != "torch":  # o, lse merged in place; q read in its own dtype and layout
             from .. import _core
 
             q = q if q.stride(-1) == 1 else q.contiguous()
@@ -347,7 +408,9 @@ class _RingAttention(torch.autograd.Function):
             pieces = _Pieces(pos[rank], pos[src], causal, block)
             visible += pieces.visible
             computed += pieces.computed
-            if kernel:
+            if kind == "flash":
+                flash_saved[src] = _flash_forward(q, kk, vv, o, lse, pieces, groups, scale)
+            elif kind == "deltacp":
                 _core.attention_ring_step_forward(_desc(q), _desc(kk), _desc(vv), _desc(dpos[rank]), _desc(dpos[src]),
                                                   _desc(o), _desc(lse), causal, scale, stream)
             else:
@@ -360,23 +423,24 @@ class _RingAttention(torch.autograd.Function):
         last_stats.update(visible_pairs=visible * BH, computed_pairs=computed * BH, sent_bytes=sent, steps=world)
         out = o.transpose(1, 2).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.cfg = (causal, scale, group, block, rank, world, pos, kernel)
+        ctx.cfg = (causal, scale, group, block, rank, world, pos, kind, flash_saved)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
-        causal, scale, group, block, rank, world, pos, kernel = ctx.cfg
+        causal, scale, group, block, rank, world, pos, kind, flash_saved = ctx.cfg
         acc = o.dtype
         groups = q.shape[2] // k.shape[2]
         qh = _heads_first(q).to(acc)
         do = _heads_first(dout).to(acc).contiguous()
         delta = (do * o).sum(-1)  # rowdot(dO, O) with the fp32 O of the forward
         dq = torch.zeros(qh.shape, dtype=acc, device=q.device)
-        if kernel:
+        if kind != "torch":
             from .. import _core
 
             dout = dout.contiguous()
+            o_in = o.to(q.dtype)  # flash's backward takes the final o in the input dtype
             dpos = [p.to(q.device) for p in pos]
             stream = torch.cuda.current_stream(q.device).cuda_stream
             lse_c, delta = lse.contiguous(), delta.contiguous()
@@ -392,7 +456,10 @@ class _RingAttention(torch.autograd.Function):
             works = ring.start(cur, nxt, forward=False, tag=0) if step < world - 1 else None
             kk, vv = _unpack(cur, kv)
             pieces = _Pieces(pos[rank], pos[src], causal, block)
-            if kernel:
+            if kind == "flash":
+                dk_b, dv_b = _flash_backward(q, kk, vv, dout, o_in, lse_c, dq, flash_saved[src], groups, scale)
+                share = _pack(dk_b.transpose(1, 2), dv_b.transpose(1, 2))
+            elif kind == "deltacp":
                 dk_b = torch.zeros(k.shape[0], k.shape[2], k.shape[1], k.shape[3], dtype=acc, device=q.device)
                 dv_b = torch.zeros(v.shape[0], v.shape[2], v.shape[1], v.shape[3], dtype=acc, device=q.device)
                 _core.attention_ring_step_backward(_desc(q), _desc(kk), _desc(vv), _desc(dout), _desc(dpos[rank]),

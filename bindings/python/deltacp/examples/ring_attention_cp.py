@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kernel", default=None, choices=("auto", "deltacp", "flash", "torch"),
+                   help="how each ring step computes on CUDA (sets DELTACP_RING_KERNEL; default: auto, deltacp's "
+                        "ring-step kernels for bf16/fp16 with head dim 64 or 128)")
     p.add_argument("--repeat", type=int, default=1, help="timed repetitions (median reported)")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--baseline", action="store_true",
@@ -60,6 +63,8 @@ def rel(a, b) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.kernel:
+        os.environ["DELTACP_RING_KERNEL"] = args.kernel
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -115,7 +120,8 @@ def _run(args, device) -> int:
     dist.all_gather_object(rows, row)
     if rank == 0:
         block = args.block or T // (2 * world)
-        print(f"deltacp ring attention: {world} ranks ({'gloo' if device.type == 'cpu' else 'NCCL'}), B={B} T={T} "
+        print(f"deltacp ring attention: {world} ranks ({'gloo' if device.type == 'cpu' else 'NCCL'}, steps: "
+              f"{os.environ.get('DELTACP_RING_KERNEL', 'auto')}), B={B} T={T} "
               f"H={H} HKV={HKV} D={D}, {args.dtype}, {'causal' if args.causal else 'non-causal'}, zig-zag block {block}")
         if args.check:
             print(f"errors: relative ||ring - single|| / ||single|| (single: plain attention in fp64); tolerance {tol:g}")
@@ -142,7 +148,7 @@ def _run(args, device) -> int:
                 json.dump(dict(kind="ring_attention", device=name, world=world, backend=dist.get_backend(),
                                config=dict(batch=B, tokens=T, heads=H, kv_heads=HKV, head_dim=D, dtype=args.dtype,
                                            causal=args.causal, block=args.block or T // (2 * world),
-                                           repeat=args.repeat),
+                                           repeat=args.repeat, kernel=os.environ.get("DELTACP_RING_KERNEL", "auto")),
                                rows=rows, step_fwd_bwd_ms=step_ms, baseline_fwd_bwd_ms=base,
                                efficiency=None if base is None else base / (world * step_ms)), f, indent=1)
     failed = not all(r["ok"] for r in rows)
