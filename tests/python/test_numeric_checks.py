@@ -167,3 +167,38 @@ def test_cuda_nonfinite_gradient_on_request(monkeypatch):
     o, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], backend="tiled")
     with pytest.raises(deltacp.NumericError, match=r"argument 'do'"):
         o.backward(torch.full_like(o, float("nan")))
+
+
+@needs_cuda
+def test_cuda_workspace_out_of_memory_says_what_was_asked():
+    """An out-of-memory in the kernels' workspace pool raises deltacp.OutOfMemoryError (a MemoryError) with
+    the bytes requested and free, and no path of the machine that built the module. The device is filled
+    to leave room for the gradients torch allocates but not for the tiled backward's workspace."""
+    import re
+
+    B, T, H, D = 1, 32768, 16, 128
+    x = {name: torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for name in "qkv"}
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H, device="cuda")).requires_grad_()
+    beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    o, _ = deltacp.chunk_gated_delta_rule(x["q"], x["k"], x["v"], g, beta, backend="tiled")
+    do = torch.randn_like(o)
+    torch.cuda.synchronize()
+    deltacp.cuda_release_workspace()
+    torch.cuda.empty_cache()
+    grads = sum(t.numel() * t.element_size() for t in (*x.values(), g, beta))
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(max(free - grads - (96 << 20), 0), dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(deltacp.OutOfMemoryError) as info:
+            o.backward(do)
+            torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        pytest.skip("torch's own allocation ran out first on this device")
+    finally:
+        del filler
+        deltacp.cuda_release_workspace()
+        torch.cuda.empty_cache()
+    msg = str(info.value)
+    assert isinstance(info.value, MemoryError) and info.value.argument == "cuda"
+    assert re.search(r"requested \d+ bytes", msg) and re.search(r"free on the device \d+ bytes", msg), msg
+    assert not re.search(r"/[\w.-]+/[\w./-]*\.(cu|cuh|h|cpp)\b", msg), msg
