@@ -26,8 +26,8 @@ def _op_args(variant, output_final_state=True, cu=None, dtype=torch.float64):
          for n in ("q", "k", "v", "g", "beta", "a", "b")}
     h0 = torch.tensor(p["initial_state"], dtype=dtype, requires_grad=True)
     cu_t = None if cu is None else torch.tensor(cu)
-    return (t["q"], t["k"], t["v"], t["g"], t["beta"], t["a"], t["b"], h0, cu_t, None, variant, None, None, 16,
-            output_final_state, True, None)
+    return (t["q"], t["k"], t["v"], t["g"], t["beta"], t["a"], t["b"], h0, cu_t, None, variant, "chunked", "chunked",
+            None, 16, output_final_state, None)
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda", "delta", "dplr"])
@@ -45,7 +45,7 @@ def test_opcheck_backward():
     args = [None if a is None else (a.detach() if isinstance(a, torch.Tensor) else a) for a in args]
     do = torch.randn(2, 20, 2, 3, dtype=torch.float64)
     dht = torch.randn(2, 2, 4, 3, dtype=torch.float64)
-    torch.library.opcheck(_library.chunk_bwd, (*args, do, dht, "gdn", None, None, 16))
+    torch.library.opcheck(_library.chunk_bwd, (*args, do, dht, "gdn", "chunked", None, 16))
 
 
 class _Layer(torch.nn.Module):

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 import deltacp  # noqa: E402
 import deltacp.reference as ref  # noqa: E402
+from deltacp.errors import InvalidArgumentError  # noqa: E402
 from deltacp_testutil import rel_err  # noqa: E402
 
 OPS = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda}
@@ -266,20 +267,20 @@ def test_intermediate_states(cu, state_v_first):
 
 def test_safe_gate_range():
     """safe_gate=True promises lower_bound <= g <= 0: inside it the result is the plain one; outside
-    it (and past FLA's floor -5 without lower_bound) the op raises ValueError naming 'g'."""
+    it (and past FLA's floor -5 without lower_bound) the op raises InvalidArgumentError naming 'g'."""
     p, opts = _raw("kda", "l2norm", seed=9)
     t = {n: torch.tensor(p[n]) for n in ("q", "k", "v", "g", "beta")}
     plain, _ = deltacp.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"])
     lb = float(t["g"].min()) - 0.01
     safe, _ = deltacp.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], safe_gate=True, lower_bound=lb)
     assert torch.equal(plain, safe)
-    with pytest.raises(ValueError, match=r"'g'.*safe_gate"):
+    with pytest.raises(InvalidArgumentError, match=r"'g'.*safe_gate"):
         deltacp.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], safe_gate=True, lower_bound=lb + 0.02)
     low = t["g"].clone()
     low[0, 3, 1, 2] = -5.5
-    with pytest.raises(ValueError, match=r"'g'.*-5.0 <= g <= 0"):
+    with pytest.raises(InvalidArgumentError, match=r"'g'.*-5.0 <= g <= 0"):
         deltacp.chunk_kda(t["q"], t["k"], t["v"], low, t["beta"], safe_gate=True)
-    with pytest.raises(ValueError, match=r"'g'"):
+    with pytest.raises(InvalidArgumentError, match=r"'g'.*safe_gate"):
         deltacp.chunk_kda(t["q"], t["k"], t["v"], -t["g"], t["beta"], safe_gate=True)  # growth, g > 0
 
 
@@ -301,7 +302,7 @@ def test_fla_positional_order_and_aliases():
                                 transpose_state_layout=True, **prm)
     assert all(torch.equal(x, y) for x, y in zip(by_name, old))
     cu = torch.tensor([0, 21])
-    x = {n: v[:1] for n, v in t.items()}
+    x = {n: torch.tensor(v[:1]) for n, v in _raw("kda", "l2norm", seed=11)[0].items()}  # g: log decays
     a = deltacp.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu)[0]
     b = deltacp.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=cu, cu_seqlens_cpu=cu.clone(),
                           disable_recompute=True)[0]
@@ -351,26 +352,26 @@ ERROR_CASES = [
     ("head_first", lambda: _kda(head_first=False), TypeError, r"'head_first'"),
     ("flag not a bool", lambda: _kda(use_qk_l2norm_in_kernel=torch.tensor([0, 6])), TypeError,
      r"'use_qk_l2norm_in_kernel'.*bool"),
-    ("A_log missing", lambda: _kda(use_gate_in_kernel=True), ValueError, r"'A_log'.*required"),
-    ("A_log without the gate", lambda: _kda(A_log=_A), ValueError, r"'A_log'.*use_gate_in_kernel"),
-    ("dt_bias without the gate", lambda: _gdn(dt_bias=_A), ValueError, r"'dt_bias'"),
-    ("A_log shape", lambda: _kda(use_gate_in_kernel=True, A_log=torch.zeros(3, dtype=torch.float64)), ValueError,
+    ("A_log missing", lambda: _kda(use_gate_in_kernel=True), InvalidArgumentError, r"'A_log'.*required"),
+    ("A_log without the gate", lambda: _kda(A_log=_A), InvalidArgumentError, r"'A_log'.*use_gate_in_kernel"),
+    ("dt_bias without the gate", lambda: _gdn(dt_bias=_A), InvalidArgumentError, r"'dt_bias'"),
+    ("A_log shape", lambda: _kda(use_gate_in_kernel=True, A_log=torch.zeros(3, dtype=torch.float64)), InvalidArgumentError,
      r"'A_log'.*\[HV\]"),
     ("A_log not a tensor", lambda: _gdn(use_gate_in_kernel=True, A_log=0.0), TypeError, r"'A_log'"),
-    ("dt_bias shape kda", lambda: _kda(use_gate_in_kernel=True, A_log=_A, dt_bias=_A), ValueError,
+    ("dt_bias shape kda", lambda: _kda(use_gate_in_kernel=True, A_log=_A, dt_bias=_A), InvalidArgumentError,
      r"'dt_bias'.*\[HV \* K\]"),
-    ("allow_neg_eigval alone", lambda: _kda(allow_neg_eigval=True), ValueError,
+    ("allow_neg_eigval alone", lambda: _kda(allow_neg_eigval=True), InvalidArgumentError,
      r"'allow_neg_eigval'.*use_beta_sigmoid_in_kernel"),
-    ("lower_bound without effect", lambda: _kda(lower_bound=-3.0), ValueError, r"'lower_bound'.*effect"),
+    ("lower_bound without effect", lambda: _kda(lower_bound=-3.0), InvalidArgumentError, r"'lower_bound'.*effect"),
     ("lower_bound type", lambda: _kda(use_gate_in_kernel=True, A_log=_A, lower_bound="low"), TypeError,
      r"'lower_bound'"),
-    ("safe_gate needs lower_bound", lambda: _kda(use_gate_in_kernel=True, A_log=_A, safe_gate=True), ValueError,
+    ("safe_gate needs lower_bound", lambda: _kda(use_gate_in_kernel=True, A_log=_A, safe_gate=True), InvalidArgumentError,
      r"'lower_bound'.*required"),
     ("safe_gate range", lambda: _kda(use_gate_in_kernel=True, A_log=_A, safe_gate=True, lower_bound=-6.0),
-     ValueError, r"'lower_bound'.*\[-5, 0\)"),
-    ("intermediate states with grad", lambda: _kda(return_intermediate_states=True), ValueError,
+     InvalidArgumentError, r"'lower_bound'.*\[-5, 0\)"),
+    ("intermediate states with grad", lambda: _kda(return_intermediate_states=True), InvalidArgumentError,
      r"'return_intermediate_states'.*inference_mode"),
-    ("both state layout names", lambda: _kda(state_v_first=True, transpose_state_layout=True), ValueError,
+    ("both state layout names", lambda: _kda(state_v_first=True, transpose_state_layout=True), InvalidArgumentError,
      r"'transpose_state_layout'"),
     ("old positional cu_seqlens", lambda: deltacp.chunk_kda(*_kda_args(), None, None, False, torch.tensor([0, 6])),
      TypeError,
@@ -385,7 +386,7 @@ def test_fla_argument_errors(label, call, exc, pattern):
 
 
 def test_intermediate_states_with_disable_recompute_is_refused():
-    with torch.inference_mode(), pytest.raises(ValueError, match="disable_recompute"):
+    with torch.inference_mode(), pytest.raises(InvalidArgumentError, match="disable_recompute"):
         _kda(return_intermediate_states=True, disable_recompute=True)
 
 

@@ -1,8 +1,8 @@
 """deltacp._library — the delta-rule ops registered with torch.library, so torch.compile traces them.
 
-    deltacp::chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, backend, scale,
-                       chunk_size, output_final_state, needs_grad, gate_min) -> (o, ht)
-    deltacp::chunk_bwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, dht, variant, backend,
+    deltacp::chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method,
+                       bwd_method, scale, chunk_size, output_final_state, gate_min) -> (o, ht)
+    deltacp::chunk_bwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, dht, variant, method,
                        scale, chunk_size) -> (dq, dk, dv, dg, dbeta, da, db, dh0)
 
 Both are ``torch.library.custom_op``s with fake (meta) implementations, which give the output shapes
@@ -12,11 +12,14 @@ pybind11 call, and AOTAutograd traces the backward through chunk_bwd. Absent inp
 beta for dplr, h0, cu_seqlens) are None; absent outputs (ht without output_final_state, the gradients
 of absent inputs) are empty tensors, because a custom op returns tensors only.
 
-The real implementations are deltacp.ops' _config / _forward / _backward: the backend is resolved and
-the C++ core called there (CPU reference or CUDA tier, on torch's current stream). ``gate_min`` is
-safe_gate's promised lower bound of a precomputed log decay (deltacp.fla_options): checked here, where
-a fused kernel may later take the check over. The ops are not differentiable twice (chunk_bwd has no
+``fwd_method`` / ``bwd_method`` are what _core.run runs ("chunked", "recurrent", "naive", "tiled",
+"fused"), chosen by deltacp.ops._resolve_backend before the call. ``gate_min`` is safe_gate's promised
+lower bound of a precomputed log decay (deltacp.fla_options), checked here, inside the op, where a
+fused kernel may later take the check over. The ops are not differentiable twice (chunk_bwd has no
 gradient), as the C++ backward is not.
+
+This module also holds the run of one call (_Config, _forward, _backward) that the ops' real
+implementations and deltacp.ops' eager _DeltaRuleFunction share. It imports nothing of deltacp.ops.
 """
 
 from __future__ import annotations
@@ -26,31 +29,149 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops as _ops
+from ._calls import _run, tensor_descs
+from ._describe import torch_desc
+from .errors import InvalidArgumentError
 
 __all__ = ["chunk_fwd", "chunk_bwd"]
+
+_GATE_NAME = {"gdn": "g", "kda": "g", "delta": "g", "dplr": "gk"}
+
+
+class _Config:
+    """Everything about one call that is not a differentiable tensor."""
+
+    __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
+                 "cu", "cu_host", "device", "gate_name", "state_dtype")
 
 
 def _state_dtype(q: Tensor):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu, cu_host) -> _Config:
+    cfg = _Config()
+    cfg.variant = variant
+    cfg.gate_name = _GATE_NAME[variant]
+    cfg.device = q.device
+    cfg.state_dtype = _state_dtype(q)
+    cfg.compute = "float64" if q.dtype == torch.float64 else "float32"
+    cfg.scale = scale
+    cfg.chunk_size = chunk_size
+    cfg.output_final_state = output_final_state
+    cfg.cu = cu
+    # The host copy of the offsets the CUDA tiers plan with (deltacp.ops makes it once per call; a
+    # direct caller of the op without one pays a device-to-host copy here).
+    cfg.cu_host = cu if (cu is None or q.device.type == "cpu") else (
+        cu_host if cu_host is not None else cu.to("cpu"))
+    cfg.fwd_method, cfg.bwd_method = fwd_method, bwd_method
+    return cfg
+
+
+def _input_descs(cfg: _Config, q, k, v, g, beta, a, b, h0) -> dict:
+    return tensor_descs(cfg.gate_name, q, k, v, g, beta, a, b, h0, cfg.cu, cfg.cu_host)
+
+
+def _num_seqs(cfg: _Config, q) -> int:
+    return q.shape[0] if cfg.cu is None else cfg.cu.shape[0] - 1
+
+
+def _last_dim_contiguous(t):
+    return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0):
+    """-> (o [B, T, HV, V], ht [N, HV, K, V] or an empty tensor without output_final_state)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
+    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+    descs["o"] = torch_desc(o, "o")
+    if cfg.output_final_state:
+        ht = torch.empty((_num_seqs(cfg, q), HV, K, V), dtype=cfg.state_dtype, device=q.device)
+        descs["ht"] = torch_desc(ht, "ht")
+    else:
+        ht = torch.empty((0,), dtype=cfg.state_dtype, device=q.device)
+    _run(cfg, "forward", cfg.fwd_method, descs)
+    return o, ht
+
+
+def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht):
+    """-> [dq, dk, dv, dg, dbeta, da, db, dh0], an empty tensor for each absent input."""
+    descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
+    descs["dout"] = torch_desc(do, "do")
+    if dht is not None:
+        descs["dht"] = torch_desc(dht, "dht")
+    grads = []
+    for field, t, name in (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name),
+                           ("beta", beta, "beta"), ("a", a, "a"), ("b", b, "b"), ("h0", h0, "initial_state")):
+        if t is None:
+            grads.append(torch.empty((0,), dtype=q.dtype, device=q.device))
+            continue
+        grads.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+        descs["d" + field] = torch_desc(grads[-1], "d" + name)
+    _run(cfg, "backward", cfg.bwd_method, descs)
+    return grads
+
+
+def _check_gate_range(g, lower: float, gate_name: str = "g") -> None:
+    """safe_gate's promise lower <= g <= 0 on a precomputed log decay (deltacp.fla_options)."""
+    if g is None or g.numel() == 0:
+        return
+    lo, hi = float(g.min()), float(g.max())
+    if not (lo >= lower and hi <= 0.0):
+        raise InvalidArgumentError(
+            f"deltacp: argument '{gate_name}': safe_gate=True promises {lower} <= {gate_name} <= 0 "
+            f"(lower_bound), got values in [{lo}, {hi}]; pass safe_gate=False for gates outside it")
+
+
+class _DeltaRuleFunction(torch.autograd.Function):
+    """o, ht = f(cfg, q, k, v, g, beta, a, b, h0) for callers that build a _Config themselves (their
+    methods chosen): eager autograd over _forward / _backward. The public ops use the registered
+    deltacp::chunk_fwd instead, which torch.compile traces."""
+
+    @staticmethod
+    def forward(ctx, cfg: _Config, q, k, v, g, beta, a, b, h0):
+        o, ht = _forward(cfg, q, k, v, g, beta, a, b, h0)
+        ctx.cfg = cfg
+        ctx.save_for_backward(q, k, v, g, beta, a, b, h0)
+        ctx.set_materialize_grads(False)
+        return o, (ht if cfg.output_final_state else None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        cfg: _Config = ctx.cfg
+        q, k, v, g, beta, a, b, h0 = ctx.saved_tensors
+        if do is None:  # only ht was used
+            do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
+        do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
+        if dht is not None:
+            dht = dht.to(cfg.state_dtype).contiguous()
+        grads = _backward(cfg, q, k, v, g, beta, a, b, h0, do, dht)
+        inputs = (q, k, v, g, beta, a, b, h0)
+        return (None, *(None if t is None else d for t, d in zip(inputs, grads)))
+
+
+# ---------------------------------------------------------------------------------------------
+# the registered ops
+# ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("deltacp::chunk_fwd", mutates_args=())
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor], a: Optional[Tensor],
               b: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
-              cu_seqlens_cpu: Optional[Tensor], variant: str, backend: Optional[str], scale: Optional[float],
-              chunk_size: int, output_final_state: bool, needs_grad: bool,
+              cu_seqlens_cpu: Optional[Tensor], variant: str, fwd_method: str, bwd_method: str,
+              scale: Optional[float], chunk_size: int, output_final_state: bool,
               gate_min: Optional[float]) -> Tuple[Tensor, Tensor]:
-    cfg = _ops._config(variant, backend, q, scale, chunk_size, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                       needs_grad)
+    cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
+                  cu_seqlens_cpu)
     if gate_min is not None:
-        _ops._check_gate_range(g, gate_min, cfg.gate_name)
-    return _ops._forward(cfg, q, k, v, g, beta, a, b, h0)
+        _check_gate_range(g, gate_min, cfg.gate_name)
+    return _forward(cfg, q, k, v, g, beta, a, b, h0)
 
 
 @chunk_fwd.register_fake
-def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, backend, scale, chunk_size,
-                    output_final_state, needs_grad, gate_min):
+def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method, scale,
+                    chunk_size, output_final_state, gate_min):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
@@ -65,41 +186,41 @@ def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, vari
 @torch.library.custom_op("deltacp::chunk_bwd", mutates_args=())
 def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor], a: Optional[Tensor],
               b: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
-              cu_seqlens_cpu: Optional[Tensor], do: Tensor, dht: Optional[Tensor], variant: str,
-              backend: Optional[str], scale: Optional[float],
+              cu_seqlens_cpu: Optional[Tensor], do: Tensor, dht: Optional[Tensor], variant: str, method: str,
+              scale: Optional[float],
               chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    cfg = _ops._config(variant, backend, q, scale, chunk_size, False, cu_seqlens, cu_seqlens_cpu, True)
-    return tuple(_ops._backward(cfg, q, k, v, g, beta, a, b, h0, do, dht))
+    cfg = _config(variant, method, method, q, scale, chunk_size, False, cu_seqlens, cu_seqlens_cpu)
+    return tuple(_backward(cfg, q, k, v, g, beta, a, b, h0, do, dht))
 
 
 @chunk_bwd.register_fake
-def _chunk_bwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, dht, variant, backend, scale,
+def _chunk_bwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, dht, variant, method, scale,
                     chunk_size):
     return tuple(q.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
                  for t in (q, k, v, g, beta, a, b, h0))
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, a, b, h0, cu, cu_host, variant, backend, scale, chunk_size, output_final_state, _needs_grad,
-     _gate_min) = inputs
+    (q, k, v, g, beta, a, b, h0, cu, cu_host, variant, _fwd_method, bwd_method, scale, chunk_size,
+     output_final_state, _gate_min) = inputs
     ctx.save_for_backward(q, k, v, g, beta, a, b, h0, cu, cu_host)
-    ctx.variant, ctx.backend, ctx.scale, ctx.chunk_size = variant, backend, scale, chunk_size
+    ctx.variant, ctx.method, ctx.scale, ctx.chunk_size = variant, bwd_method, scale, chunk_size
     ctx.output_final_state = output_final_state
 
 
-def _backward(ctx, do, dht):
+def _chunk_fwd_backward(ctx, do, dht):
     q, k, v, g, beta, a, b, h0, cu, cu_host = ctx.saved_tensors
     if do is None:
         do = q.new_zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
-    do = _ops._last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
+    do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
     if not ctx.output_final_state or dht is None:
         dht = None
     else:
         dht = dht.to(_state_dtype(q)).contiguous()
-    grads = chunk_bwd(q, k, v, g, beta, a, b, h0, cu, cu_host, do, dht, ctx.variant, ctx.backend, ctx.scale,
+    grads = chunk_bwd(q, k, v, g, beta, a, b, h0, cu, cu_host, do, dht, ctx.variant, ctx.method, ctx.scale,
                       ctx.chunk_size)
     inputs = (q, k, v, g, beta, a, b, h0)
     return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 9
 
 
-chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
+chunk_fwd.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)

@@ -28,13 +28,14 @@ reference token, which is exact only while every per-token log decay is >= lower
 deltacp's kernels do not depend on that range, but a caller who sets safe_gate states it, and a
 violated promise is reported instead of being computed on: with use_gate_in_kernel the lower-bound gate
 lies in [lower_bound, 0] by construction; with a precomputed g the op checks lower_bound <= g <= 0 and
-raises ValueError naming 'g' otherwise (one min / max reduction; on CUDA one host synchronisation).
+raises InvalidArgumentError naming 'g' otherwise (one min / max reduction; on CUDA one host sync).
 safe_gate needs lower_bound in [-5, 0) (FLA's range); with a precomputed g and no lower_bound the
 promised range is FLA's floor, [-5, 0].
 
 Arguments deltacp does not take raise TypeError naming them (FLA's ``**kwargs`` swallows unknown
-names silently; deltacp does not), and values without an effect raise ValueError (e.g. A_log without
-use_gate_in_kernel=True, lower_bound without use_gate_in_kernel or safe_gate).
+names silently; deltacp does not), and values without an effect raise deltacp.InvalidArgumentError, a
+ValueError (e.g. A_log without use_gate_in_kernel=True, lower_bound without use_gate_in_kernel or
+safe_gate). Errors about values are InvalidArgumentError, about dtypes DTypeError (deltacp/errors.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .errors import DTypeError, InvalidArgumentError
 
 __all__ = ["FlaOptions", "parse", "l2norm", "beta_activation", "gdn_gate", "kda_gate", "preprocess",
            "L2NORM_EPS", "SOFTPLUS_THRESHOLD", "SAFE_GATE_FLOOR"]
@@ -106,8 +109,9 @@ def _take_deprecated(kwargs: dict, state_v_first: bool) -> bool:
     if "transpose_state_layout" in kwargs:
         old = _flag("transpose_state_layout", kwargs.pop("transpose_state_layout"))
         if state_v_first:
-            raise ValueError("deltacp: argument 'transpose_state_layout': given beside state_v_first=True; pass "
-                             "only state_v_first (transpose_state_layout is its deprecated name)")
+            raise InvalidArgumentError(
+                "deltacp: argument 'transpose_state_layout': given beside state_v_first=True; pass "
+                "only state_v_first (transpose_state_layout is its deprecated name)")
         warnings.warn("deltacp: 'transpose_state_layout' is deprecated (as in FLA); use 'state_v_first'",
                       DeprecationWarning, stacklevel=4)
         return old
@@ -128,11 +132,11 @@ def _param(name, t, q, numel_options, shape_text):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"deltacp: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
-        raise TypeError(f"deltacp: argument '{name}': expected a floating dtype, got {t.dtype}")
+        raise DTypeError(f"deltacp: argument '{name}': expected a floating dtype, got {t.dtype}")
     if t.device != q.device:
-        raise ValueError(f"deltacp: argument '{name}': expected device {q.device} (like q), got {t.device}")
+        raise InvalidArgumentError(f"deltacp: argument '{name}': expected device {q.device} (like q), got {t.device}")
     if t.numel() not in numel_options:
-        raise ValueError(f"deltacp: argument '{name}': expected shape {shape_text}, got {list(t.shape)}")
+        raise InvalidArgumentError(f"deltacp: argument '{name}': expected shape {shape_text}, got {list(t.shape)}")
     return t
 
 
@@ -149,14 +153,14 @@ def parse(variant: str, q, v, *, kwargs: dict, **given) -> FlaOptions:
         if name in given:
             setattr(opts, name, _flag(name, given[name]))
     if opts.allow_neg_eigval and not opts.use_beta_sigmoid_in_kernel:
-        raise ValueError("deltacp: argument 'allow_neg_eigval': True needs use_beta_sigmoid_in_kernel=True "
-                         "(beta = 2 sigmoid(beta_logits)), as in FLA")
+        raise InvalidArgumentError("deltacp: argument 'allow_neg_eigval': True needs use_beta_sigmoid_in_kernel=True "
+                                   "(beta = 2 sigmoid(beta_logits)), as in FLA")
 
     A_log, dt_bias = given.get("A_log"), given.get("dt_bias")
     HV, K = v.shape[2], q.shape[3]  # q, v: checked 4-D tensors
     if opts.use_gate_in_kernel:
         if A_log is None:
-            raise ValueError("deltacp: argument 'A_log': is required with use_gate_in_kernel=True")
+            raise InvalidArgumentError("deltacp: argument 'A_log': is required with use_gate_in_kernel=True")
         opts.A_log = _param("A_log", A_log, q, (HV,), f"[HV] = [{HV}]")
         if dt_bias is not None:
             if variant == "gdn":
@@ -166,8 +170,9 @@ def parse(variant: str, q, v, *, kwargs: dict, **given) -> FlaOptions:
     else:
         for name, value in (("A_log", A_log), ("dt_bias", dt_bias)):
             if value is not None:
-                raise ValueError(f"deltacp: argument '{name}': given without use_gate_in_kernel=True, where it "
-                                 f"has no effect (g is then the log decay itself)")
+                raise InvalidArgumentError(
+                    f"deltacp: argument '{name}': given without use_gate_in_kernel=True, where it "
+                    f"has no effect (g is then the log decay itself)")
 
     lower_bound = given.get("lower_bound")
     if lower_bound is not None:
@@ -176,25 +181,29 @@ def parse(variant: str, q, v, *, kwargs: dict, **given) -> FlaOptions:
                             f"{type(lower_bound).__name__}")
         lower_bound = float(lower_bound)
         if not (lower_bound == lower_bound and abs(lower_bound) != float("inf")):
-            raise ValueError(f"deltacp: argument 'lower_bound': expected a finite number, got {lower_bound}")
+            raise InvalidArgumentError(f"deltacp: argument 'lower_bound': expected a finite number, got {lower_bound}")
         if not (opts.use_gate_in_kernel or opts.safe_gate):
-            raise ValueError("deltacp: argument 'lower_bound': has an effect only with use_gate_in_kernel=True (the "
-                             "lower-bound gate) or safe_gate=True (the promised gate range)")
+            raise InvalidArgumentError(
+                "deltacp: argument 'lower_bound': has an effect only with use_gate_in_kernel=True (the "
+                "lower-bound gate) or safe_gate=True (the promised gate range)")
         opts.lower_bound = lower_bound
     if opts.safe_gate:
         if opts.use_gate_in_kernel and lower_bound is None:
-            raise ValueError("deltacp: argument 'lower_bound': is required with safe_gate=True and "
-                             "use_gate_in_kernel=True, as in FLA")
+            raise InvalidArgumentError("deltacp: argument 'lower_bound': is required with safe_gate=True and "
+                                       "use_gate_in_kernel=True, as in FLA")
         if lower_bound is not None and not (SAFE_GATE_FLOOR <= lower_bound < 0):
-            raise ValueError(f"deltacp: argument 'lower_bound': with safe_gate=True expected a value in the safe "
-                             f"range [-5, 0), got {lower_bound}")
+            raise InvalidArgumentError(
+                f"deltacp: argument 'lower_bound': with safe_gate=True expected a value in the safe "
+                f"range [-5, 0), got {lower_bound}")
     if opts.return_intermediate_states:
         if not torch.is_inference_mode_enabled():
-            raise ValueError("deltacp: argument 'return_intermediate_states': only in torch.inference_mode() (the "
-                             "states bypass autograd), as in FLA")
+            raise InvalidArgumentError(
+                "deltacp: argument 'return_intermediate_states': only in torch.inference_mode() (the "
+                "states bypass autograd), as in FLA")
         if opts.disable_recompute:
-            raise ValueError("deltacp: argument 'return_intermediate_states': needs disable_recompute=False, as in "
-                             "FLA")
+            raise InvalidArgumentError(
+                "deltacp: argument 'return_intermediate_states': needs disable_recompute=False, as in "
+                "FLA")
     return opts
 
 

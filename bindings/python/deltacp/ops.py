@@ -38,6 +38,7 @@ import torch
 
 from . import _core, fla_options
 from ._describe import torch_desc
+from .errors import DTypeError, InvalidArgumentError
 
 __all__ = ["chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_dplr", "chunk_dplr_delta_rule",
            "BACKENDS"]
@@ -47,120 +48,9 @@ _CPU_METHOD = {"reference": "chunked", "recurrent": "recurrent"}
 _CUDA_TIERS = ("fused", "tiled", "naive")  # fastest first
 # The tensor check, the tensor descriptions and the core call, shared with deltacp.cp (deltacp/_calls.py).
 from ._calls import _FLOAT_DTYPES, _run, _tensor, tensor_descs  # noqa: E402,F401
-
-
-class _Config:
-    """Everything about one call that is not a differentiable tensor."""
-
-    __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
-                 "cu", "cu_host", "device", "gate_name", "state_dtype")
-
-
-def _input_descs(cfg: _Config, q, k, v, g, beta, a, b, h0) -> dict:
-    return tensor_descs(cfg.gate_name, q, k, v, g, beta, a, b, h0, cfg.cu, cfg.cu_host)
-
-
-def _num_seqs(cfg: _Config, q) -> int:
-    return q.shape[0] if cfg.cu is None else cfg.cu.shape[0] - 1
-
-
-def _last_dim_contiguous(t):
-    return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
-_GATE_NAME = {"gdn": "g", "kda": "g", "delta": "g", "dplr": "gk"}
-
-
-def _config(variant, backend, q, scale, chunk_size, output_final_state, cu, cu_host, needs_grad) -> _Config:
-    """The _Config of one call, inside the registered op (deltacp/_library.py): the backend is resolved
-    here, where the C++ core may be asked what this build has, not in the code torch.compile traces."""
-    cfg = _Config()
-    cfg.variant = variant
-    cfg.gate_name = _GATE_NAME[variant]
-    cfg.device = q.device
-    cfg.state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    cfg.compute = "float64" if q.dtype == torch.float64 else "float32"
-    cfg.scale = scale
-    cfg.chunk_size = chunk_size
-    cfg.output_final_state = output_final_state
-    cfg.cu = cu
-    # The host copy of the offsets the CUDA tiers plan with: one device-to-host copy unless given.
-    cfg.cu_host = cu if (cu is None or q.device.type == "cpu") else (
-        cu_host if cu_host is not None else cu.to("cpu"))
-    cfg.fwd_method, cfg.bwd_method = _resolve_backend(variant, backend, q.device, needs_grad)
-    return cfg
-
-
-def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0):
-    """-> (o [B, T, HV, V], ht [N, HV, K, V] or an empty tensor without output_final_state)."""
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
-    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
-    descs["o"] = torch_desc(o, "o")
-    if cfg.output_final_state:
-        ht = torch.empty((_num_seqs(cfg, q), HV, K, V), dtype=cfg.state_dtype, device=q.device)
-        descs["ht"] = torch_desc(ht, "ht")
-    else:
-        ht = torch.empty((0,), dtype=cfg.state_dtype, device=q.device)
-    _run(cfg, "forward", cfg.fwd_method, descs)
-    return o, ht
-
-
-def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht):
-    """-> [dq, dk, dv, dg, dbeta, da, db, dh0], an empty tensor for each absent input."""
-    descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
-    descs["dout"] = torch_desc(do, "do")
-    if dht is not None:
-        descs["dht"] = torch_desc(dht, "dht")
-    grads = []
-    for field, t, name in (("q", q, "q"), ("k", k, "k"), ("v", v, "v"), ("g", g, cfg.gate_name),
-                           ("beta", beta, "beta"), ("a", a, "a"), ("b", b, "b"), ("h0", h0, "initial_state")):
-        if t is None:
-            grads.append(torch.empty((0,), dtype=q.dtype, device=q.device))
-            continue
-        grads.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
-        descs["d" + field] = torch_desc(grads[-1], "d" + name)
-    _run(cfg, "backward", cfg.bwd_method, descs)
-    return grads
-
-
-class _DeltaRuleFunction(torch.autograd.Function):
-    """o, ht = f(cfg, q, k, v, g, beta, a, b, h0) for callers that build a _Config themselves (their
-    methods chosen): eager autograd over _forward / _backward. The public ops use the registered
-    deltacp::chunk_fwd instead (deltacp/_library.py), which torch.compile traces."""
-
-    @staticmethod
-    def forward(ctx, cfg: _Config, q, k, v, g, beta, a, b, h0):
-        o, ht = _forward(cfg, q, k, v, g, beta, a, b, h0)
-        ctx.cfg = cfg
-        ctx.save_for_backward(q, k, v, g, beta, a, b, h0)
-        ctx.set_materialize_grads(False)
-        return o, (ht if cfg.output_final_state else None)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dht):
-        cfg: _Config = ctx.cfg
-        q, k, v, g, beta, a, b, h0 = ctx.saved_tensors
-        if do is None:  # only ht was used
-            do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
-        do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
-        if dht is not None:
-            dht = dht.to(cfg.state_dtype).contiguous()
-        grads = _backward(cfg, q, k, v, g, beta, a, b, h0, do, dht)
-        inputs = (q, k, v, g, beta, a, b, h0)
-        return (None, *(None if t is None else d for t, d in zip(inputs, grads)))
-
-
-def _check_gate_range(g, lower: float, gate_name: str = "g") -> None:
-    """safe_gate's promise lower <= g <= 0 on a precomputed log decay (deltacp.fla_options)."""
-    if g is None or g.numel() == 0:
-        return
-    lo, hi = float(g.min()), float(g.max())
-    if not (lo >= lower and hi <= 0.0):
-        raise ValueError(f"deltacp: argument '{gate_name}': safe_gate=True promises {lower} <= {gate_name} <= 0 "
-                         f"(lower_bound), got values in [{lo}, {hi}]; pass safe_gate=False for gates outside it")
+# The registered ops and the run of one call (_Config, _DeltaRuleFunction for callers that build one).
+from . import _library  # noqa: E402
+from ._library import _Config, _DeltaRuleFunction, _check_gate_range  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,33 +68,43 @@ def _pick_cuda_tier(variant: str, backward: bool) -> Optional[str]:
     return None
 
 
+@torch.compiler.assume_constant_result
+def _methods(variant, backend, device, needs_grad):
+    """_resolve_backend where torch.compile does not trace into it: while tracing it runs once (it asks
+    the C++ core what this build has) and its result is a constant of the graph."""
+    return _resolve_backend(variant, backend, device, needs_grad)
+
+
 def _resolve_backend(variant, backend, device, needs_grad):
     """-> (forward method, backward method) for _core.run."""
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
+        raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
     if device.type == "cpu":
         if backend is None:
             backend = "reference"
         if backend not in _CPU_METHOD:
-            raise ValueError(f"deltacp: argument 'backend': {backend!r} is a CUDA tier and needs CUDA tensors, "
-                             f"got tensors on {device}; use 'reference' or 'recurrent' on the CPU")
+            raise InvalidArgumentError(
+                f"deltacp: argument 'backend': {backend!r} is a CUDA tier and needs CUDA tensors, "
+                f"got tensors on {device}; use 'reference' or 'recurrent' on the CPU")
         return _CPU_METHOD[backend], _CPU_METHOD[backend]
     if device.type != "cuda":
-        raise ValueError(f"deltacp: argument 'q': expected a CPU or CUDA tensor, got device {device}")
+        raise InvalidArgumentError(f"deltacp: argument 'q': expected a CPU or CUDA tensor, got device {device}")
     if not _core.built_with_cuda():
-        raise ValueError(f"deltacp: argument 'q': got CUDA tensors, but this deltacp was built without the CUDA "
-                         f"tiers (no nvcc at build time); move the tensors to the CPU or rebuild with CUDA")
+        raise InvalidArgumentError(
+            f"deltacp: argument 'q': got CUDA tensors, but this deltacp was built without the CUDA "
+            f"tiers (no nvcc at build time); move the tensors to the CPU or rebuild with CUDA")
     if backend in _CPU_METHOD:
-        raise ValueError(f"deltacp: argument 'backend': {backend!r} runs on the host and needs CPU tensors, "
-                         f"got tensors on {device}; use one of {_CUDA_TIERS} on CUDA")
+        raise InvalidArgumentError(f"deltacp: argument 'backend': {backend!r} runs on the host and needs CPU tensors, "
+                                   f"got tensors on {device}; use one of {_CUDA_TIERS} on CUDA")
     if backend is None:
         fwd = _pick_cuda_tier(variant, False)
         bwd = _pick_cuda_tier(variant, True)
         if fwd is None:
-            raise ValueError(f"deltacp: argument 'backend': no CUDA tier implements variant '{variant}' in this build")
+            raise InvalidArgumentError(
+                f"deltacp: argument 'backend': no CUDA tier implements variant '{variant}' in this build")
         if needs_grad and bwd is None:
-            raise ValueError(f"deltacp: argument 'backend': no CUDA tier implements the backward of variant "
-                             f"'{variant}' in this build")
+            raise InvalidArgumentError(f"deltacp: argument 'backend': no CUDA tier implements the backward of variant "
+                                       f"'{variant}' in this build")
         # "auto": the C++ dispatch picks per call the fastest tier whose kernels apply to these inputs
         # (shape, dtype, GPU); deltacp.last_cuda_tier() says which ran and why.
         return "auto", bwd or fwd
@@ -213,15 +113,16 @@ def _resolve_backend(variant, backend, device, needs_grad):
         # The fused tier has a forward only: its gradients come from the fastest backward built.
         bwd = _pick_cuda_tier(variant, True)
         if bwd is None:
-            raise ValueError(f"deltacp: argument 'backend': no CUDA tier implements the backward of variant "
-                             f"'{variant}' in this build")
+            raise InvalidArgumentError(f"deltacp: argument 'backend': no CUDA tier implements the backward of variant "
+                                       f"'{variant}' in this build")
         return "fused", bwd
     if not _core.cuda_supports(variant, backend, False):
-        raise ValueError(f"deltacp: argument 'backend': CUDA tier {backend!r} does not implement variant "
-                         f"'{variant}' in this build")
+        raise InvalidArgumentError(f"deltacp: argument 'backend': CUDA tier {backend!r} does not implement variant "
+                                   f"'{variant}' in this build")
     if needs_grad and not _core.cuda_supports(variant, backend, True):
-        raise ValueError(f"deltacp: argument 'backend': CUDA tier {backend!r} does not implement the backward of "
-                         f"variant '{variant}' in this build")
+        raise InvalidArgumentError(
+            f"deltacp: argument 'backend': CUDA tier {backend!r} does not implement the backward of "
+            f"variant '{variant}' in this build")
     return backend, backend
 
 
@@ -229,7 +130,7 @@ def _offsets(cu_seqlens, cu_seqlens_cpu, device):
     """cu_seqlens as int64 on `device`, plus a host copy (the same tensor on the CPU)."""
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
-            raise ValueError("deltacp: argument 'cu_seqlens_cpu': given without cu_seqlens")
+            raise InvalidArgumentError("deltacp: argument 'cu_seqlens_cpu': given without cu_seqlens")
         return None, None
     if not isinstance(cu_seqlens, torch.Tensor):
         try:
@@ -238,10 +139,10 @@ def _offsets(cu_seqlens, cu_seqlens_cpu, device):
             raise TypeError(f"deltacp: argument 'cu_seqlens': expected a LongTensor, got "
                             f"{type(cu_seqlens).__name__}") from exc
     if cu_seqlens.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"deltacp: argument 'cu_seqlens': expected dtype int64 (or int32), got {cu_seqlens.dtype}")
+        raise DTypeError(f"deltacp: argument 'cu_seqlens': expected dtype int64 (or int32), got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1:
-        raise ValueError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
-                         f"{list(cu_seqlens.shape)}")
+        raise InvalidArgumentError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
+                                   f"{list(cu_seqlens.shape)}")
     cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
     if device.type == "cpu":
         return cu, cu
@@ -255,8 +156,8 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     # Everything here is either an argument check on metadata or a torch op, so that torch.compile
     # traces it into one graph; the C++ core is reached only inside the registered ops.
     if cp_context is not None and cu_seqlens_cpu is not None:
-        raise ValueError("deltacp: argument 'cu_seqlens_cpu': expected None with cp_context (the CP context "
-                         "carries the rank-local offsets and their host copy), got a tensor")
+        raise InvalidArgumentError("deltacp: argument 'cu_seqlens_cpu': expected None with cp_context (the CP context "
+                                   "carries the rank-local offsets and their host copy), got a tensor")
     q = _tensor(q, "q")
     k = _tensor(k, "k", q)
     v = _tensor(v, "v", q)
@@ -266,17 +167,17 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     a = _tensor(a, "a", q, optional=True)
     b = _tensor(b, "b", q, optional=True)
     if q.dim() != 4:
-        raise ValueError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
+        raise InvalidArgumentError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
     if v.dim() != 4:
-        raise ValueError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
+        raise InvalidArgumentError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
     if scale is not None and not math.isfinite(float(scale)):
-        raise ValueError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
+        raise InvalidArgumentError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
+        raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
     opts = opts if opts is not None else fla_options.FlaOptions(variant)
     q, k, g, beta = fla_options.preprocess(opts, q, k, g, beta)
     gate_bound = opts.gate_check_bound()
@@ -287,10 +188,10 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
             raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got "
                             f"{type(initial_state).__name__}")
         if initial_state.device != q.device:
-            raise ValueError(f"deltacp: argument 'initial_state': expected device {q.device} (like q), got "
-                             f"{initial_state.device}")
+            raise InvalidArgumentError(f"deltacp: argument 'initial_state': expected device {q.device} (like q), got "
+                                       f"{initial_state.device}")
         if initial_state.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"deltacp: argument 'initial_state': expected a floating dtype, got {initial_state.dtype}")
+            raise DTypeError(f"deltacp: argument 'initial_state': expected a floating dtype, got {initial_state.dtype}")
         h0 = initial_state.transpose(-1, -2) if opts.state_v_first and initial_state.dim() >= 2 else initial_state
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         h0 = h0.to(state_dtype).contiguous()  # no-op when already fp32 (fp64) and contiguous
@@ -299,7 +200,7 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
         # Context parallelism lives in deltacp.cp (its own autograd Function and exchange); the options
         # are pure pre-processing, applied above.
         if opts.return_intermediate_states:
-            raise ValueError("deltacp: argument 'return_intermediate_states': not supported with cp_context")
+            raise InvalidArgumentError("deltacp: argument 'return_intermediate_states': not supported with cp_context")
         if gate_bound is not None:
             _check_gate_range(g, gate_bound, gate_name)
         try:
@@ -320,19 +221,20 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     scale = None if scale is None else float(scale)
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    o, ht = _library.chunk_fwd(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, backend, scale, int(chunk_size),
-                               output_final_state, needs_grad, gate_bound)
+    fwd_method, bwd_method = _methods(variant, backend, q.device, needs_grad)
+    o, ht = _library.chunk_fwd(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, fwd_method, bwd_method, scale,
+                               int(chunk_size), output_final_state, gate_bound)
     if not output_final_state:
         ht = None
     elif opts.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     if opts.return_intermediate_states:
-        h = _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, backend, scale, int(chunk_size))
+        h = _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, fwd_method, scale, int(chunk_size))
         return o, ht, (h.transpose(-1, -2).contiguous() if opts.state_v_first else h)
     return o, ht
 
 
-def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, backend, scale, chunk_size):
+def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, method, scale, chunk_size):
     """FLA's return_intermediate_states (inference mode only): the state at the start of every chunk,
     h [B, NT, HV, K, V] (varlen: [1, total chunks, HV, K, V], sequence by sequence), in q's dtype.
 
@@ -363,7 +265,7 @@ def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, backend, sca
         offsets = torch.tensor([0] + [e - s for s, e in pieces]).cumsum(0)
         xs = [x.index_select(1, rows) for x in flat]
         _, ht = _library.chunk_fwd(*xs[:3], xs[3], xs[4], None, None, states[idx].contiguous(), offsets.to(q.device),
-                                   offsets, variant, backend, scale, chunk_size, True, False, None)
+                                   offsets, variant, method, method, scale, chunk_size, True, None)
         states[idx] = ht
     return h.reshape((B if cu is None else 1, -1, HV, K, V))
 
@@ -429,9 +331,9 @@ def chunk_kda(q, k, v, g, beta, scale: Optional[float] = None, initial_state=Non
 
 def _check_4d(q, v):
     if q.dim() != 4:
-        raise ValueError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
+        raise InvalidArgumentError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
     if v.dim() != 4:
-        raise ValueError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
+        raise InvalidArgumentError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
 
 
 def _l2norm_only(variant, use_qk_l2norm_in_kernel):
@@ -460,5 +362,3 @@ def chunk_dplr(q, k, v, a, b, gk, scale: Optional[float] = None, initial_state=N
 
 
 chunk_dplr_delta_rule = chunk_dplr  # FLA's name
-
-from . import _library  # noqa: E402  (registers deltacp::chunk_fwd / chunk_bwd; imports this module)
