@@ -3,6 +3,7 @@ process; CP groups beside data-parallel groups.
 
     torchrun --nproc_per_node=2 -m deltacp.examples.gdn_layer_cp              # 1 CP group of 2 ranks
     torchrun --nproc_per_node=4 -m deltacp.examples.gdn_layer_cp --cp 2       # 2 CP groups x 2 DP groups
+    torchrun --nproc_per_node=2 -m deltacp.examples.gdn_layer_cp --device cuda  # GPUs: NCCL, the CUDA tiers
 
 The layer as models use it (FLA's GatedDeltaNet): q, k, v projections, each through a causal short
 convolution (width 4, SiLU; deltacp.causal_conv1d), q and k l2-normalised, beta = sigmoid(b_proj x),
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 
@@ -35,7 +37,10 @@ import torch.nn.functional as F
 import deltacp
 import deltacp.cp as cp
 
+# Relative errors against one process: outputs and dL/dx; weight gradients (sums over all tokens with
+# cancellation: dt_bias's is the worst, 4.8e-5 measured in float32 at 2 CP x 2 DP on CPUs).
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
+TOLERANCE_DW = {"float64": 1e-10, "float32": 3e-4}
 
 
 class GatedDeltaNetLayer(nn.Module):
@@ -89,25 +94,31 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=tuple(TOLERANCE))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--timeout", type=float, default=120.0)
     return p.parse_args(argv)
 
 
 def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 30.0)))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=max(args.timeout, 30.0)))
     try:
-        return _run(args)
+        return _run(args, device)
     finally:
         dist.destroy_process_group()
 
 
-def _batch(args, replica):
+def _batch(args, replica, device):
     seqlens = [int(s) for s in args.seqlens.split(",") if s.strip()]
     shift = min(7 * replica, seqlens[0] - 1)
     seqlens[0] -= shift
@@ -117,12 +128,12 @@ def _batch(args, replica):
         cu.append(cu[-1] + s)
     gen = torch.Generator().manual_seed(100 + replica)
     dt = getattr(torch, args.dtype)
-    x = torch.randn(1, cu[-1], args.hidden, generator=gen, dtype=torch.float64).to(dt)
-    dy = torch.randn(1, cu[-1], args.hidden, generator=gen, dtype=torch.float64).to(dt)
+    x = torch.randn(1, cu[-1], args.hidden, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
+    dy = torch.randn(1, cu[-1], args.hidden, generator=gen, dtype=torch.float64).to(device=device, dtype=dt)
     return cu, x, dy
 
 
-def _run(args) -> int:
+def _run(args, device) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     ncp = args.cp or world
     if world % ncp != 0:
@@ -135,15 +146,21 @@ def _run(args) -> int:
     cp_group, dp_group = cp_groups[replica], dp_groups[cp_rank]
     dt = getattr(torch, args.dtype)
     torch.manual_seed(0)  # the same weights on every rank
-    layer = GatedDeltaNetLayer(args.hidden, args.heads, args.head_dim, dtype=dt)
+    layer = GatedDeltaNetLayer(args.hidden, args.heads, args.head_dim, dtype=dt).to(device)
 
-    cu, x, dy = _batch(args, replica)
-    ctx = cp.build_context(cu, group=cp_group, conv1d_kernel_size=4, timeout=args.timeout)
+    cu, x, dy = _batch(args, replica, device)
+    ctx = cp.build_context(cu, group=cp_group, conv1d_kernel_size=4, timeout=args.timeout, device=device)
     xl = cp.split_even(x, ctx).clone().requires_grad_()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    (layer(xl, cp_context=ctx) * cp.split_even(dy, ctx)).sum().backward()  # untimed: first messages, kernels
+    layer.zero_grad()
+    xl.grad = None
     t0 = time.perf_counter()
     y = layer(xl, cp_context=ctx)
+    sync()
     t1 = time.perf_counter()
     (y * cp.split_even(dy, ctx)).sum().backward()
+    sync()
     t2 = time.perf_counter()
     grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
     for gr in grads.values():  # the group's batch: sum over CP; the replicas: mean over DP
@@ -155,9 +172,9 @@ def _run(args) -> int:
     ref_grads = {n: torch.zeros_like(p) for n, p in layer.named_parameters()}
     for d in range(ndp):
         layer.zero_grad()
-        cu_d, x_d, dy_d = _batch(args, d)
+        cu_d, x_d, dy_d = _batch(args, d, device)
         xf = x_d.clone().requires_grad_()
-        y_ref = layer(xf, cu_seqlens=torch.tensor(cu_d))
+        y_ref = layer(xf, cu_seqlens=torch.tensor(cu_d, device=device))
         (y_ref * dy_d).sum().backward()
         for n, p in layer.named_parameters():
             ref_grads[n] += p.grad / ndp
@@ -168,20 +185,21 @@ def _run(args) -> int:
     tol = TOLERANCE[args.dtype]
     row = dict(rank=rank, replica=replica, cp_rank=cp_rank, tokens=ctx.local_tokens, T=cu[-1], y=err_y, dx=err_dx,
                w=err_w, worst=worst_w, fwd=(t1 - t0) * 1e3, bwd=(t2 - t1) * 1e3,
-               ok=max(err_y, err_dx, err_w) <= tol)
+               ok=max(err_y, err_dx) <= tol and err_w <= TOLERANCE_DW[args.dtype])
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
-        print(f"deltacp GDN layer under CP: {world} ranks = {ndp} DP x {ncp} CP (gloo), hidden {args.hidden}, "
+        print(f"deltacp GDN layer under CP: {world} ranks = {ndp} DP x {ncp} CP "
+              f"({'gloo' if device.type == 'cpu' else 'NCCL'}), hidden {args.hidden}, "
               f"H={args.heads} K=V={args.head_dim}, conv 4, {args.dtype}; errors relative to one process, "
-              f"tolerance {tol:g}")
+              f"tolerance {tol:g} (weight gradients {TOLERANCE_DW[args.dtype]:g})")
         hdr = (f"{'rank':>4} {'dp':>3} {'cp':>3} {'T':>5} {'tokens':>6} {'err y':>9} {'err dx':>9} {'err dW':>9} "
-               f"{'fwd ms':>8} {'bwd ms':>8}  check")
+               f"{'worst dW':>12} {'fwd ms':>8} {'bwd ms':>8}  check")
         print(hdr)
         print("-" * len(hdr))
         for r in rows:
             print(f"{r['rank']:>4} {r['replica']:>3} {r['cp_rank']:>3} {r['T']:>5} {r['tokens']:>6} {r['y']:>9.2e} "
-                  f"{r['dx']:>9.2e} {r['w']:>9.2e} {r['fwd']:>8.2f} {r['bwd']:>8.2f}  "
+                  f"{r['dx']:>9.2e} {r['w']:>9.2e} {r['worst']:>12} {r['fwd']:>8.2f} {r['bwd']:>8.2f}  "
                   f"{'ok' if r['ok'] else 'FAIL (' + r['worst'] + ')'}")
         sys.stdout.flush()
     failed = not all(r["ok"] for r in rows)
