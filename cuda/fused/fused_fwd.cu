@@ -9,30 +9,31 @@
 //   O  = scale ( e^G (Q S) + P Vn ),   P = tril(Q K^T) o e^(G_i - G_j)  (j <= i, diagonal included)
 //   S' = e^(G_n) S + (K e^(G_n - G))^T Vn
 //
-// Pipeline. What does not depend on the state runs token-parallel first, on every chunk at once (the
-// tiled tier's stages 1 and 2, cuda/tiled/fwd_stages.cuh): G = cumsum g, and the WY stage's W and U. Then
-// one kernel, fused_chain_kernel below, walks each sequence's chunks with S in registers and does every
-// product that touches S, and the output:
+// Pipeline. What does not depend on the state runs token-parallel first, on every chunk at once: the tiled
+// tier's stages 1 and 2 (cuda/tiled/fwd_stages.cuh: G = cumsum g, the WY stage's W and U) and
+// fused_scores_kernel below (P, 16-bit, 128 bytes per token and head). Then one kernel,
+// fused_chain_kernel, walks each sequence's chunks with S in registers and does every product that
+// touches S, and the output:
 //
 //   CTA       one per (sequence or piece, value head, 64 NWG state columns); NWG = 1 or 2 warpgroups
 //             of 128 threads, each owning 64 state columns (all 128 key rows) as an fp32 wgmma
 //             accumulator (64 registers per thread), written transposed (S^T) so that every product
 //             that reads S takes it straight from registers as the A operand
-//   loads     the next chunk's W, K, Q tiles (64 tokens x 128 keys, 16-bit, 128-byte swizzle), U's
-//             columns and G, by cp.async two stages deep, while this chunk computes
-//   per chunk (each warpgroup; "rs": A from registers, "ss": both operands from shared memory)
-//     (1) P^ = Q K^T            8 x wgmma m64n64k16 ss   (state-free: issued first, its own group)
-//     (2) Va = S^T W^T          8 x wgmma m64n64k16 rs
-//         Oa = S^T Q^T          8 x wgmma m64n64k16 rs   (same group as (2))
-//     (3) P  = mask and decay of P^ in registers -> 16-bit, into the warpgroup's own swizzled 64 x 64
-//         tile (it is the B operand of (5)), while (2) runs
-//     (4) Vn^T = U^T - Va;  Oa *= e^(G_i) per token;  Vns^T = Vn^T e^(G_n - G_j) -> A fragments
-//     (5) S^T <- e^(G_n) S^T + Vns^T K       4 x wgmma m64n128k16 rs (K's tile MN-major)
-//         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major)
-//     (6) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as
-//         16-byte pieces of whole rows while the next chunk's products run
-//   So per chunk only q, k, W, U, g come in and o goes out; no per-chunk state (h), no v_new and no
-//   second pass over q and k, which the tiled tier's stages 3 and 4 move through HBM.
+//   loads     the next chunk's W, K, Q tiles (64 tokens x 128 keys, 16-bit, 128-byte swizzle), its P
+//             tile (64 x 64, swizzled), U's columns and G, by cp.async two stages deep, while this
+//             chunk computes
+//   per chunk (each warpgroup; "rs": A from registers)
+//     (1) Va = S^T W^T,  Oa = S^T Q^T        16 x wgmma m64n64k16 rs, one group
+//     (2) Vn^T = U^T - Va;  Oa *= e^(G_i) per token;  Vns^T = Vn^T e^(G_n - G_j); both to A fragments
+//     (3) S^T <- e^(G_n) S^T + Vns^T K       4 x wgmma m64n128k16 rs (K's tile MN-major)
+//         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major), same group
+//     (4) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as
+//         16-byte pieces of whole rows
+//   So per chunk q, k, W, U, P, g come in and o goes out; no per-chunk state (h) and no v_new, which
+//   the tiled tier's stages 3 and 4 move through HBM. Why P is made outside the chain: ptxas waits for
+//   every outstanding wgmma group before reading any register a wgmma wrote, so a Q K^T issued beside
+//   the state's products could not overlap them; computed in the chain it cost a serial group, 64
+//   exponentials per thread and a barrier per chunk.
 //
 // Long sequences with few chains (B * HV CTAs would leave most SMs idle): exact intra-card context
 // parallelism. The sequences are cut into pieces of whole chunks; each piece's affine map [H_j | M_j]
@@ -48,8 +49,9 @@
 // capability 9.0 in a build with sm_90a code (fused_forward_refusal says why not, and the dispatch falls
 // back to the tiled tier or, when the fused tier was asked for by name, raises an error with the reason).
 //
-// Shared memory (bf16, NWG = 2): two load stages of W, K, Q (16 KB each), U (64 x 136) and G: 132 KB;
-// per warpgroup a P tile (8 KB) and an output staging tile (9 KB): 167 KB in all, one CTA per SM.
+// Shared memory (bf16, NWG = 2): two load stages of W, K, Q (16 KB each), P (8 KB), U (64 x 136) and G:
+// 148 KB; per warpgroup an output staging tile (9 KB): 167 KB in all, one CTA per SM (NWG = 1: 141 KB).
+// Registers: 253-255 per thread (nvcc 13.0), no spills.
 //
 // Measured speed: see docs/perf.md (fused rows) and this file's commit history.
 #include <cuda_runtime.h>
@@ -103,6 +105,7 @@ struct ChainArgs {
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
   const T* W = nullptr;      // [R, HV, 128]
   const T* U = nullptr;      // [R, HV, 128]
+  const T* P = nullptr;      // [R, HV, 64]: row i of its chunk's P (fused_scores_kernel)
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
   float* ht = nullptr;       // the same shape, or nullptr
   int64_t Tlen = 0, HV = 0, group = 1;
@@ -112,11 +115,10 @@ struct ChainArgs {
 
 // Shared memory of one CTA (offsets from a 1024-byte aligned base: the swizzled tiles need it).
 struct ChainLayout {
-  int w, k, q, u, g;  // stage 0's buffers; stage s adds s * stage
+  int w, k, q, p, u, g;  // stage 0's buffers; stage s adds s * stage
   int stage;
-  int ldu;            // U tile leading dimension (elements)
-  int p;              // per-warpgroup P tiles (8 KB apart)
-  int os;             // per-warpgroup output staging tiles
+  int ldu;               // U tile leading dimension (elements)
+  int os;                // per-warpgroup output staging tiles
   int bytes;          // everything, plus 1024 bytes of slack for the alignment
 };
 __host__ __device__ inline ChainLayout chain_layout(int nwg, int esize) {
@@ -130,18 +132,108 @@ __host__ __device__ inline ChainLayout chain_layout(int nwg, int esize) {
   o += 64 * 2 * 128;
   L.q = o;
   o += 64 * 2 * 128;
+  L.p = o;
+  o += 64 * 128;  // one block of 64 rows x 128 B
   L.u = o;
   o += up(64 * L.ldu * esize, 128);
   L.g = o;
   o += 64 * 4;
   L.stage = up(o, 1024);
   o = 2 * L.stage;
-  L.p = o;
-  o += nwg * 64 * 128;
   L.os = o;
   o += nwg * 64 * kLdStage * esize;
   L.bytes = o + 1024;
   return L;
+}
+
+// A 64 x 64 tile of 16-bit rows (src row r at src + r * ld, 16-byte aligned) into one 64-row block of
+// 128-byte rows with the 128-byte swizzle (16-byte piece j of row r at piece j ^ (r % 8)); rows >= len are
+// zero. cp.async for the valid rows (the caller commits). A thread's rows are kThr / 8 apart, a multiple of
+// 8, so its swizzle phase stays fixed.
+template <class T, int kThr>
+__device__ __forceinline__ void load_tile_p(unsigned char* dst, const T* src, int64_t ld, int len) {
+  constexpr int kRowStep = kThr / 8;
+  static_assert(kRowStep % 8 == 0, "the swizzle phase of a thread's rows must stay fixed");
+  const int piece = static_cast<int>(threadIdx.x) & 7, r0 = static_cast<int>(threadIdx.x) >> 3;
+  unsigned char* d = dst + r0 * 128 + ((piece ^ (r0 & 7)) << 4);
+  const T* sp = src + r0 * ld + piece * 8;
+#pragma unroll
+  for (int it = 0; it < 64 / kRowStep; ++it) {
+    if (r0 + it * kRowStep < len) {
+      tiled::cp_async_16(d + it * kRowStep * 128, sp + it * kRowStep * ld);
+    } else {
+      *reinterpret_cast<uint4*>(d + it * kRowStep * 128) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+template <class T>
+struct ScoreArgs {
+  Rows<const T> q, k;
+  const tiled::ChunkEntry* chunks = nullptr;
+  const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
+  T* P = nullptr;            // [R, HV, 64]
+  int64_t HV = 0, group = 1;
+};
+constexpr int kScoreSmem = 2 * 64 * 2 * 128 + 64 * 4 + 1024;  // Q and K tiles, G, alignment slack
+
+// The state-free part of the output, for every chunk at once: P = tril(Q K^T) o e^(G_i - G_j) (j <= i,
+// diagonal included; the mask before the exponential, whose exponent is positive above the diagonal),
+// rounded to 16 bits, row i of chunk c at row row0 + i of P. One warpgroup per (chunk, value head): Q K^T
+// on wgmma with both operands in shared memory (swizzled tiles by cp.async), the mask and decays in
+// registers. Taking it off the chain kernel took its step from 3.4 us (H200, the chain computing P itself).
+template <class T>
+__global__ void __launch_bounds__(128) fused_scores_kernel(ScoreArgs<T> a) {
+#ifdef DELTACP_WGMMA_DEVICE
+  using namespace tiled;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  unsigned char* qs = smem;
+  unsigned char* ks = smem + 16384;
+  float* gs = reinterpret_cast<float*>(smem + 32768);
+  const int tid = threadIdx.x, wi = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const ChunkEntry ce = a.chunks[blockIdx.x];
+  const int64_t hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
+  const int len = static_cast<int>(ce.len);
+  load_tile_sw128<T, 128>(qs, a.q.at(ce.batch, ce.t0, hk), a.q.st, len);
+  load_tile_sw128<T, 128>(ks, a.k.at(ce.batch, ce.t0, hk), a.k.st, len);
+  cp_async_commit();
+  if (tid < 64) gs[tid] = a.G != nullptr ? a.G[(ce.row0 + min(tid, len - 1)) * HV + hv] : 0.f;
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  float Pacc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) Pacc[i] = 0.f;
+  const uint32_t q_addr = smem_u32(qs), k_addr = smem_u32(ks);
+  wg_fence();
+  reg_fence(Pacc);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    wgmma_n64_ss<T>(Pacc, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off, 16, 1024), kk > 0);
+  }
+  wg_commit();
+  wg_wait_all();
+  reg_fence(Pacc);
+  const int i0 = 16 * wi + g, i1 = i0 + 8;
+  const float gi0 = gs[i0], gi1 = gs[i1];
+  T* row0 = a.P + ((ce.row0 + i0) * HV + hv) * 64;
+  T* row1 = a.P + ((ce.row0 + i1) * HV + hv) * 64;
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb) {
+    const int j = 8 * nb + 2 * t;
+    const float gj0 = gs[j], gj1 = gs[j + 1];
+    const float p00 = j <= i0 ? exp_t<T>(gi0 - gj0) * Pacc[4 * nb] : 0.f;
+    const float p01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) * Pacc[4 * nb + 1] : 0.f;
+    const float p10 = j <= i1 ? exp_t<T>(gi1 - gj0) * Pacc[4 * nb + 2] : 0.f;
+    const float p11 = j + 1 <= i1 ? exp_t<T>(gi1 - gj1) * Pacc[4 * nb + 3] : 0.f;
+    if (i0 < len) *reinterpret_cast<uint32_t*>(row0 + j) = pack2<T>(p00, p01);
+    if (i1 < len) *reinterpret_cast<uint32_t*>(row1 + j) = pack2<T>(p10, p11);
+  }
+#else
+  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
+#endif
 }
 
 // One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns), sequential over
@@ -187,6 +279,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
     load_tile_sw128<T, kThr>(st + L.w, args.W + (row0 * HV + hv) * kKeys, HV * kKeys, len);
     load_tile_sw128<T, kThr>(st + L.k, args.k.at(se.batch, t0, hk), args.k.st, len);
     load_tile_sw128<T, kThr>(st + L.q, args.q.at(se.batch, t0, hk), args.q.st, len);
+    load_tile_p<T, kThr>(st + L.p, args.P + (row0 * HV + hv) * 64, HV * 64, len);
     load_tile_u<T, kThr, BVC>(reinterpret_cast<T*>(st + L.u), L.ldu, args.U + (row0 * HV + hv) * kKeys + v0,
                               HV * kKeys, len, BVC);
     float* gbuf = reinterpret_cast<float*>(st + L.g);
@@ -199,8 +292,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
     }
     cp_async_commit();
   };
-  unsigned char* ptile = smem + L.p + wg * 64 * 128;
-  const uint32_t p_addr = smem_u32(ptile);
   T* os = reinterpret_cast<T*>(smem + L.os) + wg * 64 * kLdStage;
   // stmatrix / ldmatrix row addresses: lane -> matrix q = lane / 8 (n-block parity q / 2, row half q % 2).
   const int sq = lane >> 3, srr = lane & 7;
@@ -224,27 +315,20 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
     const T* Us = reinterpret_cast<const T*>(st + L.u);
     const uint32_t w_addr = smem_u32(st + L.w), k_addr = smem_u32(st + L.k), q_addr = smem_u32(st + L.q);
 
-    // (1) P^ = Q K^T: tokens x tokens, state-free.
-    float Pacc[32], Va[32], Oa[32];
+    const uint32_t p_addr = smem_u32(st + L.p);
+
+    // (1) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers.
+    float Va[32], Oa[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) Pacc[i] = Va[i] = Oa[i] = 0.f;
-    wg_fence();
-    reg_fence(Pacc);
-    reg_fence(Va);
-    reg_fence(Oa);
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-      wgmma_n64_ss<T>(Pacc, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off, 16, 1024), kk > 0);
-    }
-    wg_commit();
-    // (2) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers.
+    for (int i = 0; i < 32; ++i) Va[i] = Oa[i] = 0.f;
     uint32_t sa[8][4];
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) sa[kk][r] = pack2<T>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
     wg_fence();
+    reg_fence(Va);
+    reg_fence(Oa);
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
@@ -252,35 +336,12 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
       wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
     }
     wg_commit();
-
-    // (3) P = tril(P^) o e^(G_i - G_j) into this warpgroup's swizzled tile: row i, columns j (128 B rows).
-    wg_wait<1>();
-    reg_fence(Pacc);
-    {
-      const int i0 = 16 * wi + g;
-      const float gi0 = gbuf[i0], gi1 = gbuf[i0 + 8];
-#pragma unroll
-      for (int nb = 0; nb < 8; ++nb) {
-        const int j = 8 * nb + 2 * t;
-        const float gj0 = gbuf[j], gj1 = gbuf[j + 1];
-        // mask before the exponential: for j > i the exponent may be positive
-        const float p00 = j <= i0 ? exp_t<T>(gi0 - gj0) * Pacc[4 * nb] : 0.f;
-        const float p01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) * Pacc[4 * nb + 1] : 0.f;
-        const float p10 = j <= i0 + 8 ? exp_t<T>(gi1 - gj0) * Pacc[4 * nb + 2] : 0.f;
-        const float p11 = j + 1 <= i0 + 8 ? exp_t<T>(gi1 - gj1) * Pacc[4 * nb + 3] : 0.f;
-        const int r0 = i0, r1 = i0 + 8;
-        *reinterpret_cast<uint32_t*>(ptile + r0 * 128 + ((nb ^ (r0 & 7)) << 4) + 4 * t) = pack2<T>(p00, p01);
-        *reinterpret_cast<uint32_t*>(ptile + r1 * 128 + ((nb ^ (r1 & 7)) << 4) + 4 * t) = pack2<T>(p10, p11);
-      }
-    }
-    fence_proxy_async();  // the P tile's generic-proxy writes, before the tensor cores read it
-    wg_wait<0>();
+    wg_wait_all();
     reg_fence(Va);
     reg_fence(Oa);
     reg_fence(sa);
-    warpgroup_bar(wg);  // every row of the P tile is written
 
-    // (4) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i.
+    // (2) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i.
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t u[4];
@@ -319,7 +380,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
       Oa[8 * kk + 7] *= e3;
     }
 
-    // (5) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.
+    // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.
     const float eg = exp_t<T>(glast);
 #pragma unroll
     for (int i = 0; i < 64; ++i) S[i] *= eg;
@@ -337,7 +398,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
     reg_fence(va);
     reg_fence(vo);
 
-    // (6) O = scale Oa^T: staged tokens x 64 columns, then 16-byte pieces of the chunk's rows.
+    // (4) O = scale Oa^T: staged tokens x 64 columns, then 16-byte pieces of the chunk's rows.
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       const float s = args.scale;
@@ -358,7 +419,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
               *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
       }
     }
-    __syncthreads();  // this stage, the P tiles and the staging tiles are free
+    __syncthreads();  // this stage and the staging tiles are free
   }
 
   if (args.ht != nullptr) {
@@ -401,27 +462,36 @@ int warpgroups_from_env() {
   return std::atoi(env);
 }
 
+// Warpgroups per CTA: two share one copy of each chunk's tiles; one doubles the CTAs, which pays where
+// two per CTA would leave SMs idle. DELTACP_FUSED_WG forces it.
+int chain_warpgroups(int64_t seqs_x_heads, int sms) {
+  const int env = warpgroups_from_env();
+  if (env != 0) return env;
+  return 2 * seqs_x_heads >= sms ? 2 : 1;
+}
+
 // The time model of the piece choice, in microseconds, for the sequences seqs cut into pieces of L chunks
-// (L = 0: not cut). A chain step is one chunk of one CTA; CTAs beyond one per SM run in further waves.
-//   whole or pass 2:  waves(pieces x HV x column tiles) x L x step_us
-//   pass 1 (maps):    waves(cut pieces x HV x 2) x L x map_step_us (a state V + K = 256 columns wide, the
-//                     tiled tier's state-only scan)
-//   fold:             (most pieces - 1) x fold_us
-// The constants are the tiled tier's measured map step and fold (cuda/tiled/scan_split.cu) and the fused
-// chain step measured on an H200 (docs/perf.md); the choice is tested at sequence boundaries and pieces
-// shorter than a chunk in tests/python/test_fused.py.
-double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t L, int sms, int col_tiles) {
-  constexpr double step_us = 3.0, map_step_us = 2.1, fold_us = 3.8;
+// (L = 0: whole sequences). A chain step is one chunk of one CTA; the kernels run one CTA per SM, so CTAs
+// beyond the SM count run in further waves.
+//   chain (whole or every piece):  waves(pieces x HV x column tiles) x L x step_us
+//   pass 1 (maps of all but each sequence's last piece, a state V + K = 256 columns wide, the tiled tier's
+//          state-only scan: two CTAs of 128 columns per piece and head):  waves(maps x HV x 2) x L x map_step_us
+//   fold:  (most pieces - 1) x fold_us
+// step_us is the fused chain step measured on an H200 (bf16 gdn, (2,16384,16,128): 0.87 ms for 256 chunks);
+// map_step_us and fold_us are the tiled tier's (cuda/tiled/scan_split.cu).
+double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t L, int sms) {
+  constexpr double step_us = 3.4, map_step_us = 2.1, fold_us = 3.8;
   int64_t pieces = 0, maps = 0, most = 1, longest = 0;
   for (const SeqEntry& s : seqs) {
     const int64_t P = L > 0 ? std::max<int64_t>(1, (s.num_chunks + L - 1) / L) : 1;
     pieces += P;
-    if (P > 1) maps += P;
+    maps += P - 1;
     most = std::max(most, P);
     longest = std::max(longest, L > 0 ? std::min(L, s.num_chunks) : s.num_chunks);
   }
   auto waves = [&](int64_t ctas) { return static_cast<double>((ctas + sms - 1) / sms); };
-  const double chain = waves(pieces * HV * col_tiles) * static_cast<double>(longest) * step_us;
+  const int64_t tiles = 2 / chain_warpgroups(pieces * HV, sms);
+  const double chain = waves(pieces * HV * tiles) * static_cast<double>(longest) * step_us;
   const double pass1 = maps > 0 ? waves(maps * HV * 2) * static_cast<double>(longest) * map_step_us : 0.0;
   return chain + pass1 + fold_us * static_cast<double>(most - 1);
 }
@@ -453,7 +523,7 @@ const char* forward_refusal(const Params& p) {
 
 namespace {
 // Chunks per piece for intra-card CP (0: whole sequences): DELTACP_FUSED_PIECE=<tokens> forces it (0 never
-// cuts); unset, the length the time model predicts fastest, if it beats whole sequences by 15%.
+// cuts); unset, the length the time model predicts fastest, if it beats whole sequences by 25%.
 int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
   const int64_t env = piece_tokens_from_env();
   if (env == 0 || seqs.empty()) return 0;
@@ -464,20 +534,36 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
     return most > L ? L : 0;
   }
   const int sms = sm_count();
-  const double whole = fused_predicted_us(seqs, p.HV, 0, sms, 2);
+  const double whole = fused_predicted_us(seqs, p.HV, 0, sms);
   int64_t best_L = 0;
-  double best = 0.85 * whole;  // cut only for a clear predicted gain
+  double best = 0.75 * whole;  // cut only for a clear predicted gain (pass 1, the fold and the piece tables cost launches too)
   for (int64_t L : {8, 16, 32, 64, 128, 256}) {
     if (L >= most) break;
-    const double us = fused_predicted_us(seqs, p.HV, L, sms, 2);
+    const double us = fused_predicted_us(seqs, p.HV, L, sms);
     if (us < best) best = us, best_L = L;
   }
   return best_L;
 }
 
 template <class T>
+void launch_scores(const Params& p, const ChunkTable& table, const float* G, T* P, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  ScoreArgs<T> a;
+  a.q = rows_of<const T>(p.q);
+  a.k = rows_of<const T>(p.k);
+  a.chunks = table.chunks();
+  a.G = p.variant == Variant::delta ? nullptr : G;
+  a.P = P;
+  a.HV = p.HV;
+  a.group = p.HV / p.H;
+  const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+  fused_scores_kernel<T><<<grid, 128, kScoreSmem, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+template <class T>
 void launch_chain(const Params& p, const ChunkTable& table, const float* G, const void* W, const void* U,
-                  const float* h0, float* ht, cudaStream_t stream) {
+                  const void* P, const float* h0, float* ht, cudaStream_t stream) {
   if (table.num_seqs() == 0) return;
   ChainArgs<T> a;
   a.q = rows_of<const T>(p.q);
@@ -487,6 +573,7 @@ void launch_chain(const Params& p, const ChunkTable& table, const float* G, cons
   a.G = p.variant == Variant::delta ? nullptr : G;
   a.W = static_cast<const T*>(W);
   a.U = static_cast<const T*>(U);
+  a.P = static_cast<const T*>(P);
   a.h0 = h0;
   a.ht = ht;
   a.Tlen = p.T;
@@ -494,10 +581,7 @@ void launch_chain(const Params& p, const ChunkTable& table, const float* G, cons
   a.group = p.HV / p.H;
   a.chunk_size = p.chunk_size;
   a.scale = static_cast<float>(p.scale);
-  // Two warpgroups share one copy of each chunk's tiles; one per CTA doubles the CTAs, which pays where
-  // the grid would leave SMs idle.
-  int nwg = warpgroups_from_env();
-  if (nwg == 0) nwg = 2 * table.num_seqs() * p.HV >= sm_count() ? 2 : 1;
+  const int nwg = chain_warpgroups(table.num_seqs() * p.HV, sm_count());
   const ChainLayout L = chain_layout(nwg, sizeof(T));
   auto kernel = nwg == 2 ? fused_chain_kernel<T, 2> : fused_chain_kernel<T, 1>;
   DELTACP_CHECK(L.bytes <= max_smem_optin(), "K", "the fused forward needs ", L.bytes,
@@ -521,6 +605,7 @@ void forward(const Params& p) {
   const bool gated = p.variant == Variant::gdn;
   const int64_t bytes_G = gated ? align(R * p.HV * 4) : 0;
   const int64_t bytes_W = align(R * p.HV * kKeys * es), bytes_U = align(R * p.HV * kKeys * es);
+  const int64_t bytes_P = align(R * p.HV * 64 * es);
 
   // The plan: whole sequences, or pieces of L chunks (intra-card CP).
   const int64_t Lc = fused_piece_chunks(p, table.host_seqs());
@@ -539,7 +624,7 @@ void forward(const Params& p) {
   const int64_t P = plan.cut() ? static_cast<int64_t>(plan.pieces.size()) : 0;
   const int64_t bytes_maps = align(static_cast<int64_t>(pass1.size()) * p.HV * p.K * (p.V + p.K) * 4);
   const int64_t bytes_starts = align(P * p.HV * KV * 4), bytes_pht = p.ht != nullptr ? bytes_starts : 0;
-  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_maps + bytes_starts + bytes_pht;
+  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_P + bytes_maps + bytes_starts + bytes_pht;
   char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
   try {
     char* at = ws;
@@ -551,6 +636,7 @@ void forward(const Params& p) {
     float* G = reinterpret_cast<float*>(take(bytes_G));
     void* W = take(bytes_W);
     void* U = take(bytes_U);
+    void* Pw = take(bytes_P);
     float* maps = reinterpret_cast<float*>(take(bytes_maps));
     float* starts = reinterpret_cast<float*>(take(bytes_starts));
     float* piece_ht = reinterpret_cast<float*>(take(bytes_pht));
@@ -559,8 +645,9 @@ void forward(const Params& p) {
     dispatch_dtype(p.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
       if constexpr (tiled::kIs16Bit<T>) {
+        launch_scores<T>(p, table, G, static_cast<T*>(Pw), stream);
         if (!plan.cut()) {
-          launch_chain<T>(p, table, G, W, U, static_cast<const float*>(p.h0), static_cast<float*>(p.ht), stream);
+          launch_chain<T>(p, table, G, W, U, Pw, static_cast<const float*>(p.h0), static_cast<float*>(p.ht), stream);
           return;
         }
         for (int64_t s = 0; s < N; ++s)
@@ -569,7 +656,7 @@ void forward(const Params& p) {
         tiled::launch_pass1(p, plan, pass1, G, W, U, nullptr, maps, stream);
         const tiled::PieceTables tables(p, plan, seq_maps, stream);
         tiled::launch_fold_starts(p, tables, N, static_cast<const float*>(p.h0), starts, stream);
-        launch_chain<T>(p, tables.pieces(), G, W, U, starts, piece_ht, stream);
+        launch_chain<T>(p, tables.pieces(), G, W, U, Pw, starts, piece_ht, stream);
         if (p.ht != nullptr) tiled::launch_gather_final_states(p, tables, N, piece_ht, static_cast<float*>(p.ht), stream);
       }
     });
