@@ -67,17 +67,25 @@ def make_inputs(B, T, H, D, variant, dtype=torch.bfloat16, seed=0, device="cuda"
     return dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g.float(), beta=beta.to(dtype))
 
 
-def deltacp_fn(variant, backend):
+# The keyword arguments of FLA's own benchmark, given to both sides so that both do the same work: q and k
+# are L2-normalised inside the call; KDA's gate is taken as safe (>= lower_bound). deltacp runs the l2 norm
+# as its own pass before the kernels (deltacp/fla_options.py), FLA inside its kernels.
+FLA_BENCH_KWARGS = {"gdn": dict(use_qk_l2norm_in_kernel=True),
+                    "kda": dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)}
+
+
+def deltacp_fn(variant, backend, kwargs=None):
     import deltacp
     op = deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_kda
+    kw = dict(kwargs or {})
 
     def run(x, h0=None, final=False):
         return op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=final,
-                  backend=backend)
+                  backend=backend, **kw)
     return run
 
 
-def fla_fn(variant):
+def fla_fn(variant, kwargs=None):
     try:
         import fla.ops.common.chunk_o as chunk_o
         # FLA refuses its GDN backward on Hopper with triton < 3.7.1 (a known wrong-result bug);
@@ -92,8 +100,10 @@ def fla_fn(variant):
         print(f"FLA not available: {e}", file=sys.stderr)
         return None
 
+    kw = dict(kwargs or {})
+
     def run(x, h0=None, final=False):
-        return op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=final)
+        return op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=final, **kw)
     return run
 
 
@@ -196,6 +206,9 @@ def main():
                     help="skip the naive tier's fwd+bwd when B*T*H exceeds this (it is a token loop)")
     ap.add_argument("--shapes", default=None,
                     help="B,T,H,D shapes to time, ';'-separated (default: anchors.md's four)")
+    ap.add_argument("--plain-call", action="store_true",
+                    help="time both sides without FLA's benchmark keywords (FLA_BENCH_KWARGS: in-kernel l2 norm, "
+                         "KDA's safe gate)")
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -218,10 +231,15 @@ def main():
 
     timed = (args.time_variants or args.variants).split(",")
     for variant in args.variants.split(","):
-        impls = {f"deltacp-{t}": deltacp_fn(variant, t) for t in args.tiers.split(",")}
-        impls["fla"] = fla_fn(variant)
+        kw = {} if args.plain_call else FLA_BENCH_KWARGS[variant]
+        impls = {f"deltacp-{t}": deltacp_fn(variant, t, kw) for t in args.tiers.split(",")}
+        impls["fla"] = fla_fn(variant, kw)
+        res.setdefault("call_kwargs", {})[variant] = kw
         try:
-            res["accuracy"][variant] = accuracy(variant, impls)
+            # against the fp64 reference of the plain call (the inputs as given, q not normalised)
+            plain = {f"deltacp-{t}": deltacp_fn(variant, t) for t in args.tiers.split(",")}
+            plain["fla"] = fla_fn(variant)
+            res["accuracy"][variant] = accuracy(variant, plain)
         except Exception as e:
             res["accuracy"][variant] = {"error": str(e)[:300]}
         print(f"# accuracy {variant}: {json.dumps(res['accuracy'][variant])}", flush=True)

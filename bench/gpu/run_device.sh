@@ -7,7 +7,8 @@
 #            (the bench only when cpbench is not asked for too); on one GPU the checks run as 2 ranks
 #            sharing it over gloo, without the examples and the bench
 #   stages   bench/gpu/stage_times.py: CUDA time of each kernel of the tiled forward + backward (gdn, kda) at
-#            DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log
+#            DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log; with DELTACP_STAGE_FUSED="0 4096 ..."
+#            the fused gdn forward's kernels instead, once per piece length (DELTACP_FUSED_PIECE; 0 = whole)
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
 #   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt,
 #            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
@@ -95,10 +96,17 @@ fi
 
 if has stages; then  # where the tiled forward + backward spends its time, kernel by kernel
   t0=$(date +%s)
-  for variant in gdn kda; do
-    timeout 120 python3 bench/gpu/stage_times.py --variant $variant --backward \
-      --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" >>"$OUT/stages.log" 2>&1
-  done
+  if [ -n "${DELTACP_STAGE_FUSED:-}" ]; then  # the fused forward, whole sequences and each piece length listed
+    for piece in ${DELTACP_STAGE_FUSED}; do
+      DELTACP_FUSED_PIECE=$piece timeout 120 python3 bench/gpu/stage_times.py --variant gdn --backend fused \
+        --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" 2>&1 | sed "s/^/[piece $piece] /" >>"$OUT/stages.log"
+    done
+  else
+    for variant in gdn kda; do
+      timeout 120 python3 bench/gpu/stage_times.py --variant $variant --backward \
+        --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" >>"$OUT/stages.log" 2>&1
+    done
+  fi
   say "stages: rc=$? in $(( $(date +%s) - t0 )) s"
   cat "$OUT/stages.log"
 fi

@@ -1,6 +1,6 @@
-"""Per-kernel CUDA time of one deltacp tiled forward (torch.profiler), for tuning.
+"""Per-kernel CUDA time of one deltacp forward (torch.profiler), for tuning.
 
-    python3 bench/gpu/stage_times.py --shape 2,16384,16,128 [--variant gdn] [--backward]
+    python3 bench/gpu/stage_times.py --shape 2,16384,16,128 [--variant gdn] [--backward] [--backend fused]
 Prints each kernel's total CUDA time per call (median of --repeat profiled calls) and the sum.
 """
 import argparse
@@ -18,6 +18,7 @@ def main():
     ap.add_argument("--variant", default="gdn")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--backend", default="tiled", help="the CUDA tier: tiled or fused (its backward is tiled)")
     a = ap.parse_args()
     B, T, H, D = map(int, a.shape.split(","))
     q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
@@ -31,7 +32,7 @@ def main():
         xs = [x.requires_grad_(True) for x in xs]
 
     def step():
-        o, _ = op(*xs, backend="tiled")
+        o, _ = op(*xs, backend=a.backend)
         if a.backward:
             o.backward(torch.ones_like(o))
             for x in xs:  # so that the next step assigns the gradients instead of adding to them (an extra kernel)
@@ -50,7 +51,7 @@ def main():
             t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
             per[e.key[:70]] += t / a.repeat / 1e3
     total = sum(per.values())
-    print(f"{a.variant} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}: {total:.3f} ms of kernels per call")
+    print(f"{a.variant} {a.backend} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}: {total:.3f} ms of kernels per call")
     for name, ms in sorted(per.items(), key=lambda x: -x[1])[:12]:
         print(f"  {ms:8.3f} ms  {name}")
 
