@@ -59,6 +59,7 @@ import torch
 
 from . import _core
 from . import ops as _ops
+from .errors import InvalidArgumentError
 
 __all__ = ["chunk_dplr_delta_rule", "chunk_rwkv7", "gate_range", "GK_SPAN"]
 
@@ -78,7 +79,7 @@ def _chunk_size(chunk_size) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"deltacp: argument 'chunk_size': expected an int or None, got {type(chunk_size).__name__}")
     if int(chunk_size) not in (16, 32, 64):
-        raise ValueError(f"deltacp: argument 'chunk_size': expected None, 16, 32 or 64, got {chunk_size}")
+        raise InvalidArgumentError(f"deltacp: argument 'chunk_size': expected None, 16, 32 or 64, got {chunk_size}")
     return int(chunk_size)
 
 
@@ -105,7 +106,7 @@ def _state_to_kv(initial_state, state_v_first):
         raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got "
                         f"{type(initial_state).__name__}")
     if initial_state.dim() != 4:
-        raise ValueError(f"deltacp: argument 'initial_state': expected 4 dims [N, H, V, K] (state_v_first), got "
+        raise InvalidArgumentError(f"deltacp: argument 'initial_state': expected 4 dims [N, H, V, K] (state_v_first), got "
                          f"shape {list(initial_state.shape)}")
     return initial_state.transpose(-1, -2)  # [N, H, K, V] view; ops casts / makes it contiguous
 
@@ -123,12 +124,12 @@ def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_
     a = _ops._tensor(a, "a", q)
     b = _ops._tensor(b, "b", q)
     if q.device.type != "cuda":
-        raise ValueError(f"deltacp: argument 'backend': 'tiled' is a CUDA tier and needs CUDA tensors, got "
+        raise InvalidArgumentError(f"deltacp: argument 'backend': 'tiled' is a CUDA tier and needs CUDA tensors, got "
                          f"tensors on {q.device}")
     if not _core.built_with_cuda():
-        raise ValueError("deltacp: argument 'backend': this deltacp was built without the CUDA tiers")
+        raise InvalidArgumentError("deltacp: argument 'backend': this deltacp was built without the CUDA tiers")
     if q.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K] for q and v, got shapes "
+        raise InvalidArgumentError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K] for q and v, got shapes "
                          f"{list(q.shape)} and {list(v.shape)}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
@@ -140,7 +141,7 @@ def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_
     cfg.compute = "float32"
     cfg.scale = None if scale is None else float(scale)
     if cfg.scale is not None and not math.isfinite(cfg.scale):
-        raise ValueError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
+        raise InvalidArgumentError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
     cfg.chunk_size = chunk_size
     cfg.output_final_state = bool(output_final_state)
     cfg.cu, cfg.cu_host = _ops._offsets(cu_seqlens, cu_seqlens_cpu, q.device)
@@ -148,7 +149,7 @@ def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_
         if not isinstance(h0, torch.Tensor):
             raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got {type(h0).__name__}")
         if h0.device != q.device:
-            raise ValueError(f"deltacp: argument 'initial_state': expected device {q.device} (like q), got "
+            raise InvalidArgumentError(f"deltacp: argument 'initial_state': expected device {q.device} (like q), got "
                              f"{h0.device}")
         h0 = h0.to(torch.float32).contiguous()
     cfg.fwd_method = "tiled"
@@ -174,19 +175,19 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale: Optional[float] = None, init
     gate_check = _flag(gate_check, "gate_check")
     cs = _chunk_size(chunk_size)
     if backend is not None and backend not in _ops.BACKENDS:
-        raise ValueError(f"deltacp: argument 'backend': expected None or one of {_ops.BACKENDS}, got {backend!r}")
+        raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {_ops.BACKENDS}, got {backend!r}")
     if backend == "fused":
-        raise ValueError("deltacp: argument 'backend': the fused tier does not implement dplr; use None, "
+        raise InvalidArgumentError("deltacp: argument 'backend': the fused tier does not implement dplr; use None, "
                          "'naive' or 'tiled' on CUDA")
     if lower_bound is not None:
         if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real) or \
                 not math.isfinite(lower_bound):
             raise TypeError(f"deltacp: argument 'lower_bound': expected a finite float or None, got {lower_bound!r}")
         if lower_bound >= 0:
-            raise ValueError(f"deltacp: argument 'lower_bound': expected a negative bound (gk is a log decay, "
+            raise InvalidArgumentError(f"deltacp: argument 'lower_bound': expected a negative bound (gk is a log decay, "
                              f"lower_bound <= gk < 0), got {lower_bound}")
     if cp_context is not None and state_v_first:
-        raise ValueError("deltacp: argument 'state_v_first': expected False with cp_context (the CP op takes "
+        raise InvalidArgumentError("deltacp: argument 'state_v_first': expected False with cp_context (the CP op takes "
                          "states in the [K, V] layout)")
     h0 = _state_to_kv(initial_state, state_v_first)
 

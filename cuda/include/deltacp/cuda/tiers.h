@@ -15,6 +15,9 @@ void naive_forward(const Params& p);   // cuda/naive/naive_fwd.cu
 void naive_backward(const Params& p);  // cuda/naive/naive_bwd.cu
 void tiled_forward(const Params& p);   // cuda/tiled/tiled_fwd.cu
 void tiled_backward(const Params& p);  // cuda/tiled/tiled_bwd.cu
+// The tiled DPLR forward (cuda/tiled/dplr_fwd.cu): opt-in, forward(p, Method::tiled) runs it for dplr while
+// supports() does not list it (dispatch.cu, opt_in).
+void tiled_dplr_forward(const Params& p);
 namespace fused {                      // cuda/fused/fused_fwd.cu
 // Why the fused forward cannot run p (variant, dtype, shape, alignment, GPU), or nullptr when it can.
 const char* forward_refusal(const Params& p);
