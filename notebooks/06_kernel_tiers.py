@@ -1,0 +1,202 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 6. One shape through the three CUDA tiers: what stays on chip, what moves, what it costs
+#
+# deltacp runs the same algorithm three ways on a GPU (`cuda/`, docs/design.md):
+#
+# | tier | kernels | on chip | through HBM |
+# |---|---|---|---|
+# | **naive** (`cuda/naive/`) | one block per (sequence, value head), a token loop | the state $S$ (K x V, fp32) for the whole sequence | only the inputs and the output, but every token is a rank-one update on the CUDA cores: latency-bound, no tensor cores |
+# | **tiled** (`cuda/tiled/`) | four stages, one kernel each: $G$ = cumsum g; $A, T, W, U$; the state scan; the output | one chunk's tiles inside each kernel | every chunk's $W, U$, the chunk-start states $h_c$ and $v_{new}$ are written by one stage and read by the next |
+# | **fused** (`cuda/fused/`, Hopper) | token-parallel $G$, $W, U$ and the decayed scores $P$; then one chain kernel per (sequence, head) with $S$ in wgmma accumulators | $S$ from the first chunk to the last, and each chunk's $V_{new}$ and output accumulator | $W, U, P$ once; no $h_c$, no $v_{new}$, no second read of q and k |
+#
+# This notebook counts the bytes each tier moves per token and value head (the same count the kernel
+# files' comments give), draws them against the FLOPs on a roofline with the times measured on an H200
+# (docs/results/perf-h200.json), and, on a machine with a CUDA GPU, runs one shape through every tier
+# and asserts that all of them agree with the fp64 reference.
+
+# %%
+import json
+import math
+import pathlib
+
+import matplotlib
+
+if "inline" not in matplotlib.get_backend():  # headless: the Agg renderer (Jupyter's inline backend is Agg too)
+    matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+import deltacp
+from deltacp import reference as ref
+
+
+def repo_root():
+    """The checkout this notebook runs in (its docs/results/ holds the measured numbers)."""
+    for d in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents]:
+        if (d / "docs" / "results").is_dir():
+            return d
+    return None
+
+
+# %% [markdown]
+# ## Bytes per token and value head
+#
+# K = V = D = 128, chunk C = 64, 16-bit q, k, v, beta and o, fp32 log decay g and cumulative G. Each
+# line below is one kernel's reads and writes, divided by the tokens of a chunk (a chunk-start state
+# of $K \times V$ 16-bit values costs $2KV/C$ bytes per token).
+
+# %%
+D, C, es = 128, 64, 2
+K = V = D
+
+
+def tier_bytes():
+    inputs = es * (K + K + V) + 4 + es  # q, k, v, g, beta
+    out = es * V
+    naive = {"q, k, v, g, beta in; o out": inputs + out}
+    tiled = {
+        "stage 1: g in, G out": 4 + 4,
+        "stage 2: k, v, beta, G in; W, U out": es * (K + V) + es + 4 + es * (K + V),
+        "stage 3: W, U, k, G in; v_new, h_c out": es * (K + V + K) + 4 + es * V + es * K * V / C,
+        "stage 4: q, k, v_new, h_c, G in; o out": es * (K + K + V) + es * K * V / C + 4 + out,
+    }
+    fused = {
+        "cumsum: g in, G out": 4 + 4,
+        "WY: k, v, beta, G in; W, U out": es * (K + V) + es + 4 + es * (K + V),
+        "scores: q, k, G in; P out": es * (K + K) + 4 + es * C,
+        "chain: q, k, W, U, P, G in; o out": es * (K + K + K + V + C) + 4 + out,
+    }
+    return {"naive": naive, "tiled": tiled, "fused": fused}
+
+
+BYTES = tier_bytes()
+for tier, parts in BYTES.items():
+    print(f"{tier:6} {sum(parts.values()):7.0f} B per token-head")
+    for what, b in parts.items():
+        print(f"         {b:7.0f}  {what}")
+minimum = sum(BYTES["naive"].values())
+assert sum(BYTES["fused"].values()) < sum(BYTES["tiled"].values())
+print(f"the fused tier moves {sum(BYTES['fused'].values()) / minimum:.1f}x the minimum, the tiled tier "
+      f"{sum(BYTES['tiled'].values()) / minimum:.1f}x")
+
+# %% [markdown]
+# ## FLOPs per token and value head
+#
+# The chunked algorithm's tensor-core work per chunk: $QK^\top$, $KK^\top$ ($2C^2K$ each), the inverse
+# applied twice ($W$, $U$: $2C^2K + 2C^2V$), and the three products with the state ($WS$, $QS$, $K^\top V_{new}$:
+# $2CKV$ each), plus $PV_{new}$ ($2C^2V$). The naive tier does $\approx 8KV$ per token on the CUDA cores
+# (two rank-one products and two matrix-vector products with $S$).
+
+# %%
+flops_chunked = (3 * 2 * C * K * V + 2 * 2 * C * C * K + 2 * C * C * K + 2 * C * C * V + 2 * C * C * V) / C
+flops_naive = 8 * K * V
+print(f"chunked: {flops_chunked:.3g} FLOP per token-head; naive: {flops_naive:.3g}")
+for tier, parts in BYTES.items():
+    f = flops_naive if tier == "naive" else flops_chunked
+    print(f"{tier:6} arithmetic intensity {f / sum(parts.values()):6.1f} FLOP/B")
+
+# %% [markdown]
+# ## Measured: the tiers beside FLA on an H200
+#
+# From the harness's results file (`bench/gpu/bench_gpu.py`, written by `bench/gpu/run_device.sh`):
+# each tier's forward time at FLA's benchmark shapes, its attained rate, and the roofline
+# $\min(\text{peak}, \text{intensity} \times \text{bandwidth})$ with the copy bandwidth and bf16 matmul
+# rate measured in the same run.
+
+# %%
+root = repo_root()
+results = None
+if root is not None and (root / "docs" / "results" / "perf-h200.json").exists():
+    results = json.loads((root / "docs" / "results" / "perf-h200.json").read_text())
+if results is None:
+    print("no results file here (docs/results/perf-h200.json): the measured part is skipped")
+else:
+    bw, peak = results["copy_TBps"] * 1e12, results["bf16_matmul_TFLOPs"] * 1e12
+    print(f"{results['gpu']}, {results['date']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    rows = [r for r in results["rows"] if r.get("direction") == "fwd" and "ms" in r and r["variant"] == "gdn"]
+    print(f"{'impl':15} {'shape':22} {'ms':>8} {'TFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['impl']:15} {str((r['B'], r['T'], r['H'], r['D'])):22} {r['ms']:8.3f} {r['TFLOPs']:8.1f}")
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    x = np.logspace(0, 3, 100)
+    ax.loglog(x, np.minimum(peak, x * bw) / 1e12, "k-", lw=1, label="roofline (measured ceilings)")
+    colors = {"deltacp-naive": "tab:gray", "deltacp-tiled": "tab:blue", "deltacp-fused": "tab:red", "fla": "tab:green"}
+    for impl, color in colors.items():
+        pts = [r for r in rows if r["impl"] == impl]
+        if not pts:
+            continue
+        tier = impl.split("-")[-1]
+        intensity = (flops_naive if tier == "naive" else flops_chunked) / sum(BYTES.get(tier, BYTES["tiled"]).values())
+        ax.scatter([intensity] * len(pts), [r["TFLOPs"] for r in pts], color=color, label=impl, s=25)
+    ax.set_xlabel("FLOP per byte moved (this tier's count; FLA plotted at the tiled tier's)")
+    ax.set_ylabel("TFLOP/s (chunked count)")
+    ax.set_title("GDN forward, K = V = 128, bf16")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# ## Live: one shape through every tier (needs a CUDA GPU)
+#
+# The same bf16 inputs through naive, tiled and fused (where its kernels apply: Hopper, K = V = 128),
+# each against the fp64 reference evaluated on the same rounded inputs, within the bf16 tolerance of
+# docs/design.md (1e-2 relative). Without a GPU, the reference's own tellings are tied instead: the
+# chunked form that the tiled and fused tiers run equals the token recurrence that the naive tier runs.
+
+# %%
+rng = np.random.default_rng(6)
+B, T, H = 1, 300, 2
+q = rng.standard_normal((B, T, H, D))
+k = rng.standard_normal((B, T, H, D))
+k /= np.linalg.norm(k, axis=-1, keepdims=True)
+v = rng.standard_normal((B, T, H, D))
+g = np.log(1 / (1 + np.exp(-(rng.standard_normal((B, T, H)) + 2))))
+beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
+
+try:
+    import torch
+
+    live = torch.cuda.is_available() and deltacp.built_with_cuda()
+except ImportError:
+    live = False
+
+if not live:
+    o_chunk, _ = ref.gated_delta_rule(q, k, v, g, beta, chunk_size=64)
+    o_rec, _ = ref.gated_delta_rule(q, k, v, g, beta, chunk_size=None)
+    err = np.linalg.norm(o_chunk - o_rec) / np.linalg.norm(o_rec)
+    print(f"no CUDA GPU here: chunked vs recurrence (fp64) {err:.1e}")
+    assert err < 1e-12
+else:
+    t = {n: torch.tensor(x, dtype=torch.bfloat16, device="cuda") for n, x in
+         dict(q=q, k=k, v=v, beta=beta).items()}
+    t["g"] = torch.tensor(g, dtype=torch.float32, device="cuda")
+    rounded = {n: x.double().cpu().numpy() for n, x in t.items()}
+    o_ref, _ = ref.gated_delta_rule(rounded["q"], rounded["k"], rounded["v"], rounded["g"], rounded["beta"])
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for tier in ["naive", "tiled"] + (["fused"] if hopper else []):
+        o, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], backend=tier)
+        torch.cuda.synchronize()
+        err = np.linalg.norm(o.double().cpu().numpy() - o_ref) / np.linalg.norm(o_ref)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], backend=tier)
+        end.record()
+        torch.cuda.synchronize()
+        print(f"{tier:6} relative error {err:.1e}, {start.elapsed_time(end) / 20:.3f} ms at {(B, T, H, D)}")
+        assert err < 1e-2, tier
+    o, _ = deltacp.chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"])
+    print("default backend ran:", deltacp.last_cuda_tier())
