@@ -98,6 +98,7 @@ std::vector<Shape> shapes() {
   v.push_back(fixed("K128_V64_T130", 1, 130, 2, 2, 128, 64));
   v.push_back(fixed("K64_V128", 1, 70, 1, 1, 64, 128));
   v.push_back(fixed("B3_T70_K128_V128", 3, 70, 2, 2, 128, 128));
+  v.push_back(varlen("K128_V128_varlen_grouped", {1, 64, 0, 65, 130, 200}, 1, 2, 128, 128));
   v.push_back(fixed("grouped_HV4_H2", 2, 40, 2, 4, 64, 32));
   v.push_back(fixed("long_T300", 1, 300, 1, 1, 64, 64));
   v.push_back(varlen("varlen_mixed", {1, 63, 64, 65, 130, 7}, 2, 2, 64, 64));
@@ -498,6 +499,13 @@ class TierAccuracy : public testing::TestWithParam<Combo> {
     if (!deltacp::cuda::supports(variant, tier, backward) && !opt_in)
       return skip(std::string(deltacp::to_string(tier)) + " does not implement this variant/direction");
     if (!shape.all_tiers && tier != Method::naive) return skip("naive-only shape");
+    if (tier == Method::fused) {  // its kernels' reach (cuda/fused/fused_fwd.cu forward_refusal)
+      int major = 0, minor = 0;
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+      if (shape.K != 128 || shape.V != 128 || dtype == DType::f32 || major != 9 || minor != 0)
+        return skip("the fused tier takes 16-bit inputs with K = V = 128 on compute capability 9.0");
+    }
     if (variant == Variant::dplr && shape.HV != shape.H) return skip("dplr takes HV == H only");
     if (shape.g_fp32 && (dtype == DType::f32 || variant == Variant::delta))
       return skip("g_fp32 changes nothing for fp32 inputs or a gate-free variant");
@@ -555,7 +563,7 @@ TEST_P(TierAccuracy, Backward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, TierAccuracy,
-                         testing::Combine(testing::Values(Method::naive, Method::tiled),
+                         testing::Combine(testing::Values(Method::naive, Method::tiled, Method::fused),
                                           testing::Values(Variant::delta, Variant::gdn, Variant::kda, Variant::dplr),
                                           testing::Values(DType::f32, DType::bf16, DType::f16),
                                           testing::ValuesIn(shapes())),
