@@ -131,8 +131,8 @@ def test_compiled_layer_cpu(variant, varlen):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("variant", ["gdn", "kda"])
-def test_compiled_layer_cuda(variant):
+@pytest.mark.parametrize("variant,varlen", [("gdn", False), ("kda", False), ("gdn", True)])
+def test_compiled_layer_cuda(variant, varlen):
     """The same layer on CUDA through Inductor (float32 weights; the default CUDA tier). Inductor
     reassociates the float32 arithmetic around the op (projections, l2 norm, gate): on the CPU the
     same float32 layer compiled by Inductor differed from eager by 1.7e-7 in the output and up to
@@ -141,9 +141,10 @@ def test_compiled_layer_cuda(variant):
         pytest.fail("a CUDA device is present but deltacp was built without the CUDA tiers")
     torch.manual_seed(0)
     layer = _Layer(variant, d=64, H=2, K=64, V=64, dtype=torch.float32).cuda()
-    x = torch.randn(2, 150, 64, device="cuda")
+    x = torch.randn(1 if varlen else 2, 300 if varlen else 150, 64, device="cuda")
+    cu = torch.tensor([0, 77, 300], device="cuda") if varlen else None  # the host copy made in the graph
     state = 0.1 * torch.randn(2, 2, 64, 64, device="cuda")
-    _compare(layer, x, state, "inductor", 1e-5, grad_tol=1e-3)
+    _compare(layer, x, state, "inductor", 1e-5, cu, grad_tol=1e-3)
 
 
 def test_compiled_matches_reference_numbers():
