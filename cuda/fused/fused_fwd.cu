@@ -28,7 +28,7 @@
 //     (3) S^T <- e^(G_n) S^T + Vns^T K       4 x wgmma m64n128k16 rs (K's tile MN-major)
 //         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major), same group
 //     (4) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as
-//         16-byte pieces of whole rows
+//         16-byte pieces of whole rows while the next chunk's first products run
 //   So per chunk q, k, W, U, P, g come in and o goes out; no per-chunk state (h) and no v_new, which
 //   the tiled tier's stages 3 and 4 move through HBM. Why P is made outside the chain: ptxas waits for
 //   every outstanding wgmma group before reading any register a wgmma wrote, so a Q K^T issued beside
@@ -51,7 +51,7 @@
 //
 // Shared memory (bf16, NWG = 2): two load stages of W, K, Q (16 KB each), P (8 KB), U (64 x 136) and G:
 // 148 KB; per warpgroup an output staging tile (9 KB): 167 KB in all, one CTA per SM (NWG = 1: 141 KB).
-// Registers: 253-255 per thread (nvcc 13.0), no spills.
+// Registers: 209 per thread (nvcc 13.0), no spills.
 //
 // Measured speed: see docs/perf.md (fused rows) and this file's commit history.
 #include <cuda_runtime.h>
@@ -297,6 +297,18 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
   const int sq = lane >> 3, srr = lane & 7;
   const int srow = 8 * (sq >> 1) + srr, scol = 16 * wi + 8 * (sq & 1);
 
+  // The staged output rows of a chunk (tokens t0 .. t0 + len - 1) as 16-byte pieces of whole rows.
+  auto store_staged = [&](int64_t t0, int len) {
+    const int i0 = wtid >> 3, pc = (wtid & 7) * 8;
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int i = i0 + 16 * it;
+      if (i < len)
+        *reinterpret_cast<uint4*>(args.o.at(se.batch, t0 + i, hv) + vw + pc) =
+            *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
+    }
+  };
+
   const int64_t nchunks = se.num_chunks;
   if (nchunks > 0) issue(0);
   for (int64_t c = 0; c < nchunks; ++c) {
@@ -336,6 +348,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
       wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
     }
     wg_commit();
+    // The previous chunk's output, staged at its end (the barrier that ended it made the tile visible),
+    // goes out while the products run.
+    if (c > 0) store_staged(t0 - cs, cs);
     wg_wait_all();
     reg_fence(Va);
     reg_fence(Oa);
@@ -398,7 +413,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
     reg_fence(va);
     reg_fence(vo);
 
-    // (4) O = scale Oa^T: staged tokens x 64 columns, then 16-byte pieces of the chunk's rows.
+    // (4) O = scale Oa^T, staged tokens x 64 columns (after every thread of the warpgroup has stored the
+    // previous chunk's rows from the tile); stored during the next chunk's first products.
+    warpgroup_bar(wg);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       const float s = args.scale;
@@ -408,19 +425,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
                              pack2<T>(s * Oa[8 * np + 6], s * Oa[8 * np + 7])};
       stmatrix_x4_trans(os + (16 * np + srow) * kLdStage + scol, r);
     }
-    warpgroup_bar(wg);
-    {
-      const int i0 = wtid >> 3, pc = (wtid & 7) * 8;
-#pragma unroll
-      for (int it = 0; it < 4; ++it) {
-        const int i = i0 + 16 * it;
-        if (i < len)
-          *reinterpret_cast<uint4*>(args.o.at(se.batch, t0 + i, hv) + vw + pc) =
-              *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
-      }
-    }
-    __syncthreads();  // this stage and the staging tiles are free
+    __syncthreads();  // this stage is free; the staged output is visible to the warpgroup
   }
+  if (nchunks > 0) store_staged(se.bos + (nchunks - 1) * cs, chunk_len(nchunks - 1));
 
   if (args.ht != nullptr) {
 #pragma unroll
