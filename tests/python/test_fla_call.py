@@ -97,12 +97,36 @@ def _rounded(p, opts, t):
     return r, o
 
 
+def _core_inputs(variant, r, o, dtype):
+    """(q, k, g, beta) as the op's pre-pass hands them to the delta rule: each option in float64, then
+    rounded to the dtype the op keeps it in (q, k, beta: the input dtype; the gate's log decay: float32).
+    None in float64, where the reference's own pre-pass is what the op computes."""
+    if dtype == torch.float64:
+        return None
+
+    def rnd(x, dt):
+        return torch.tensor(x).to(dt).double().numpy()
+
+    q, k, g, beta = r["q"], r["k"], r["g"], r["beta"]
+    if o.get("use_qk_l2norm_in_kernel"):
+        q, k = rnd(ref.l2norm(q), dtype), rnd(ref.l2norm(k), dtype)
+    if o.get("use_beta_sigmoid_in_kernel"):
+        beta = rnd(ref.beta_sigmoid(beta, o.get("allow_neg_eigval", False)), dtype)
+    if o.get("use_gate_in_kernel"):
+        g = rnd(ref.fla_gate(variant, g, o["A_log"], o.get("dt_bias"), o.get("lower_bound")), torch.float32)
+    return q, k, g, beta
+
+
 def _check_against_reference(variant, case, dtype, device, backend, cu=None, chunk_size=16, **shape):
+    """The op on p's raw inputs against the reference applied to the pre-processed inputs (in float64
+    the reference's own pre-pass; in 16-bit / float32 the pre-pass rounded as the op rounds it), forward
+    and every gradient, the options' gradients by the reference's hand-written chain rule."""
     p, opts = _raw(variant, case, cu=cu, **shape)
     o, ht, t = _torch_call(variant, p, opts, dtype=dtype, device=device, cu=cu, backend=backend,
                            chunk_size=chunk_size)
     r, ropts = _rounded(p, opts, t)
     ropts.pop("safe_gate", None)
+    ropts["core_inputs"] = _core_inputs(variant, r, ropts, dtype)
     o_ref, ht_ref = ref.fla_forward(variant, r["q"], r["k"], r["v"], r["g"], r["beta"], initial_state=r["h0"],
                                     cu_seqlens=cu, chunk_size=16, **ropts)
     tol = TOL[dtype]

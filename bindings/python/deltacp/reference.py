@@ -633,13 +633,16 @@ def _swap_kv(x):
 
 
 def fla_forward(variant, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True,
-                cu_seqlens=None, chunk_size=None, *, method=None, **options):
+                cu_seqlens=None, chunk_size=None, *, method=None, core_inputs=None, **options):
     """gdn / kda forward with FLA 0.5.2's keyword options (float64): use_qk_l2norm_in_kernel,
     use_gate_in_kernel with A_log and dt_bias, lower_bound (kda), use_beta_sigmoid_in_kernel,
-    allow_neg_eigval, state_v_first (states [N, HV, V, K]) -> (o, final_state or None)."""
+    allow_neg_eigval, state_v_first (states [N, HV, V, K]) -> (o, final_state or None).
+
+    core_inputs: (q, k, g, beta) to run the delta rule on instead of the float64 pre-pass, e.g. the
+    pre-pass rounded as a 16-bit op rounds it (the reference applied to the pre-processed inputs)."""
     if variant not in ("gdn", "kda"):
         raise ValueError(f"deltacp: argument 'variant': expected 'gdn' or 'kda', got {variant!r}")
-    qq, kk, gg, bb = _fla_prepass(variant, q, k, g, beta, options)
+    qq, kk, gg, bb = _fla_prepass(variant, q, k, g, beta, options) if core_inputs is None else core_inputs
     v_first = options.get("state_v_first", False)
     h0 = _swap_kv(initial_state) if v_first else initial_state
     fwd = gated_delta_rule if variant == "gdn" else kda
@@ -649,14 +652,15 @@ def fla_forward(variant, q, k, v, g, beta, scale=None, initial_state=None, outpu
 
 
 def fla_backward(variant, q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, cu_seqlens=None,
-                 chunk_size=None, *, method=None, **options) -> dict:
+                 chunk_size=None, *, method=None, core_inputs=None, **options) -> dict:
     """The gradients of fla_forward's L = sum(o * do) + sum(ht * dht) with respect to its raw inputs:
     dict(dq, dk, dv, dg, dbeta, dh0) and, with use_gate_in_kernel, dA_log and ddt_bias (None without
-    dt_bias). The core backward's gradients chained through the options' hand-written backward."""
+    dt_bias). The core backward's gradients (at core_inputs when given, as in fla_forward) chained
+    through the options' hand-written backward at the raw inputs."""
     if variant not in ("gdn", "kda"):
         raise ValueError(f"deltacp: argument 'variant': expected 'gdn' or 'kda', got {variant!r}")
     o = options
-    qq, kk, gg, bb = _fla_prepass(variant, q, k, g, beta, o)
+    qq, kk, gg, bb = _fla_prepass(variant, q, k, g, beta, o) if core_inputs is None else core_inputs
     v_first = o.get("state_v_first", False)
     h0 = _swap_kv(initial_state) if v_first else initial_state
     dht_kv = _swap_kv(dht) if v_first else dht
