@@ -106,8 +106,8 @@ def _state_to_kv(initial_state, state_v_first):
         raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got "
                         f"{type(initial_state).__name__}")
     if initial_state.dim() != 4:
-        raise InvalidArgumentError(f"deltacp: argument 'initial_state': expected 4 dims [N, H, V, K] (state_v_first), got "
-                         f"shape {list(initial_state.shape)}")
+        raise InvalidArgumentError(f"deltacp: argument 'initial_state': expected 4 dims [N, H, V, K] "
+                                   f"(state_v_first), got shape {list(initial_state.shape)}")
     return initial_state.transpose(-1, -2)  # [N, H, K, V] view; ops casts / makes it contiguous
 
 
@@ -125,12 +125,12 @@ def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_
     b = _ops._tensor(b, "b", q)
     if q.device.type != "cuda":
         raise InvalidArgumentError(f"deltacp: argument 'backend': 'tiled' is a CUDA tier and needs CUDA tensors, got "
-                         f"tensors on {q.device}")
+                                   f"tensors on {q.device}")
     if not _core.built_with_cuda():
         raise InvalidArgumentError("deltacp: argument 'backend': this deltacp was built without the CUDA tiers")
     if q.dim() != 4 or v.dim() != 4:
         raise InvalidArgumentError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K] for q and v, got shapes "
-                         f"{list(q.shape)} and {list(v.shape)}")
+                                   f"{list(q.shape)} and {list(v.shape)}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
     cfg = _ops._Config()
@@ -150,7 +150,7 @@ def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_
             raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got {type(h0).__name__}")
         if h0.device != q.device:
             raise InvalidArgumentError(f"deltacp: argument 'initial_state': expected device {q.device} (like q), got "
-                             f"{h0.device}")
+                                       f"{h0.device}")
         h0 = h0.to(torch.float32).contiguous()
     cfg.fwd_method = "tiled"
     cfg.bwd_method = "tiled" if _core.cuda_supports("dplr", "tiled", True) else "naive"
@@ -175,20 +175,21 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale: Optional[float] = None, init
     gate_check = _flag(gate_check, "gate_check")
     cs = _chunk_size(chunk_size)
     if backend is not None and backend not in _ops.BACKENDS:
-        raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {_ops.BACKENDS}, got {backend!r}")
+        raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {_ops.BACKENDS}, "
+                                   f"got {backend!r}")
     if backend == "fused":
         raise InvalidArgumentError("deltacp: argument 'backend': the fused tier does not implement dplr; use None, "
-                         "'naive' or 'tiled' on CUDA")
+                                   "'naive' or 'tiled' on CUDA")
     if lower_bound is not None:
         if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real) or \
                 not math.isfinite(lower_bound):
             raise TypeError(f"deltacp: argument 'lower_bound': expected a finite float or None, got {lower_bound!r}")
         if lower_bound >= 0:
-            raise InvalidArgumentError(f"deltacp: argument 'lower_bound': expected a negative bound (gk is a log decay, "
-                             f"lower_bound <= gk < 0), got {lower_bound}")
+            raise InvalidArgumentError(f"deltacp: argument 'lower_bound': expected a negative bound (gk is a log "
+                                       f"decay, lower_bound <= gk < 0), got {lower_bound}")
     if cp_context is not None and state_v_first:
         raise InvalidArgumentError("deltacp: argument 'state_v_first': expected False with cp_context (the CP op takes "
-                         "states in the [K, V] layout)")
+                                   "states in the [K, V] layout)")
     h0 = _state_to_kv(initial_state, state_v_first)
 
     if not isinstance(gk, torch.Tensor):

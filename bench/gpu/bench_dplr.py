@@ -1,0 +1,130 @@
+"""DPLR on one GPU: deltacp's tiled DPLR forward (and forward + backward, whose backward is the naive tier until
+a tiled DPLR backward exists) beside FLA's chunk_dplr_delta_rule at chunk 16 (its default) and chunk 64 with
+safe_gate=True, bf16, median of triton's do_bench; plus the error of each against the float64 reference.
+
+    python3 bench/gpu/bench_dplr.py --out dplr.json            # FLA's source on PYTHONPATH for its rows
+
+Inputs as FLA's DPLR tests draw them: q, k, v ~ randn; a = normalize(rand), b = -a; gk = logsigmoid(randn),
+clamped to [-5, 0] (FLA's safe_gate range, the same inputs for every implementation). Shapes (B, T, H, D):
+(4, 4096, 32, 64), (2, 8192, 32, 64), (1, 16384, 16, 128). Each row records the GPU's name and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(4, 4096, 32, 64), (2, 8192, 32, 64), (1, 16384, 16, 128)]
+LOWER = -5.0
+
+
+def make_inputs(B, T, H, D, seed=0, dtype=torch.bfloat16, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, dtype=torch.float32, generator=gen)  # noqa: E731
+    a = F.normalize(torch.rand(B, T, H, D, device=device, dtype=torch.float32, generator=gen), p=2, dim=-1)
+    gk = F.logsigmoid(r(B, T, H, D)).clamp(LOWER, 0.0)
+    return dict(q=r(B, T, H, D).to(dtype), k=r(B, T, H, D).to(dtype), v=r(B, T, H, D).to(dtype), a=a.to(dtype),
+                b=(-a).to(dtype), gk=gk)
+
+
+def deltacp_fn(backend):
+    import deltacp
+
+    def run(x):
+        return deltacp.chunk_dplr_delta_rule(x["q"], x["k"], x["v"], x["a"], x["b"], x["gk"], backend=backend,
+                                             lower_bound=LOWER)
+    return run
+
+
+def fla_fn(chunk_size, safe_gate):
+    try:
+        from fla.ops.generalized_delta_rule import chunk_dplr_delta_rule as op
+    except Exception as e:  # FLA not on PYTHONPATH
+        print(f"FLA not available: {e}", file=sys.stderr)
+        return None
+    kw = dict(chunk_size=chunk_size)
+    if safe_gate:
+        kw.update(safe_gate=True, lower_bound=LOWER)
+
+    def run(x):
+        return op(x["q"], x["k"], x["v"], x["a"], x["b"], x["gk"], **kw)
+    return run
+
+
+def bench_ms(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_impl(fn, shape, backward):
+    B, T, H, D = shape
+    x = make_inputs(B, T, H, D)
+    names = ("q", "k", "v", "a", "b", "gk")
+    if backward:
+        for n in names:
+            x[n].requires_grad_(True)
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o = fn(x)[0]
+        if backward:
+            torch.autograd.grad(o, [x[n] for n in names], do)
+    step()  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    return bench_ms(step)
+
+
+def accuracy(impls):
+    """||o - ref|| / ||ref|| of each implementation's forward on bf16 inputs, against float64."""
+    import numpy as np
+    import deltacp.reference as R
+    B, T, H, D = 2, 1000, 4, 64
+    x = make_inputs(B, T, H, D, seed=1)
+    xd = {n: t.double().cpu().numpy() for n, t in x.items()}
+    o_ref, _ = R.dplr(xd["q"], xd["k"], xd["v"], xd["a"], xd["b"], xd["gk"], scale=D ** -0.5)
+    out = {}
+    for name, fn in impls.items():
+        with torch.no_grad():
+            o = fn(x)[0].double().cpu().numpy()
+        out[name] = float(np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_dplr.json")
+    args = ap.parse_args()
+    impls = {"deltacp_tiled": deltacp_fn("tiled"), "deltacp_naive": deltacp_fn("naive")}
+    for cs, safe in ((16, False), (64, True)):
+        f = fla_fn(cs, safe)
+        if f is not None:
+            impls[f"fla_chunk{cs}" + ("_safe_gate" if safe else "")] = f
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), dtype="bf16",
+                  gate=f"logsigmoid(randn) clamped to [{LOWER}, 0]", rows=[], errors_vs_fp64=accuracy(impls))
+    for shape in SHAPES:
+        for backward in (False, True):
+            row = dict(shape=list(shape), direction="fwd+bwd" if backward else "fwd")
+            for name, fn in impls.items():
+                try:
+                    row[name + "_ms"] = time_impl(fn, shape, backward)
+                except Exception as e:  # noqa: BLE001 - record and go on (e.g. a shape one side refuses)
+                    row[name + "_ms"] = None
+                    row[name + "_error"] = f"{type(e).__name__}: {e}"[:300]
+                torch.cuda.empty_cache()
+            fla = [row.get(k) for k in row if k.startswith("fla_") and k.endswith("_ms") and row.get(k)]
+            if fla and row.get("deltacp_tiled_ms"):
+                row["speedup_vs_faster_fla"] = min(fla) / row["deltacp_tiled_ms"]
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    print(json.dumps(result["errors_vs_fp64"]))
+
+
+if __name__ == "__main__":
+    main()
