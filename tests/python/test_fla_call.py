@@ -344,6 +344,24 @@ def test_fla_positional_order_and_aliases():
     assert all(torch.equal(x, y) for x, y in zip(by_name, by_pos))
 
 
+def test_delta_rule_fla_positional_order():
+    """chunk_delta_rule(q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+    cu_seqlens, ...) as FLA 0.5.2 orders it."""
+    rng = np.random.default_rng(14)
+    q, k = (torch.tensor(rng.standard_normal((1, 20, 1, 4))) for _ in range(2))
+    v = torch.tensor(rng.standard_normal((1, 20, 2, 3)))
+    beta = torch.tensor(ref.sigmoid(rng.standard_normal((1, 20, 2))))
+    h0 = torch.tensor(rng.standard_normal((2, 2, 4, 3)))
+    cu = torch.tensor([0, 9, 20])
+    by_pos = deltacp.chunk_delta_rule(q, k, v, beta, None, h0, True, True, cu)
+    by_name = deltacp.chunk_delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    assert all(torch.equal(x, y) for x, y in zip(by_pos, by_name))
+    o_ref, ht_ref = ref.delta_rule(ref.l2norm(q.numpy()), ref.l2norm(k.numpy()), v.numpy(), beta.numpy(),
+                                   initial_state=h0.numpy(), cu_seqlens=cu.numpy(), chunk_size=64)
+    assert rel_err(by_pos[0].numpy(), o_ref) < 1e-12 and rel_err(by_pos[1].numpy(), ht_ref) < 1e-12
+
+
 # ---------------------------------------------------------------------------------------------
 # arguments deltacp does not take, and values it refuses
 # ---------------------------------------------------------------------------------------------

@@ -344,10 +344,11 @@ def _l2norm_only(variant, use_qk_l2norm_in_kernel):
 
 
 def chunk_delta_rule(q, k, v, beta, scale: Optional[float] = None, initial_state=None,
-                     output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
-                     chunk_size: int = 64, use_qk_l2norm_in_kernel: bool = False, cu_seqlens_cpu=None,
-                     cp_context=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """DeltaNet (no gate): beta [B, T, HV]."""
+                     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None,
+                     cu_seqlens_cpu=None, cp_context=None, *, chunk_size: int = 64,
+                     backend: Optional[str] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """DeltaNet (no gate): beta [B, T, HV]. FLA 0.5.2's positional order (use_qk_l2norm_in_kernel
+    before cu_seqlens); chunk_size and deltacp's backend by keyword."""
     return _apply("delta", q, k, v, None, beta, None, None, scale, initial_state, output_final_state, cu_seqlens,
                   backend, chunk_size, cp_context, cu_seqlens_cpu, _l2norm_only("delta", use_qk_l2norm_in_kernel))
 
