@@ -20,8 +20,8 @@
 // accumulation for bf16 / fp16, FFMA for fp32, through fwd_mma.cuh's warp_mma; KP = 64 for K <= 64, 128
 // for K <= 128; VP = V rounded up to 32):
 //
-//   1 dplr_wy_kernel      grid (chunks, H)          G (cumsum), A_ab, A_ak (scores), T (forward
-//                                                   substitution, one thread per column, fp32), W, U,
+//   1 dplr_wy_kernel      grid (chunks, H)          G (cumsum), A_ab, A_ak (scores), T (fp32, by 16 x 16
+//                                                   blocks: diagonal ones by substitution), W, U,
 //                                                   Kd = k e^(G_n - G), Bd = b e^(G_n - G), D_n
 //   2 dplr_scan_kernel    grid (N * H, VP / 32)     sequential over a sequence's chunks; the state's 32
 //                                                   columns stay in fp32 registers (warp w: rows
@@ -37,18 +37,21 @@
 // Dynamic shared memory (bytes, from the layout structs WySmem / ScanSmem / OutSmem below; each launch checks
 // it against the GPU's opt-in limit and throws an Error naming K when it does not fit):
 //                 bf16/fp16 K <= 64   K <= 128     fp32 K <= 64   K <= 128
-//   wy            97,040              139,024      138,768        220,944
+//   wy            100,112             142,096      141,840        224,016
 //   scan          48,384              78,336       89,344         147,968
 //   output        72,704              121,856      121,856        203,776
 //   wy: a, b, k tiles 64 x (KP+pad); G 65 x (KP+4) fp32; scratch (the scores' reference-row tiles, then T in
-//   fp32, then a V tile); A_ab 64 x 65 fp32; A_ak and T as 64 x (64+pad) tiles. scan: W, Kd, Bd tiles; U, V,
-//   Ut 64 x (32+pad); S as a KP x (32+pad) operand; D_n. output: q, k, b tiles; G fp32; scratch; P_qk, P_qb
-//   (the per-block h, V, Ut tiles reuse k and b). So 16-bit K <= 64 fits every sm_80+ GPU (sm_86 / sm_89:
-//   99 KB), 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90's 163 / 227 KB, fp32 K <= 128 Hopper only.
-// Registers (nvcc --resource-usage, sm_80): wy 80 (KP 64) / 128 (KP 128), scan 122 / 96, output 118 / 88-89;
-// no spills except 4 bytes in the fp16 KP = 64 wy kernel. Speed: not yet timed (no GPU run yet). This is the
-// straightforward first version: T is a 64-step forward substitution per column (64 of the 128 threads), the
-// wy stage at K = 128 runs one 139 KB CTA per SM, and the scan's grid is N * H * VP / 32 CTAs.
+//   fp32, then a V tile); A_ab 64 x 65 fp32; A_ak and T as 64 x (64+pad) tiles; 3 x 16 x 16 fp32 for T's
+//   blocks. scan: W, Kd, Bd tiles; U, V, Ut 64 x (32+pad); S as a KP x (32+pad) operand; D_n. output: q, k, b
+//   tiles; G fp32; scratch; P_qk, P_qb (the per-block h, V, Ut tiles reuse k and b). So 16-bit K <= 64 fits
+//   every sm_80+ GPU (sm_86 / sm_89: 99 KB), 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90's 163 / 227
+//   KB, fp32 K <= 128 Hopper only.
+// Registers (nvcc 13 --resource-usage; sm_80 / sm_90a, 16-bit inputs): wy 80 / 72-79 (KP 64), 128 / 72 (KP
+// 128); scan 122 / 91, 96 / 80; output 118 / 87, 88-89 / 76-77. Spills: none except 4-16 bytes in some wy
+// kernels (fp16 KP 64 sm_80, fp32 KP 64 sm_80, fp16 KP 128, bf16 KP 64 and fp32 KP 128 on sm_90a).
+// Speed: not yet timed (no GPU run yet). This is the straightforward first version: T's blocks are products
+// of fp32 loops (not tensor cores), the wy stage at K = 128 runs one 142 KB CTA per SM, and the scan's grid is
+// N * H * VP / 32 CTAs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -134,11 +137,13 @@ struct WySmem {
   static constexpr int64_t G = k + tileK;  // 65 rows: row 0 = 0, row i + 1 = G_i (so row i = Gp_i)
   static constexpr int64_t scratch = G + align16(int64_t(kDRows + 1) * ldg * 4);
   static constexpr int64_t scratch_bytes =
-      align16(std::max<int64_t>(std::max<int64_t>(tileK, int64_t(kDRows) * ldf * 4), int64_t(kDRows) * ldv * sizeof(T)));
+      align16(std::max<int64_t>(std::max<int64_t>(tileK, int64_t(kDRows) * ldf * 4),
+                                int64_t(kDRows) * ldv * sizeof(T)));
   static constexpr int64_t Aab = scratch + scratch_bytes;
   static constexpr int64_t Ak = Aab + align16(int64_t(kDRows) * ldf * 4);
   static constexpr int64_t Tt = Ak + align16(int64_t(kDRows) * ld64 * sizeof(T));
-  static constexpr int64_t bytes = Tt + align16(int64_t(kDRows) * ld64 * sizeof(T));
+  static constexpr int64_t Xb = Tt + align16(int64_t(kDRows) * ld64 * sizeof(T));  // 3 blocks of 16 x 16 fp32
+  static constexpr int64_t bytes = Xb + 3 * 256 * 4;
 };
 
 template <class T, int KP>
@@ -191,6 +196,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_wy_kernel(const DplrArgs<T> x)
   float* Aab = smem_at<float>(smem, L::Aab);
   T* Ak = smem_at<T>(smem, L::Ak);
   T* Tt = smem_at<T>(smem, L::Tt);
+  float* Xb = smem_at<float>(smem, L::Xb);
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const ChunkEntry ch = x.chunks[blockIdx.x];
@@ -232,18 +238,44 @@ __global__ void __launch_bounds__(kDThreads) dplr_wy_kernel(const DplrArgs<T> x)
   dplr_scores<T, kDThreads>(sa, sk, L::ldk, sG, sG + L::ldg, L::ldg, Xr, Yr, KP, len, false,
                             [&](int i, int j, float val) { Ak[i * L::ld64 + j] = from_f<T>(val); });
 
-  // T = (I - A_ab)^-1 by forward substitution, column c by thread c: T_ic = [i == c] + sum_{c <= j < i} A_ij T_jc.
-  // Columns are independent, so no synchronisation between rows.
+  // T = (I - A_ab)^-1 in fp32, by 16 x 16 blocks. (I - A) T = I gives, for block rows i > j,
+  //   T_ii = (I - A_ii)^-1,   T_ij = T_ii sum_{j <= k < i} A_ik T_kj,
+  // so: the 4 diagonal blocks by forward substitution (thread (a, c): column c of block a, 16 steps), then
+  // block rows 1..3 in turn, each from the rows above it (two 16 x 16 products per block, all 128 threads).
+  // Rows past len have A = 0 and come out as rows of I.
   if (tid < kDRows) {
-    const int c = tid;
-    for (int i = 0; i <= c; ++i) Tm[i * L::ldf + c] = (i == c) ? 1.f : 0.f;
-    for (int i = c + 1; i < kDRows; ++i) {
-      float s = 0.f;
-      for (int j = c; j < i; ++j) s = fmaf(Aab[i * L::ldf + j], Tm[j * L::ldf + c], s);
-      Tm[i * L::ldf + c] = s;
+    const int base = 16 * (tid >> 4), c = tid & 15;
+    for (int i = 0; i < 16; ++i) {
+      float s = (i == c) ? 1.f : 0.f;  // T_ic = [i == c] + sum_{c <= j < i} A_ij T_jc (0 for i < c)
+      for (int j = c; j < i; ++j) s = fmaf(Aab[(base + i) * L::ldf + base + j], Tm[(base + j) * L::ldf + base + c], s);
+      Tm[(base + i) * L::ldf + base + c] = s;
     }
   }
+  for (int idx = tid; idx < kDRows * kDRows; idx += kDThreads) {  // blocks above the block diagonal: 0
+    const int i = idx >> 6, j = idx & 63;
+    if ((j >> 4) > (i >> 4)) Tm[i * L::ldf + j] = 0.f;
+  }
   __syncthreads();
+#pragma unroll 1
+  for (int bi = 1; bi < 4; ++bi) {
+    for (int idx = tid; idx < bi * 256; idx += kDThreads) {  // Xb[j] = sum_{j <= k < bi} A_{bi,k} T_{k,j}
+      const int j = idx >> 8, r = (idx >> 4) & 15, c = idx & 15;
+      const float* arow = Aab + (16 * bi + r) * L::ldf;
+      float s = 0.f;
+      for (int m = 16 * j; m < 16 * bi; ++m) s = fmaf(arow[m], Tm[m * L::ldf + 16 * j + c], s);
+      Xb[idx] = s;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < bi * 256; idx += kDThreads) {  // T_{bi,j} = T_{bi,bi} Xb[j]
+      const int j = idx >> 8, r = (idx >> 4) & 15, c = idx & 15;
+      const float* trow = Tm + (16 * bi + r) * L::ldf + 16 * bi;
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) s = fmaf(trow[m], Xb[(j << 8) + (m << 4) + c], s);
+      Tm[(16 * bi + r) * L::ldf + 16 * j + c] = s;
+    }
+    __syncthreads();
+  }
   for (int idx = tid; idx < kDRows * kDRows; idx += kDThreads) {
     const int i = idx >> 6, j = idx & 63;
     Tt[i * L::ld64 + j] = from_f<T>(Tm[i * L::ldf + j]);
@@ -500,7 +532,8 @@ void dplr_prepare_smem(Kernel kernel, int64_t bytes, const Params& p, const char
     throw_error("K", "the tiled DPLR ", stage, " needs ", bytes, " bytes of shared memory for K = ", p.K,
                 " and dtype ", to_string(p.dtype), "; this GPU allows ", limit,
                 " (use the naive tier, or 16-bit inputs)");
-  DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  DELTACP_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
 // Stream-ordered workspace buffers, freed on the stream when the forward returns.
