@@ -328,6 +328,35 @@ void cuda_release_workspace() {
 #endif
 }
 
+// The one-pass l2 norm of rows (deltacp/cuda/api.h l2norm_rows), on device pointers; deltacp/_l2norm.py
+// registers it as the torch op deltacp::l2norm_rows.
+void cuda_l2norm_rows(uintptr_t x, uintptr_t y, uintptr_t rstd, int64_t rows, int64_t D, const std::string& dtype,
+                      double eps, uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  const DType dt = parse_float_dtype(dtype, "x");
+  py::gil_scoped_release nogil;
+  cuda::l2norm_rows(reinterpret_cast<const void*>(x), reinterpret_cast<void*>(y), reinterpret_cast<float*>(rstd),
+                    rows, D, dt, static_cast<float>(eps), reinterpret_cast<void*>(stream));
+#else
+  (void)x, (void)y, (void)rstd, (void)rows, (void)D, (void)dtype, (void)eps, (void)stream;
+  no_cuda("the l2 norm kernel");
+#endif
+}
+
+void cuda_l2norm_rows_backward(uintptr_t x, uintptr_t rstd, uintptr_t dy, uintptr_t dx, int64_t rows, int64_t D,
+                               const std::string& dtype, uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  const DType dt = parse_float_dtype(dtype, "x");
+  py::gil_scoped_release nogil;
+  cuda::l2norm_rows_backward(reinterpret_cast<const void*>(x), reinterpret_cast<const float*>(rstd),
+                             reinterpret_cast<const void*>(dy), reinterpret_cast<void*>(dx), rows, D, dt,
+                             reinterpret_cast<void*>(stream));
+#else
+  (void)x, (void)rstd, (void)dy, (void)dx, (void)rows, (void)D, (void)dtype, (void)stream;
+  no_cuda("the l2 norm kernel");
+#endif
+}
+
 // (tier, why) of the last CUDA forward or backward this thread launched.
 py::tuple cuda_last_tier() {
 #ifdef DELTACP_WITH_CUDA
@@ -418,6 +447,12 @@ void register_batch_api(py::module_& m) {
         "width] leaving them when entered with init (0: [0 | I]), into out.");
   m.def("cuda_release_workspace", &cuda_release_workspace,
         "Hand the CUDA kernels' cached workspace memory back to the driver (no-op without CUDA).");
+  m.def("cuda_l2norm_rows", &cuda_l2norm_rows, py::arg("x"), py::arg("y"), py::arg("rstd"), py::arg("rows"),
+        py::arg("D"), py::arg("dtype"), py::arg("eps"), py::arg("stream"),
+        "y = x / sqrt(sum(x^2) + eps) over rows of D contiguous elements (device pointers); rstd: 1 / norm.");
+  m.def("cuda_l2norm_rows_backward", &cuda_l2norm_rows_backward, py::arg("x"), py::arg("rstd"), py::arg("dy"),
+        py::arg("dx"), py::arg("rows"), py::arg("D"), py::arg("dtype"), py::arg("stream"),
+        "dx = rstd (dy - y (y . dy)), y = x rstd, over rows of D contiguous elements (device pointers).");
   m.def("cuda_last_tier", &cuda_last_tier,
         "(tier, why): the CUDA tier the last forward or backward of this thread ran, and why that one.");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),

@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import _l2norm
 from .errors import DTypeError, InvalidArgumentError
 
 __all__ = ["FlaOptions", "parse", "l2norm", "beta_activation", "gdn_gate", "kda_gate", "preprocess",
@@ -217,6 +218,8 @@ def _math_dtype(*ts):
 
 def l2norm(x, eps: float = L2NORM_EPS):
     """x / sqrt(sum(x^2) + eps) along the last dim, in float32 or better, returned in x's dtype."""
+    if _l2norm.applies(x):  # CUDA: one pass each way (deltacp/_l2norm.py), the same float32 math
+        return _l2norm.l2norm_rows(x, eps)
     xf = x.to(_math_dtype(x))
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -48,6 +48,14 @@ struct TierChoice {
 };
 TierChoice last_tier_choice();
 
+// x / sqrt(sum(x^2) + eps) over the last dimension of `rows` contiguous rows of D elements (D <= 256): fp32
+// math, y in x's dtype; rstd (fp32 [rows], optional) keeps 1 / norm for the backward, which writes
+// dx = r (dy - y (y . dy)) (cuda/common/l2norm.cu). FLA's use_qk_l2norm_in_kernel for q and k, in one pass
+// each way, on `stream`.
+void l2norm_rows(const void* x, void* y, float* rstd, int64_t rows, int64_t D, DType dtype, float eps, void* stream);
+void l2norm_rows_backward(const void* x, const float* rstd, const void* dy, void* dx, int64_t rows, int64_t D,
+                          DType dtype, void* stream);
+
 // The forward in stages around h0, for context parallelism (the tiled tier only):
 //
 //   auto s = forward_prepare(p, Method::tiled);   // the stages that do not read h0: the cumulative

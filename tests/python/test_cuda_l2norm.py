@@ -1,0 +1,54 @@
+"""The one-pass CUDA l2 norm of rows (cuda/common/l2norm.cu, deltacp/_l2norm.py) that FLA's
+use_qk_l2norm_in_kernel runs on CUDA tensors: forward and gradient against the torch expression in
+float64, the registered op (torch.library.opcheck). Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deltacp  # noqa: E402
+from deltacp import _l2norm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _torch_l2norm(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("D", [128, 64, 100, 256, 1])
+def test_l2norm_rows_against_torch(dtype, tol, D):
+    if not deltacp.built_with_cuda():
+        pytest.fail("a CUDA device is present but deltacp was built without the CUDA tiers")
+    torch.manual_seed(D)
+    x = (3 * torch.randn(2, 37, 3, D, device="cuda")).to(dtype).requires_grad_(True)
+    assert _l2norm.applies(x)
+    y = _l2norm.l2norm_rows(x)
+    x64 = x.detach().double().requires_grad_(True)
+    y64 = _torch_l2norm(x64)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert ((y.double() - y64).norm() / y64.norm()).item() < tol
+    dy = torch.randn_like(y64)
+    (y.double() * dy).sum().backward()
+    (y64 * dy).sum().backward()
+    err = ((x.grad.double() - x64.grad).norm() / x64.grad.norm()).item()
+    assert err < 2 * tol, err
+
+
+def test_l2norm_rows_on_views_and_the_fla_option():
+    """A non-contiguous view is normalised like its contiguous copy; deltacp.fla_options.l2norm takes the
+    kernel on CUDA."""
+    from deltacp import fla_options
+
+    x = torch.randn(4, 50, 2, 256, device="cuda", dtype=torch.bfloat16)[..., :128]
+    assert torch.equal(_l2norm.l2norm_rows(x), _l2norm.l2norm_rows(x.contiguous()))
+    assert torch.equal(fla_options.l2norm(x), _l2norm.l2norm_rows(x.contiguous()))
+
+
+def test_l2norm_rows_opcheck():
+    x = torch.randn(3, 5, 64, device="cuda", dtype=torch.float32, requires_grad=True)
+    torch.library.opcheck(torch.ops.deltacp.l2norm_rows.default, (x, 1e-6))
