@@ -92,7 +92,8 @@ plt.tight_layout()
 plt.show()
 for T in (16384, 131072, 1048576):
     r, k = sum(ring_bytes(T, 4, H, D)), sum(kcp_bytes(4, H, D, D))
-    print(f"T = {T:>8}, N = 4: ring attention {r / 2**20:9.1f} MiB, KCP {k / 2**20:6.1f} MiB per rank (ratio {r / k:.0f})")
+    print(f"T = {T:>8}, N = 4: ring attention {r / 2**20:9.1f} MiB, KCP {k / 2**20:6.1f} MiB per rank "
+          f"(ratio {r / k:.0f})")
 
 # %% [markdown]
 # ## The same bytes on CPU ranks
@@ -126,7 +127,8 @@ def rank_rows(text):
 
 
 ring_sent = [int(r[7]) for r in rank_rows(ring_out)]  # rank, 4 errors, visible pairs, computed, sent B, ...
-kcp_xfer = [int(r[11]) for r in rank_rows(kcp_out)]  # rank, tokens, segs, pre, post, 3 errors, 2 times, tok/s, exchange B
+# KCP's row: rank, tokens, segs, pre, post, 3 errors, 2 times, tokens/s, exchange B
+kcp_xfer = [int(r[11]) for r in rank_rows(kcp_out)]
 print("ring attention, bytes each rank sent in the forward:", ring_sent,
       "formula:", ring_bytes(512, 4, 2, 32, elem=4)[0])
 # gdn_cp reports what the two all-gathers DELIVERED to the rank: N buffers of [H | M] (its own included).
@@ -187,9 +189,10 @@ for N in (2, 4, 8):
               f"of its local state pass")
 
 # %% [markdown]
-# The merge is a few percent of the local work at realistic sizes and needs no change of layout. For causal softmax attention the imbalance of
-# contiguous slices is the whole $2N-1$ factor, which is why ring attention ships with the zig-zag
-# layout (and why its callers must shard and unshard their tensors in that order).
+# The merge is a few percent of the local work at realistic sizes and needs no change of layout. For
+# causal softmax attention the imbalance of contiguous slices is the whole $2N-1$ factor, which is why
+# ring attention ships with the zig-zag layout (and why its callers must shard and unshard their
+# tensors in that order).
 #
 # ## Recorded GPU numbers
 #

@@ -39,7 +39,8 @@ def _check(x, weight, bias, activation, cu_seqlens, cp_context):
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 3:
         raise ValueError(f"deltacp: argument 'x': expected [B, T, D], got shape {list(x.shape)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != x.shape[2] or weight.shape[1] < 1:
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != x.shape[2]
+            or weight.shape[1] < 1):
         raise ValueError(f"deltacp: argument 'weight': expected [D, W] with D = {x.shape[2]} and W >= 1, got "
                          f"{list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
     if weight.dtype != x.dtype:

@@ -504,7 +504,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"deltacp: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"deltacp: argument '{name}': expected [B, T_local, heads, dim], got shape {list(t.shape)}")
+            raise ValueError(f"deltacp: argument '{name}': expected [B, T_local, heads, dim], got shape "
+                             f"{list(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"deltacp: argument '{name}': expected a floating-point tensor, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:

@@ -122,9 +122,11 @@ def _run(args, device) -> int:
         block = args.block or T // (2 * world)
         print(f"deltacp ring attention: {world} ranks ({'gloo' if device.type == 'cpu' else 'NCCL'}, steps: "
               f"{os.environ.get('DELTACP_RING_KERNEL', 'auto')}), B={B} T={T} "
-              f"H={H} HKV={HKV} D={D}, {args.dtype}, {'causal' if args.causal else 'non-causal'}, zig-zag block {block}")
+              f"H={H} HKV={HKV} D={D}, {args.dtype}, {'causal' if args.causal else 'non-causal'}, "
+              f"zig-zag block {block}")
         if args.check:
-            print(f"errors: relative ||ring - single|| / ||single|| (single: plain attention in fp64); tolerance {tol:g}")
+            print(f"errors: relative ||ring - single|| / ||single|| (single: plain attention in fp64); "
+                  f"tolerance {tol:g}")
         hdr = (f"{'rank':>4} {'err o':>9} {'err dq':>9} {'err dk':>9} {'err dv':>9} {'visible pairs':>14} "
                f"{'computed':>10} {'sent B':>9} {'fwd ms':>8} {'bwd ms':>8}  check")
         print(hdr)
