@@ -160,9 +160,13 @@ def _run(args, device) -> int:
 
 
 def _baseline(args, device, dt):
-    """Median fwd+bwd ms of plain attention over the whole sequence on this device (grouped K/V by
-    torch's enable_gqa)."""
+    """Median fwd+bwd ms of plain attention over the whole sequence on this device: torch's
+    scaled_dot_product_attention, held to its flash backend on CUDA without grouped heads (grouped K/V
+    by enable_gqa, on whichever backend torch picks)."""
+    import contextlib
+
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B, T, H, HKV, D = args.batch, args.seqlen, args.heads, args.kv_heads, args.head_dim
     q = torch.randn(B, H, T, D, device=device, dtype=dt, requires_grad=True)
@@ -170,11 +174,13 @@ def _baseline(args, device, dt):
     do = torch.randn(B, H, T, D, device=device, dtype=dt)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
+    flash = device.type == "cuda" and HKV == H
     for i in range(max(1, args.repeat) + 1):
         sync()
         t0 = time.perf_counter()
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=HKV != H)
-        o.backward(do)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=HKV != H)
+            o.backward(do)
         sync()
         if i:  # the first call is a warm-up
             times.append((time.perf_counter() - t0) * 1e3)
