@@ -56,7 +56,8 @@ __all__ = ["zigzag_positions", "zigzag_shard", "zigzag_unshard", "ring_attention
 # Filled by every ring_attention forward on this rank: the causal work it did and what it exchanged.
 #   visible_pairs   (query, key) pairs of the B H heads' score matrices not masked out (the work a
 #                   masking-aware kernel does), counted per (batch, head) once
-#   computed_pairs  pairs actually evaluated (visible + masked ones inside partially masked pieces)
+#   computed_pairs  pairs evaluated by the block compute of the torch and flash paths (visible + masked
+#                   ones inside partially masked blocks; the CUDA ring step skips 32-key tiles instead)
 #   sent_bytes      bytes this rank sent in the forward (K/V, N - 1 times)
 last_stats = {"visible_pairs": 0, "computed_pairs": 0, "sent_bytes": 0, "steps": 0}
 
