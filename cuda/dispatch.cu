@@ -84,17 +84,18 @@ void check_gpu_params(const Params& p) {
 }
 
 // Kernels a tier has that supports() does not list yet, because they have not run on a GPU: they run only
-// when forward(p, tier) names the tier, never from a default pick (the tiled DPLR forward, dplr_fwd.cu).
-bool opt_in(Variant v, Method tier, bool backward) {
+// when forward(p, tier) / backward(p, tier) name the tier, never from a default pick (dplr_fwd.cu: the tiled
+// DPLR forward, and its dh0-only backward, Params::dh0_only).
+bool opt_in(const Params& p, Method tier, bool backward) {
 #ifdef DELTACP_HAVE_TILED_DPLR_FWD
-  if (v == Variant::dplr && tier == Method::tiled && !backward) return true;
+  if (p.variant == Variant::dplr && tier == Method::tiled && (!backward || p.dh0_only())) return true;
 #endif
-  (void)v, (void)tier, (void)backward;
+  (void)p, (void)tier, (void)backward;
   return false;
 }
 
 void check_variant(const Params& p, Method tier, bool backward, bool by_name = false) {
-  DELTACP_CHECK(supports(p.variant, tier, backward) || (by_name && opt_in(p.variant, tier, backward)), "variant",
+  DELTACP_CHECK(supports(p.variant, tier, backward) || (by_name && opt_in(p, tier, backward)), "variant",
                 "expected a variant the ", to_string(tier), " ", backward ? "backward" : "forward",
                 " implements, got ", to_string(p.variant));
 }
@@ -212,12 +213,20 @@ void forward(const Params& p, Method tier) {
 
 static void run_backward(const Params& p, Method tier) {
   check_tier(tier, true);
-  validate_on_gpu(p, tier, true);
+  validate_on_gpu(p, tier, true, /*by_name=*/true);
   g_last_choice = TierChoice{tier, std::string("asked for by name")};
   switch (tier) {
     case Method::naive: naive_backward(p); return;
 #ifdef DELTACP_HAVE_TILED_BWD
-    case Method::tiled: tiled_backward(p); return;
+    case Method::tiled:
+#ifdef DELTACP_HAVE_TILED_DPLR_FWD
+      if (p.variant == Variant::dplr) {
+        tiled_dplr_dh0(p);  // opt-in, dh0-only (see opt_in above)
+        return;
+      }
+#endif
+      tiled_backward(p);
+      return;
 #endif
     default: break;
   }
@@ -227,7 +236,7 @@ static void run_backward(const Params& p, Method tier) {
 void backward(const Params& p, Method tier) {
   if (!numeric_checks_requested()) return run_backward(p, tier);
   check_tier(tier, true);
-  validate_on_gpu(p, tier, true);
+  validate_on_gpu(p, tier, true, /*by_name=*/true);
   check_inputs_on_device(p, true);
   run_backward(p, tier);
   check_outputs_on_device(p, true);
@@ -278,6 +287,9 @@ std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
   check_tier(tier, false);
   DELTACP_CHECK(tier == Method::tiled, "tier", "expected 'tiled' for the staged forward, got ", to_string(tier));
   validate_staged(p, false);
+  // The tiled DPLR kernels (dplr_fwd.cu) have no staged form: refused here even once supports() lists them.
+  DELTACP_CHECK(p.variant != Variant::dplr, "variant", "expected gdn, kda or delta for the staged tiled forward, "
+                "got dplr");
 #ifdef DELTACP_HAVE_TILED_FWD
   return tiled_forward_prepare(p);
 #else

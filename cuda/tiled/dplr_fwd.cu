@@ -1,5 +1,5 @@
-// cuda/tiled/dplr_fwd.cu — the tiled tier's DPLR forward: the chunked WY form with separate a and b,
-// one kernel per stage, products on the tensor cores.
+// cuda/tiled/dplr_fwd.cu — the tiled tier's DPLR forward (and its dh0-only backward): the chunked WY form with
+// separate a and b, one kernel per stage, products on the tensor cores.
 //
 // Recurrence (per token, state S [K, V]):  S_t = diag(e^gk_t) S_{t-1} + k_t v_t^T + b_t (a_t^T S_{t-1}),
 // o_t = S_t^T (scale q_t). Chunk form (reference/src/chunked.cpp: chunk_wy, chunk_state_update,
@@ -29,17 +29,25 @@
 //                                                   and Ut; ht
 //   3 dplr_output_kernel  grid (chunks, H)          P_qk, P_qb (scores), then O over 32-column blocks
 //
+// The dh0-only backward (Params::dh0_only: the CP backward pre-pass; the first stage of a tiled DPLR backward),
+// from the reference's chunk backward: with dS = dL/dS at a chunk's end (dht at the sequence's end),
+//   dUt = P_qb^T (scale dO) + Bd dS,   dS <- D_n dS + (q e^G)^T (scale dO) + W^T dUt,   dh0 = the last dS.
+//   kernels 1 (W, Bd, D_n), 3 without o (storing q e^G and P_qb instead), then
+//   4 dplr_dh0_scan_kernel  grid (N * H, VP / 32)   the mirror of kernel 2, from the last chunk back
+//
 // Intermediates (workspace, row-major; R = B * T rows of the flat token axis of chunk_table.cuh):
 //   G fp32 [R, H, KP]; W, Kd, Bd p.dtype [R, H, KP]; U, Ut p.dtype [R, H, VP]; Dn fp32 [chunks, H, KP];
-//   h p.dtype [chunks, H, KP, VP]. p.dtype for what feeds 16-bit tensor-core operands anyway (the state
-//   itself is carried in fp32 registers through stage 2, as in the gdn / kda path of tiled_fwd.cu).
+//   h p.dtype [chunks, H, KP, VP]; dh0-only: QG p.dtype [R, H, KP], P_qb p.dtype [chunks, H, 64, 64].
+//   p.dtype for what feeds 16-bit tensor-core operands anyway (the state itself is carried in fp32 registers
+//   through stage 2, as in the gdn / kda path of tiled_fwd.cu).
 //
-// Dynamic shared memory (bytes, from the layout structs WySmem / ScanSmem / OutSmem below; each launch checks
+// Dynamic shared memory (bytes, from the layout structs WySmem / ScanSmem / OutSmem / Dh0Smem; each launch checks
 // it against the GPU's opt-in limit and throws an Error naming K when it does not fit):
 //                 bf16/fp16 K <= 64   K <= 128     fp32 K <= 64   K <= 128
 //   wy            100,112             142,096      141,840        224,016
 //   scan          48,384              78,336       89,344         147,968
 //   output        72,704              121,856      121,856        203,776
+//   dh0 scan      52,480              82,432       97,536         156,160
 //   wy: a, b, k tiles 64 x (KP+pad); G 65 x (KP+4) fp32; scratch (the scores' reference-row tiles, then T in
 //   fp32, then a V tile); A_ab 64 x 65 fp32; A_ak and T as 64 x (64+pad) tiles; 3 x 16 x 16 fp32 for T's
 //   blocks. scan: W, Kd, Bd tiles; U, V, Ut 64 x (32+pad); S as a KP x (32+pad) operand; D_n. output: q, k, b
@@ -47,8 +55,9 @@
 //   every sm_80+ GPU (sm_86 / sm_89: 99 KB), 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90's 163 / 227
 //   KB, fp32 K <= 128 Hopper only.
 // Registers (nvcc 13 --resource-usage; sm_80 / sm_90a, 16-bit inputs): wy 80 / 72-79 (KP 64), 128 / 72 (KP
-// 128); scan 122 / 91, 96 / 80; output 118 / 87, 88-89 / 76-77. Spills: none except 4-16 bytes in some wy
-// kernels (fp16 KP 64 sm_80, fp32 KP 64 sm_80, fp16 KP 128, bf16 KP 64 and fp32 KP 128 on sm_90a).
+// 128); scan 122 / 91, 96 / 80; output 118 / 87, 88-89 / 76-77; dh0 scan 128 / 127, 122 / 117. Spills: none
+// except 4-16 bytes in some wy kernels (fp16 KP 64 sm_80, fp32 KP 64 sm_80, fp16 KP 128, bf16 KP 64 and fp32
+// KP 128 on sm_90a).
 // Speed: not yet timed (no GPU run yet). This is the straightforward first version: T's blocks are products
 // of fp32 loops (not tensor cores), the wy stage at K = 128 runs one 142 KB CTA per SM, and the scan's grid is
 // N * H * VP / 32 CTAs.
@@ -119,6 +128,12 @@ struct DplrArgs {
   T* Ut = nullptr;
   const float* h0 = nullptr;
   float* ht = nullptr;
+  // The dh0-only backward (dplr_dh0_scan_kernel): the output stage stores scale-free q e^G and P_qb for it.
+  T* QG = nullptr;  // [R, H, KP]
+  T* Pb = nullptr;  // [chunks, H, 64, 64]
+  DRows<const T> dout;
+  const float* dht = nullptr;
+  float* dh0 = nullptr;
 };
 
 template <class T>
@@ -484,15 +499,23 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
     cp_async_wait<0>();
     __syncthreads();
   }
-  dplr_scores<T, kDThreads>(sq, sk, L::ldk, sG, sG, L::ldg, Xr, Yr, KP, len, true,
-                            [&](int i, int j, float val) { Pk[i * L::ld64 + j] = from_f<T>(val); });
+  const bool with_o = x.o.ptr != nullptr;  // false: the dh0-only backward's preparation (QG, P_qb only)
+  if (with_o)
+    dplr_scores<T, kDThreads>(sq, sk, L::ldk, sG, sG, L::ldg, Xr, Yr, KP, len, true,
+                              [&](int i, int j, float val) { Pk[i * L::ld64 + j] = from_f<T>(val); });
   dplr_scores<T, kDThreads>(sq, sb, L::ldk, sG, sG, L::ldg, Xr, Yr, KP, len, true,
                             [&](int i, int j, float val) { Pb[i * L::ld64 + j] = from_f<T>(val); });
   // q e^G in place.
   for (int idx = tid; idx < kDRows * KP; idx += kDThreads) {
     const int i = idx / KP, d = idx - i * KP;
-    sq[i * L::ldk + d] = from_f<T>(to_f(sq[i * L::ldk + d]) * exp_t<T>(sG[i * L::ldg + d]));
+    const T qg = from_f<T>(to_f(sq[i * L::ldk + d]) * exp_t<T>(sG[i * L::ldg + d]));
+    sq[i * L::ldk + d] = qg;
+    if (x.QG != nullptr && i < len) x.QG[(wrow + int64_t(i) * x.H) * KP + d] = qg;
   }
+  if (x.Pb != nullptr)
+    for (int idx = tid; idx < kDRows * kDRows; idx += kDThreads)
+      x.Pb[(c * x.H + h) * kDRows * kDRows + idx] = Pb[(idx >> 6) * L::ld64 + (idx & 63)];
+  if (!with_o) return;  // uniform over the CTA
   __syncthreads();
 
   const T* hc = x.h + (c * x.H + h) * KP * x.VP;
@@ -522,6 +545,115 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
       }
     __syncthreads();
   }
+}
+
+// ---- the dh0-only backward: the reverse state-gradient scan ---------------------------------------------------
+// With dS = dL/dS at a chunk's end (dht at the sequence's end), the chunk form's backward (chunk_backward in
+// reference/src/chunked.cpp) gives the gradient at the chunk's start as
+//   dUt = P_qb^T (scale dO) + Bd dS          (dL/dUt, the low-rank read-outs)
+//   dS' = D_n dS + (q e^G)^T (scale dO) + W^T dUt
+// and dh0 is dS' of a sequence's first chunk. The mirror of dplr_scan_kernel: the 32 columns of dS in fp32
+// registers, sequential over the chunks from the last; W, Bd, D_n from the WY stage, q e^G and P_qb from the
+// output stage run without o. This is the first stage of the tiled DPLR backward (the full one also needs
+// dS and dUt per chunk, which this kernel has in hand) and what the CP backward pre-pass runs.
+template <class T, int KP>
+struct Dh0Smem {
+  static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV);
+  static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
+  static constexpr int64_t tileV = align16(int64_t(kDRows) * ldv * sizeof(T));
+  static constexpr int64_t W = 0, Bd = W + tileK, QG = Bd + tileK;
+  static constexpr int64_t P = QG + tileK;
+  static constexpr int64_t dO = P + align16(int64_t(kDRows) * ld64 * sizeof(T));
+  static constexpr int64_t dUt = dO + tileV;
+  static constexpr int64_t S = dUt + tileV;
+  static constexpr int64_t Dn = S + align16(int64_t(KP) * ldv * sizeof(T));
+  static constexpr int64_t bytes = Dn + align16(int64_t(KP) * 4);
+};
+
+template <class T, int KP>
+__global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs<T> x) {
+  using L = Dh0Smem<T, KP>;
+  constexpr int MT = KP / 64;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sW = smem_at<T>(smem, L::W);
+  T* sBd = smem_at<T>(smem, L::Bd);
+  T* sQG = smem_at<T>(smem, L::QG);
+  T* sP = smem_at<T>(smem, L::P);
+  T* sdO = smem_at<T>(smem, L::dO);
+  T* sdUt = smem_at<T>(smem, L::dUt);
+  T* sS = smem_at<T>(smem, L::S);
+  float* sDn = smem_at<float>(smem, L::Dn);
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int64_t nh = blockIdx.x, n = nh / x.H, h = nh - n * x.H;
+  const int v0 = blockIdx.y * kDBV;
+  const int m0 = warp * (KP / 4);
+  const SeqEntry seq = x.seqs[n];
+  const int64_t state0 = (n * x.H + h) * x.K * x.V;
+  const int K = static_cast<int>(x.K), Vleft = static_cast<int>(x.V) - v0;
+
+  float S[MT][4][4];  // dL/dS, rows [m0, m0 + KP/4), 32 columns from v0
+  load_acc(S, x.dht == nullptr ? nullptr : x.dht + state0 + v0, x.V, m0, K, Vleft);
+
+#pragma unroll 1
+  for (int64_t ci = seq.num_chunks - 1; ci >= 0; --ci) {
+    const int64_t c = seq.first_chunk + ci;
+    const ChunkEntry ch = x.chunks[c];
+    const int len = static_cast<int>(ch.len);
+    const int64_t wrow = ch.row0 * x.H + h;
+    const int64_t ldk_g = x.H * KP;
+    load_tile<T, kDThreads>(sW, L::ldk, x.W + wrow * KP, ldk_g, len, kDRows, KP, KP, vec_ok(x.W + wrow * KP, ldk_g));
+    load_tile<T, kDThreads>(sBd, L::ldk, x.Bd + wrow * KP, ldk_g, len, kDRows, KP, KP,
+                            vec_ok(x.Bd + wrow * KP, ldk_g));
+    load_tile<T, kDThreads>(sQG, L::ldk, x.QG + wrow * KP, ldk_g, len, kDRows, KP, KP,
+                            vec_ok(x.QG + wrow * KP, ldk_g));
+    const T* pP = x.Pb + (c * x.H + h) * kDRows * kDRows;
+    load_tile<T, kDThreads>(sP, L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows, vec_ok(pP, kDRows));
+    const T* pdo = x.dout.at(ch.batch, ch.t0, h) + v0;
+    load_tile<T, kDThreads>(sdO, L::ldv, pdo, x.dout.st, len, kDRows, Vleft, kDBV, vec_ok(pdo, x.dout.st));
+    cp_async_commit();
+    for (int d = tid; d < KP; d += kDThreads) sDn[d] = x.Dn[(c * x.H + h) * KP + d];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          store_pair(sS + (m0 + acc_row(mt, e)) * L::ldv + acc_col(nt, e), S[mt][nt][e], S[mt][nt][e + 1]);
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int idx = tid; idx < kDRows * kDBV; idx += kDThreads) {  // scale dO, in place
+      T* e = sdO + (idx / kDBV) * L::ldv + (idx % kDBV);
+      *e = from_f<T>(x.scale * to_f(*e));
+    }
+    __syncthreads();
+
+    // dUt = P_qb^T (scale dO) + Bd dS: warp w owns rows [16 w, 16 w + 16) (P_qb read as [j, i]: column-major).
+    {
+      float acc[1][4][4];
+      zero_acc(acc);
+      warp_mma<T, 1, 4, Lay::colmajor, Lay::rowmajor>(acc, sP, L::ld64, 16 * warp, sdO, L::ldv, 0, 0, kDRows);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, sBd, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          store_pair(sdUt + (16 * warp + acc_row(0, e)) * L::ldv + acc_col(nt, e), acc[0][nt][e], acc[0][nt][e + 1]);
+    }
+    __syncthreads();
+
+    // dS <- D_n dS + (q e^G)^T (scale dO) + W^T dUt.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[mt][nt][e] *= sDn[m0 + acc_row(mt, e)];
+    warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sQG, L::ldk, m0, sdO, L::ldv, 0, 0, kDRows);
+    warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sW, L::ldk, m0, sdUt, L::ldv, 0, 0, kDRows);
+    __syncthreads();  // the next chunk's loads overwrite the tiles
+  }
+  store_acc(S, x.dh0 + state0 + v0, x.V, m0, K, Vleft);
 }
 
 // ---- host ------------------------------------------------------------------------------------------------------
@@ -555,15 +687,18 @@ class DplrWorkspace {
 
  private:
   cudaStream_t stream_;
-  void* ptrs_[8] = {};
+  void* ptrs_[10] = {};
   int n_ = 0;
 };
 
+// dh0_only: the dh0-only backward of p (Params::dh0_only), else p's forward.
 template <class T, int KP>
-void run_dplr_forward(const Params& p, cudaStream_t stream) {
+void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
   const ChunkTable table(p, p.chunk_size, stream);
   const int64_t R = p.B * p.T, H = p.H, C = table.num_chunks();
   const int VP = static_cast<int>((p.V + kDBV - 1) / kDBV * kDBV);
+  DELTACP_CHECK(H <= 65535, "H", "expected at most 65535 heads for the tiled DPLR tier, got ", H);
+  DELTACP_CHECK(p.num_seqs * H <= 0x7fffffff, "num_seqs", "expected num_seqs * H < 2^31, got ", p.num_seqs * H);
   DplrWorkspace ws(stream);
   DplrArgs<T> x;
   x.q = drows<const T>(p.q);
@@ -571,7 +706,6 @@ void run_dplr_forward(const Params& p, cudaStream_t stream) {
   x.v = drows<const T>(p.v);
   x.a = drows<const T>(p.a);
   x.b = drows<const T>(p.b);
-  x.o = drows<T>(p.o);
   x.gk = p.g.ptr;
   x.gk_sb = p.g.stride_b;
   x.gk_st = p.g.stride_t;
@@ -589,57 +723,93 @@ void run_dplr_forward(const Params& p, cudaStream_t stream) {
   x.Kd = ws.get<T>(R * H * KP);
   x.Bd = ws.get<T>(R * H * KP);
   x.U = ws.get<T>(R * H * VP);
-  x.Ut = ws.get<T>(R * H * VP);
   x.Dn = ws.get<float>(C * H * KP);
-  x.h = ws.get<T>(C * H * KP * VP);
-  x.h0 = static_cast<const float*>(p.h0);
-  x.ht = static_cast<float*>(p.ht);
-  DELTACP_CHECK(H <= 65535, "H", "expected at most 65535 heads for the tiled DPLR forward, got ", H);
-  DELTACP_CHECK(p.num_seqs * H <= 0x7fffffff, "num_seqs", "expected num_seqs * H < 2^31, got ", p.num_seqs * H);
+  if (dh0_only) {
+    x.QG = ws.get<T>(R * H * KP);
+    x.Pb = ws.get<T>(C * H * kDRows * kDRows);
+    x.dout = drows<const T>(p.dout);
+    x.dht = static_cast<const float*>(p.dht);
+    x.dh0 = static_cast<float*>(p.dh0);
+  } else {
+    x.o = drows<T>(p.o);
+    x.Ut = ws.get<T>(R * H * VP);
+    x.h = ws.get<T>(C * H * KP * VP);
+    x.h0 = static_cast<const float*>(p.h0);
+    x.ht = static_cast<float*>(p.ht);
+  }
+  const dim3 per_chunk(static_cast<unsigned>(C), static_cast<unsigned>(H));
+  const dim3 per_seq(static_cast<unsigned>(p.num_seqs * H), static_cast<unsigned>(VP / kDBV));
 
   if (C > 0) {
     const auto wy = dplr_wy_kernel<T, KP>;
     dplr_prepare_smem(wy, WySmem<T, KP>::bytes, p, "WY stage");
-    wy<<<dim3(static_cast<unsigned>(C), static_cast<unsigned>(H)), kDThreads, WySmem<T, KP>::bytes, stream>>>(x);
+    wy<<<per_chunk, kDThreads, WySmem<T, KP>::bytes, stream>>>(x);
     DELTACP_CUDA_CHECK_LAUNCH();
+  }
+  if (dh0_only) {
+    if (C > 0) {  // the output stage without o: q e^G and P_qb for the reverse scan
+      const auto out = dplr_output_kernel<T, KP>;
+      dplr_prepare_smem(out, OutSmem<T, KP>::bytes, p, "output stage");
+      out<<<per_chunk, kDThreads, OutSmem<T, KP>::bytes, stream>>>(x);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
+    if (p.num_seqs > 0) {
+      const auto scan = dplr_dh0_scan_kernel<T, KP>;
+      dplr_prepare_smem(scan, Dh0Smem<T, KP>::bytes, p, "dh0 scan");
+      scan<<<per_seq, kDThreads, Dh0Smem<T, KP>::bytes, stream>>>(x);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
+    return;
   }
   if (p.num_seqs > 0) {
     const auto scan = dplr_scan_kernel<T, KP>;
     dplr_prepare_smem(scan, ScanSmem<T, KP>::bytes, p, "state scan");
-    scan<<<dim3(static_cast<unsigned>(p.num_seqs * H), static_cast<unsigned>(VP / kDBV)), kDThreads,
-           ScanSmem<T, KP>::bytes, stream>>>(x);
+    scan<<<per_seq, kDThreads, ScanSmem<T, KP>::bytes, stream>>>(x);
     DELTACP_CUDA_CHECK_LAUNCH();
   }
   if (C > 0 && p.o.defined()) {
     const auto out = dplr_output_kernel<T, KP>;
     dplr_prepare_smem(out, OutSmem<T, KP>::bytes, p, "output stage");
-    out<<<dim3(static_cast<unsigned>(C), static_cast<unsigned>(H)), kDThreads, OutSmem<T, KP>::bytes, stream>>>(x);
+    out<<<per_chunk, kDThreads, OutSmem<T, KP>::bytes, stream>>>(x);
     DELTACP_CUDA_CHECK_LAUNCH();
   }
 }
 
-}  // namespace
-
-void tiled_dplr_forward(const Params& p) {
-  DELTACP_CHECK(p.variant == Variant::dplr, "variant", "expected dplr for the tiled DPLR forward, got ",
+void check_dplr_tiled(const Params& p) {
+  DELTACP_CHECK(p.variant == Variant::dplr, "variant", "expected dplr for the tiled DPLR kernels, got ",
                 to_string(p.variant));
-  DELTACP_CHECK(p.K >= 1 && p.K <= 128, "K", "expected 1 <= K <= 128 for the tiled DPLR forward, got ", p.K);
+  DELTACP_CHECK(p.K >= 1 && p.K <= 128, "K", "expected 1 <= K <= 128 for the tiled DPLR kernels, got ", p.K);
   DELTACP_CHECK(p.chunk_size >= 1 && p.chunk_size <= kDRows, "chunk_size",
-                "expected 1 <= chunk_size <= 64 for the tiled DPLR forward, got ", p.chunk_size);
+                "expected 1 <= chunk_size <= 64 for the tiled DPLR kernels, got ", p.chunk_size);
   DELTACP_CHECK(p.V + kDBV <= 65535LL * kDBV, "V", "expected V < ", 65535LL * kDBV, ", got ", p.V);
+}
+
+void run_dplr_any(const Params& p, bool dh0_only) {
+  check_dplr_tiled(p);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (p.K <= 64) {
-      run_dplr_forward<T, 64>(p, stream);
+      run_dplr<T, 64>(p, stream, dh0_only);
     } else {
-      run_dplr_forward<T, 128>(p, stream);
+      run_dplr<T, 128>(p, stream, dh0_only);
     }
   });
+}
+
+}  // namespace
+
+void tiled_dplr_forward(const Params& p) { run_dplr_any(p, false); }
+
+void tiled_dplr_dh0(const Params& p) {
+  DELTACP_CHECK(p.dh0_only(), "dh0", "expected a dh0-only backward (dh0 given, every input gradient null) for the "
+                "tiled DPLR backward; the full tiled DPLR backward does not exist yet (use the naive tier)");
+  run_dplr_any(p, true);
 }
 
 }  // namespace deltacp::cuda::tiled
 
 namespace deltacp::cuda {
 void tiled_dplr_forward(const Params& p) { tiled::tiled_dplr_forward(p); }
+void tiled_dplr_dh0(const Params& p) { tiled::tiled_dplr_dh0(p); }
 }  // namespace deltacp::cuda

@@ -144,3 +144,67 @@ def test_against_fla_chunk_rwkv7():
     print(f"[errors] chunk_rwkv7 bf16 vs fp64: deltacp tiled {e_d:.2e}, FLA {e_f:.2e}")
     assert e_d < 1e-2 and (e_d <= 2 * e_f or e_d < 2e-3)
     assert rel_err(ht_d.double().cpu().numpy(), ht_ref) < 1e-2
+
+
+# ---- the state-only modes (Params::final_state_only / dh0_only: the CP pre-passes) ----------------------------
+def _descs(t, h0, cu):
+    from deltacp._describe import torch_desc
+
+    keep = []
+
+    def desc(x, name):
+        keep.append(x)
+        return torch_desc(x, name)
+
+    d = {n: desc(t[n], n) for n in ("q", "k", "v", "a", "b")}
+    d["g"] = desc(t["g"], "gk")
+    d["h0"] = desc(h0, "initial_state")
+    if cu is not None:
+        d["cu_seqlens"] = desc(cu.cuda(), "cu_seqlens")
+        d["cu_seqlens_host"] = desc(cu, "cu_seqlens")
+    return d, desc, keep
+
+
+@pytest.mark.parametrize("shape", ["T65_K32_V48", "T130_K128_V128", "varlen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiled_state_only_modes(shape, dtype):
+    """Final-state-only forward (o absent) gives the full tiled forward's ht bit for bit; the dh0-only backward
+    (every input gradient absent: the tiled DPLR reverse state-gradient scan) gives the reference's dh0."""
+    from deltacp import _core
+
+    p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"state/{shape}/{dtype}".encode()))
+    d, desc, keep = _descs(t, h0, cu)
+    N, H, K, V = h0.shape
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def forward(with_o):
+        dd = dict(d)
+        ht = torch.full((N, H, K, V), float("nan"), device="cuda")
+        dd["ht"] = desc(ht, "ht")
+        if with_o:
+            dd["o"] = desc(torch.empty_like(t["v"]), "o")
+        _core.run("forward", "dplr", "tiled", "float32", dd, None, 64, None, stream, False)
+        return ht
+
+    ht_full, ht_only = forward(True), forward(False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(ht_full).all() and torch.equal(ht_only, ht_full)
+
+    rng = np.random.default_rng(11)
+    do = torch.tensor(rng.standard_normal(p["v"].shape)).to(dtype)
+    dht = torch.tensor(rng.standard_normal(p["initial_state"].shape), dtype=torch.float32)
+    g_ref = ref.dplr_backward(p["q"], p["k"], p["v"], p["a"], p["b"], p["g"], do.double().numpy(),
+                              dht=dht.double().numpy(), initial_state=p["initial_state"], cu_seqlens=p["cu_seqlens"])
+    dd = dict(d)
+    dh0 = torch.full((N, H, K, V), float("nan"), device="cuda")
+    dd.update(dout=desc(do.cuda(), "do"), dht=desc(dht.cuda(), "dht"), dh0=desc(dh0, "dh0"))
+    _core.run("backward", "dplr", "tiled", "float32", dd, None, 64, None, stream, False)
+    torch.cuda.synchronize()
+    err = rel_err(dh0.double().cpu().numpy(), g_ref["dh0"])
+    print(f"[errors] tiled dplr dh0-only {shape} {dtype}: dh0 {err:.2e}")
+    assert err < TOL[dtype]
+    # a full backward by name on the tiled tier is refused, naming the variant (only the dh0-only one exists)
+    for n in ("q", "k", "v", "a", "b", "g"):
+        dd["d" + n] = desc(torch.empty_like(t[n]), "dgk" if n == "g" else "d" + n)
+    with pytest.raises(ValueError, match="variant"):
+        _core.run("backward", "dplr", "tiled", "float32", dd, None, 64, None, stream, False)

@@ -18,6 +18,8 @@ void tiled_backward(const Params& p);  // cuda/tiled/tiled_bwd.cu
 // The tiled DPLR forward (cuda/tiled/dplr_fwd.cu): opt-in, forward(p, Method::tiled) runs it for dplr while
 // supports() does not list it (dispatch.cu, opt_in).
 void tiled_dplr_forward(const Params& p);
+// Its dh0-only backward (Params::dh0_only; opt-in like the forward): the reverse state-gradient scan.
+void tiled_dplr_dh0(const Params& p);
 namespace fused {                      // cuda/fused/fused_fwd.cu
 // Why the fused forward cannot run p (variant, dtype, shape, alignment, GPU), or nullptr when it can.
 const char* forward_refusal(const Params& p);
