@@ -179,7 +179,8 @@ class _Pieces:
     otherwise (a small block size) all of the rank's tokens as one masked piece."""
 
     def __init__(self, qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, block: int):
-        self.items = []
+        self.items = []  # (qs, qn, ks, kn, masked): local row / key ranges; masked = needs the causal mask
+        self.qpos, self.kpos = qpos, kpos
         self.visible = causal_pairs(qpos, kpos) if causal else len(qpos) * len(kpos)
         self.computed = 0
         n = len(qpos)
@@ -193,11 +194,15 @@ class _Pieces:
                 kp = kpos[ks:ks + kn]
                 if causal and int(kp.min()) > int(qp.max()):
                     continue  # every key after every query
-                mask = None
-                if causal and int(kp.max()) > int(qp.min()):
-                    mask = kp[None, :] > qp[:, None]  # True = masked
-                self.items.append((qs, qn, ks, kn, mask))
+                masked = causal and int(kp.max()) > int(qp.min())
+                self.items.append((qs, qn, ks, kn, masked))
                 self.computed += qn * kn
+
+    def mask(self, qs, qn, ks, kn, device):
+        """The causal mask of one item, True where masked (built only where a path needs it: the CUDA
+        step reads positions itself, flash masks a diagonal block by its own rule)."""
+        qp, kp = self.qpos[qs:qs + qn].to(device), self.kpos[ks:ks + kn].to(device)
+        return kp[None, :] > qp[:, None]
 
 
 def _block_forward(q, k, v, scale, pieces: _Pieces, acc_dtype):
@@ -205,10 +210,10 @@ def _block_forward(q, k, v, scale, pieces: _Pieces, acc_dtype):
     B, H, n, _ = q.shape
     o = torch.zeros(B, H, n, v.shape[-1], dtype=acc_dtype, device=q.device)
     lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype, device=q.device)
-    for qs, qn, ks, kn, mask in pieces.items:
+    for qs, qn, ks, kn, masked in pieces.items:
         s = torch.matmul(q[:, :, qs:qs + qn], k[:, :, ks:ks + kn].transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(mask.to(q.device), float("-inf"))
+        if masked:
+            s = s.masked_fill(pieces.mask(qs, qn, ks, kn, q.device), float("-inf"))
         l_p = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - l_p.unsqueeze(-1)).nan_to_num_(0.0)  # rows with no visible key: 0
         o_p = torch.matmul(p, v[:, :, ks:ks + kn])
@@ -233,12 +238,12 @@ def _block_backward(q, k, v, do, delta, lse, scale, pieces: _Pieces, acc_dtype):
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
-    for qs, qn, ks, kn, mask in pieces.items:
+    for qs, qn, ks, kn, masked in pieces.items:
         qq, kk, vv = q[:, :, qs:qs + qn], k[:, :, ks:ks + kn], v[:, :, ks:ks + kn]
         dd = do[:, :, qs:qs + qn]
         s = torch.matmul(qq, kk.transpose(-1, -2)) * scale
-        if mask is not None:
-            s = s.masked_fill(mask.to(q.device), float("-inf"))
+        if masked:
+            s = s.masked_fill(pieces.mask(qs, qn, ks, kn, q.device), float("-inf"))
         l_q = lse[:, :, qs:qs + qn]
         p = torch.exp(s - torch.where(torch.isfinite(l_q), l_q, torch.zeros_like(l_q)).unsqueeze(-1))
         p = torch.where(torch.isfinite(l_q).unsqueeze(-1), p, torch.zeros_like(p))
@@ -343,15 +348,15 @@ def _flash_forward(q, kk, vv, o, lse, pieces, groups, scale):
     (the same zig-zag block) with flash's causal mask, an earlier key block unmasked; each result
     merged into (o, lse). Returns what each pair's backward needs."""
     saved = []
-    for qs, qn, ks, kn, mask in pieces.items:
+    for qs, qn, ks, kn, masked in pieces.items:
         qq = q[:, qs:qs + qn].transpose(1, 2)
         k_p = _expand(_heads_first(kk[:, ks:ks + kn]), groups)
         v_p = _expand(_heads_first(vv[:, ks:ks + kn]), groups)
-        res = torch.ops.aten._scaled_dot_product_flash_attention(qq, k_p, v_p, 0.0, mask is not None, False,
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qq, k_p, v_p, 0.0, masked, False,
                                                                  scale=scale)
         rows = slice(qs, qs + qn)
         o[:, :, rows], lse[:, :, rows] = _merge(o[:, :, rows], lse[:, :, rows], res[0].float(), res[1].float())
-        saved.append((qs, qn, ks, kn, mask is not None, res[2], res[3], res[6], res[7]))
+        saved.append((qs, qn, ks, kn, masked, res[2], res[3], res[6], res[7]))
     return saved
 
 
