@@ -1,8 +1,9 @@
 """deltacp.causal_conv1d: the definition on one process, and context parallelism on 2 and 4 gloo ranks.
 
 One process: y, dx, dweight, dbias equal the token-by-token fp64 definition (causal_conv1d_reference,
-autograd) for W = 1..4, with and without bias and SiLU, packed sequences shorter than W; bad input
-names the argument.
+autograd) for W = 1..4, with and without bias and SiLU, packed sequences shorter than W; FLA's
+initial_state / output_final_state / residual (gradients of all of them; a sequence continued from its
+final state equals one run); bad input names the argument.
 
 CP (each world size launched once; this file run as a script per rank): every rank's y and dx equal
 its slice of the one-process op, and the all-reduced dweight / dbias equal the one-process ones;
@@ -67,6 +68,54 @@ def test_equals_definition(W, activation, with_bias):
             assert _rel(got.grad, want.grad) < 1e-13
 
 
+@pytest.mark.parametrize("W", [1, 2, 3, 4])
+@pytest.mark.parametrize("packed", [True, False])
+def test_states_and_residual_equal_definition(W, packed):
+    """FLA's initial_state / output_final_state / residual: y, the final states and every gradient
+    (x, weight, bias, initial_state, residual) equal the definition's."""
+    import deltacp
+    from deltacp.conv1d import causal_conv1d_reference
+
+    if packed:
+        cu, shape, N = [0, 1, 1, 3, 9, 14], (1, 14, 5), 5  # an empty sequence and ones shorter than W
+    else:
+        cu, shape, N = None, (3, 6, 5), 3  # every batch row a sequence
+    gen = torch.Generator().manual_seed(11 + W)
+    x, res, dy = (torch.randn(*shape, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(5, W, generator=gen, dtype=torch.float64)
+    b = torch.randn(5, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(N, 5, W, generator=gen, dtype=torch.float64)
+    dht = torch.randn(N, 5, W, generator=gen, dtype=torch.float64)
+    ins = [t.clone().requires_grad_() for t in (x, w, b, h0, res)]
+    y, ht = deltacp.causal_conv1d(ins[0], ins[1], ins[2], activation="silu",
+                                  cu_seqlens=None if cu is None else torch.tensor(cu), residual=ins[4],
+                                  initial_state=ins[3], output_final_state=True)
+    ((y * dy).sum() + (ht * dht).sum()).backward()
+    ref = [t.clone().requires_grad_() for t in (x, w, b, h0, res)]
+    y_ref, ht_ref = causal_conv1d_reference(ref[0], ref[1], ref[2], "silu", cu, residual=ref[4],
+                                            initial_state=ref[3], output_final_state=True)
+    ((y_ref * dy).sum() + (ht_ref * dht).sum()).backward()
+    assert _rel(y, y_ref) < 1e-13 and _rel(ht, ht_ref) < 1e-13
+    for got, want in zip(ins, ref):
+        if want.grad is None:  # W = 1 reads no state: the definition never touches initial_state
+            assert not got.grad.any()
+        else:
+            assert _rel(got.grad, want.grad) < 1e-13
+    if packed:  # the empty sequence's final state is its initial state
+        assert torch.equal(ht[1], h0[1])
+
+
+def test_final_state_continues_a_sequence():
+    """A sequence run in two parts, the second from the first's final state, equals one run."""
+    import deltacp
+
+    x, w, b, _ = _inputs(20, 4, 4, torch.float64)
+    y_all, h_all = deltacp.causal_conv1d(x, w, b, activation="silu", output_final_state=True)
+    y1, h1 = deltacp.causal_conv1d(x[:, :7], w, b, activation="silu", output_final_state=True)
+    y2, h2 = deltacp.causal_conv1d(x[:, 7:], w, b, activation="silu", initial_state=h1, output_final_state=True)
+    assert _rel(torch.cat([y1, y2], 1), y_all) < 1e-15 and _rel(h2, h_all) < 1e-15
+
+
 def test_sequence_boundaries_are_respected():
     """A token's output does not change when the previous sequence's tokens do."""
     import deltacp
@@ -98,6 +147,10 @@ def test_bad_input_names_the_argument():
         deltacp.causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 3, 7]))
     with pytest.raises(ValueError, match="argument 'x'.*B = 1"):
         deltacp.causal_conv1d(torch.cat([x, x]), w, cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="argument 'initial_state'.*\\[2, 4, 3\\]"):
+        deltacp.causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(2, 4, 2))
+    with pytest.raises(ValueError, match="argument 'residual'"):
+        deltacp.causal_conv1d(x, w, residual=x[:, :4])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +212,11 @@ def _cp_worker(rank, world):
         deltacp.causal_conv1d(torch.zeros(1, 6, 2), torch.zeros(2, 4), cp_context=ctx, cu_seqlens=torch.tensor([0, 6]))
     except ValueError as e:
         errors["cu_seqlens"] = str(e)
+    try:
+        deltacp.causal_conv1d(torch.zeros(1, 6, 2), torch.zeros(2, 4), cp_context=ctx,
+                              initial_state=torch.zeros(1, 2, 4))
+    except ValueError as e:
+        errors["initial_state"] = str(e)
     return {"cases": out, "errors": errors}
 
 
@@ -217,6 +275,7 @@ def test_cp_equals_single_process(world):
         assert "argument 'cp_context'" in e["no_width"] and "conv1d_kernel_size" in e["no_width"], e
         assert "argument 'weight'" in e["wrong_width"] and "W = 4" in e["wrong_width"], e
         assert "argument 'cu_seqlens'" in e["cu_seqlens"], e
+        assert "argument 'initial_state'" in e["initial_state"] and "CP" in e["initial_state"], e
     assert not bad, "\n".join(bad)
 
 

@@ -11,7 +11,8 @@ that starts at token s0:
     y = z, or silu(z) = z sigmoid(z)
 
 Returns (y, None) as FLA's causal_conv1d does when no final state is asked for. cu_seqlens (B = 1,
-packed sequences) keeps every sequence's window inside the sequence. Autograd gives dx, dweight,
+packed sequences) keeps every sequence's window inside the sequence. FLA's residual, initial_state
+and output_final_state are accepted by keyword on one device (causal_conv1d's docstring). Autograd gives dx, dweight,
 dbias (an explicit backward: dz = dy silu'(z), dx[t] = sum_i weight[:, i] dz[t + (W - 1) - i]).
 
 Under CP (cp_context from deltacp.cp.build_context(..., conv1d_kernel_size=W); x is this rank's slice
@@ -155,36 +156,102 @@ class _NoHalo:
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  activation: Optional[str] = None, cu_seqlens=None, cp_context=None):
-    """Depthwise causal conv1d (see the module docstring). Returns (y, None)."""
+                  activation: Optional[str] = None, cu_seqlens=None, cp_context=None, *,
+                  residual: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
+                  output_final_state: bool = False):
+    """Depthwise causal conv1d (see the module docstring). Returns (y, final_state or None).
+
+    FLA's further options, by keyword, on one device: residual (like x) is added to y after the
+    activation; initial_state [N, D, W] gives each of the N sequences (N = len(cu_seqlens) - 1, else B)
+    the W tokens before its first one (column W - 1 the most recent); output_final_state returns each
+    sequence's last W tokens in that layout (the initial state's columns where the sequence is shorter),
+    so a sequence run in two parts, the second from the first's final state, equals one run."""
     _check(x, weight, bias, activation, cu_seqlens, cp_context)
-    W = weight.shape[1]
-    if cp_context is not None:
-        from .cp.conv1d import Halo
-
-        offset = token_offsets(cp_context.cu_seqlens_global_list, cp_context.begin, x.shape[1])
-        halo = Halo(cp_context, W)
+    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != x.shape
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"deltacp: argument 'residual': expected a tensor like x ({list(x.shape)}, {x.dtype}), got "
+                         f"{getattr(residual, 'shape', type(residual).__name__)}")
+    if initial_state is not None or output_final_state:
+        if cp_context is not None:
+            name = "initial_state" if initial_state is not None else "output_final_state"
+            raise ValueError(f"deltacp: argument '{name}': not supported under CP (as in FLA): the tokens before a "
+                             f"rank's slice come from the earlier ranks")
+        y, final = _with_states(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
     else:
-        cu = _offsets(cu_seqlens) if cu_seqlens is not None else [0, x.shape[1]]
-        offset = token_offsets(cu, 0, x.shape[1])
-        halo = _NoHalo(W)
-    y = _CausalConv1d.apply(x, weight, bias, activation is not None, offset, halo)
-    return y, None
+        W = weight.shape[1]
+        if cp_context is not None:
+            from .cp.conv1d import Halo
+
+            offset = token_offsets(cp_context.cu_seqlens_global_list, cp_context.begin, x.shape[1])
+            halo = Halo(cp_context, W)
+        else:
+            cu = _offsets(cu_seqlens) if cu_seqlens is not None else [0, x.shape[1]]
+            offset = token_offsets(cu, 0, x.shape[1])
+            halo = _NoHalo(W)
+        y, final = _CausalConv1d.apply(x, weight, bias, activation is not None, offset, halo), None
+    return (y if residual is None else y + residual), final
 
 
-def causal_conv1d_reference(x, weight, bias=None, activation=None, cu_seqlens=None):
-    """The definition, token by token in fp64 (for the tests): y [B, T, D] float64."""
+def _with_states(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state):
+    """The convolution with per-sequence states: every sequence preceded by its W state tokens (zeros
+    without initial_state) in one packed batch, run by the plain path (autograd reaches the states
+    through the packing); the outputs of the state tokens are dropped, and the last W tokens of each
+    packed sequence are its final state."""
+    B, T, D = x.shape
+    W = weight.shape[1]
+    if cu_seqlens is None:  # every batch row is a sequence
+        cu, packed = [b * T for b in range(B + 1)], x.reshape(1, B * T, D)
+    else:
+        cu, packed = _offsets(cu_seqlens), x
+    N = len(cu) - 1
+    if initial_state is None:
+        initial_state = x.new_zeros(N, D, W)
+    elif (not isinstance(initial_state, torch.Tensor) or list(initial_state.shape) != [N, D, W]
+          or initial_state.dtype != x.dtype):
+        raise ValueError(f"deltacp: argument 'initial_state': expected [N, D, W] = [{N}, {D}, {W}] in {x.dtype} (one "
+                         f"state per sequence), got {getattr(initial_state, 'shape', type(initial_state).__name__)}")
+    pieces, ext_cu, keep = [], [0], []
+    for n in range(N):
+        pieces += [initial_state[n].transpose(0, 1).unsqueeze(0), packed[:, cu[n]:cu[n + 1]]]
+        keep += range(ext_cu[-1] + W, ext_cu[-1] + W + cu[n + 1] - cu[n])
+        ext_cu.append(ext_cu[-1] + W + cu[n + 1] - cu[n])
+    ext = torch.cat(pieces, dim=1)
+    y_ext, _ = causal_conv1d(ext, weight, bias, activation, cu_seqlens=ext_cu)
+    y = y_ext[:, torch.tensor(keep, dtype=torch.int64, device=x.device)].reshape(B, T, D)
+    final = None
+    if output_final_state:
+        final = torch.stack([ext[0, e - W:e].transpose(0, 1) for e in ext_cu[1:]])
+    return y, final
+
+
+def causal_conv1d_reference(x, weight, bias=None, activation=None, cu_seqlens=None, residual=None,
+                            initial_state=None, output_final_state=False):
+    """The definition, token by token in fp64 (for the tests): y [B, T, D] float64, and with
+    output_final_state the final states [N, D, W]. Without cu_seqlens every batch row is a sequence."""
     x, w = x.double(), weight.double()
     B, T, D = x.shape
     W = w.shape[1]
-    cu = _offsets(cu_seqlens) if cu_seqlens is not None else [0, T]
+    if cu_seqlens is not None:
+        segments = [(0, s0, s1) for s0, s1 in zip(_offsets(cu_seqlens), _offsets(cu_seqlens)[1:])]
+    else:
+        segments = [(b, 0, T) for b in range(B)]
+    h0 = None if initial_state is None else initial_state.double()
     y = torch.zeros(B, T, D, dtype=torch.float64)
-    for s0, s1 in zip(cu, cu[1:]):
+    finals = []
+
+    def token(b, n, s0, src):  # x at `src` of sequence n, or the state column before its start
+        if src >= s0:
+            return x[b, src]
+        return h0[n, :, W + src - s0] if h0 is not None else torch.zeros(D, dtype=torch.float64)
+
+    for n, (b, s0, s1) in enumerate(segments):
         for t in range(s0, s1):
-            acc = torch.zeros(B, D, dtype=torch.float64) if bias is None else bias.double().expand(B, D).clone()
+            acc = torch.zeros(D, dtype=torch.float64) if bias is None else bias.double().clone()
             for i in range(W):
-                src = t - (W - 1) + i
-                if src >= s0:
-                    acc = acc + w[:, i] * x[:, src]
-            y[:, t] = acc
-    return y * torch.sigmoid(y) if activation else y
+                acc = acc + w[:, i] * token(b, n, s0, t - (W - 1) + i)
+            y[b, t] = acc
+        finals.append(torch.stack([token(b, n, s0, s1 - W + j) for j in range(W)], dim=1))
+    y = y * torch.sigmoid(y) if activation else y
+    if residual is not None:
+        y = y + residual.double()
+    return (y, torch.stack(finals)) if output_final_state else y
