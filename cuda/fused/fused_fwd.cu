@@ -53,7 +53,16 @@
 // 148 KB; per warpgroup an output staging tile (9 KB): 167 KB in all, one CTA per SM (NWG = 1: 141 KB).
 // Registers: 209 per thread (nvcc 13.0), no spills.
 //
-// Measured speed: see docs/perf.md (fused rows) and this file's commit history.
+// Measured (NVIDIA H200, 2026-11-25, bf16 gdn, bench/gpu/bench_gpu.py with FLA 0.5.2 in the same run, both
+// with use_qk_l2norm_in_kernel=True; docs/perf.md): forward (4,2048,16,128) 0.361 ms (FLA 0.925),
+// (1,8192,96,128) 1.496 (1.599), (2,16384,16,128) 1.290 (1.084), (4,4096,64,128) 1.800 (1.967),
+// (1,65536,8,128) 1.295 (2.032); the tiled tier 0.439, 1.947, 1.600, 2.462, 1.630. Per kernel at
+// (2,16384,16,128) (bench/gpu/stage_times.py): whole sequences 1.260 ms = chain 0.672 (256 chunks on 64
+// CTAs: 2.6 us a chunk) + WY 0.463 + scores 0.093 + cumsum 0.029; the default plan, pieces of 4096 tokens,
+// 1.098 ms = WY 0.462 + pass-1 maps 0.255 + chain 0.208 (64 chunks on 128 CTAs: 3.25 us a chunk) + scores
+// 0.093 + fold 0.027 + the rest 0.054. What is left to take: the WY stage (the tiled tier's mma.sync kernel,
+// 36% of the time) and pass 1 (a state 256 columns wide), which belong in the chain's CTA as
+// warp-specialised producers.
 #include <cuda_runtime.h>
 
 #include <algorithm>
