@@ -26,6 +26,10 @@ import torch.distributed as dist
 
 import deltacp
 import deltacp.cp as cp
+# deltacp.ops (the single-process ops this example checks against) loads torch._dynamo when imported.
+# Imported here, before the process group starts: loaded after gloo's threads had started, 1 in 4
+# 4-process CPU runs aborted at exit ("terminate called without an active exception"), 0 in 21 this way.
+import deltacp.ops  # noqa: E402,F401
 
 # Relative-error tolerances of CP against one process (docs/design.md section 7).
 TOLERANCE = {
