@@ -14,12 +14,6 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "bindings" / "python" / "deltacp"
 
-# Circles known in code another part of the project owns, to be removed there (each entry says which):
-# deltacp.ops imports deltacp._library at its end to register the torch.library ops, and _library's
-# implementations call back into deltacp.ops.
-KNOWN = {frozenset({"deltacp.ops", "deltacp._library"})}
-
-
 def _module_name(path: Path) -> str:
     rel = path.relative_to(PKG.parent).with_suffix("")
     parts = list(rel.parts)
@@ -103,7 +97,7 @@ def test_the_graph_sees_imports():
 
 
 def test_no_import_cycle():
-    found = [c for c in cycles(import_graph()) if c not in KNOWN]
+    found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in found)
 
 
