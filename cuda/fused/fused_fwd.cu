@@ -73,6 +73,7 @@
 #include <vector>
 
 #include "../common/check.h"
+#include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
 #include "../common/load_store.cuh"
 #include "../common/workspace_pool.h"
@@ -94,22 +95,10 @@ constexpr int kKeys = 128;   // K: key rows of the state
 constexpr int kCols = 64;    // state columns per warpgroup
 constexpr int kLdStage = 72; // leading dimension (elements) of the output staging tile
 
-// A [B, T, heads, D] tensor: base pointer and int64 element strides (D contiguous).
-template <class E>
-struct Rows {
-  E* ptr = nullptr;
-  int64_t sb = 0, st = 0, sh = 0;
-  __device__ __forceinline__ E* at(int64_t b, int64_t t, int64_t h) const { return ptr + b * sb + t * st + h * sh; }
-};
-template <class E>
-Rows<E> rows_of(const TensorRef& r) {
-  return Rows<E>{static_cast<E*>(r.ptr), r.stride_b, r.stride_t, r.stride_h};
-}
-
 template <class T>
 struct ChainArgs {
-  Rows<const T> q, k;
-  Rows<T> o;
+  DevRows<const T> q, k;
+  DevRows<T> o;
   const SeqEntry* seqs = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
   const T* W = nullptr;      // [R, HV, 128]
@@ -178,7 +167,7 @@ __device__ __forceinline__ void load_tile_p(unsigned char* dst, const T* src, in
 
 template <class T>
 struct ScoreArgs {
-  Rows<const T> q, k;
+  DevRows<const T> q, k;
   const tiled::ChunkEntry* chunks = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
   T* P = nullptr;            // [R, HV, 64]
@@ -366,18 +355,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
     reg_fence(sa);
 
     // (2) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i.
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t u[4];
-      ldmatrix_x4_trans(u, Us + (16 * np + srow) * L.ldu + kCols * wg + scol);
-#pragma unroll
-      for (int qd = 0; qd < 4; ++qd) {
-        const int at = 8 * np + 2 * qd;  // n-block 2 np + qd / 2, row half qd % 2
-        const float2 uf = unpack2<T>(u[qd]);
-        Va[at] = uf.x - Va[at];
-        Va[at + 1] = uf.y - Va[at + 1];
-      }
-    }
+    u_minus_acc_trans<T>(Va, Us, L.ldu, kCols * wg, srow, scol);
     const float glast = gbuf[len - 1];
     uint32_t va[4][4], vo[4][4];  // Vns^T (state update) and Vn^T (output) as A fragments
 #pragma unroll
@@ -565,8 +543,8 @@ template <class T>
 void launch_scores(const Params& p, const ChunkTable& table, const float* G, T* P, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
   ScoreArgs<T> a;
-  a.q = rows_of<const T>(p.q);
-  a.k = rows_of<const T>(p.k);
+  a.q = dev_rows<const T>(p.q);
+  a.k = dev_rows<const T>(p.k);
   a.chunks = table.chunks();
   a.G = p.variant == Variant::delta ? nullptr : G;
   a.P = P;
@@ -582,9 +560,9 @@ void launch_chain(const Params& p, const ChunkTable& table, const float* G, cons
                   const void* P, const float* h0, float* ht, cudaStream_t stream) {
   if (table.num_seqs() == 0) return;
   ChainArgs<T> a;
-  a.q = rows_of<const T>(p.q);
-  a.k = rows_of<const T>(p.k);
-  a.o = rows_of<T>(p.o);
+  a.q = dev_rows<const T>(p.q);
+  a.k = dev_rows<const T>(p.k);
+  a.o = dev_rows<T>(p.o);
   a.seqs = table.seqs();
   a.G = p.variant == Variant::delta ? nullptr : G;
   a.W = static_cast<const T*>(W);

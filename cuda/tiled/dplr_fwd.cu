@@ -68,6 +68,7 @@
 #include <type_traits>
 
 #include "../common/check.h"
+#include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
 #include "../common/load_store.cuh"
 #include "../common/workspace_pool.h"
@@ -94,21 +95,10 @@ __host__ __device__ constexpr int tile_ld(int cols) {
 __host__ __device__ constexpr int gate_ld(int kp) { return kp + 4; }
 __host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
 
-template <class E>
-struct DRows {
-  E* ptr = nullptr;
-  int64_t sb = 0, st = 0, sh = 0;
-  __device__ __forceinline__ E* at(int64_t b, int64_t t, int64_t h) const { return ptr + b * sb + t * st + h * sh; }
-};
-template <class E>
-DRows<E> drows(const TensorRef& r) {
-  return DRows<E>{static_cast<E*>(r.ptr), r.stride_b, r.stride_t, r.stride_h};
-}
-
 template <class T>
 struct DplrArgs {
-  DRows<const T> q, k, v, a, b;
-  DRows<T> o;
+  DevRows<const T> q, k, v, a, b;
+  DevRows<T> o;
   const void* gk = nullptr;  // fp32 (gk_fp32) or T
   int64_t gk_sb = 0, gk_st = 0, gk_sh = 0;
   bool gk_fp32 = false;
@@ -131,7 +121,7 @@ struct DplrArgs {
   // The dh0-only backward (dplr_dh0_scan_kernel): the output stage stores scale-free q e^G and P_qb for it.
   T* QG = nullptr;  // [R, H, KP]
   T* Pb = nullptr;  // [chunks, H, 64, 64]
-  DRows<const T> dout;
+  DevRows<const T> dout;
   const float* dht = nullptr;
   float* dh0 = nullptr;
 };
@@ -701,11 +691,11 @@ void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
   DELTACP_CHECK(p.num_seqs * H <= 0x7fffffff, "num_seqs", "expected num_seqs * H < 2^31, got ", p.num_seqs * H);
   DplrWorkspace ws(stream);
   DplrArgs<T> x;
-  x.q = drows<const T>(p.q);
-  x.k = drows<const T>(p.k);
-  x.v = drows<const T>(p.v);
-  x.a = drows<const T>(p.a);
-  x.b = drows<const T>(p.b);
+  x.q = dev_rows<const T>(p.q);
+  x.k = dev_rows<const T>(p.k);
+  x.v = dev_rows<const T>(p.v);
+  x.a = dev_rows<const T>(p.a);
+  x.b = dev_rows<const T>(p.b);
   x.gk = p.g.ptr;
   x.gk_sb = p.g.stride_b;
   x.gk_st = p.g.stride_t;
@@ -727,11 +717,11 @@ void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
   if (dh0_only) {
     x.QG = ws.get<T>(R * H * KP);
     x.Pb = ws.get<T>(C * H * kDRows * kDRows);
-    x.dout = drows<const T>(p.dout);
+    x.dout = dev_rows<const T>(p.dout);
     x.dht = static_cast<const float*>(p.dht);
     x.dh0 = static_cast<float*>(p.dh0);
   } else {
-    x.o = drows<T>(p.o);
+    x.o = dev_rows<T>(p.o);
     x.Ut = ws.get<T>(R * H * VP);
     x.h = ws.get<T>(C * H * KP * VP);
     x.h0 = static_cast<const float*>(p.h0);

@@ -231,18 +231,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 
     // Vn^T = U^T - Va (U^T fragments straight from the U tile through ldmatrix.trans); v_new out;
     // Vns^T = Vn^T e^(G_n - G_i) (gdn) -> the A fragments of (c).
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t u[4];
-      ldmatrix_x4_trans(u, Us + (16 * np + srow) * L.ldu + kWgCols * wg + scol);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int at = 8 * np + 2 * q;  // n-block 2 np + q / 2, row half q % 2
-        const float2 uf = unpack2<T>(u[q]);
-        Va[at] = uf.x - Va[at];
-        Va[at + 1] = uf.y - Va[at + 1];
-      }
-    }
+    u_minus_acc_trans<T>(Va, Us, L.ldu, kWgCols * wg, srow, scol);
     const bool store_vnew = vs != nullptr && vnew != nullptr;
     if (store_vnew) {  // staged tokens x 64 columns
 #pragma unroll

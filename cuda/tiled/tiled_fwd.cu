@@ -89,6 +89,7 @@
 #include <vector>
 
 #include "../common/check.h"
+#include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
 #include "../common/load_store.cuh"
 #include "chunk_table.cuh"
@@ -105,19 +106,6 @@ namespace {
 
 constexpr int kThreads = 128;  // 4 warps per CTA in every kernel
 constexpr int kBT = kTileRows;  // 64 rows per chunk tile
-
-// ---- device views ---------------------------------------------------------------------------
-// A [B, T, heads, D] tensor: base pointer and int64 element strides (D contiguous).
-template <class E>
-struct DevRows {
-  E* ptr = nullptr;
-  int64_t sb = 0, st = 0, sh = 0;
-  __device__ __forceinline__ E* at(int64_t b, int64_t t, int64_t h) const { return ptr + b * sb + t * st + h * sh; }
-};
-template <class E>
-DevRows<E> dev_rows(const TensorRef& r) {
-  return DevRows<E>{static_cast<E*>(r.ptr), r.stride_b, r.stride_t, r.stride_h};
-}
 
 // Everything a stage kernel reads from Params, as plain device-side values.
 template <class T>

@@ -170,6 +170,26 @@ __device__ __forceinline__ float2 unpack2(uint32_t r) {
   }
 }
 
+// Va <- U^T - Va for an m64n64 accumulator Va (this warpgroup's 64 state columns x 64 tokens), U^T's
+// fragments read straight from a tile of tokens x columns (rows ld elements apart, this warpgroup's
+// columns from col0) by ldmatrix.trans. srow, scol: this lane's row address in the tile (lane -> matrix
+// q = lane / 8: row 8 (q / 2) + lane % 8, column 16 w + 8 (q % 2) for warp w of the warpgroup).
+template <class T>
+__device__ __forceinline__ void u_minus_acc_trans(float (&Va)[32], const T* Us, int ld, int col0, int srow, int scol) {
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    uint32_t u[4];
+    ldmatrix_x4_trans(u, Us + (16 * np + srow) * ld + col0 + scol);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int at = 8 * np + 2 * q;  // n-block 2 np + q / 2, row half q % 2
+      const float2 uf = unpack2<T>(u[q]);
+      Va[at] = uf.x - Va[at];
+      Va[at + 1] = uf.y - Va[at + 1];
+    }
+  }
+}
+
 // A 64 x 128 tile of 16-bit rows (src row r at src + r * ld, 16-byte aligned) into the swizzled
 // two-block layout above; rows >= len are zero. cp.async for the valid rows (the caller commits).
 // A thread keeps one 16-byte piece column and every (kThr / 16)-th row, so its swizzled position
