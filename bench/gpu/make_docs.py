@@ -68,6 +68,22 @@ def ratios(perf, variant, direction, impl):
     return {s: mine[s]["ms"] / fla[s]["ms"] for s in mine if s in fla}
 
 
+def rows_date(perf, variant):
+    """The date of a variant's rows: the file's, unless its rows carry their own (rows kept from an earlier
+    run of the same harness on the same GPU)."""
+    dates = sorted({x.get("date", perf["date"]) for x in perf["rows"] if x["variant"] == variant})
+    return ", ".join(dates) if dates else perf["date"]
+
+
+def call_of(perf, variant):
+    """How both sides were called for a variant's rows: FLA's benchmark keywords, or the plain call."""
+    kept = {x.get("call") for x in perf["rows"] if x["variant"] == variant and x.get("call")}
+    if kept:
+        return "; ".join(sorted(kept))
+    kw = perf.get("call_kwargs", {}).get(variant)
+    return ", ".join(f"{k}={v}" for k, v in kw.items()) if kw else "plain (no FLA benchmark keywords)"
+
+
 def fmt_shape(s):
     return "(" + ", ".join(str(v) for v in s) + ")"
 
@@ -105,10 +121,11 @@ def cp_config(r):
 def readme_table(res):
     lines = ["| measure | result | where, when |", "|---|---|---|"]
     for perf in res["perf"]:
-        where = f"{gpu_short(perf['gpu'])}, {perf['date']}, FLA {perf.get('fla', '?')} in the same run"
         for impl in tiers(perf):
             tier = impl.split("-", 1)[1]
             for variant in sorted({x["variant"] for x in perf["rows"]}):
+                where = (f"{gpu_short(perf['gpu'])}, {rows_date(perf, variant)}, FLA {perf.get('fla', '?')} in the "
+                         f"same run; {call_of(perf, variant)}")
                 parts = []
                 for d in ("fwd", "fwd+bwd"):
                     rs = ratios(perf, variant, d, impl)
@@ -143,7 +160,8 @@ def readme_table(res):
                     cells.append(f"{impl.replace('deltacp-', '')} {worst:.1e}")
             if cells:
                 lines.append(f"| bf16 accuracy, {variant.upper()}: worst relative error of o, ht and every gradient "
-                             f"against fp64 | " + ", ".join(cells) + f" | {gpu_short(perf['gpu'])}, {perf['date']} |")
+                             f"against fp64 | " + ", ".join(cells) + f" | {gpu_short(perf['gpu'])}, "
+                             f"{rows_date(perf, variant)} |")
     return lines
 
 
@@ -172,6 +190,14 @@ def perf_md(res, plots):
                   f"FLA {perf.get('fla', 'absent')}. Ceilings measured in the same run: device copy "
                   f"{perf['copy_TBps']:.2f} TB/s (read + write), bf16 matmul {perf['bf16_matmul_TFLOPs']:.0f} TFLOP/s. "
                   "`roofline` = floor / time, floor = max(bytes / copy rate, FLOPs / matmul rate).", ""]
+        for note in perf.get("notes", []):
+            lines += [f"Note: {note}.", ""]
+        bpt = perf.get("bytes_per_token_head", {})
+        if bpt:
+            lines += ["HBM bytes each tier's forward moves per token and value head (K = V = 128, bf16; counted from "
+                      "its kernels, `notebooks/06_kernel_tiers.py`): " +
+                      ", ".join(f"{k.replace('deltacp-', '')} {v}" for k, v in bpt.items() if k.startswith("deltacp")) +
+                      (f". {bpt['note']}" if "note" in bpt else "") + ".", ""]
         for variant in sorted({x["variant"] for x in perf["rows"]}):
             for d in ("fwd", "fwd+bwd"):
                 rows = [x for x in perf["rows"] if x["variant"] == variant and x["direction"] == d]
@@ -180,6 +206,7 @@ def perf_md(res, plots):
                 shapes = sorted({shape_of(x) for x in rows}, key=lambda s: (s[0] * s[1] * s[2], s))
                 ours = tiers(perf)
                 lines += [f"### {variant.upper()} {'forward' if d == 'fwd' else 'forward + backward'}", "",
+                          f"Measured {rows_date(perf, variant)}; both sides called with: {call_of(perf, variant)}.", "",
                           "| (B, T, H, D) | " + " | ".join(f"{n} ms" for n in impls) + " | " +
                           " | ".join(f"{n.split('-', 1)[1]} / FLA" for n in ours) +
                           " | best tier TFLOP/s | TB/s | roofline |",
@@ -212,6 +239,21 @@ def perf_md(res, plots):
                     else:
                         lines.append(f"| {variant} | {impl} | " +
                                      " | ".join(f"{errs[k]:.1e}" if k in errs else "-" for k in GRADS) + " |")
+            lines.append("")
+        st = perf.get("stages")
+        if st:
+            lines += [f"### The fused forward kernel by kernel, {st['variant'].upper()} {fmt_shape(tuple(st['shape']))}", "",
+                      "CUDA time per call of each kernel (`bench/gpu/stage_times.py --backend fused`, torch.profiler), "
+                      "whole sequences and the default plan's pieces (intra-card CP); the chain's time per chunk is "
+                      "its kernel time over the chunks each CTA walks (all CTAs run in one wave).", "",
+                      "| plan | kernels ms | chain ms | chain CTAs | chunks per CTA | chain us per chunk | the other kernels (ms) |",
+                      "|---|---|---|---|---|---|---|"]
+            for plan, x in st["plans"].items():
+                k = dict(x["kernels_ms"])
+                chain = k.pop("fused_chain")
+                others = ", ".join(f"{n} {v:.3f}" for n, v in k.items())
+                lines.append(f"| {plan} | {x['total_ms']:.3f} | {chain:.3f} | {x['chain_ctas']} | {x['chain_chunks']} | "
+                             f"{1e3 * chain / x['chain_chunks']:.2f} | {others} |")
             lines.append("")
         png = plots / f"perf-{g.lower()}.png"
         if plot_perf(perf, impls, png):
