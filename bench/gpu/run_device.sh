@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: build, validate, sanitize, benchmark; results under $OUT.
+# One call on a GPU machine: build, validate, sanitize, benchmark; results under $OUT (default /tmp/deltacp-out).
 #
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
 #                                            cpbench, stages, scan, ncu (default build,test,sanitize,pytest,bench)
