@@ -23,26 +23,6 @@ namespace {
 
 constexpr int kMaxPerLane = 8;  // D <= 32 * 8 = 256
 
-template <class T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same<T, float>::value) {
-    return x;
-  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    return __bfloat162float(x);
-  } else {
-    return __half2float(x);
-  }
-}
-template <class T>
-__device__ __forceinline__ T from_float(float x) {
-  if constexpr (std::is_same<T, float>::value) {
-    return x;
-  } else if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    return __float2bfloat16_rn(x);
-  } else {
-    return __float2half_rn(x);
-  }
-}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -61,7 +41,7 @@ __global__ void __launch_bounds__(256) l2norm_rows_kernel(const T* __restrict__ 
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     const int d = lane + 32 * i;
-    v[i] = d < D ? to_float(xr[d]) : 0.f;
+    v[i] = d < D ? load_f(xr + d) : 0.f;
     ss += v[i] * v[i];
   }
   const float r = rsqrtf(warp_sum(ss) + eps);
@@ -69,7 +49,7 @@ __global__ void __launch_bounds__(256) l2norm_rows_kernel(const T* __restrict__ 
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     const int d = lane + 32 * i;
-    if (d < D) yr[d] = from_float<T>(v[i] * r);
+    if (d < D) store_f(yr + d, v[i] * r);
   }
   if (lane == 0 && rstd != nullptr) rstd[row] = r;
 }
@@ -87,15 +67,15 @@ __global__ void __launch_bounds__(256) l2norm_rows_backward_kernel(const T* __re
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     const int d = lane + 32 * i;
-    yv[i] = d < D ? to_float(x[row * D + d]) * r : 0.f;
-    g[i] = d < D ? to_float(dy[row * D + d]) : 0.f;
+    yv[i] = d < D ? load_f(x + row * D + d) * r : 0.f;
+    g[i] = d < D ? load_f(dy + row * D + d) : 0.f;
     dot += yv[i] * g[i];
   }
   dot = warp_sum(dot);
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     const int d = lane + 32 * i;
-    if (d < D) dx[row * D + d] = from_float<T>(r * (g[i] - yv[i] * dot));
+    if (d < D) store_f(dx + row * D + d, r * (g[i] - yv[i] * dot));
   }
 }
 

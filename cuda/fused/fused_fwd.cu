@@ -436,17 +436,6 @@ bool rows_aligned16(const TensorRef& r, int64_t es) {
          (r.stride_h * es) % 16 == 0;
 }
 
-// DELTACP_FUSED_PIECE: -1 when unset, else tokens per piece (0: never cut).
-int64_t piece_tokens_from_env() {
-  const char* env = std::getenv("DELTACP_FUSED_PIECE");
-  if (env == nullptr || *env == '\0') return -1;
-  char* end = nullptr;
-  const long long v = std::strtoll(env, &end, 10);
-  DELTACP_CHECK(end != nullptr && *end == '\0' && v >= 0, "DELTACP_FUSED_PIECE",
-                "expected 0 (never cut) or a positive number of tokens per piece, got '", env, "'");
-  return v;
-}
-
 // DELTACP_FUSED_WG: 0 (unset) = by the grid's width, else 1 or 2 warpgroups per CTA.
 int warpgroups_from_env() {
   const char* env = std::getenv("DELTACP_FUSED_WG");
@@ -505,13 +494,10 @@ const char* forward_refusal(const Params& p) {
   if (p.final_state_only()) return "it computes the output (a final-state-only call runs on the tiled tier)";
   const int64_t es = dtype_size(p.dtype);
   if (!rows_aligned16(p.q, es)) return "it reads q in 16-byte pieces (q's pointer or strides are not 16-byte aligned)";
-  if (!rows_aligned16(p.k, es)) return "it reads k in 16-byte pieces (k's pointer or strides are not 16-byte aligned)";
   if (!rows_aligned16(p.o, es)) return "it writes o in 16-byte pieces (o's pointer or strides are not 16-byte aligned)";
   if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
-  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
-      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
-    return "it runs on compute capability 9.0 (H100 / H200) only";
-  return nullptr;
+  // k's alignment and the GPU: what the wgmma state scan (its pass 1 of the pieces) needs too.
+  return tiled::wgmma_scan_refusal(p, /*h_and_vnew_agree=*/true);
 #endif
 }
 
@@ -519,7 +505,7 @@ namespace {
 // Chunks per piece for intra-card CP (0: whole sequences): DELTACP_FUSED_PIECE=<tokens> forces it (0 never
 // cuts); unset, the length the time model predicts fastest, if it beats whole sequences by 25%.
 int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
-  const int64_t env = piece_tokens_from_env();
+  const int64_t env = tiled::piece_tokens_from_env("DELTACP_FUSED_PIECE");
   if (env == 0 || seqs.empty()) return 0;
   int64_t most = 0;
   for (const SeqEntry& s : seqs) most = std::max(most, s.num_chunks);

@@ -164,6 +164,10 @@ void launch_state_scan(const Params& p, const ChunkTable& table, const ScanPlan&
 // L chunks stays whole). Host only. The fused tier (cuda/fused/) plans its own piece length with it.
 ScanPlan plan_pieces(const Params& p, const std::vector<SeqEntry>& seqs, int64_t L);
 
+// A piece-length variable (DELTACP_TILED_SCAN_PIECE, DELTACP_FUSED_PIECE): -1 when unset, else tokens per
+// piece (0: never cut); deltacp::Error naming the variable for anything else. Host only.
+int64_t piece_tokens_from_env(const char* var);
+
 // The fold alone: starts [P, HV, K, V] fp32 = every piece's start state from h0 (nullptr: zero) and the
 // tables' pass-1 maps (N sequences). And the last piece's final state of each sequence into ht [N, HV, K, V],
 // from piece_ht [P, HV, K, V]. launch_state_scan runs both around its pass 2; the fused tier runs its own

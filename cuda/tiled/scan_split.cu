@@ -376,17 +376,6 @@ __global__ void gather_final_states_kernel(const FoldSeq* __restrict__ seqs, int
   for (int64_t i = threadIdx.x; i < KV; i += blockDim.x) dst[i] = src[i];
 }
 
-// DELTACP_TILED_SCAN_PIECE: -1 when unset, else tokens per piece (0: never cut).
-int64_t piece_tokens_from_env() {
-  const char* env = std::getenv("DELTACP_TILED_SCAN_PIECE");
-  if (env == nullptr || *env == '\0') return -1;
-  char* end = nullptr;
-  const long long v = std::strtoll(env, &end, 10);
-  DELTACP_CHECK(end != nullptr && *end == '\0' && v >= 0, "DELTACP_TILED_SCAN_PIECE",
-                "expected 0 (never cut the state scan) or a positive number of tokens per piece, got '", env, "'");
-  return v;
-}
-
 // The step-time model of the file comment: predicted microseconds of the scan in pieces of L chunks.
 double predicted_cut_us(const std::vector<SeqEntry>& seqs, const Params& p, int64_t L, int sms) {
   const int64_t Vp = padded_dim(p.V), Kp = padded_dim(p.K);
@@ -481,7 +470,7 @@ std::vector<int64_t> pass1_pieces(const ScanPlan& plan) {
 }
 
 ScanPlan plan_scan(const Params& p, const std::vector<SeqEntry>& seqs) {
-  const int64_t env = piece_tokens_from_env();
+  const int64_t env = piece_tokens_from_env("DELTACP_TILED_SCAN_PIECE");
   if (p.final_state_only() || env == 0 || seqs.empty()) return {};
   int64_t most = 0;  // chunks of the longest sequence
   for (const SeqEntry& s : seqs) most = std::max(most, s.num_chunks);
@@ -538,6 +527,16 @@ PieceTables::PieceTables(const Params& p, const ScanPlan& plan, const std::vecto
 PieceTables::~PieceTables() { workspace_free(fold_seqs_, stream_); }  // stream-ordered, after the kernels
 
 ScanPlan plan_pieces(const Params& p, const std::vector<SeqEntry>& seqs, int64_t L) { return make_plan(seqs, p, L); }
+
+int64_t piece_tokens_from_env(const char* var) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == '\0') return -1;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  DELTACP_CHECK(end != nullptr && *end == '\0' && v >= 0, var,
+                "expected 0 (never cut into pieces) or a positive number of tokens per piece, got '", env, "'");
+  return v;
+}
 
 void launch_fold_starts(const Params& p, const PieceTables& tables, int64_t N, const float* h0, float* starts,
                         cudaStream_t stream) {
