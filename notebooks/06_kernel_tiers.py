@@ -74,8 +74,7 @@ def tier_bytes():
     }
     fused = {
         "cumsum: g in, G out": 4 + 4,
-        "WY: k, v, beta, G in; W, U out": es * (K + V) + es + 4 + es * (K + V),
-        "scores: q, k, G in; P out": es * (K + K) + 4 + es * C,
+        "WY and scores: q, k, v, beta, G in; W, U, P out": es * (K + K + V) + es + 4 + es * (K + V + C),
         "chain: q, k, W, U, P, G in; o out": es * (K + K + K + V + C) + 4 + out,
     }
     return {"naive": naive, "tiled": tiled, "fused": fused}

@@ -10,8 +10,8 @@
 //   S' = e^(G_n) S + (K e^(G_n - G))^T Vn
 //
 // Pipeline. What does not depend on the state runs token-parallel first, on every chunk at once: the tiled
-// tier's stages 1 and 2 (cuda/tiled/fwd_stages.cuh: G = cumsum g, the WY stage's W and U) and
-// fused_scores_kernel below (P, 16-bit, 128 bytes per token and head). Then one kernel,
+// tier's stage 1 (G = cumsum g, cuda/tiled/fwd_stages.cuh) and fused_wy_kernel (fused_wy.cuh: W, U and P =
+// 128 bytes per token and head of 16-bit scores, from one read of q, k and v). Then one kernel,
 // fused_chain_kernel, walks each sequence's chunks with S in registers and does every product that
 // touches S, and the output:
 //
@@ -54,15 +54,16 @@
 // Registers: 209 per thread (nvcc 13.0), no spills.
 //
 // Measured (NVIDIA H200, 2026-11-25, bf16 gdn, bench/gpu/bench_gpu.py with FLA 0.5.2 in the same run, both
-// with use_qk_l2norm_in_kernel=True; docs/perf.md): forward (4,2048,16,128) 0.361 ms (FLA 0.925),
-// (1,8192,96,128) 1.496 (1.599), (2,16384,16,128) 1.290 (1.084), (4,4096,64,128) 1.800 (1.967),
-// (1,65536,8,128) 1.295 (2.032); the tiled tier 0.439, 1.947, 1.600, 2.462, 1.630. Per kernel at
-// (2,16384,16,128) (bench/gpu/stage_times.py): whole sequences 1.260 ms = chain 0.672 (256 chunks on 64
-// CTAs: 2.6 us a chunk) + WY 0.463 + scores 0.093 + cumsum 0.029; the default plan, pieces of 4096 tokens,
-// 1.098 ms = WY 0.462 + pass-1 maps 0.255 + chain 0.208 (64 chunks on 128 CTAs: 3.25 us a chunk) + scores
-// 0.093 + fold 0.027 + the rest 0.054. What is left to take: the WY stage (the tiled tier's mma.sync kernel,
-// 36% of the time) and pass 1 (a state 256 columns wide), which belong in the chain's CTA as
-// warp-specialised producers.
+// with use_qk_l2norm_in_kernel=True; docs/perf.md has the current table). Per kernel at (2,16384,16,128)
+// (bench/gpu/stage_times.py): whole sequences 1.018 ms = chain 0.677 (256 chunks on 64 CTAs: 2.6 us a
+// chunk) + WY and scores 0.308 + cumsum 0.029; the default plan, pieces of 4096 tokens, 0.855 ms = WY and
+// scores 0.308 + pass-1 maps 0.260 + chain 0.207 (64 chunks on 128 CTAs: 3.2 us a chunk) + cumsum 0.029 +
+// fold 0.027 + the rest 0.024. Before fused_wy_kernel the token-parallel part was the tiled tier's
+// mma.sync WY stage (0.463 ms) and a scores kernel (0.093 ms): 1.098 ms in all. What is left: the chain
+// step, whose tensor-core work is about 1 us a chunk (3.5 M multiply-adds for 128 state columns), so
+// 2.6 us is mostly the latency of its two dependent product groups and the barrier, which a
+// warp-specialised CTA (an output warpgroup beside the state's) would overlap; and pass 1 (a state 256
+// columns wide, on the tiled tier's scan).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -81,6 +82,7 @@
 #include "../tiled/fwd_mma.cuh"
 #include "../tiled/fwd_stages.cuh"
 #include "../tiled/wgmma_ops.cuh"
+#include "fused_wy.cuh"
 #include "deltacp/cuda/tiers.h"
 #include "deltacp/error.h"
 #include "deltacp/params.h"
@@ -103,7 +105,7 @@ struct ChainArgs {
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
   const T* W = nullptr;      // [R, HV, 128]
   const T* U = nullptr;      // [R, HV, 128]
-  const T* P = nullptr;      // [R, HV, 64]: row i of its chunk's P (fused_scores_kernel)
+  const T* P = nullptr;      // [R, HV, 64]: row i of its chunk's P (fused_wy_kernel)
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
   float* ht = nullptr;       // the same shape, or nullptr
   int64_t Tlen = 0, HV = 0, group = 1;
@@ -163,75 +165,6 @@ __device__ __forceinline__ void load_tile_p(unsigned char* dst, const T* src, in
       *reinterpret_cast<uint4*>(d + it * kRowStep * 128) = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-}
-
-template <class T>
-struct ScoreArgs {
-  DevRows<const T> q, k;
-  const tiled::ChunkEntry* chunks = nullptr;
-  const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
-  T* P = nullptr;            // [R, HV, 64]
-  int64_t HV = 0, group = 1;
-};
-constexpr int kScoreSmem = 2 * 64 * 2 * 128 + 64 * 4 + 1024;  // Q and K tiles, G, alignment slack
-
-// The state-free part of the output, for every chunk at once: P = tril(Q K^T) o e^(G_i - G_j) (j <= i,
-// diagonal included; the mask before the exponential, whose exponent is positive above the diagonal),
-// rounded to 16 bits, row i of chunk c at row row0 + i of P. One warpgroup per (chunk, value head): Q K^T
-// on wgmma with both operands in shared memory (swizzled tiles by cp.async), the mask and decays in
-// registers. Taking it off the chain kernel took its step from 3.4 us (H200, the chain computing P itself).
-template <class T>
-__global__ void __launch_bounds__(128) fused_scores_kernel(ScoreArgs<T> a) {
-#ifdef DELTACP_WGMMA_DEVICE
-  using namespace tiled;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  unsigned char* qs = smem;
-  unsigned char* ks = smem + 16384;
-  float* gs = reinterpret_cast<float*>(smem + 32768);
-  const int tid = threadIdx.x, wi = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const ChunkEntry ce = a.chunks[blockIdx.x];
-  const int64_t hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
-  const int len = static_cast<int>(ce.len);
-  load_tile_sw128<T, 128>(qs, a.q.at(ce.batch, ce.t0, hk), a.q.st, len);
-  load_tile_sw128<T, 128>(ks, a.k.at(ce.batch, ce.t0, hk), a.k.st, len);
-  cp_async_commit();
-  if (tid < 64) gs[tid] = a.G != nullptr ? a.G[(ce.row0 + min(tid, len - 1)) * HV + hv] : 0.f;
-  cp_async_wait<0>();
-  fence_proxy_async();
-  __syncthreads();
-  float Pacc[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) Pacc[i] = 0.f;
-  const uint32_t q_addr = smem_u32(qs), k_addr = smem_u32(ks);
-  wg_fence();
-  reg_fence(Pacc);
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-    wgmma_n64_ss<T>(Pacc, wg_desc(q_addr + off, 16, 1024), wg_desc(k_addr + off, 16, 1024), kk > 0);
-  }
-  wg_commit();
-  wg_wait_all();
-  reg_fence(Pacc);
-  const int i0 = 16 * wi + g, i1 = i0 + 8;
-  const float gi0 = gs[i0], gi1 = gs[i1];
-  T* row0 = a.P + ((ce.row0 + i0) * HV + hv) * 64;
-  T* row1 = a.P + ((ce.row0 + i1) * HV + hv) * 64;
-#pragma unroll
-  for (int nb = 0; nb < 8; ++nb) {
-    const int j = 8 * nb + 2 * t;
-    const float gj0 = gs[j], gj1 = gs[j + 1];
-    const float p00 = j <= i0 ? exp_t<T>(gi0 - gj0) * Pacc[4 * nb] : 0.f;
-    const float p01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) * Pacc[4 * nb + 1] : 0.f;
-    const float p10 = j <= i1 ? exp_t<T>(gi1 - gj0) * Pacc[4 * nb + 2] : 0.f;
-    const float p11 = j + 1 <= i1 ? exp_t<T>(gi1 - gj1) * Pacc[4 * nb + 3] : 0.f;
-    if (i0 < len) *reinterpret_cast<uint32_t*>(row0 + j) = pack2<T>(p00, p01);
-    if (i1 < len) *reinterpret_cast<uint32_t*>(row1 + j) = pack2<T>(p10, p11);
-  }
-#else
-  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
-#endif
 }
 
 // One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns), sequential over
@@ -460,7 +393,8 @@ int chain_warpgroups(int64_t seqs_x_heads, int sms) {
 //   pass 1 (maps of all but each sequence's last piece, a state V + K = 256 columns wide, the tiled tier's
 //          state-only scan: two CTAs of 128 columns per piece and head):  waves(maps x HV x 2) x L x map_step_us
 //   fold:  (most pieces - 1) x fold_us
-// step_us is the fused chain step measured on an H200 (bf16 gdn, (2,16384,16,128): 0.87 ms for 256 chunks);
+// step_us is the fused chain step as measured on an H200 in pieces (bf16 gdn, (2,16384,16,128): 3.2 to 3.4 us;
+// 2.6 us over whole sequences, where fewer CTAs share the memory system);
 // map_step_us and fold_us are the tiled tier's (cuda/tiled/scan_split.cu).
 double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t L, int sms) {
   constexpr double step_us = 3.4, map_step_us = 2.1, fold_us = 3.8;
@@ -494,6 +428,7 @@ const char* forward_refusal(const Params& p) {
   if (p.final_state_only()) return "it computes the output (a final-state-only call runs on the tiled tier)";
   const int64_t es = dtype_size(p.dtype);
   if (!rows_aligned16(p.q, es)) return "it reads q in 16-byte pieces (q's pointer or strides are not 16-byte aligned)";
+  if (!rows_aligned16(p.v, es)) return "it reads v in 16-byte pieces (v's pointer or strides are not 16-byte aligned)";
   if (!rows_aligned16(p.o, es)) return "it writes o in 16-byte pieces (o's pointer or strides are not 16-byte aligned)";
   if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
   // k's alignment and the GPU: what the wgmma state scan (its pass 1 of the pieces) needs too.
@@ -523,22 +458,6 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
     if (us < best) best = us, best_L = L;
   }
   return best_L;
-}
-
-template <class T>
-void launch_scores(const Params& p, const ChunkTable& table, const float* G, T* P, cudaStream_t stream) {
-  if (table.num_chunks() == 0) return;
-  ScoreArgs<T> a;
-  a.q = dev_rows<const T>(p.q);
-  a.k = dev_rows<const T>(p.k);
-  a.chunks = table.chunks();
-  a.G = p.variant == Variant::delta ? nullptr : G;
-  a.P = P;
-  a.HV = p.HV;
-  a.group = p.HV / p.H;
-  const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
-  fused_scores_kernel<T><<<grid, 128, kScoreSmem, stream>>>(a);
-  DELTACP_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
@@ -621,11 +540,10 @@ void forward(const Params& p) {
     float* starts = reinterpret_cast<float*>(take(bytes_starts));
     float* piece_ht = reinterpret_cast<float*>(take(bytes_pht));
     tiled::launch_chunk_cumsum(p, table, G, stream);
-    tiled::launch_chunk_wy(p, table, G, W, U, /*Kd=*/nullptr, /*Tinv=*/nullptr, stream);
     dispatch_dtype(p.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
       if constexpr (tiled::kIs16Bit<T>) {
-        launch_scores<T>(p, table, G, static_cast<T*>(Pw), stream);
+        launch_fused_wy<T>(p, table, G, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Pw), stream);
         if (!plan.cut()) {
           launch_chain<T>(p, table, G, W, U, Pw, static_cast<const float*>(p.h0), static_cast<float*>(p.ht), stream);
           return;

@@ -99,6 +99,7 @@
 #include "fwd_mma.cuh"
 #include "fwd_stages.cuh"
 #include "kda_scores.cuh"
+#include "wy_solve.cuh"
 #include "scan_config.h"
 
 namespace deltacp::cuda::tiled {
@@ -323,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   float* scr = reinterpret_cast<float*>(smem + L.scr);
   const int lda = L.lda, ldt = L.ldt, ldk = L.ldk, ldv = L.ldv;
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const ChunkEntry ce = args.chunks[blockIdx.x];
   const int64_t hv = blockIdx.y, hk = hv / args.group, HV = args.HV;
   const int len = static_cast<int>(ce.len);
@@ -366,71 +367,8 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   }
   __syncthreads();
 
-  // ---- phase 2: T = (I + A)^-1 ----
-  // Blocks above the block diagonal are zero.
-  for (int idx = tid; idx < kBT * kBT; idx += kThreads) {
-    const int i = idx / kBT, j = idx - i * kBT;
-    if ((j >> 4) > (i >> 4)) Ts[i * lda + j] = 0.f;
-  }
-  {
-    // D_a = (I + A_aa)^-1, a = warp: lane column c (lanes 16..31 duplicate lanes 0..15), rows in
-    // registers: d[i] = -sum_{c <= j < i} A[i][j] d[j] for i > c, d[c] = 1, d[i < c] = 0.
-    const int a = warp, c = lane & 15;
-    const float* Ab = As + (16 * a) * lda + 16 * a;
-    float d[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float s = 0.f;
-#pragma unroll
-      for (int j = 0; j < i; ++j) s = fmaf(Ab[i * lda + j], d[j], s);
-      d[i] = (i == c) ? 1.f : (i > c ? -s : 0.f);
-    }
-    if (lane < 16) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) Ts[(16 * a + i) * lda + 16 * a + c] = d[i];
-    }
-  }
-  __syncthreads();
-  for (int level = 1; level < 4; ++level) {
-    if (warp < 4 - level) {
-      // block (a, b) = (warp + level, warp): P = A[a rows, 16b .. 16a) T[16b .. 16a, b cols]
-      const int a = warp + level, b = warp;
-      const int r = lane >> 1, c0 = (lane & 1) * 8;  // the lane's row and 8 columns of the block
-      float acc[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-      for (int kb = b; kb < a; ++kb) {  // 16-wide k blocks, unrolled so the loads pipeline
-#pragma unroll
-        for (int kk = 0; kk < 16; ++kk) {
-          const int k = 16 * kb + kk;
-          const float av = As[(16 * a + r) * lda + k];
-          float tv[8];
-          load8f(Ts + k * lda + 16 * b + c0, tv);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] = fmaf(av, tv[e], acc[e]);
-        }
-      }
-      float* P = scr + warp * 256;  // this warp's 16 x 16 scratch
-#pragma unroll
-      for (int e = 0; e < 8; ++e) P[r * 16 + c0 + e] = acc[e];
-      __syncwarp();
-      // T_ab = -D_a P
-      float out[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) out[e] = 0.f;
-#pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        const float dv = Ts[(16 * a + r) * lda + 16 * a + k];
-        float pv[8];
-        load8f(P + k * 16 + c0, pv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) out[e] = fmaf(dv, pv[e], out[e]);
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) Ts[(16 * a + r) * lda + 16 * b + c0 + e] = -out[e];
-    }
-    __syncthreads();
-  }
+  // ---- phase 2: T = (I + A)^-1 (wy_solve.cuh) ----
+  unit_lower_inverse_64(As, Ts, lda, scr);
   if (Tinv) {
     for (int idx = tid; idx < len * kBT; idx += kThreads) {
       const int i = idx / kBT, j = idx - i * kBT;

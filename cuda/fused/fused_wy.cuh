@@ -1,0 +1,255 @@
+// cuda/fused/fused_wy.cuh — the fused forward's token-parallel stage: for every (chunk, value head) at once,
+// the WY representation W, U and the decayed scores P, from one read of the chunk's q, k and v.
+//
+// For a chunk of n <= 64 tokens, G the within-chunk cumulative log decay (zero for delta):
+//
+//   A = strict_tril(K K^T) o beta_i e^(G_i - G_j)        T = (I + A)^-1  (fp32, tiled/wy_solve.cuh)
+//   W = (T Beta e^G) K        U = (T Beta) V             P = tril(Q K^T) o e^(G_i - G_j)   (j <= i)
+//
+// One warpgroup (128 threads) per (chunk, value head):
+//   loads     Q, K, V tiles (64 tokens x 128, 16-bit, 128-byte swizzle) by cp.async; V lands while A, P
+//             and T are computed
+//   products  Q K^T and K K^T: 2 x 8 wgmma m64n64k16 with both operands in shared memory, one group
+//   P         masked and decayed in registers, stored (16-bit, 128 bytes per token and head)
+//   A         masked and scaled in registers, to shared memory (fp32); T by blocked substitution (fp32)
+//   W, U      each 4 x wgmma m64n128k16, A = T Beta (e^G) as 16-bit register fragments (each warp's 16 rows
+//             of T), B = the K or V tile read MN-major; staged in shared memory (16-byte pieces swizzled
+//             by row) and stored as whole rows
+// The tiled tier's WY stage (tiled_fwd.cu, chunk_wy_kernel) computes the same W and U with mma.sync and
+// the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation), so the pass-1 maps
+// of the intra-card CP (cuda/tiled/scan_split.cu) read these W and U unchanged; the fused tier's scores
+// used to be a kernel of their own that read q and k a second time.
+//
+// Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
+// K tile; V tile; T (64 x 68 fp32), then U's staging; 4 KB of solve scratch; beta, G, e^G: 73,472 bytes
+// plus 1 KB of alignment slack: three CTAs per SM on an H100/H200.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/check.h"
+#include "../common/dev_rows.cuh"
+#include "../common/device_info.h"
+#include "../tiled/chunk_table.cuh"
+#include "../tiled/fwd_mma.cuh"
+#include "../tiled/wgmma_ops.cuh"
+#include "../tiled/wy_solve.cuh"
+#include "deltacp/params.h"
+
+namespace deltacp::cuda::fused {
+
+template <class T>
+struct WyArgs {
+  DevRows<const T> q, k, v, beta;
+  const tiled::ChunkEntry* chunks = nullptr;
+  const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
+  T* W = nullptr;            // [R, HV, 128]
+  T* U = nullptr;            // [R, HV, 128]
+  T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P
+  int64_t HV = 0, group = 1;
+};
+
+// Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
+struct WySmem {
+  static constexpr int kLdA = 68;                // A and T rows (floats): 16 rows of a block on distinct banks
+  static constexpr int q = 0;                    // Q tile (16 KB); A (17,408 B); W staging (16 KB)
+  static constexpr int k = 18432;                // K tile
+  static constexpr int v = k + 16384;            // V tile
+  static constexpr int t = v + 16384;            // T (17,408 B); U staging (16 KB)
+  static constexpr int scr = t + 64 * kLdA * 4;  // the solve's scratch: 4 x 16 x 16 floats
+  static constexpr int beta = scr + 4096;
+  static constexpr int g = beta + 256;
+  static constexpr int eg = g + 256;
+  static constexpr int bytes = eg + 256 + 1024;  // plus the alignment slack
+};
+static_assert(64 * WySmem::kLdA * 4 <= WySmem::k, "A must fit in the Q tile's region");
+
+#ifdef DELTACP_WGMMA_DEVICE
+// An m64n128 accumulator (this warpgroup's 64 rows x 128 columns) as 16-bit rows of 256 bytes, the 16-byte
+// piece nb of row r at piece nb ^ (r % 8): a warp's 4-byte stores of one n-block land on 32 distinct banks.
+template <class T>
+__device__ __forceinline__ void stage_rows_128(unsigned char* dst, const float (&acc)[64]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, wi = (static_cast<int>(threadIdx.x) >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * wi + g + 8 * h;
+      *reinterpret_cast<uint32_t*>(dst + r * 256 + ((nb ^ (r & 7)) << 4) + 4 * t) =
+          tiled::pack2<T>(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
+    }
+}
+// The first len staged rows to rows row0 .. row0 + len - 1 of a [R, HV, 128] tensor (head hv), 16 bytes a
+// thread, whole rows per 16 threads.
+template <class T>
+__device__ __forceinline__ void store_rows_128(T* dst, const unsigned char* src, int64_t row0, int64_t HV,
+                                               int64_t hv, int len) {
+  const int piece = static_cast<int>(threadIdx.x) & 15, r0 = static_cast<int>(threadIdx.x) >> 4;
+#pragma unroll
+  for (int it = 0; it < 8; ++it) {
+    const int r = r0 + 8 * it;
+    if (r < len)
+      *reinterpret_cast<uint4*>(dst + ((row0 + r) * HV + hv) * 128 + piece * 8) =
+          *reinterpret_cast<const uint4*>(src + r * 256 + ((piece ^ (r & 7)) << 4));
+  }
+}
+#endif
+
+template <class T>
+__global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
+#ifdef DELTACP_WGMMA_DEVICE
+  using namespace tiled;
+  using S = WySmem;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  float* As = reinterpret_cast<float*>(smem + S::q);
+  float* Ts = reinterpret_cast<float*>(smem + S::t);
+  float* bs = reinterpret_cast<float*>(smem + S::beta);
+  float* gs = reinterpret_cast<float*>(smem + S::g);
+  float* egs = reinterpret_cast<float*>(smem + S::eg);
+  const int tid = threadIdx.x, wi = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const ChunkEntry ce = a.chunks[blockIdx.x];
+  const int64_t hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
+  const int len = static_cast<int>(ce.len);
+
+  load_tile_sw128<T, 128>(smem + S::q, a.q.at(ce.batch, ce.t0, hk), a.q.st, len);
+  load_tile_sw128<T, 128>(smem + S::k, a.k.at(ce.batch, ce.t0, hk), a.k.st, len);
+  cp_async_commit();
+  load_tile_sw128<T, 128>(smem + S::v, a.v.at(ce.batch, ce.t0, hv), a.v.st, len);
+  cp_async_commit();
+  if (tid < 64) {
+    // rows past a short chunk repeat its last G (every decay stays finite) and have beta = 0
+    const float gi = a.G != nullptr ? a.G[(ce.row0 + min(tid, len - 1)) * HV + hv] : 0.f;
+    gs[tid] = gi;
+    egs[tid] = exp_t<T>(gi);
+    bs[tid] = tid < len ? to_f(*a.beta.at(ce.batch, ce.t0 + tid, hv)) : 0.f;
+  }
+  cp_async_wait<1>();  // Q and K (V may still be in flight)
+  fence_proxy_async();
+  __syncthreads();
+
+  // Q K^T and K K^T, one group.
+  float Pacc[32], Aacc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) Pacc[i] = Aacc[i] = 0.f;
+  const uint32_t q_addr = smem_u32(smem + S::q), k_addr = smem_u32(smem + S::k), v_addr = smem_u32(smem + S::v);
+  wg_fence();
+  reg_fence(Pacc);
+  reg_fence(Aacc);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    const uint64_t kd = wg_desc(k_addr + off, 16, 1024);
+    wgmma_n64_ss<T>(Pacc, wg_desc(q_addr + off, 16, 1024), kd, kk > 0);
+    wgmma_n64_ss<T>(Aacc, kd, kd, kk > 0);
+  }
+  wg_commit();
+  wg_wait_all();
+  reg_fence(Pacc);
+  reg_fence(Aacc);
+  __syncthreads();  // every warp's products have read the Q tile: A takes its place
+
+  // P (diagonal included) to global; A (strictly lower, scaled by beta_i) to shared memory. The masks come
+  // before the exponentials, whose exponents are positive above the diagonal.
+  const int i0 = 16 * wi + g, i1 = i0 + 8;
+  const float gi0 = gs[i0], gi1 = gs[i1], b0 = bs[i0], b1 = bs[i1];
+  T* prow0 = a.P + ((ce.row0 + i0) * HV + hv) * 64;
+  T* prow1 = a.P + ((ce.row0 + i1) * HV + hv) * 64;
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb) {
+    const int j = 8 * nb + 2 * t;
+    const float gj0 = gs[j], gj1 = gs[j + 1];
+    const float e00 = j <= i0 ? exp_t<T>(gi0 - gj0) : 0.f, e01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) : 0.f;
+    const float e10 = j <= i1 ? exp_t<T>(gi1 - gj0) : 0.f, e11 = j + 1 <= i1 ? exp_t<T>(gi1 - gj1) : 0.f;
+    if (i0 < len) *reinterpret_cast<uint32_t*>(prow0 + j) = pack2<T>(e00 * Pacc[4 * nb], e01 * Pacc[4 * nb + 1]);
+    if (i1 < len) *reinterpret_cast<uint32_t*>(prow1 + j) = pack2<T>(e10 * Pacc[4 * nb + 2], e11 * Pacc[4 * nb + 3]);
+    *reinterpret_cast<float2*>(As + i0 * S::kLdA + j) =
+        make_float2(j < i0 ? b0 * e00 * Aacc[4 * nb] : 0.f, j + 1 < i0 ? b0 * e01 * Aacc[4 * nb + 1] : 0.f);
+    *reinterpret_cast<float2*>(As + i1 * S::kLdA + j) =
+        make_float2(j < i1 ? b1 * e10 * Aacc[4 * nb + 2] : 0.f, j + 1 < i1 ? b1 * e11 * Aacc[4 * nb + 3] : 0.f);
+  }
+  cp_async_wait<0>();  // the V tile, published by the solve's first barrier
+  fence_proxy_async();
+  __syncthreads();
+  unit_lower_inverse_64(As, Ts, S::kLdA, reinterpret_cast<float*>(smem + S::scr));
+
+  // T Beta e^G (for W) and T Beta (for U) as A fragments: this warp's rows i0, i1 of T, k-step kk covering
+  // tokens 16 kk .. 16 kk + 15 (register 2 h + row half: columns 16 kk + 8 h + 2 t, + 1).
+  uint32_t fw[4][4], fu[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = 16 * kk + 8 * h + 2 * t;
+      const float2 t0 = *reinterpret_cast<const float2*>(Ts + i0 * S::kLdA + j);
+      const float2 t1 = *reinterpret_cast<const float2*>(Ts + i1 * S::kLdA + j);
+      const float s0 = bs[j], s1 = bs[j + 1], e0 = egs[j], e1 = egs[j + 1];
+      fu[kk][2 * h] = pack2<T>(t0.x * s0, t0.y * s1);
+      fu[kk][2 * h + 1] = pack2<T>(t1.x * s0, t1.y * s1);
+      fw[kk][2 * h] = pack2<T>(t0.x * s0 * e0, t0.y * s1 * e1);
+      fw[kk][2 * h + 1] = pack2<T>(t1.x * s0 * e0, t1.y * s1 * e1);
+    }
+  __syncthreads();  // every warp has read T: U's staging takes its place
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  wg_fence();
+  reg_fence(acc);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fw[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
+  wg_commit();
+  wg_wait_all();
+  reg_fence(acc);
+  reg_fence(fw);
+  stage_rows_128<T>(smem + S::q, acc);
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  wg_fence();
+  reg_fence(acc);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fu[kk], wg_desc(v_addr + kk * 2048, 8192, 1024));
+  wg_commit();
+  wg_wait_all();
+  reg_fence(acc);
+  reg_fence(fu);
+  stage_rows_128<T>(smem + S::t, acc);
+  __syncthreads();
+  store_rows_128<T>(a.W, smem + S::q, ce.row0, HV, hv, len);
+  store_rows_128<T>(a.U, smem + S::t, ce.row0, HV, hv, len);
+#else
+  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
+#endif
+}
+
+// Launches fused_wy_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
+// stage 1, nullptr for delta).
+template <class T>
+void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const float* G, T* W, T* U, T* P,
+                     cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  WyArgs<T> a;
+  a.q = dev_rows<const T>(p.q);
+  a.k = dev_rows<const T>(p.k);
+  a.v = dev_rows<const T>(p.v);
+  a.beta = dev_rows<const T>(p.beta);
+  a.chunks = table.chunks();
+  a.G = p.variant == Variant::delta ? nullptr : G;
+  a.W = W;
+  a.U = U;
+  a.P = P;
+  a.HV = p.HV;
+  a.group = p.HV / p.H;
+  DELTACP_CHECK(WySmem::bytes <= max_smem_optin(), "K", "the fused WY stage needs ", WySmem::bytes,
+                " bytes of shared memory; this GPU allows ", max_smem_optin());
+  DELTACP_CUDA_CHECK(
+      cudaFuncSetAttribute(fused_wy_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, WySmem::bytes));
+  const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+  fused_wy_kernel<T><<<grid, 128, WySmem::bytes, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace deltacp::cuda::fused
