@@ -22,6 +22,7 @@ namespace deltacp::bindings {
 void register_batch_api(py::module_& m);  // batch_api.cpp: run, cuda_*, cp_plan
 void register_head_api(py::module_& m);   // head_api.cpp: per-(sequence, head) reference pieces
 void register_attention_api(py::module_& m);  // attention_api.cpp: ring attention's CUDA step (CUDA builds)
+void register_workspace_api(py::module_& m);  // workspace_api.cpp: the kernels' workspace allocator and bytes
 }  // namespace deltacp::bindings
 
 namespace {
@@ -60,4 +61,5 @@ PYBIND11_MODULE(_core, m) {
   deltacp::bindings::register_batch_api(m);
   deltacp::bindings::register_head_api(m);
   deltacp::bindings::register_attention_api(m);
+  deltacp::bindings::register_workspace_api(m);
 }

@@ -67,10 +67,14 @@ struct Args {
   const void* h = nullptr;      // input dtype [num_chunks, HV, Kp, Vp]: state at each chunk's start
   const void* Kd = nullptr;     // kda: input dtype [R, HV, Kp]: K e^(Gn - G) (the forward's stage 2)
   void* Qg = nullptr;           // kda: input dtype [R, HV, Kp]: Q e^G (written by B0, read by B1)
-  // Backward workspaces, fp32:
-  float* dh = nullptr;     // [num_chunks, HV, K, V]: dL/d(end state of chunk c)
+  // Backward workspaces (fp32 unless said otherwise). B2..B5 may run over a slice of the chunks
+  // (tiled_bwd.cu): then chunks points at the slice's first entry, h and dh at its first chunk, dP and dA
+  // hold the slice's chunks only (indexed by the slice's own chunk index), and the [R, HV, ...] buffers
+  // from dW on hold the slice's rows only, their pointers offset so that the global row indexes them.
+  void* dh = nullptr;      // input dtype [num_chunks, HV, K, V]: dL/d(end state of chunk c); B2 reads it
+                           // only as the 16-bit operand (and for dGs), so B1 stores it rounded
   float* dvnew = nullptr;  // [R, HV, V]: dL/dVn
-  float* dW = nullptr;     // [R, HV, K]
+  void* dW = nullptr;      // input dtype [R, HV, K]: B3 reads it only as a tensor-core operand
   float* dP = nullptr;     // [num_chunks, HV, 64, 64]: scale * dO Vn^T, masked to i >= j
   float* dA = nullptr;     // [num_chunks, HV, 64, 64]: dL/dA, masked to i > j
   float* dqw = nullptr;    // [R, HV, K]: dq per value head

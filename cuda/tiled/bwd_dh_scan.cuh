@@ -3,7 +3,7 @@
 // Walking the chunks of one sequence from last to first, with dS' = dL/d(end state of the chunk)
 // (dht, or 0, for the last chunk):
 //
-//   dh[c]  = dS'                                             (kept for stage B2)
+//   dh[c]  = dS'                                             (kept for stage B2, in the input dtype)
 //   dVn    = dVn_local + Kr dS'                              (dVn_local from stage B0)
 //   dS     = e^Gn o dS' + scale (Q*Gam)^T dO - W^T dVn       (= dS' of the previous chunk)
 //   dh0    = dS of the first chunk                           (when p.dh0 is given)
@@ -19,7 +19,7 @@
 // registers as mma accumulators (warp w owns rows [KP/NW w, KP/NW (w + 1))). Wide slices (BV = 64,
 // 8 warps for KP = 128) because every CTA of a head reads the head's whole q, k, W tiles: traffic
 // through L2 is (V / BV) x their bytes, and that traffic is what bounded the step. Per chunk:
-//   (a) dS -> dSb (operand) and dh[c] (fp32, global)
+//   (a) dS -> dSb (operand) and dh[c] (global, rounded to the input dtype as dSb is)
 //   (b) X = Kr dSb (64 x KP x BV; warp w rows 16 (w % 4)); dVn = dVn_local + X -> global (fp32);
 //       B1 = scale (e^G) o dO and B2 = -dVn into shared memory as operands
 //   (c) dS = e^Gn o dS + Q^T B1 + W^T B2        (two k = 64 products)
@@ -179,8 +179,9 @@ __global__ void __launch_bounds__(32 * NW) bwd_dh_scan_kernel(const Args a) {
           const float x0 = dS[mt][nt][2 * h2], x1 = dS[mt][nt][2 * h2 + 1];
           store_pair(dSb + d * PB + v, x0, x1);
           if (a.dh != nullptr && d < K) {
-            if (v < vw) a.dh[hc + int64_t(d) * a.V + v] = x0;
-            if (v + 1 < vw) a.dh[hc + int64_t(d) * a.V + v + 1] = x1;
+            Op* dh = static_cast<Op*>(a.dh) + hc + int64_t(d) * a.V + v;
+            if (v < vw) dh[0] = from_f<Op>(x0);
+            if (v + 1 < vw) dh[1] = from_f<Op>(x1);
           }
         }
     cp_async_wait<NS - 1>();  // chunk ci's tiles (chunk ci - 1's may still be in flight)

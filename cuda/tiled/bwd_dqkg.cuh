@@ -21,8 +21,8 @@
 // accumulators, across the walk over V in tiles of BV columns: warp w owns rows 16 (w % 4) .. + 16 of
 // every output, and half w / 4 of its columns (KP / 2 key columns of dQG, dWa, dKr; 32 of dP), 112
 // fp32 registers at KP = 128. The epilogue above runs on those registers directly. The V tiles (dO, Vn,
-// S in the input dtype; dVn, dS' in fp32, rounded to the input dtype in shared memory, where dGs is
-// summed in fp32) come by cp.async, NS stages deep: with NS = 2 tile t + 1 loads while tile t multiplies.
+// S and dS' in the input dtype, dVn in fp32, rounded to the input dtype in shared memory; dGs is summed
+// in fp32 over the products of the 16-bit dS' and S) come by cp.async, NS stages deep: with NS = 2 tile t + 1 loads while tile t multiplies.
 // The chunk's q, k and G (what the epilogue reads) load once, by cp.async, at the start.
 // Measured (NVIDIA H100, bf16 GDN (1, 32768, 16, 128), one launch under Nsight Compute, 2026-11-23):
 // 1.53 ms, DRAM throughput 55%, 248 registers, one CTA (8 warps) per SM. The previous version, with the
@@ -45,7 +45,7 @@ template <class Op, int KP, bool PERKEY, int NS>
 struct DqkgSmem {
   static constexpr int BV = dqkg_vtile<Op>();
   static constexpr int PT = kIs16Bit<Op> ? BV + 8 : BV + 4;  // operand tiles (ldmatrix rows 16-byte aligned)
-  static constexpr int PF = BV + 4;                          // fp32 staging of dVn, dS' (16-byte rows)
+  static constexpr int PF = BV + 4;                          // fp32 staging of dVn (16-byte rows)
   static constexpr int PK = kIs16Bit<Op> ? KP + 8 : KP + 4;  // q, k
   static constexpr int PG = KP + 4;                          // kda's G tile
   size_t dO = 0, Vn = 0, S = 0, dVnf = 0, dSf = 0, stage = 0, dVnb = 0, dSb = 0, q = 0, k = 0, G = 0, dGs = 0,
@@ -56,7 +56,7 @@ struct DqkgSmem {
     Vn = c.take(sizeof(Op) * kRows * PT);
     S = c.take(sizeof(Op) * KP * PT);
     dVnf = c.take(sizeof(float) * kRows * PF);
-    dSf = c.take(sizeof(float) * KP * PF);
+    dSf = c.take(sizeof(Op) * KP * PT);  // dS' as stored by B1 (input dtype)
     stage = c.off;
     c.off = stage * NS;
     dVnb = c.take(sizeof(Op) * kRows * PT);
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
   const int V = static_cast<int>(a.V);
   const int ntiles = (V + BV - 1) / BV;
   const Op* hp = static_cast<const Op*>(a.h) + (c * a.HV + hv) * a.Kp * a.Vp;  // S = h[c], [Kp, Vp]
-  const float* dhp = a.dh + (c * a.HV + hv) * a.K * a.V;                         // dS' = dh[c], [K, V]
+  const Op* dhp = static_cast<const Op*>(a.dh) + (c * a.HV + hv) * a.K * a.V;   // dS' = dh[c], [K, V]
   const Op* vnp = static_cast<const Op*>(a.vnew) + (ch.row0 * a.HV + hv) * a.Vp;  // Vn rows, HV * Vp apart
   const float* dvnp = a.dvnew + ws_row(ch, 0, a.HV, hv, a.V);                    // dVn rows, HV * V apart
   const Op* dop = static_cast<const Op*>(a.dout.ptr) + off(a.dout, ch.batch, ch.t0, hv);
@@ -123,12 +123,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
     Op* Vns = reinterpret_cast<Op*>(at(L.Vn, t));
     Op* Ss = reinterpret_cast<Op*>(at(L.S, t));
     float* dVnf = reinterpret_cast<float*>(at(L.dVnf, t));
-    float* dSf = reinterpret_cast<float*>(at(L.dSf, t));
+    Op* dSf = reinterpret_cast<Op*>(at(L.dSf, t));
     load_tile<Op, kThreads>(dOs, PT, dop + v0, a.dout.stride_t, len, kRows, vw, BV, vec_ok(dop + v0, a.dout.stride_t));
     load_tile<Op, kThreads>(Vns, PT, vnp + v0, a.HV * a.Vp, len, kRows, vw, BV, vec_ok(vnp + v0, a.HV * a.Vp));
     load_tile<Op, kThreads>(Ss, PT, hp + v0, a.Vp, K, KP, vw, BV, vec_ok(hp + v0, a.Vp));
     load_tile<float, kThreads>(dVnf, PF, dvnp + v0, a.HV * a.V, len, kRows, vw, BV, vec_ok(dvnp + v0, a.HV * a.V));
-    load_tile<float, kThreads>(dSf, PF, dhp + v0, a.V, K, KP, vw, BV, vec_ok(dhp + v0, a.V));
+    load_tile<Op, kThreads>(dSf, PT, dhp + v0, a.V, K, KP, vw, BV, vec_ok(dhp + v0, a.V));
     cp_async_commit();
   };
 
@@ -150,10 +150,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
     const Op* Vns = reinterpret_cast<const Op*>(at(L.Vn, t));
     const Op* Ss = reinterpret_cast<const Op*>(at(L.S, t));
     const float* dVnf = reinterpret_cast<const float*>(at(L.dVnf, t));
-    const float* dSf = reinterpret_cast<const float*>(at(L.dSf, t));
+    const Op* dSf = reinterpret_cast<const Op*>(at(L.dSf, t));
     // dVn and dS' as operands in the input dtype, and dGs_d += sum_v dS'_dv S_dv in fp32. Each thread takes
-    // EPT adjacent elements of one row (16-byte reads of the fp32 staging); the TPR threads of a row d then
-    // sum their parts in a fixed order and the first adds it to dGs[d] (deterministic).
+    // EPT adjacent elements of one row (16-byte reads of the fp32 dVn staging); the TPR threads of a row d
+    // then sum their parts in a fixed order and the first adds it to dGs[d] (deterministic).
     {
       constexpr int EPV = kRows * BV / kThreads, TPV = BV / EPV;  // dVn: elements per thread, threads per row
       static_assert(EPV % 4 == 0 && TPV * EPV == BV, "dVn conversion: whole float4 pieces per thread");
@@ -170,11 +170,12 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
       float part = 0.f;
 #pragma unroll
       for (int e = 0; e < EPS; e += 4) {
-        const float4 x = *reinterpret_cast<const float4*>(dSf + d * PF + w + e);
-        store_pair(dSb + d * PT + w + e, x.x, x.y);
-        store_pair(dSb + d * PT + w + e + 2, x.z, x.w);
+        const Op* xs = dSf + d * PT + w + e;
+        Op* xb = dSb + d * PT + w + e;
+        xb[0] = xs[0], xb[1] = xs[1], xb[2] = xs[2], xb[3] = xs[3];
+        const float x0 = to_f(xs[0]), x1 = to_f(xs[1]), x2 = to_f(xs[2]), x3 = to_f(xs[3]);
         const Op* sr = Ss + d * PT + w + e;
-        part += x.x * to_f(sr[0]) + x.y * to_f(sr[1]) + x.z * to_f(sr[2]) + x.w * to_f(sr[3]);
+        part += x0 * to_f(sr[0]) + x1 * to_f(sr[1]) + x2 * to_f(sr[2]) + x3 * to_f(sr[3]);
       }
       part = group_sum<TPS>(part);
       if (tid % TPS == 0) dGs[d] += part;
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
       if (pairs) {  // d + 1 < K as well (K even, d even)
         *reinterpret_cast<float2*>(a.dqw + o) = make_float2(dq[0], dq[1]);
         *reinterpret_cast<float2*>(a.dkw + o) = make_float2(dk[0], dk[1]);
-        *reinterpret_cast<float2*>(a.dW + o) = make_float2(dw[0], dw[1]);
+        store_pair(static_cast<Op*>(a.dW) + o, dw[0], dw[1]);
         if constexpr (PERKEY) *reinterpret_cast<float2*>(a.dGw + o) = make_float2(dg[0], dg[1]);
         else grow[h2] += dg[0] + dg[1];
       } else {
@@ -259,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
           if (d + j < K) {
             a.dqw[o + j] = dq[j];
             a.dkw[o + j] = dk[j];
-            a.dW[o + j] = dw[j];
+            static_cast<Op*>(a.dW)[o + j] = from_f<Op>(dw[j]);
             if constexpr (PERKEY) a.dGw[o + j] = dg[j];
             else grow[h2] += dg[j];
           }

@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   for (int e = tid; e < kRows * KP; e += kThreads) {  // consecutive threads, consecutive columns
     const int i = e / KP, d = e % KP;
     const bool ok = i < len && d < K;
-    dWop[i * PK + d] = from_f<Op>(ok ? a.dW[ws_row(ch, i, a.HV, hv, a.K) + d] : 0.f);
+    dWop[i * PK + d] = ok ? static_cast<const Op*>(a.dW)[ws_row(ch, i, a.HV, hv, a.K) + d] : from_f<Op>(0.f);
     float bx = 0.f;
     if (ok) {
       bx = betas[i] * to_f(ks[i * PK + d]);

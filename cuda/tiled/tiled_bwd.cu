@@ -38,7 +38,37 @@
 // Precision: fp32 inputs use fp32 FFMA everywhere (no TF32); bf16/fp16 inputs use
 // mma.sync.m16n8k16 with fp32 accumulation, operands rounded to the input type (also fp32
 // intermediates such as S, dS', T when they are operands). States, accumulators, exponentials and
-// every workspace are fp32, except what the forward stages store in the input dtype (W, v_new, h).
+// the workspaces are fp32, except what the forward stages store in the input dtype (W, U, v_new, h)
+// and two that are only ever read as tensor-core operands, so they are stored as rounded as the
+// operand is: dh (B1 -> B2) and dW (B2 -> B3). dW is bitwise what B3 rounded before; dh also feeds B2's
+// dGs_d = sum_v dS'_dv S_dv (the decay of S in dg at a chunk's last row), which now sums the 16-bit dS'
+// that B2's products already use (FLA's dh is 16-bit too).
+//
+// Workspace (one allocation per backward, carved by lifetime; bytes per token and value head at
+// K = V = 128, bf16, chunk 64: per-chunk buffers are divided by the chunk's 64 tokens):
+//
+//   buffer     dtype   written -> last read     gdn   kda   before (gdn / kda)
+//   region 1, the whole backward
+//   G          fp32    cumsum -> B4               4   512
+//   Tinv       fp32    WY -> B3                 256   256
+//   h          bf16    state scan -> B2         512   512
+//   v_new      bf16    state scan -> B2         256   256
+//   dVn        fp32    B0 -> B3                 512   512
+//   U | dh     bf16    WY -> state scan | B1 -> B2  512   512   U 256 + dh (fp32) 1024, apart
+//   region 2, W, Kd, Q e^G until B1, then the buffers of one slice of the chunks for B2..B5
+//   W          bf16    WY -> B1                 256   256
+//   Kd         bf16    WY -> B1                   -   256
+//   Q e^G      bf16    B0 -> B1                   -   256
+//   slice: dW (bf16; was fp32 512) 256, dP 256, dA 256, dq_w 512, dk_w 512, dG_w (kda) 512, dG rows (gdn) 4,
+//          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice, which spans at least
+//          ceil(8 * SMs / HV) chunks (8 waves of B2's CTAs) and else as many as fit region 2's first use
+//   total                                     2308  3328   5132 / 6660 (every buffer at once)
+//
+// At (2, 16384, 16, 128) on a 132-SM GPU: gdn 1,154 MiB (was 2,566), kda 1,664 MiB (was 3,330); the
+// gdn slice (66 chunks of 1.84 MB, 72 fit) stays inside W's 128 MiB, so the slices cost no memory there
+// and B2..B5 run as 8 launches each of 1152 CTAs. Slices give bitwise the gradients of one slice over
+// every chunk (each element is still written by one thread; tests/python/test_cuda_memory.py). The
+// workspace comes from workspace_pool.h's allocator: torch's caching allocator when called from torch.
 //
 // Limits: K <= 128 (tiles of KP = 64 or 128 key columns), V <= 256 and chunk_size <= 64 (the forward
 // stages' limits). Shared memory per CTA: up to 187 KB (B2 with two V stages, kda, fp32, K > 64) where
@@ -92,13 +122,14 @@ namespace deltacp::cuda {
 namespace tiled::bwd {
 namespace {
 
-// B5: dq[b, t, h, :] = sum over the group's value heads of the per-value-head workspace (fixed order).
+// B5: dq[b, t, h, :] = sum over the group's value heads of the per-value-head workspace (fixed order), for
+// the token rows row0 .. row0 + rows - 1 (those of one slice of the chunks).
 template <class Op>
-__global__ void __launch_bounds__(kThreads) bwd_reduce_heads_kernel(const Args a) {
-  const int64_t total = a.B * a.T * a.H * a.K;
+__global__ void __launch_bounds__(kThreads) bwd_reduce_heads_kernel(const Args a, int64_t row0, int64_t rows) {
+  const int64_t total = rows * a.H * a.K;
   for (int64_t e = int64_t(blockIdx.x) * kThreads + threadIdx.x; e < total; e += int64_t(gridDim.x) * kThreads) {
     const int64_t d = e % a.K, rest = e / a.K;
-    const int64_t hk = rest % a.H, row = rest / a.H;  // row = b * T + t
+    const int64_t hk = rest % a.H, row = row0 + rest / a.H;  // row = b * T + t
     const int64_t b = row / a.T, t = row % a.T;
     float sq = 0.f, sk = 0.f;
     for (int64_t j = 0; j < a.group; ++j) {
@@ -168,10 +199,11 @@ void launch_dh_scan(const Args& a, int64_t num_seqs, cudaStream_t stream) {
     launch_dh_scan_bv<Op, KP, PERKEY, 32, NW>(a, num_seqs, stream);
 }
 
-// Which of B0..B5 one launch_stages call runs: all of them (one-shot backward), or the two halves of
+// Which of B0..B5 one run_stages call runs: all of them (one-shot backward), or the two halves of
 // the staged backward around dht (B0 needs no dht; B1 on need it), or B1 alone (dh0 of pieces).
 enum class Stages { all, through_b0, after_b0, dh_scan_only };
 
+// B0 and B1 over every chunk (B2..B5 are launch_slice's, slice by slice).
 template <class Op, int KP, bool PERKEY>
 void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages which) {
   const int64_t NC = a.num_chunks;
@@ -182,7 +214,13 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
     launch_per_chunk(bwd_dv_local_kernel<Op, KP, PERKEY>, DvLocalSmem<Op, KP, PERKEY>{}.total, "dv_local", a, stream);
   if (which == Stages::through_b0) return;
   if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
-  if (a.dh0_only || which == Stages::dh_scan_only) return;  // B2-B5 make the input gradients
+}
+
+// B2..B5 on the chunks of one slice (slice_args: a.chunks, a.num_chunks and the slice buffers), whose token
+// rows are row0 .. row0 + rows - 1.
+template <class Op, int KP, bool PERKEY>
+void launch_slice(const Args& a, int64_t row0, int64_t rows, cudaStream_t stream) {
+  const int64_t NC = a.num_chunks;
   if (NC > 0) {
     if (two_stages_fit<DqkgSmem, Op, KP, PERKEY>())
       launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 2>, DqkgSmem<Op, KP, PERKEY, 2>{}.total, "dq/dk/dg", a, stream);
@@ -205,17 +243,17 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
         launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
     } else
       launch_per_chunk(bwd_decay_scalar_kernel<Op, KP>, DecayScalarSmem<Op, KP>{}.total, "decay", a, stream);
-    if (a.group > 1) {  // with one value head per key head, B4 wrote dq and dk itself
-      const int64_t total = a.B * a.T * a.H * a.K;
+    if (a.group > 1 && rows > 0) {  // with one value head per key head, B4 wrote dq and dk itself
+      const int64_t total = rows * a.H * a.K;
       const int64_t blocks = (total + kThreads - 1) / kThreads;
       const unsigned grid = static_cast<unsigned>(blocks < 65536 * 16 ? blocks : 65536 * 16);  // grid-stride beyond
-      bwd_reduce_heads_kernel<Op><<<grid, kThreads, 0, stream>>>(a);
+      bwd_reduce_heads_kernel<Op><<<grid, kThreads, 0, stream>>>(a, row0, rows);
       DELTACP_CUDA_CHECK_LAUNCH();
     }
   }
 }
 
-// Owns one stream-ordered device allocation, carved into 256-byte aligned pieces.
+// Owns one stream-ordered device allocation (carved by start_backward).
 class Workspace {
  public:
   explicit Workspace(cudaStream_t s) : stream_(s) {}
@@ -224,15 +262,8 @@ class Workspace {
   }
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
-  // First pass: plan(bytes) returns the piece's offset; then allocate(); then at(offset).
-  size_t plan(int64_t bytes) {
-    const size_t o = size_;
-    size_ += static_cast<size_t>((bytes + 255) / 256 * 256);
-    return o;
-  }
-  void allocate() {
-    base_ = workspace_alloc(size_, stream_);
-  }
+  void allocate(size_t bytes) { base_ = workspace_alloc(bytes, stream_); }
+  // The piece at `offset`, or nullptr for an empty piece.
   template <class E>
   E* at(size_t offset, int64_t bytes) const {
     return bytes > 0 ? reinterpret_cast<E*>(static_cast<char*>(base_) + offset) : nullptr;
@@ -241,8 +272,63 @@ class Workspace {
  private:
   cudaStream_t stream_;
   void* base_ = nullptr;
-  size_t size_ = 0;
 };
+
+// Offsets of consecutive 256-byte aligned pieces.
+struct Carver {
+  size_t off = 0;
+  size_t take(int64_t bytes) {
+    const size_t o = off;
+    off += static_cast<size_t>((bytes + 255) / 256 * 256);
+    return o;
+  }
+};
+
+// The buffers of B2..B5 for one slice of at most `chunks` chunks and `rows` token rows (offsets from the
+// start of the slice region).
+struct SliceLayout {
+  int64_t chunks = 0, rows = 0;
+  bool perkey = false, row_sums = false;  // kda's dG per key column; gdn's dG row sums
+  size_t dW = 0, dP = 0, dA = 0, dq = 0, dk = 0, dG = 0, dGr = 0, db = 0, total = 0;
+};
+SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows) {
+  SliceLayout L;
+  L.chunks = chunks;
+  L.rows = rows;
+  L.perkey = p.variant == Variant::kda;
+  L.row_sums = p.variant == Variant::gdn;
+  const int64_t es = dtype_size(p.dtype), rk = rows * p.HV * p.K, mat = chunks * p.HV * kRows * kRows * 4;
+  Carver c;
+  L.dW = c.take(rk * es);
+  L.dP = c.take(mat);
+  L.dA = c.take(mat);
+  L.dq = c.take(rk * 4);
+  L.dk = c.take(rk * 4);
+  L.dG = c.take(L.perkey ? rk * 4 : 0);
+  L.dGr = c.take(L.row_sums ? rows * p.HV * 4 : 0);
+  L.db = c.take(rows * p.HV * 4);
+  L.total = c.off;
+  return L;
+}
+
+// How many chunks one slice of B2..B5 takes. The slice region reuses the bytes of W, Kd and Q e^G (dead
+// once B1 has run), so a slice that fits them costs no memory; but each slice is a launch of B2, B3, B4
+// (and B5), and a launch of few CTAs leaves SMs idle in its last wave: a slice keeps at least 8 waves of
+// (chunk, value head) CTAs (one CTA per SM at a time in B2). DELTACP_BWD_SLICE_CHUNKS=n sets it (tests:
+// several slices on small problems).
+int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes) {
+  if (const char* env = std::getenv("DELTACP_BWD_SLICE_CHUNKS")) {
+    const long long n = std::strtoll(env, nullptr, 10);
+    if (n > 0) return std::min<int64_t>(n, num_chunks);
+  }
+  const int64_t es = dtype_size(p.dtype), K = p.K;
+  const int64_t per_row = K * es + 2 * K * 4 + (p.variant == Variant::kda ? K * 4 : 0) +
+                          (p.variant == Variant::gdn ? 4 : 0) + 4;
+  const int64_t per_chunk = p.HV * (2 * kRows * kRows * 4 + int64_t(p.chunk_size) * per_row);
+  const int64_t fit = static_cast<int64_t>(free_bytes) / std::max<int64_t>(per_chunk, 1);
+  const int64_t waves = (8 * int64_t(sm_count()) + p.HV - 1) / p.HV;
+  return std::max<int64_t>(1, std::min(num_chunks, std::max(fit, waves)));
+}
 
 // Everything one backward keeps between its stages: the chunk table, the workspace and the kernels'
 // arguments. run_backward uses it for one call; the staged backward (api.h) across three.
@@ -252,8 +338,11 @@ struct BwdState final : StagedBackward {
   Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
   ChunkTable table;
   Workspace ws;
-  Args a;
+  Args a;  // B0, B1 (B2..B5: slice_args of it)
   void *U = nullptr, *h = nullptr, *vnew = nullptr;  // the state scan's input and outputs (Args has them const)
+  std::vector<int64_t> slices;  // B2..B5 run on chunks [slices[i], slices[i + 1])
+  SliceLayout slice;
+  char* slice_base = nullptr;
   bool states_done = false;  // the forward's state scan (h, v_new) has been launched
   bool finished = false;
 };
@@ -267,6 +356,36 @@ void set_gradient_outputs(Args& a, const Params& p) {
   a.dbeta = p.dbeta;
   a.dht = static_cast<const float*>(p.dht);
   a.dh0 = static_cast<float*>(p.dh0);
+}
+
+// The arguments of B2..B5 on chunks [c0, c1) (Args' comment on slices); *row0, *rows: their token rows.
+Args slice_args(const BwdState& s, const Args& a, int64_t c0, int64_t c1, int64_t* row0, int64_t* rows) {
+  const auto& hc = s.table.host_chunks();
+  const int64_t r0 = hc[c0].row0, r1 = hc[c1 - 1].row0 + hc[c1 - 1].len;  // a slice's rows are contiguous
+  *row0 = r0;
+  *rows = r1 - r0;
+  const int64_t es = dtype_size(s.p.dtype), HV = a.HV, K = a.K;
+  const SliceLayout& L = s.slice;
+  Args x = a;
+  x.chunks = a.chunks + c0;
+  x.num_chunks = c1 - c0;
+  x.h = static_cast<const char*>(a.h) + c0 * HV * a.Kp * a.Vp * es;
+  x.dh = static_cast<char*>(a.dh) + c0 * HV * K * a.V * es;
+  // A row buffer holds rows r0 .. r1 - 1; the kernels index it by the global row, so they get the address
+  // its row 0 would have (unsigned arithmetic: that address lies before the allocation).
+  auto rows_at = [&](size_t off, int64_t width, int64_t elem) -> void* {
+    return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(s.slice_base + off) -
+                                   static_cast<uintptr_t>(r0 * HV * width * elem));
+  };
+  x.dW = rows_at(L.dW, K, es);
+  x.dP = reinterpret_cast<float*>(s.slice_base + L.dP);
+  x.dA = reinterpret_cast<float*>(s.slice_base + L.dA);
+  x.dqw = static_cast<float*>(rows_at(L.dq, K, 4));
+  x.dkw = static_cast<float*>(rows_at(L.dk, K, 4));
+  x.dGw = L.perkey ? static_cast<float*>(rows_at(L.dG, K, 4)) : nullptr;
+  x.dGr = L.row_sums ? static_cast<float*>(rows_at(L.dGr, 1, 4)) : nullptr;
+  x.dbw = static_cast<float*>(rows_at(L.db, 1, 4));
+  return x;
 }
 
 // The forward recompute's state scan: h (chunk-start states) and v_new from h0, which B2..B5 read (B0 and
@@ -301,27 +420,37 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   // B0's dVn_local, so the forward's state scan (h, v_new) and stages B2-B5 are skipped with their
   // workspaces, and B1 writes neither dh per chunk nor dVn.
   const bool dh0_only = p.dh0_only();
-  // Forward recompute.
   const int64_t bG = fs.G * 4, bW = fs.W * es, bU = fs.U * es, bKd = fs.Kd * es, bT = fs.Tinv * 4,
                 bvn = dh0_only ? 0 : fs.v_new * es, bh = dh0_only ? 0 : fs.h * es;
-  const size_t oG = ws.plan(bG), oW = ws.plan(bW), oU = ws.plan(bU), oKd = ws.plan(bKd), oT = ws.plan(bT),
-               ovn = ws.plan(bvn), oh = ws.plan(bh);
   const int64_t bQg = p.variant == Variant::kda ? R * p.HV * padded_dim(p.K) * es : 0;  // Q e^G (B0 -> B1)
-  const size_t oQg = ws.plan(bQg);
-  // Backward (fp32).
-  const int64_t bdh = dh0_only ? 0 : NC * p.HV * p.K * p.V * 4, bdvn = R * p.HV * p.V * 4,
-                bkey = dh0_only ? 0 : R * p.HV * p.K * 4, bmat = dh0_only ? 0 : NC * p.HV * kRows * kRows * 4,
-                bdb = dh0_only ? 0 : R * p.HV * 4;
-  const bool perkey = p.variant == Variant::kda;
-  const int64_t bdG = perkey ? bkey : 0, bdGr = gated && !perkey ? bdb : 0;  // kda dG per key column; gdn row sums
-  const size_t odh = ws.plan(bdh), odvn = ws.plan(bdvn), odW = ws.plan(bkey), odP = ws.plan(bmat),
-               odA = ws.plan(bmat), odq = ws.plan(bkey), odk = ws.plan(bkey), odG = ws.plan(bdG),
-               odGr = ws.plan(bdGr), odb = ws.plan(bdb);
-  ws.allocate();
+  const int64_t bdh = dh0_only ? 0 : NC * p.HV * p.K * p.V * es, bdvn = R * p.HV * p.V * 4;
+  // Region 1, live through the whole backward. U is read by the state scan only and dh is written from
+  // B1 on, which runs after it (one-shot and staged alike), so they share bytes.
+  Carver c;
+  const size_t oG = c.take(bG), oT = c.take(bT), oh = c.take(bh), ovn = c.take(bvn), odvn = c.take(bdvn),
+               oUdh = c.take(std::max(bU, bdh));
+  // Region 2: W, Kd and Q e^G until B1 has read them, then the buffers of one slice of B2..B5.
+  const size_t x0 = c.off;
+  Carver before;
+  const size_t oW = x0 + before.take(bW), oKd = x0 + before.take(bKd), oQg = x0 + before.take(bQg);
+  if (!dh0_only && NC > 0) {
+    const int64_t cap = slice_chunks(p, NC, before.off);
+    const auto& hc = table.host_chunks();
+    int64_t max_rows = 0;
+    for (int64_t c0 = 0; c0 < NC; c0 += cap) {
+      const int64_t c1 = std::min(NC, c0 + cap);
+      state->slices.push_back(c0);
+      max_rows = std::max(max_rows, hc[c1 - 1].row0 + hc[c1 - 1].len - hc[c0].row0);
+    }
+    state->slices.push_back(NC);
+    state->slice = slice_layout(p, cap, max_rows);
+  }
+  ws.allocate(x0 + std::max(before.off, state->slice.total));
+  state->slice_base = ws.at<char>(x0, 1);
 
   float* G = ws.at<float>(oG, bG);
   void* W = ws.at<void>(oW, bW);
-  void* U = ws.at<void>(oU, bU);
+  void* U = ws.at<void>(oUdh, bU);
   void* Kd = ws.at<void>(oKd, bKd);
   float* Tinv = ws.at<float>(oT, bT);
   void* vnew = ws.at<void>(ovn, bvn);
@@ -364,17 +493,10 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   a.Kd = Kd;
   a.Qg = ws.at<void>(oQg, bQg);
   a.chunk_size = p.chunk_size;
-  a.dh = ws.at<float>(odh, bdh);  // null in the dh0-only mode (bdh = 0)
+  a.dh = ws.at<void>(oUdh, bdh);  // null in the dh0-only mode (bdh = 0)
   a.dh0_only = dh0_only;
   a.dvnew = ws.at<float>(odvn, bdvn);
-  a.dW = ws.at<float>(odW, bkey);
-  a.dP = ws.at<float>(odP, bmat);
-  a.dA = ws.at<float>(odA, bmat);
-  a.dqw = ws.at<float>(odq, bkey);
-  a.dkw = ws.at<float>(odk, bkey);
-  a.dGw = ws.at<float>(odG, bdG);
-  a.dGr = ws.at<float>(odGr, bdGr);
-  a.dbw = ws.at<float>(odb, bdb);
+  // dW .. dbw: per slice (slice_args).
 
   if (dh0_only) state->states_done = true;  // nothing reads h
   else if (with_states) launch_states(*state, stream);
@@ -396,11 +518,20 @@ void with_config(const Params& p, F&& f) {
   });
 }
 
+// B0 and B1 as `which` says, then (all, after_b0) B2..B5 slice after slice, on the prepared stream.
 void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which) {
   with_config(s.p, [&](auto tag, auto kp, auto perkey) {
     using Op = typename decltype(tag)::type;
-    launch_stages<Op, decltype(kp)::value, decltype(perkey)::value>(a, num_seqs,
-                                                                     static_cast<cudaStream_t>(s.p.stream), which);
+    constexpr int KP = decltype(kp)::value;
+    constexpr bool PERKEY = decltype(perkey)::value;
+    const cudaStream_t stream = static_cast<cudaStream_t>(s.p.stream);
+    launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, which);
+    if (a.dh0_only || (which != Stages::all && which != Stages::after_b0)) return;
+    for (size_t i = 0; i + 1 < s.slices.size(); ++i) {
+      int64_t row0 = 0, rows = 0;
+      const Args x = slice_args(s, a, s.slices[i], s.slices[i + 1], &row0, &rows);
+      launch_slice<Op, KP, PERKEY>(x, row0, rows, stream);
+    }
   });
 }
 

@@ -25,7 +25,8 @@ _TORCH_OPS = ("chunk_gated_delta_rule", "chunk_kda", "chunk_delta_rule", "chunk_
 _DPLR_OPS = ("chunk_dplr_delta_rule", "chunk_rwkv7")
 
 __all__ = ["reference", "Error", "DeltaCPError", "InvalidArgumentError", "NumericError", "DTypeError",
-           "OutOfMemoryError", "CUDAError", "CPTimeoutError", "built_with_cuda", "cuda_available", "cuda_release_workspace", "last_cuda_tier",
+           "OutOfMemoryError", "CUDAError", "CPTimeoutError", "built_with_cuda", "cuda_available", "cuda_release_workspace",
+           "cuda_workspace_stats", "cuda_reset_workspace_stats", "last_cuda_tier",
            *_TORCH_OPS, "chunk_rwkv7"]
 
 
@@ -47,12 +48,34 @@ def last_cuda_tier() -> tuple:
 
 
 def cuda_release_workspace() -> None:
-    """Hands the CUDA kernels' cached scratch memory back to the driver.
+    """Hands deltacp's own cached CUDA workspace memory back to the driver.
 
-    The kernels' workspaces come from a per-device pool that keeps its memory mapped between calls (as
-    torch's caching allocator does), because re-mapping ~1.5 GB per backward after every synchronisation
-    cost more wall time than the kernels (cuda/common/workspace_pool.h). No-op without CUDA."""
+    With the torch ops loaded, the kernels' workspaces come from torch's caching allocator (one pool for
+    the whole training step; torch.cuda.empty_cache() is what returns its cache). Without torch, or with
+    DELTACP_WORKSPACE=pool, they come from a per-device pool that keeps its memory mapped between calls
+    (as torch's allocator does), because re-mapping ~1.5 GB per backward after every synchronisation
+    cost more wall time than the kernels (cuda/common/workspace_pool.h); this hands that pool's unused
+    memory back. No-op without CUDA."""
     _core.cuda_release_workspace()
+
+
+def cuda_workspace_stats() -> dict:
+    """The CUDA kernels' workspace bytes (ints), every device together:
+
+    ``allocator``: where workspaces come from now, "torch" (torch's caching allocator, installed with the
+    torch ops) or "pool" (deltacp's own); ``current_bytes`` / ``peak_bytes``: in use outside torch (from
+    deltacp's pool) now and its high-water mark; ``reserved_bytes`` / ``peak_reserved_bytes``: what the pool
+    keeps mapped (in use + cached) now and its high-water mark, the memory deltacp holds outside torch;
+    ``torch_current_bytes`` / ``torch_peak_bytes``: workspaces taken through torch's allocator (already in
+    torch.cuda.max_memory_allocated). A training step's peak is torch.cuda.max_memory_allocated() plus
+    ``peak_reserved_bytes``. High-water marks count from the last cuda_reset_workspace_stats()."""
+    return dict(_core.cuda_workspace_stats())
+
+
+def cuda_reset_workspace_stats() -> None:
+    """Restarts the high-water marks of cuda_workspace_stats() from the current values (as
+    torch.cuda.reset_peak_memory_stats does for torch's)."""
+    _core.cuda_reset_workspace_peaks()
 
 
 def __getattr__(name):

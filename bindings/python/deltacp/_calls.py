@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _core
+from . import _workspace  # noqa: F401  (the CUDA workspaces from torch's caching allocator, at import)
 from ._describe import torch_desc
 from .errors import DTypeError, InvalidArgumentError
 
