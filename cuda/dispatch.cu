@@ -85,10 +85,16 @@ void check_gpu_params(const Params& p) {
 
 // Kernels a tier has that supports() does not list yet, because they have not run on a GPU: they run only
 // when forward(p, tier) / backward(p, tier) name the tier, never from a default pick (dplr_fwd.cu: the tiled
-// DPLR forward, and its dh0-only backward, Params::dh0_only).
+// DPLR forward and its dh0-only backward, Params::dh0_only; dplr_bwd.cu: the full tiled DPLR backward).
 bool opt_in(const Params& p, Method tier, bool backward) {
 #ifdef DELTACP_HAVE_TILED_DPLR_FWD
-  if (p.variant == Variant::dplr && tier == Method::tiled && (!backward || p.dh0_only())) return true;
+#ifdef DELTACP_HAVE_TILED_DPLR_BWD
+  constexpr bool kFullDplrBackward = true;
+#else
+  constexpr bool kFullDplrBackward = false;
+#endif
+  if (p.variant == Variant::dplr && tier == Method::tiled && (!backward || p.dh0_only() || kFullDplrBackward))
+    return true;
 #endif
   (void)p, (void)tier, (void)backward;
   return false;
@@ -220,8 +226,12 @@ static void run_backward(const Params& p, Method tier) {
 #ifdef DELTACP_HAVE_TILED_BWD
     case Method::tiled:
 #ifdef DELTACP_HAVE_TILED_DPLR_FWD
-      if (p.variant == Variant::dplr) {
-        tiled_dplr_dh0(p);  // opt-in, dh0-only (see opt_in above)
+      if (p.variant == Variant::dplr) {  // opt-in (see opt_in above)
+#ifdef DELTACP_HAVE_TILED_DPLR_BWD
+        tiled_dplr_backward(p);  // every gradient, or dh0 alone
+#else
+        tiled_dplr_dh0(p);  // dh0-only
+#endif
         return;
       }
 #endif

@@ -1,6 +1,7 @@
-"""DPLR on one GPU: deltacp's tiled DPLR forward (and forward + backward, whose backward is the naive tier until
-a tiled DPLR backward exists) beside FLA's chunk_dplr_delta_rule at chunk 16 (its default) and chunk 64 with
-safe_gate=True, bf16, median of triton's do_bench; plus the error of each against the float64 reference.
+"""DPLR on one GPU: deltacp's tiled DPLR forward and forward + backward (the tiled DPLR backward,
+cuda/tiled/dplr_bwd.cu), and the naive tier's, beside FLA's chunk_dplr_delta_rule at chunk 16 (its default) and
+chunk 64 with safe_gate=True, bf16, median of triton's do_bench; plus the error of each against the float64
+reference: o, and the worst of the gradients dq, dk, dv, da, db, dgk.
 
     python3 bench/gpu/bench_dplr.py --out dplr.json            # FLA's source on PYTHONPATH for its rows
 
@@ -80,19 +81,31 @@ def time_impl(fn, shape, backward):
 
 
 def accuracy(impls):
-    """||o - ref|| / ||ref|| of each implementation's forward on bf16 inputs, against float64."""
+    """Each implementation on bf16 inputs against float64: {name: ||o - ref|| / ||ref||} and {name: the worst
+    ||d - ref|| / ||ref|| over the gradients dq, dk, dv, da, db, dgk of sum(o * do)}."""
     import numpy as np
     import deltacp.reference as R
     B, T, H, D = 2, 1000, 4, 64
     x = make_inputs(B, T, H, D, seed=1)
+    do = torch.randn(B, T, H, D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)).to(
+        torch.bfloat16)
     xd = {n: t.double().cpu().numpy() for n, t in x.items()}
     o_ref, _ = R.dplr(xd["q"], xd["k"], xd["v"], xd["a"], xd["b"], xd["gk"], scale=D ** -0.5)
-    out = {}
+    g_ref = R.dplr_backward(xd["q"], xd["k"], xd["v"], xd["a"], xd["b"], xd["gk"], do.double().cpu().numpy(),
+                            scale=D ** -0.5)
+    names = ("q", "k", "v", "a", "b", "gk")
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
+    out, grads = {}, {}
     for name, fn in impls.items():
         with torch.no_grad():
-            o = fn(x)[0].double().cpu().numpy()
-        out[name] = float(np.linalg.norm(o - o_ref) / np.linalg.norm(o_ref))
-    return out
+            out[name] = rel(fn(x)[0].double().cpu().numpy(), o_ref)
+        try:
+            xg = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+            g = torch.autograd.grad(fn(xg)[0], [xg[n] for n in names], do)
+            grads[name] = max(rel(gi.double().cpu().numpy(), g_ref["d" + n]) for n, gi in zip(names, g))
+        except Exception as e:  # noqa: BLE001 - record and go on
+            grads[name] = f"{type(e).__name__}: {e}"[:300]
+    return out, grads
 
 
 def main():
@@ -104,8 +117,10 @@ def main():
         f = fla_fn(cs, safe)
         if f is not None:
             impls[f"fla_chunk{cs}" + ("_safe_gate" if safe else "")] = f
+    errors, grad_errors = accuracy(impls)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), dtype="bf16",
-                  gate=f"logsigmoid(randn) clamped to [{LOWER}, 0]", rows=[], errors_vs_fp64=accuracy(impls))
+                  gate=f"logsigmoid(randn) clamped to [{LOWER}, 0]", rows=[], errors_vs_fp64=errors,
+                  grad_errors_vs_fp64=grad_errors)
     for shape in SHAPES:
         for backward in (False, True):
             row = dict(shape=list(shape), direction="fwd+bwd" if backward else "fwd")
@@ -124,6 +139,7 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
     print(json.dumps(result["errors_vs_fp64"]))
+    print(json.dumps(result["grad_errors_vs_fp64"]))
 
 
 if __name__ == "__main__":

@@ -493,9 +493,9 @@ class TierAccuracy : public testing::TestWithParam<Combo> {
   bool runnable(bool backward) {
     const auto& [tier, variant, dtype, shape] = GetParam();
     if (!deltacp::cuda::device_available()) return skip("no CUDA device");
-    // The tiled DPLR forward is opt-in (dispatch.cu's opt_in: run when the tier is named, not listed by
-    // supports() until it has been validated on a GPU): its cases run here all the same.
-    const bool opt_in = variant == Variant::dplr && tier == Method::tiled && !backward;
+    // The tiled DPLR forward and backward are opt-in (dispatch.cu's opt_in: run when the tier is named, not
+    // listed by supports() until they have been validated on a GPU): their cases run here all the same.
+    const bool opt_in = variant == Variant::dplr && tier == Method::tiled;
     if (!deltacp::cuda::supports(variant, tier, backward) && !opt_in)
       return skip(std::string(deltacp::to_string(tier)) + " does not implement this variant/direction");
     if (!shape.all_tiers && tier != Method::naive) return skip("naive-only shape");

@@ -1,8 +1,9 @@
-"""The tiled DPLR forward on CUDA (deltacp.chunk_dplr_delta_rule / chunk_rwkv7 with backend="tiled", an opt-in
-tier until validated on a GPU) against the float64 reference on the same rounded inputs: odd lengths, varlen
-with empty and one-token sequences, initial / final states, chunk sizes 16 / 32 / 64, K in {32, 64, 100, 128},
-bf16 / fp16 / fp32 inputs, gk in fp32 beside 16-bit inputs, the [V, K] state layout, gradients (the naive
-backward behind the tiled forward), the gate-range fallback, and, where FLA is installed, FLA's chunk_rwkv7.
+"""The tiled DPLR forward and backward on CUDA (deltacp.chunk_dplr_delta_rule / chunk_rwkv7 with backend="tiled",
+an opt-in tier until validated on a GPU) against the float64 reference on the same rounded inputs: odd lengths,
+varlen with empty, one-token and tiny sequences, initial / final states, chunk sizes 16 / 32 / 64, K in
+{32, 64, 100, 128}, bf16 / fp16 / fp32 inputs, gk in fp32 beside 16-bit inputs, the [V, K] state layout, every
+gradient (dq, dk, dv, da, db, dgk, dh0) of the tiled backward with and without h0 and dht, against the reference
+and against the naive tier's, the gate-range fallback, and, where FLA is installed, FLA's chunk_rwkv7.
 Tolerances: fp32 1e-4 (the chunk form in fp32; measured ~1e-6 on the CPU reference), 16-bit 1e-2. Skipped
 without a CUDA device."""
 
@@ -30,6 +31,8 @@ SHAPES = {
     "T130_K128_V128": (1, 130, 2, 128, 128, None),
     "K100_V33": (1, 77, 1, 100, 33, None),
     "varlen": (1, None, 2, 64, 64, [0, 1, 64, 64, 129, 200, 201]),
+    "T200": (1, 200, 2, 64, 64, None),
+    "tiny_varlen": (1, None, 2, 64, 64, [0, 1, 3, 3, 8, 9, 25, 26, 30]),
 }
 
 
@@ -84,22 +87,133 @@ def test_tiled_forward_gate_fp32_no_states_and_state_v_first():
     assert torch.equal(o2, o3) and torch.equal(ht2, ht3.transpose(-1, -2))
 
 
-def test_tiled_forward_then_naive_backward():
-    """backend="tiled": the forward on the tiled tier, the gradients from the naive backward (until the tiled
-    DPLR backward exists), against the reference backward."""
-    p, t, h0, cu = _inputs("T65_K32_V48", torch.float32, seed=5)
-    rng = np.random.default_rng(6)
-    do = rng.standard_normal(p["v"].shape).astype(np.float32)
-    dht = rng.standard_normal(p["initial_state"].shape).astype(np.float32)
-    g_ref = ref.dplr_backward(p["q"], p["k"], p["v"], p["a"], p["b"], p["g"], do.astype(np.float64),
-                              dht=dht.astype(np.float64), initial_state=p["initial_state"])
+# ---- the tiled backward ------------------------------------------------------------------------------------------
+BWD_SHAPES = ["T1", "T63", "T65_K32_V48", "T130_K128_V128", "T200", "K100_V33", "varlen", "tiny_varlen"]
+GRADS = ("dq", "dk", "dv", "da", "db", "dgk", "dh0")
+
+
+def _upstream(p, dtype, seed, with_dht):
+    """do in the dtype under test (the gradient autograd hands the op), dht in fp32 or None (zero)."""
+    rng = np.random.default_rng(seed)
+    do = torch.tensor(rng.standard_normal(p["v"].shape)).to(dtype)
+    dht = torch.tensor(rng.standard_normal(p["initial_state"].shape), dtype=torch.float32) if with_dht else None
+    return do, dht
+
+
+def _tiled_grads(t, h0, cu, backend, do, dht, chunk_size=64, rwkv7=False):
+    """Every gradient through autograd of chunk_dplr_delta_rule (or chunk_rwkv7) with `backend`, and the tier
+    the backward ran on (deltacp.last_cuda_tier())."""
     leaves = {n: x.clone().requires_grad_(True) for n, x in t.items()}
-    h0 = h0.clone().requires_grad_(True)
-    o, ht = _run(leaves, h0, None, "tiled", 64)
-    ((o * torch.tensor(do).cuda()).sum() + (ht * torch.tensor(dht).cuda()).sum()).backward()
-    for n, gname in (("q", "dq"), ("k", "dk"), ("v", "dv"), ("a", "da"), ("b", "db"), ("g", "dgk")):
-        assert rel_err(leaves[n].grad.double().cpu().numpy(), g_ref[gname]) < 1e-4, n
-    assert rel_err(h0.grad.double().cpu().numpy(), g_ref["dh0"]) < 1e-4
+    h = None if h0 is None else h0.clone().requires_grad_(True)
+    cu_dev = None if cu is None else cu.cuda()
+    if rwkv7:
+        o, ht = deltacp.chunk_rwkv7(leaves["q"], leaves["g"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
+                                    scale=t["q"].shape[-1] ** -0.5, initial_state=h, output_final_state=True,
+                                    cu_seqlens=cu_dev, cu_seqlens_cpu=cu, chunk_size=chunk_size, backend=backend)
+    else:
+        o, ht = _run(leaves, h, cu, backend, chunk_size)
+    loss = (o * do.cuda()).sum()
+    if dht is not None:
+        loss = loss + (ht * dht.cuda()).sum()
+    loss.backward()
+    torch.cuda.synchronize()
+    g = {("dgk" if n == "g" else "d" + n): leaves[n].grad for n in leaves}
+    g["dh0"] = None if h is None else h.grad
+    return g, deltacp.last_cuda_tier()[0]
+
+
+def _ref_grads(p, do, dht, with_h0):
+    return ref.dplr_backward(p["q"], p["k"], p["v"], p["a"], p["b"], p["g"], do.double().numpy(),
+                             dht=None if dht is None else dht.double().numpy(),
+                             initial_state=p["initial_state"] if with_h0 else None, cu_seqlens=p["cu_seqlens"])
+
+
+def _check_grads(g, g_ref, tol, label, with_h0):
+    errs = {}
+    for n in GRADS:
+        if n == "dh0" and not with_h0:
+            continue
+        assert g[n] is not None, f"{label}: no {n}"
+        errs[n] = rel_err(g[n].double().cpu().numpy(), g_ref[n])
+    print(f"[errors] {label}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        assert e < tol, f"{label}: {n} relative error {e:.2e} >= {tol}"
+
+
+@pytest.mark.parametrize("shape", BWD_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("states", ["h0_dht", "h0_nodht", "noh0_dht"])
+def test_dplr_tiled_backward_against_reference(shape, dtype, states):
+    """Every gradient of the tiled backward (it, not the naive one, runs: last_cuda_tier) against the fp64
+    reference's analytic backward on the same rounded inputs."""
+    with_h0, with_dht = states.startswith("h0"), states.endswith("_dht")
+    p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"bwd/{shape}/{dtype}/{states}".encode()))
+    do, dht = _upstream(p, dtype, zlib.crc32(f"up/{shape}/{states}".encode()), with_dht)
+    g, tier = _tiled_grads(t, h0 if with_h0 else None, cu, "tiled", do, dht)
+    assert tier == "tiled"
+    _check_grads(g, _ref_grads(p, do, dht, with_h0), TOL[dtype], f"tiled dplr bwd {shape} {dtype} {states}", with_h0)
+
+
+@pytest.mark.parametrize("shape", ["T1", "T65_K32_V48", "T130_K128_V128", "tiny_varlen"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_dplr_tiled_backward_chunk_sizes_and_fp16(shape, dtype, chunk_size):
+    p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"bwdcs/{shape}/{dtype}/{chunk_size}".encode()))
+    do, dht = _upstream(p, dtype, 21, True)
+    g, tier = _tiled_grads(t, h0, cu, "tiled", do, dht, chunk_size=chunk_size)
+    assert tier == "tiled"
+    _check_grads(g, _ref_grads(p, do, dht, True), TOL[dtype], f"tiled dplr bwd {shape} {dtype} chunk {chunk_size}",
+                 True)
+
+
+@pytest.mark.parametrize("shape", ["T63", "T130_K128_V128", "varlen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dplr_tiled_backward_against_naive(shape, dtype):
+    """The tiled and the naive tier's gradients of the same call agree (each within the tolerance of the fp64
+    reference, so within twice it of each other)."""
+    p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"vsnaive/{shape}/{dtype}".encode()))
+    do, dht = _upstream(p, dtype, 31, True)
+    g_t, tier_t = _tiled_grads(t, h0, cu, "tiled", do, dht)
+    g_n, tier_n = _tiled_grads(t, h0, cu, "naive", do, dht)
+    assert (tier_t, tier_n) == ("tiled", "naive")
+    errs = {n: rel_err(g_t[n].double().cpu().numpy(), g_n[n].double().cpu().numpy()) for n in GRADS}
+    print(f"[errors] tiled vs naive dplr bwd {shape} {dtype}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        assert e < 2 * TOL[dtype], f"{n}: tiled vs naive {e:.2e}"
+
+
+def test_dplr_tiled_backward_rwkv7_gate_fp32_and_state_v_first():
+    """chunk_rwkv7(backend="tiled") differentiates through the tiled backward: with gk (w) in fp32 beside bf16
+    inputs its gradients equal chunk_dplr_delta_rule's, and RWKV-7's [V, K] initial state gets the transposed
+    dh0; all against the reference."""
+    p, t, h0, cu = _inputs("varlen", torch.bfloat16, seed=41, gate_fp32=True)
+    do, dht = _upstream(p, torch.bfloat16, 42, False)
+    g1, tier = _tiled_grads(t, h0, cu, "tiled", do, None)
+    assert tier == "tiled" and g1["dgk"].dtype == torch.float32
+    g2, _ = _tiled_grads(t, h0, cu, "tiled", do, None, rwkv7=True)
+    for n in GRADS:
+        assert torch.equal(g1[n], g2[n]), n
+    _check_grads(g1, _ref_grads(p, do, None, True), 1e-2, "tiled dplr bwd rwkv7 gk fp32", True)
+    leaves = {n: x.clone().requires_grad_(True) for n, x in t.items()}
+    hv = h0.transpose(-1, -2).contiguous().requires_grad_(True)
+    o, _ = deltacp.chunk_rwkv7(leaves["q"], leaves["g"], leaves["k"], leaves["v"], leaves["a"], leaves["b"],
+                               scale=64 ** -0.5, initial_state=hv, cu_seqlens=cu.cuda(), backend="tiled",
+                               state_v_first=True)
+    (o * do.cuda()).sum().backward()
+    assert torch.equal(hv.grad, g1["dh0"].transpose(-1, -2))
+    assert torch.equal(leaves["g"].grad, g1["dgk"])
+
+
+def test_dplr_tiled_backward_gates_outside_range_use_naive():
+    """gk below the chunk form's range: backend="tiled" falls back to the naive tier for both directions."""
+    p, t, h0, cu = _inputs("T63", torch.float32, seed=7)
+    t["g"][0, 10, 1, 5] = -100.0  # below -1024 / 64
+    do, dht = _upstream(p, torch.float32, 51, True)
+    g_t, tier = _tiled_grads(t, h0, cu, "tiled", do, dht)
+    g_n, _ = _tiled_grads(t, h0, cu, "naive", do, dht)
+    assert tier == "naive"
+    for n in GRADS:
+        assert torch.equal(g_t[n], g_n[n]), n
 
 
 def test_tiled_gates_outside_range_fall_back_to_naive():
@@ -169,7 +283,8 @@ def _descs(t, h0, cu):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tiled_state_only_modes(shape, dtype):
     """Final-state-only forward (o absent) gives the full tiled forward's ht bit for bit; the dh0-only backward
-    (every input gradient absent: the tiled DPLR reverse state-gradient scan) gives the reference's dh0."""
+    (every input gradient absent: the tiled DPLR reverse state-gradient scan) gives the reference's dh0, and the
+    full tiled backward by name the same dh0 bit for bit (the same scan) and the reference's input gradients."""
     from deltacp import _core
 
     p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"state/{shape}/{dtype}".encode()))
@@ -203,8 +318,16 @@ def test_tiled_state_only_modes(shape, dtype):
     err = rel_err(dh0.double().cpu().numpy(), g_ref["dh0"])
     print(f"[errors] tiled dplr dh0-only {shape} {dtype}: dh0 {err:.2e}")
     assert err < TOL[dtype]
-    # a full backward by name on the tiled tier is refused, naming the variant (only the dh0-only one exists)
-    for n in ("q", "k", "v", "a", "b", "g"):
-        dd["d" + n] = desc(torch.empty_like(t[n]), "dgk" if n == "g" else "d" + n)
-    with pytest.raises(ValueError, match="variant"):
-        _core.run("backward", "dplr", "tiled", "float32", dd, None, 64, None, stream, False)
+    # the full backward by name: every input gradient (NaN-poisoned first) and the same dh0
+    grads = {n: torch.full_like(t[n], float("nan")) for n in ("q", "k", "v", "a", "b", "g")}
+    for n, x in grads.items():
+        dd["d" + n] = desc(x, "dgk" if n == "g" else "d" + n)
+    dh0_full = torch.full((N, H, K, V), float("nan"), device="cuda")
+    dd["dh0"] = desc(dh0_full, "dh0")
+    _core.run("backward", "dplr", "tiled", "float32", dd, None, 64, None, stream, False)
+    torch.cuda.synchronize()
+    assert torch.equal(dh0_full, dh0)
+    for n, x in grads.items():
+        name = "dgk" if n == "g" else "d" + n
+        err = rel_err(x.double().cpu().numpy(), g_ref[name])
+        assert err < TOL[dtype], f"{name} {err:.2e}"

@@ -45,8 +45,9 @@ when ``GK_MIN <= lower_bound < 0``; ``gate_check=False`` skips it unconditionall
 guarantee). ``backend="recurrent"`` / ``"naive"`` never needs it.
 
 Backends: None (CPU: the chunked reference; CUDA: the naive tier), "reference", "recurrent", "naive",
-"tiled" (the tiled DPLR forward; its backward runs on the naive tier until the tiled backward exists).
-The tiled DPLR tier is opt-in: it is not the CUDA default until it has been validated on a GPU.
+"tiled" (the tiled DPLR forward and backward: chunked, on the tensor cores; cuda/tiled/dplr_fwd.cu and
+dplr_bwd.cu). The tiled DPLR tier is opt-in: it is not the CUDA default until it has been validated on a GPU.
+With "tiled", gates outside the range above run forward and backward on the naive tier.
 """
 
 from __future__ import annotations
@@ -112,11 +113,12 @@ def _state_to_kv(initial_state, state_v_first):
 
 
 def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_size):
-    """The opt-in tiled DPLR forward (backward: the tiled one where built, else the naive tier).
+    """The opt-in tiled DPLR forward and backward.
 
     ops._apply picks tiers through cuda_supports(), which does not list dplr for the tiled tier until the
     kernels have been validated on a GPU; the same checks as ops._apply run here, then the same autograd
-    Function."""
+    Function, whose backward names the tiled tier (the C++ dispatch runs the tiled DPLR backward by name,
+    cuda/dispatch.cu opt_in)."""
     q = _ops._tensor(q, "q")
     k = _ops._tensor(k, "k", q)
     v = _ops._tensor(v, "v", q)
@@ -153,7 +155,7 @@ def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_
                                        f"{h0.device}")
         h0 = h0.to(torch.float32).contiguous()
     cfg.fwd_method = "tiled"
-    cfg.bwd_method = "tiled" if _core.cuda_supports("dplr", "tiled", True) else "naive"
+    cfg.bwd_method = "tiled"
     o, ht = _ops._DeltaRuleFunction.apply(cfg, q, k, v, gk, None, a, b, h0)
     return o, (ht if cfg.output_final_state else None)
 

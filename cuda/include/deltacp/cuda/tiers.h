@@ -20,6 +20,9 @@ void tiled_backward(const Params& p);  // cuda/tiled/tiled_bwd.cu
 void tiled_dplr_forward(const Params& p);
 // Its dh0-only backward (Params::dh0_only; opt-in like the forward): the reverse state-gradient scan.
 void tiled_dplr_dh0(const Params& p);
+// The full tiled DPLR backward (cuda/tiled/dplr_bwd.cu; opt-in like the forward): every input gradient and dh0;
+// a dh0-only call goes to tiled_dplr_dh0.
+void tiled_dplr_backward(const Params& p);
 namespace fused {                      // cuda/fused/fused_fwd.cu
 // Why the fused forward cannot run p (variant, dtype, shape, alignment, GPU), or nullptr when it can.
 const char* forward_refusal(const Params& p);

@@ -1,0 +1,543 @@
+// cuda/tiled/dplr_bwd.cu — the tiled tier's full DPLR backward: dq, dk, dv, da, db, dgk and dh0 (dht in), the
+// chunk form's reverse mode (reference/src/chunked.cpp, chunk_backward) as stages on the tensor cores.
+//
+// Notation of dplr_fwd.cu's opening comment (per chunk of n <= 64 tokens: G, Gp, A_ab, A_ak, T, W, U, Ut, Kd,
+// Bd, D_n, P_qk, P_qb, q e^G); S = the chunk's start state, dS = dL/dS at its end, dO_s = scale dO. The
+// reference's chunk backward, regrouped so that every product over the value axis is one of a few matrices:
+//
+//   dUt  = P_qb^T dO_s + Bd dS                      dS_start = D_n dS + (q e^G)^T dO_s + W^T dUt
+//   dUt' = T^T dUt                                  (dL/d(A_ak V), through U = T A_ak V)
+//   dv   = P_qk^T dO_s + Kd dS + A_ak^T dUt'
+//   dM_qk = tril_incl(dO_s V^T)     dM_qb = tril_incl(dO_s Ut^T)                  (the score gradients)
+//   dA_ak = strict_tril(dUt' V^T)   dA_ab = strict_tril(dUt' Ut^T)
+//   (the last: T^T dT T^T with dT = dW (a e^Gp)^T + dUt (A_ak V)^T and dW = dUt S^T is dUt' (W S + U)^T
+//   = dUt' Ut^T, since W = T (a e^Gp) and U = T A_ak V)
+//   dq = (dO_s S^T) e^G + gram_X(dM_qk; q, k) + gram_X(dM_qb; q, b)
+//   da = (dUt' S^T) e^Gp + gram_X(dA_ab; a, b) + gram_X(dA_ak; a, k)
+//   dk = (V dS^T) e^(G_n - G) + gram_Y(dM_qk) + gram_Y(dA_ak)
+//   db = (Ut dS^T) e^(G_n - G) + gram_Y(dM_qb) + gram_Y(dA_ab)
+// where, for a score M(i, j) = sum_d X_id Y_jd e^(Gl_id - Gr_jd), gram_X_id = sum_j dM_ij Y_jd e^(Gl_id - Gr_jd)
+// and gram_Y_jd = sum_i dM_ij X_id e^(Gl_id - Gr_jd). The gate: every e^(..) factor is differentiated where it
+// stands (docs/design.md section 3.3), which sums to
+//   dG  = q dq - k dk - b db + dGp,   dGp = a da   (elementwise)
+//   dG_{n-1} += D_n rowsum(dS S) + colsum(k (V dS^T) e^(G_n - G) + b (Ut dS^T) e^(G_n - G))
+//   dgk = reverse_cumsum(dG) - dGp                  (within the chunk)
+// A numpy emulation of exactly these stages (the 16 x 16 blocks below included) equals the fp64 reference's
+// backward to 1e-15.
+//
+// The score gradients go back through the scores' 16 x 16 blocks (dplr_scores.cuh) with the same reference rows,
+// so every exponent stays <= 0 for gk <= 0 (deltacp.dplr routes other gates to the naive tier): with reference
+// row r = 16 a (a = 1..3), Ys_j = Y_j e^(Gl_r - Gr_j) for j < r and Xs_i = X_i e^(Gl_i - Gl_r) for i >= r (one
+// scratch tile, the two row ranges apart), then
+//   gram_X over block row a (i in [r, r + 16), j < r):      e^(Gl_i - Gl_r) (dM[i, :r] Ys)
+//   gram_Y over block column a - 1 (j in [r - 16, r), i >= r): e^(Gl_r - Gr_j) (dM[r:, j]^T Xs)
+// one tensor-core product each; the diagonal blocks element by element, masked before the exponential.
+//
+// Kernels (128 threads each; the forward's stages first, then the reverse scan, then two chunk-parallel ones):
+//   1 dplr_wy_kernel        (dplr_stages.cuh) as in the forward, also keeping T and A_ak
+//   2 dplr_scan_kernel      the forward's state scan: chunk-start states h_c and Ut (no o, no ht)
+//   3 dplr_output_kernel    without o: q e^G, P_qb and P_qk
+//   4 dplr_dh0_scan_kernel  grid (N * H, VP / 32): the reverse scan above, dS in fp32 registers; keeps dS at each
+//                           chunk's end (dh_c) and dUt; dh0
+//   5 dplr_bwd_dv_kernel    grid (chunks, H): per 32 value columns dUt' (kept), dv; the four score gradients
+//                           (two passes over the value blocks, two 64 x 64 accumulators each)
+//   6 dplr_bwd_dk_kernel    grid (chunks, H, KP / 32): per 32 key columns, the four [n, 32] products over the
+//                           value axis (one pass, four 16 x 32 accumulators per warp), then the gram gradients,
+//                           dG, dgk; writes dq, dk, da, db, dgk
+// Intermediates (workspace, beyond the forward's): T, A_ak, P_qk, P_qb p.dtype [chunks, H, 64, 64]; q e^G
+// p.dtype [R, H, KP]; Ut, dUt, dUt' p.dtype [R, H, VP]; h_c, dh_c p.dtype [chunks, H, KP, VP]; the score
+// gradients p.dtype [chunks, H, 4, 64, 64] (tensor-core operands of kernel 6 anyway).
+//
+// Dynamic shared memory (bytes, BdvSmem / BdkSmem in dplr_stages.cuh; kernels 1-4 as in dplr_fwd.cu):
+//                 bf16/fp16 K <= 64   K <= 128     fp32 K <= 64   K <= 128
+//   dv            67,584              80,896       124,928        150,528
+//   dk            92,304              92,304       129,168        129,168
+//   dk holds its q, k, a, b columns, G and the fp32 dq, dk, da, db columns, and one region for the value phase's
+//   tiles, then two of the four score gradients at a time with a scratch tile (all four at once would take
+//   108,688 bytes at 16 bits, past sm_86 / sm_89's 99 KB). So, as for the forward, 16-bit K <= 64 fits every
+//   sm_80+ GPU, 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90, fp32 K <= 128 Hopper only (kernel 1's
+//   224 KB); tests/cuda/test_smem_fit.cu checks these layouts on the host.
+// Registers (nvcc 13 --resource-usage, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at
+// 16 bits, 207-214 at fp32; dk 128 / 128 at 16 bits, 250 / 236 at fp32. Kernels 1-4 as in dplr_fwd.cu.
+// Speed: not yet timed (no GPU run yet). This is the straightforward first version: kernel 5 passes over the
+// value blocks twice (four 64 x 64 accumulators at once would hold 128 registers per thread), kernel 6 recomputes nothing but loads
+// every value tile once per 32 key columns (4 times at K = 128), and the workspace holds 10 per-chunk
+// intermediates in HBM (the forward's, plus T, A_ak, P_qk, dh_c, dUt, dUt' and the score gradients).
+#include "dplr_stages.cuh"
+
+namespace deltacp::cuda::tiled {
+namespace {
+
+// ---- stage 5: dUt' = T^T dUt, dv, the four score gradients ---------------------------------------------------
+template <class T, int KP>
+__global__ void __launch_bounds__(kDThreads) dplr_bwd_dv_kernel(const DplrArgs<T> x) {
+  using L = BdvSmem<T, KP>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sT = smem_at<T>(smem, L::Tt);
+  T* sAk = smem_at<T>(smem, L::Ak);
+  T* sPk = smem_at<T>(smem, L::Pk);
+  T* sKd = smem_at<T>(smem, L::Kd);
+  T* sdUt = smem_at<T>(smem, L::dUt);
+  T* sdUtp = smem_at<T>(smem, L::dUtp);
+  T* sdO = smem_at<T>(smem, L::dO);
+  T* sV = smem_at<T>(smem, L::V);
+  T* sUt = smem_at<T>(smem, L::Ut);
+  T* sdS = smem_at<T>(smem, L::dS);
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int64_t c = blockIdx.x, h = blockIdx.y;
+  const ChunkEntry ch = x.chunks[c];
+  const int len = static_cast<int>(ch.len);
+  const int Vn = static_cast<int>(x.V);
+  const int64_t wrow = ch.row0 * x.H + h;
+  const int64_t ldk_g = x.H * KP, ldv_g = x.H * x.VP;
+  const int64_t mat0 = (c * x.H + h) * kDRows * kDRows;
+  {
+    const T* pT = x.Tg + mat0;
+    const T* pA = x.Akg + mat0;
+    const T* pP = x.Pk + mat0;
+    const T* pK = x.Kd + wrow * KP;
+    load_tile<T, kDThreads>(sT, L::ld64, pT, kDRows, kDRows, kDRows, kDRows, kDRows, vec_ok(pT, kDRows));
+    load_tile<T, kDThreads>(sAk, L::ld64, pA, kDRows, kDRows, kDRows, kDRows, kDRows, vec_ok(pA, kDRows));
+    load_tile<T, kDThreads>(sPk, L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows, vec_ok(pP, kDRows));
+    load_tile<T, kDThreads>(sKd, L::ldk, pK, ldk_g, len, kDRows, KP, KP, vec_ok(pK, ldk_g));
+    cp_async_commit();  // waited for with the first value block
+  }
+  const T* pdo = x.dout.at(ch.batch, ch.t0, h);
+  const T* pv = x.v.at(ch.batch, ch.t0, h);
+  const T* put = x.Ut + wrow * x.VP;
+  const T* pdut = x.dUt + wrow * x.VP;
+  T* pdutp = x.dUtp + wrow * x.VP;
+  const T* pdh = x.dh + (c * x.H + h) * KP * x.VP;
+
+  // Pass 1, per value block: dUt' (to shared memory and the workspace), dv, and dA_ab, dA_ak accumulated over the
+  // blocks (warp w: rows [16 w, 16 w + 16) of each).
+  float accA[1][8][4], accAk[1][8][4];
+  zero_acc(accA);
+  zero_acc(accAk);
+#pragma unroll 1
+  for (int v0 = 0; v0 < x.VP; v0 += kDBV) {
+    load_tile<T, kDThreads>(sdUt, L::ldv, pdut + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(pdut + v0, ldv_g));
+    load_tile<T, kDThreads>(sdO, L::ldv, pdo + v0, x.dout.st, len, kDRows, Vn - v0, kDBV, vec_ok(pdo + v0, x.dout.st));
+    load_tile<T, kDThreads>(sV, L::ldv, pv + v0, x.v.st, len, kDRows, Vn - v0, kDBV, vec_ok(pv + v0, x.v.st));
+    load_tile<T, kDThreads>(sUt, L::ldv, put + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(put + v0, ldv_g));
+    load_tile<T, kDThreads>(sdS, L::ldv, pdh + v0, x.VP, KP, KP, kDBV, kDBV, vec_ok(pdh + v0, x.VP));
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    {  // dUt' = T^T dUt (T read as [j, i]: column-major)
+      float acc[1][4][4];
+      zero_acc(acc);
+      warp_mma<T, 1, 4, Lay::colmajor, Lay::rowmajor>(acc, sT, L::ld64, 16 * warp, sdUt, L::ldv, 0, 0, kDRows);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int i = 16 * warp + acc_row(0, e), col = acc_col(nt, e);
+          store_pair(sdUtp + i * L::ldv + col, acc[0][nt][e], acc[0][nt][e + 1]);
+          if (i < len) store_pair(pdutp + int64_t(i) * ldv_g + v0 + col, acc[0][nt][e], acc[0][nt][e + 1]);
+        }
+    }
+    // dv = scale P_qk^T dO + Kd dS + A_ak^T dUt'
+    float dv[1][4][4];
+    zero_acc(dv);
+    warp_mma<T, 1, 4, Lay::colmajor, Lay::rowmajor>(dv, sPk, L::ld64, 16 * warp, sdO, L::ldv, 0, 0, kDRows);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dv[0][nt][e] *= x.scale;
+    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(dv, sKd, L::ldk, 16 * warp, sdS, L::ldv, 0, 0, KP);
+    __syncthreads();  // every row of dUt' is in shared memory
+    warp_mma<T, 1, 4, Lay::colmajor, Lay::rowmajor>(dv, sAk, L::ld64, 16 * warp, sdUtp, L::ldv, 0, 0, kDRows);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + acc_row(0, e), col = v0 + acc_col(nt, e);
+        if (i < len && col < Vn) store_f(x.dv.at(ch.batch, ch.t0 + i, h) + col, dv[0][nt][e]);
+      }
+    // dA_ab += dUt' Ut^T, dA_ak += dUt' V^T (Ut, V read as [token, value]: column-major B operands)
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::colmajor>(accA, sdUtp, L::ldv, 16 * warp, sUt, L::ldv, 0, 0, kDBV);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::colmajor>(accAk, sdUtp, L::ldv, 16 * warp, sV, L::ldv, 0, 0, kDBV);
+    __syncthreads();  // the next block's loads overwrite the tiles
+  }
+  // The score gradients, masked (strict lower for A_ab / A_ak, inclusive for P_qk / P_qb; rows and columns past
+  // len are zero already), whole 64 x 64 matrices so that the next stage loads them unmasked.
+  T* pM = x.dM + (c * x.H + h) * 4 * kDRows * kDRows;
+  auto store_mask = [&](float(&acc)[1][8][4], T* M, float mul, bool inclusive) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int i = 16 * warp + acc_row(0, e), j = acc_col(nt, e);
+        const bool ok0 = i < len && (inclusive ? j <= i : j < i), ok1 = i < len && (inclusive ? j + 1 <= i : j + 1 < i);
+        store_pair(M + i * kDRows + j, ok0 ? mul * acc[0][nt][e] : 0.f, ok1 ? mul * acc[0][nt][e + 1] : 0.f);
+      }
+  };
+  store_mask(accA, pM + 2 * kDRows * kDRows, 1.f, false);
+  store_mask(accAk, pM + 3 * kDRows * kDRows, 1.f, false);
+
+  // Pass 2: dM_qk = dO V^T and dM_qb = dO Ut^T over the value blocks, times scale.
+  float accQk[1][8][4], accQb[1][8][4];
+  zero_acc(accQk);
+  zero_acc(accQb);
+#pragma unroll 1
+  for (int v0 = 0; v0 < x.VP; v0 += kDBV) {
+    load_tile<T, kDThreads>(sdO, L::ldv, pdo + v0, x.dout.st, len, kDRows, Vn - v0, kDBV, vec_ok(pdo + v0, x.dout.st));
+    load_tile<T, kDThreads>(sV, L::ldv, pv + v0, x.v.st, len, kDRows, Vn - v0, kDBV, vec_ok(pv + v0, x.v.st));
+    load_tile<T, kDThreads>(sUt, L::ldv, put + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(put + v0, ldv_g));
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::colmajor>(accQk, sdO, L::ldv, 16 * warp, sV, L::ldv, 0, 0, kDBV);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::colmajor>(accQb, sdO, L::ldv, 16 * warp, sUt, L::ldv, 0, 0, kDBV);
+    __syncthreads();
+  }
+  store_mask(accQk, pM, x.scale, true);
+  store_mask(accQb, pM + kDRows * kDRows, x.scale, true);
+}
+
+// ---- stage 6: dq, dk, da, db, dgk for 32 key columns -----------------------------------------------------------
+// gram_X / gram_Y of one score M(i, j) = sum_d X_id Y_jd e^(Gl_id - Gr_jd) (j < i, or j <= i when inclusive) for
+// this CTA's key columns, added to dX and dY (fp32, ldf). dM: the score gradient (64 x 64, ld64, zero outside
+// the triangle and past len). X, Y: 64 x kDKB tiles (ldx, zero past len); Gl, Gr: 64 rows (ldg). scr: a
+// 64 x kDKB scratch tile. All 128 threads; ends with __syncthreads.
+template <class T>
+__device__ void dplr_gram_backward(const T* dM, const T* X, const T* Y, const float* Gl, const float* Gr,
+                                   bool inclusive, float* dX, float* dY, T* scr, int len) {
+  using L = BdkSmem<T>;
+  constexpr int ldm = L::ld64, ldx = L::ldx, ldg = L::ldg, ldf = L::ldf;
+  const int tid = threadIdx.x, warp = tid >> 5;
+#pragma unroll 1
+  for (int a = 1; a < 4; ++a) {
+    const int r = 16 * a;
+    if (r >= len) break;  // uniform: rows and columns from r on are zero
+    const float* Glr = Gl + r * ldg;
+    for (int idx = tid; idx < kDRows * kDKB; idx += kDThreads) {
+      const int i = idx / kDKB, d = idx - i * kDKB;
+      scr[i * ldx + d] = i < r ? from_f<T>(to_f(Y[i * ldx + d]) * exp_t<T>(Glr[d] - Gr[i * ldg + d]))
+                               : from_f<T>(to_f(X[i * ldx + d]) * exp_t<T>(Gl[i * ldg + d] - Glr[d]));
+    }
+    __syncthreads();
+    // warps 0, 1: gram_X of block row a (16 columns each); warps 2, 3: gram_Y of block column a - 1.
+    float acc[1][2][4];
+    zero_acc(acc);
+    const int n0 = 16 * (warp & 1);
+    if (warp < 2) {
+      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM, ldm, r, scr, ldx, n0, 0, r);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = r + acc_row(0, e), d = n0 + acc_col(nt, e);
+          dX[i * ldf + d] += acc[0][nt][e] * exp_t<T>(Gl[i * ldg + d] - Glr[d]);
+        }
+    } else {  // dM read as [j, i]: column-major
+      warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc, dM, ldm, r - 16, scr, ldx, n0, r, kDRows);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = r - 16 + acc_row(0, e), d = n0 + acc_col(nt, e);
+          dY[j * ldf + d] += acc[0][nt][e] * exp_t<T>(Glr[d] - Gr[j * ldg + d]);
+        }
+    }
+    __syncthreads();  // the next reference row rewrites the scratch
+  }
+  // Diagonal blocks: thread (i, d) sums gram_X over j of i's block (j <= i or j < i), and gram_Y with i as the
+  // column over the block's rows from i (or i + 1) on.
+  for (int idx = tid; idx < kDRows * kDKB; idx += kDThreads) {
+    const int i = idx / kDKB, d = idx - i * kDKB, blk0 = i & ~15;
+    if (blk0 >= len) continue;
+    const float gli = Gl[i * ldg + d], gri = Gr[i * ldg + d];
+    float sx = 0.f, sy = 0.f;
+    const int jend = inclusive ? i : i - 1;
+    for (int j = blk0; j <= jend; ++j)
+      sx = fmaf(to_f(dM[i * ldm + j]) * to_f(Y[j * ldx + d]), exp_t<T>(gli - Gr[j * ldg + d]), sx);
+    for (int i2 = inclusive ? i : i + 1; i2 < blk0 + 16; ++i2)
+      sy = fmaf(to_f(dM[i2 * ldm + i]) * to_f(X[i2 * ldx + d]), exp_t<T>(Gl[i2 * ldg + d] - gri), sy);
+    dX[i * ldf + d] += sx;
+    dY[i * ldf + d] += sy;
+  }
+  __syncthreads();
+}
+
+template <class T, int KP>
+__global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T> x) {
+  using L = BdkSmem<T>;
+  constexpr int KB = kDKB;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sq = smem_at<T>(smem, L::q);
+  T* sk = smem_at<T>(smem, L::k);
+  T* sa = smem_at<T>(smem, L::a);
+  T* sb = smem_at<T>(smem, L::b);
+  float* sG = smem_at<float>(smem, L::G);
+  float* sdq = smem_at<float>(smem, L::dq);
+  float* sdk = smem_at<float>(smem, L::dk);
+  float* sda = smem_at<float>(smem, L::da);
+  float* sdb = smem_at<float>(smem, L::db);
+  T* sdO = smem_at<T>(smem, L::dO);
+  T* sdUtp = smem_at<T>(smem, L::dUtp);
+  T* sV = smem_at<T>(smem, L::V);
+  T* sUt = smem_at<T>(smem, L::Ut);
+  T* sS = smem_at<T>(smem, L::S);
+  T* sdS = smem_at<T>(smem, L::dS);
+  T* sM = smem_at<T>(smem, L::dM);
+  T* scr = smem_at<T>(smem, L::scr);
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int64_t c = blockIdx.x, h = blockIdx.y;
+  const int kb0 = static_cast<int>(blockIdx.z) * KB;
+  const int K = static_cast<int>(x.K);
+  if (kb0 >= K) return;  // uniform: a key block wholly past K
+  const int Kleft = K - kb0;
+  const ChunkEntry ch = x.chunks[c];
+  const int len = static_cast<int>(ch.len);
+  const int Vn = static_cast<int>(x.V);
+  const int64_t wrow = ch.row0 * x.H + h;
+  const int64_t ldv_g = x.H * x.VP;
+
+  // Inputs: the q, k, a, b columns (zero past len and K); gk into rows 1..len of sG, then the cumulative sum by
+  // column (rows past len repeat G_{len-1}: finite exponents on the zero rows), as the WY stage computes it.
+  {
+    const T* pq = x.q.at(ch.batch, ch.t0, h) + kb0;
+    const T* pk = x.k.at(ch.batch, ch.t0, h) + kb0;
+    const T* pa = x.a.at(ch.batch, ch.t0, h) + kb0;
+    const T* pb = x.b.at(ch.batch, ch.t0, h) + kb0;
+    load_tile<T, kDThreads>(sq, L::ldx, pq, x.q.st, len, kDRows, Kleft, KB, vec_ok(pq, x.q.st));
+    load_tile<T, kDThreads>(sk, L::ldx, pk, x.k.st, len, kDRows, Kleft, KB, vec_ok(pk, x.k.st));
+    load_tile<T, kDThreads>(sa, L::ldx, pa, x.a.st, len, kDRows, Kleft, KB, vec_ok(pa, x.a.st));
+    load_tile<T, kDThreads>(sb, L::ldx, pb, x.b.st, len, kDRows, Kleft, KB, vec_ok(pb, x.b.st));
+    cp_async_commit();
+    for (int idx = tid; idx < (kDRows + 1) * KB; idx += kDThreads) {
+      const int i = idx / KB, d = idx - i * KB;
+      sG[i * L::ldg + d] =
+          (i >= 1 && i - 1 < len && d < Kleft) ? load_gate(x, ch.batch, ch.t0 + i - 1, h, kb0 + d) : 0.f;
+    }
+    __syncthreads();
+    if (tid < KB) {
+      float run = 0.f;
+      for (int i = 1; i <= kDRows; ++i) {
+        run += sG[i * L::ldg + tid];
+        sG[i * L::ldg + tid] = run;
+      }
+    }
+    // the first value block's wait and __syncthreads cover the tiles and the sums
+  }
+
+  // The four products over the value axis for these key columns (warp w: rows [16 w, 16 w + 16)):
+  //   dO S^T, dUt' S^T, V dS^T, Ut dS^T  (S, dS rows [kb0, kb0 + 32) of h_c / dh_c read as [key, value]:
+  //   column-major B operands); and thread d < 32: sum_v dS_dv S_dv.
+  float aq[1][4][4], aa[1][4][4], ak[1][4][4], ab[1][4][4];
+  zero_acc(aq);
+  zero_acc(aa);
+  zero_acc(ak);
+  zero_acc(ab);
+  float rs = 0.f;
+  {
+    const T* pdo = x.dout.at(ch.batch, ch.t0, h);
+    const T* pv = x.v.at(ch.batch, ch.t0, h);
+    const T* put = x.Ut + wrow * x.VP;
+    const T* pdutp = x.dUtp + wrow * x.VP;
+    const T* ps = x.h + ((c * x.H + h) * KP + kb0) * x.VP;
+    const T* pds = x.dh + ((c * x.H + h) * KP + kb0) * x.VP;
+#pragma unroll 1
+    for (int v0 = 0; v0 < x.VP; v0 += kDBV) {
+      load_tile<T, kDThreads>(sdO, L::ldv, pdo + v0, x.dout.st, len, kDRows, Vn - v0, kDBV,
+                              vec_ok(pdo + v0, x.dout.st));
+      load_tile<T, kDThreads>(sdUtp, L::ldv, pdutp + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(pdutp + v0, ldv_g));
+      load_tile<T, kDThreads>(sV, L::ldv, pv + v0, x.v.st, len, kDRows, Vn - v0, kDBV, vec_ok(pv + v0, x.v.st));
+      load_tile<T, kDThreads>(sUt, L::ldv, put + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(put + v0, ldv_g));
+      load_tile<T, kDThreads>(sS, L::ldv, ps + v0, x.VP, KB, KB, kDBV, kDBV, vec_ok(ps + v0, x.VP));
+      load_tile<T, kDThreads>(sdS, L::ldv, pds + v0, x.VP, KB, KB, kDBV, kDBV, vec_ok(pds + v0, x.VP));
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(aq, sdO, L::ldv, 16 * warp, sS, L::ldv, 0, 0, kDBV);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(aa, sdUtp, L::ldv, 16 * warp, sS, L::ldv, 0, 0, kDBV);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(ak, sV, L::ldv, 16 * warp, sdS, L::ldv, 0, 0, kDBV);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(ab, sUt, L::ldv, 16 * warp, sdS, L::ldv, 0, 0, kDBV);
+      if (tid < KB)
+        for (int col = 0; col < kDBV; ++col) rs = fmaf(to_f(sdS[tid * L::ldv + col]), to_f(sS[tid * L::ldv + col]), rs);
+      __syncthreads();  // the next block's loads overwrite the tiles
+    }
+  }
+  // The gradients' first terms, with their gate factors: dq = scale (dO S^T) e^G, da = (dUt' S^T) e^Gp,
+  // dk = (V dS^T) e^(G_n - G), db = (Ut dS^T) e^(G_n - G).
+  const float* Gn = sG + len * L::ldg;  // G_{len-1}
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + acc_row(0, e), d = acc_col(nt, e);
+      const float gi = sG[(i + 1) * L::ldg + d], gpi = sG[i * L::ldg + d];
+      const float fe = exp_t<T>(Gn[d] - gi);
+      sdq[i * L::ldf + d] = x.scale * aq[0][nt][e] * exp_t<T>(gi);
+      sda[i * L::ldf + d] = aa[0][nt][e] * exp_t<T>(gpi);
+      sdk[i * L::ldf + d] = ak[0][nt][e] * fe;
+      sdb[i * L::ldf + d] = ab[0][nt][e] * fe;
+    }
+  __syncthreads();
+  // dL/dG_{n-1} through D_n and the decayed-to-end rows (thread d < 32, kept in a register until the end).
+  float gn = 0.f;
+  if (tid < KB) {
+    gn = exp_t<T>(Gn[tid]) * rs;
+    for (int i = 0; i < len; ++i)
+      gn += to_f(sk[i * L::ldx + tid]) * sdk[i * L::ldf + tid] + to_f(sb[i * L::ldx + tid]) * sdb[i * L::ldf + tid];
+  }
+  // The score gradients, two at a time over the value tiles (free now): slots 0, 1 (dM_qk, dM_qb), then 2, 3
+  // (dA_ab, dA_ak); each dplr_gram_backward ends with __syncthreads, so the second load follows the first pair.
+  const T* pM = x.dM + (c * x.H + h) * 4 * kDRows * kDRows;
+  const int64_t mstride = L::tileM / int64_t(sizeof(T));
+  auto load_pair = [&](int slot) {
+    for (int m = 0; m < 2; ++m) {
+      const T* src = pM + (slot + m) * kDRows * kDRows;
+      load_tile<T, kDThreads>(sM + m * mstride, L::ld64, src, kDRows, kDRows, kDRows, kDRows, kDRows,
+                              vec_ok(src, kDRows));
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  };
+  const float* Gc = sG + L::ldg;  // row i: G_i
+  const float* Gpv = sG;          // row i: Gp_i = G_{i-1}
+  load_pair(0);
+  dplr_gram_backward<T>(sM, sq, sk, Gc, Gc, true, sdq, sdk, scr, len);             // P_qk
+  dplr_gram_backward<T>(sM + mstride, sq, sb, Gc, Gc, true, sdq, sdb, scr, len);   // P_qb
+  load_pair(2);
+  dplr_gram_backward<T>(sM, sa, sb, Gpv, Gc, false, sda, sdb, scr, len);           // A_ab
+  dplr_gram_backward<T>(sM + mstride, sa, sk, Gpv, Gc, false, sda, sdk, scr, len); // A_ak
+
+  // Out: dq, dk, da, db; then dgk by a reverse sum down each column.
+  for (int idx = tid; idx < len * KB; idx += kDThreads) {
+    const int i = idx / KB, d = idx - i * KB;
+    if (d >= Kleft) continue;
+    const int64_t t = ch.t0 + i;
+    store_f(x.dq.at(ch.batch, t, h) + kb0 + d, sdq[i * L::ldf + d]);
+    store_f(x.dk.at(ch.batch, t, h) + kb0 + d, sdk[i * L::ldf + d]);
+    store_f(x.da.at(ch.batch, t, h) + kb0 + d, sda[i * L::ldf + d]);
+    store_f(x.db.at(ch.batch, t, h) + kb0 + d, sdb[i * L::ldf + d]);
+  }
+  if (tid < KB && tid < Kleft) {
+    const int d = tid;
+    float run = 0.f;
+    for (int i = len - 1; i >= 0; --i) {
+      const float dgp = to_f(sa[i * L::ldx + d]) * sda[i * L::ldf + d];
+      float dg = to_f(sq[i * L::ldx + d]) * sdq[i * L::ldf + d] - to_f(sk[i * L::ldx + d]) * sdk[i * L::ldf + d] -
+                 to_f(sb[i * L::ldx + d]) * sdb[i * L::ldf + d] + dgp;
+      if (i == len - 1) dg += gn;
+      run += dg;
+      store_gate_grad(x, ch.batch, ch.t0 + i, h, kb0 + d, run - dgp);
+    }
+  }
+}
+
+// ---- host ------------------------------------------------------------------------------------------------------
+template <class T, int KP>
+void run_dplr_backward(const Params& p, cudaStream_t stream) {
+  const ChunkTable table(p, p.chunk_size, stream);
+  const int64_t R = p.B * p.T, H = p.H, C = table.num_chunks();
+  const int VP = dplr_vp(p);
+  check_dplr_grid(p);
+  DplrWorkspace ws(stream);
+  DplrArgs<T> x = dplr_args<T>(p, table, VP);
+  constexpr int64_t kMat = int64_t(kDRows) * kDRows;
+  // stage 1
+  x.G = ws.get<float>(R * H * KP);
+  x.W = ws.get<T>(R * H * KP);
+  x.Kd = ws.get<T>(R * H * KP);
+  x.Bd = ws.get<T>(R * H * KP);
+  x.U = ws.get<T>(R * H * VP);
+  x.Dn = ws.get<float>(C * H * KP);
+  x.Tg = ws.get<T>(C * H * kMat);
+  x.Akg = ws.get<T>(C * H * kMat);
+  // stage 2 (no ht: the forward ran already)
+  x.Ut = ws.get<T>(R * H * VP);
+  x.h = ws.get<T>(C * H * KP * VP);
+  x.h0 = static_cast<const float*>(p.h0);
+  // stage 3 (no o)
+  x.QG = ws.get<T>(R * H * KP);
+  x.Pb = ws.get<T>(C * H * kMat);
+  x.Pk = ws.get<T>(C * H * kMat);
+  // stage 4
+  x.dout = dev_rows<const T>(p.dout);
+  x.dht = static_cast<const float*>(p.dht);
+  x.dh0 = static_cast<float*>(p.dh0);
+  x.dh = ws.get<T>(C * H * KP * VP);
+  x.dUt = ws.get<T>(R * H * VP);
+  // stages 5, 6
+  x.dUtp = ws.get<T>(R * H * VP);
+  x.dM = ws.get<T>(C * H * 4 * kMat);
+  x.dq = dev_rows<T>(p.dq);
+  x.dk = dev_rows<T>(p.dk);
+  x.dv = dev_rows<T>(p.dv);
+  x.da = dev_rows<T>(p.da);
+  x.db = dev_rows<T>(p.db);
+  x.dgk = p.dg.ptr;
+  x.dgk_sb = p.dg.stride_b;
+  x.dgk_st = p.dg.stride_t;
+  x.dgk_sh = p.dg.stride_h;
+
+  const dim3 per_chunk(static_cast<unsigned>(C), static_cast<unsigned>(H));
+  const dim3 per_seq(static_cast<unsigned>(p.num_seqs * H), static_cast<unsigned>(VP / kDBV));
+  const dim3 per_key_block(static_cast<unsigned>(C), static_cast<unsigned>(H), static_cast<unsigned>(KP / kDKB));
+  if (C > 0) {
+    const auto wy = dplr_wy_kernel<T, KP>;
+    dplr_prepare_smem(wy, WySmem<T, KP>::bytes, p, "WY stage");
+    wy<<<per_chunk, kDThreads, WySmem<T, KP>::bytes, stream>>>(x);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+  if (p.num_seqs > 0) {
+    const auto scan = dplr_scan_kernel<T, KP>;
+    dplr_prepare_smem(scan, ScanSmem<T, KP>::bytes, p, "state scan");
+    scan<<<per_seq, kDThreads, ScanSmem<T, KP>::bytes, stream>>>(x);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+  if (C > 0) {
+    const auto out = dplr_output_kernel<T, KP>;
+    dplr_prepare_smem(out, OutSmem<T, KP>::bytes, p, "output stage");
+    out<<<per_chunk, kDThreads, OutSmem<T, KP>::bytes, stream>>>(x);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+  if (p.num_seqs > 0) {
+    const auto scan = dplr_dh0_scan_kernel<T, KP>;
+    dplr_prepare_smem(scan, Dh0Smem<T, KP>::bytes, p, "reverse state-gradient scan");
+    scan<<<per_seq, kDThreads, Dh0Smem<T, KP>::bytes, stream>>>(x);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+  if (C > 0) {
+    const auto dv = dplr_bwd_dv_kernel<T, KP>;
+    dplr_prepare_smem(dv, BdvSmem<T, KP>::bytes, p, "backward dv stage");
+    dv<<<per_chunk, kDThreads, BdvSmem<T, KP>::bytes, stream>>>(x);
+    DELTACP_CUDA_CHECK_LAUNCH();
+    const auto dk = dplr_bwd_dk_kernel<T, KP>;
+    dplr_prepare_smem(dk, BdkSmem<T>::bytes, p, "backward dk stage");
+    dk<<<per_key_block, kDThreads, BdkSmem<T>::bytes, stream>>>(x);
+    DELTACP_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace
+
+void tiled_dplr_backward(const Params& p) {
+  if (p.dh0_only()) return tiled_dplr_dh0(p);  // the reverse scan alone (dplr_fwd.cu)
+  check_dplr_tiled(p);
+  DELTACP_CHECK(p.dq.defined() && p.dk.defined() && p.dv.defined() && p.da.defined() && p.db.defined() &&
+                    p.dg.defined(),
+                "dq", "expected every input gradient (dq, dk, dv, da, db, dgk) for the tiled DPLR backward");
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (p.K <= 64) {
+      run_dplr_backward<T, 64>(p, stream);
+    } else {
+      run_dplr_backward<T, 128>(p, stream);
+    }
+  });
+}
+
+}  // namespace deltacp::cuda::tiled
+
+namespace deltacp::cuda {
+void tiled_dplr_backward(const Params& p) { tiled::tiled_dplr_backward(p); }
+}  // namespace deltacp::cuda
