@@ -7,7 +7,11 @@ Measures, on the GPU it runs on:
   * from counted bytes and FLOPs (see floor_bytes / chunked_flops below): TB/s, TFLOP/s and the
     fraction of the roofline floor max(bytes / copy_bw, flops / matmul_rate) / time;
   * accuracy on one small problem: each implementation's relative error against the fp64
-    reference (deltacp.reference on the CPU, same bf16-rounded inputs), FLA's beside ours.
+    reference (deltacp.reference on the CPU, same bf16-rounded inputs), FLA's beside ours;
+  * memory of the forward+backward rows, each side in the same run (step_memory below): the step's
+    peak above its inputs = torch.cuda.max_memory_allocated over the step + deltacp's high-water
+    outside torch (deltacp.cuda_workspace_stats()["peak_reserved_bytes"]: 0 when its workspaces come
+    from torch's caching allocator, the default under torch); per token-head too.
 
 Writes JSON (--out); copied to docs/results/perf-<gpu>.json, bench/gpu/make_docs.py turns it into docs/perf.md.
 
@@ -152,6 +156,39 @@ def time_impl(fn, B, T, H, D, variant, backward, l2_bytes):
     return bench_ms(step)
 
 
+# ---- memory ---------------------------------------------------------------------------------
+def step_memory(fn, B, T, H, D, variant):
+    """Peak bytes of one forward + backward step above its inputs (q, k, v, g, beta, do): (through torch,
+    outside torch). Through torch: torch.cuda.max_memory_allocated over the step minus what was allocated
+    before it (the outputs, the gradients and every workspace taken from torch's caching allocator). Outside
+    torch: deltacp's own workspace pool's mapped high-water mark over the step (released before it, so only
+    this step's), 0 for FLA. Run after the timing, so autotuning and compilation are not in it."""
+    x = make_inputs(B, T, H, D, variant, seed=7)
+    for name in ("q", "k", "v", "g", "beta"):
+        x[name].requires_grad_(True)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    try:
+        import deltacp
+        stats = getattr(deltacp, "cuda_workspace_stats", None)
+    except Exception:
+        deltacp, stats = None, None
+    torch.cuda.synchronize()
+    if deltacp is not None:
+        deltacp.cuda_release_workspace()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if stats is not None:
+        deltacp.cuda_reset_workspace_stats()
+    o = fn(x)[0]
+    grads = torch.autograd.grad(o, [x["q"], x["k"], x["v"], x["g"], x["beta"]], do)
+    torch.cuda.synchronize()
+    through = torch.cuda.max_memory_allocated() - base
+    outside = stats()["peak_reserved_bytes"] if stats is not None else 0
+    del o, grads
+    return through, outside
+
+
 # ---- accuracy against the fp64 reference --------------------------------------------------
 def accuracy(variant, impls):
     """Relative error ||x - ref|| / ||ref|| of o and every gradient, bf16 inputs, vs fp64 reference."""
@@ -263,6 +300,11 @@ def main():
                         floor_ms = max(byts / (copy_tbs * 1e12), flops / (mm_tflops * 1e12)) * 1e3
                         row.update(ms=ms, TBps=byts / (ms * 1e-3) / 1e12, TFLOPs=flops / (ms * 1e-3) / 1e12,
                                    floor_ms=floor_ms, roofline_fraction=floor_ms / ms)
+                        if backward:
+                            through, outside = step_memory(fn, B, T, H, D, variant)
+                            row.update(peak_MiB=(through + outside) / 2**20, peak_torch_MiB=through / 2**20,
+                                       peak_outside_torch_MiB=outside / 2**20,
+                                       peak_bytes_per_token_head=(through + outside) / (B * T * H))
                     except Exception as e:
                         row.update(error=str(e)[:300])
                     res["rows"].append(row)
@@ -282,6 +324,16 @@ def main():
                          (x["B"], x["T"], x["H"], x["D"]) == (B, T, H, D) and x["direction"] == d]
                     cells.append(f"{r[0]['ms']:>13.3f} ms" if r and "ms" in r[0] else f"{'-':>16}")
                 print(f"{variant:6} {str((B, T, H, D)):22} {d:8} " + " ".join(cells))
+    # Peak memory of forward+backward (through torch + outside torch), MiB, same run.
+    print(f"\n{'variant':6} {'shape':22} {'peak MiB':8} " + " ".join(f"{n:>16}" for n in names))
+    for variant in args.variants.split(","):
+        for (B, T, H, D) in shapes:
+            cells = []
+            for n in names:
+                r = [x for x in res["rows"] if x["variant"] == variant and x["impl"] == n and
+                     (x["B"], x["T"], x["H"], x["D"]) == (B, T, H, D) and x["direction"] == "fwd+bwd"]
+                cells.append(f"{r[0]['peak_MiB']:>12.0f} MiB" if r and "peak_MiB" in r[0] else f"{'-':>16}")
+            print(f"{variant:6} {str((B, T, H, D)):22} {'fwd+bwd':8} " + " ".join(cells))
 
 
 if __name__ == "__main__":
