@@ -22,7 +22,8 @@
 // every output, and half w / 4 of its columns (KP / 2 key columns of dQG, dWa, dKr; 32 of dP), 112
 // fp32 registers at KP = 128. The epilogue above runs on those registers directly. The V tiles (dO, Vn,
 // S and dS' in the input dtype, dVn in fp32, rounded to the input dtype in shared memory; dGs is summed
-// in fp32 over the products of the 16-bit dS' and S) come by cp.async, NS stages deep: with NS = 2 tile t + 1 loads while tile t multiplies.
+// in fp32 over the products of the 16-bit dS' and S) come by cp.async, NS stages deep: with NS = 2 tile
+// t + 1 loads while tile t multiplies.
 // The chunk's q, k and G (what the epilogue reads) load once, by cp.async, at the start.
 // Measured (NVIDIA H100, bf16 GDN (1, 32768, 16, 128), one launch under Nsight Compute, 2026-11-23):
 // 1.53 ms, DRAM throughput 55%, 248 registers, one CTA (8 warps) per SM. The previous version, with the
