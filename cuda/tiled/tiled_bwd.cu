@@ -60,13 +60,13 @@
 //   Kd         bf16    WY -> B1                   -   256
 //   Q e^G      bf16    B0 -> B1                   -   256
 //   slice: dW (bf16; was fp32 512) 256, dP 256, dA 256, dq_w 512, dk_w 512, dG_w (kda) 512, dG rows (gdn) 4,
-//          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice, which spans at least
-//          ceil(8 * SMs / HV) chunks (8 waves of B2's CTAs) and else as many as fit region 2's first use
+//          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice, which spans about
+//          8 * SMs / HV chunks (8 waves of B2's CTAs), or as many as fit region 2's first use if more
 //   total                                     2308  3328   5132 / 6660 (every buffer at once)
 //
 // At (2, 16384, 16, 128) on a 132-SM GPU: gdn 1,154 MiB (was 2,566), kda 1,664 MiB (was 3,330); the
-// gdn slice (66 chunks of 1.84 MB, 72 fit) stays inside W's 128 MiB, so the slices cost no memory there
-// and B2..B5 run as 8 launches each of 1152 CTAs. Slices give bitwise the gradients of one slice over
+// gdn slice (at least 66 chunks of 1.84 MB; 72 fit) stays inside W's 128 MiB, so the slices cost no
+// memory there, and B2..B5 run 8 times over 64 chunks (1024 CTAs). Slices give bitwise the gradients of one slice over
 // every chunk (each element is still written by one thread; tests/python/test_cuda_memory.py). The
 // workspace comes from workspace_pool.h's allocator: torch's caching allocator when called from torch.
 //
@@ -313,9 +313,10 @@ SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows) {
 
 // How many chunks one slice of B2..B5 takes. The slice region reuses the bytes of W, Kd and Q e^G (dead
 // once B1 has run), so a slice that fits them costs no memory; but each slice is a launch of B2, B3, B4
-// (and B5), and a launch of few CTAs leaves SMs idle in its last wave: a slice keeps at least 8 waves of
-// (chunk, value head) CTAs (one CTA per SM at a time in B2). DELTACP_BWD_SLICE_CHUNKS=n sets it (tests:
-// several slices on small problems).
+// (and B5), and a launch of few CTAs leaves SMs idle in its last wave: a slice takes at least 8 waves of
+// (chunk, value head) CTAs (one CTA per SM at a time in B2), and then the slices are made equal (so no
+// short last one; each may end a little under 8 waves). DELTACP_BWD_SLICE_CHUNKS=n sets it (tests: several
+// slices on small problems).
 int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes) {
   if (const char* env = std::getenv("DELTACP_BWD_SLICE_CHUNKS")) {
     const long long n = std::strtoll(env, nullptr, 10);
@@ -327,7 +328,9 @@ int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes) {
   const int64_t per_chunk = p.HV * (2 * kRows * kRows * 4 + int64_t(p.chunk_size) * per_row);
   const int64_t fit = static_cast<int64_t>(free_bytes) / std::max<int64_t>(per_chunk, 1);
   const int64_t waves = (8 * int64_t(sm_count()) + p.HV - 1) / p.HV;
-  return std::max<int64_t>(1, std::min(num_chunks, std::max(fit, waves)));
+  const int64_t cap = std::max<int64_t>(1, std::min(num_chunks, std::max(fit, waves)));
+  const int64_t n = (num_chunks + cap - 1) / cap;  // slices; then equal ones (no short last launch)
+  return (num_chunks + n - 1) / n;
 }
 
 // Everything one backward keeps between its stages: the chunk table, the workspace and the kernels'
