@@ -11,7 +11,8 @@
 //             and T are computed
 //   products  Q K^T and K K^T: 2 x 8 wgmma m64n64k16 with both operands in shared memory, one group
 //   P         masked and decayed in registers, stored (16-bit, 128 bytes per token and head)
-//   A         masked and scaled in registers, to shared memory (fp32); T by blocked substitution (fp32)
+//   A         masked and scaled in registers, to shared memory (fp32); T by blocked substitution (fp32
+//             diagonal blocks, tf32 tensor-core products below them: tiled/wy_solve.cuh)
 //   W, U      each 4 x wgmma m64n128k16, A = T Beta (e^G) as 16-bit register fragments (each warp's 16 rows
 //             of T), B = the K or V tile read MN-major; staged in shared memory (16-byte pieces swizzled
 //             by row) and stored as whole rows
@@ -21,8 +22,8 @@
 // used to be a kernel of their own that read q and k a second time.
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
-// K tile; V tile; T (64 x 68 fp32), then U's staging; 4 KB of solve scratch; beta, G, e^G: 73,472 bytes
-// plus 1 KB of alignment slack: three CTAs per SM on an H100/H200.
+// K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G: 69,376 bytes plus 1 KB of alignment
+// slack: three CTAs per SM on an H100/H200.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -53,13 +54,12 @@ struct WyArgs {
 
 // Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
 struct WySmem {
-  static constexpr int kLdA = 68;                // A and T rows (floats): 16 rows of a block on distinct banks
+  static constexpr int kLdA = 68;                // A and T rows (floats): 4 mod 32, as wy_solve.cuh's tf32 solve wants
   static constexpr int q = 0;                    // Q tile (16 KB); A (17,408 B); W staging (16 KB)
   static constexpr int k = 18432;                // K tile
   static constexpr int v = k + 16384;            // V tile
   static constexpr int t = v + 16384;            // T (17,408 B); U staging (16 KB)
-  static constexpr int scr = t + 64 * kLdA * 4;  // the solve's scratch: 4 x 16 x 16 floats
-  static constexpr int beta = scr + 4096;
+  static constexpr int beta = t + 64 * kLdA * 4;
   static constexpr int g = beta + 256;
   static constexpr int eg = g + 256;
   static constexpr int bytes = eg + 256 + 1024;  // plus the alignment slack
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
   cp_async_wait<0>();  // the V tile, published by the solve's first barrier
   fence_proxy_async();
   __syncthreads();
-  unit_lower_inverse_64(As, Ts, S::kLdA, reinterpret_cast<float*>(smem + S::scr));
+  unit_lower_inverse_64_tf32(As, Ts, S::kLdA);
 
   // T Beta e^G (for W) and T Beta (for U) as A fragments: this warp's rows i0, i1 of T, k-step kk covering
   // tokens 16 kk .. 16 kk + 15 (register 2 h + row half: columns 16 kk + 8 h + 2 t, + 1).

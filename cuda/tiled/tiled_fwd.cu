@@ -367,8 +367,12 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   }
   __syncthreads();
 
-  // ---- phase 2: T = (I + A)^-1 (wy_solve.cuh) ----
-  unit_lower_inverse_64(As, Ts, lda, scr);
+  // ---- phase 2: T = (I + A)^-1 (wy_solve.cuh; A is dead after it, its region becomes Tb1 and Tb2) ----
+  if constexpr (kIs16Bit<T>) {
+    unit_lower_inverse_64_tf32(As, Ts, lda);
+  } else {
+    unit_lower_inverse_64(As, Ts, lda, scr);
+  }
   if (Tinv) {
     for (int idx = tid; idx < len * kBT; idx += kThreads) {
       const int i = idx / kBT, j = idx - i * kBT;
