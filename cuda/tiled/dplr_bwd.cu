@@ -41,7 +41,7 @@
 //                           chunk's end (dh_c) and dUt; dh0
 //   5 dplr_bwd_dv_kernel    grid (chunks, H): per 32 value columns dUt' (kept), dv; the four score gradients
 //                           (two passes over the value blocks, two 64 x 64 accumulators each)
-//   6 dplr_bwd_dk_kernel    grid (chunks, H, KP / 32): per 32 key columns, the four [n, 32] products over the
+//   6 dplr_bwd_dk_kernel    grid (chunks * KP / 32, H): per 32 key columns, the four [n, 32] products over the
 //                           value axis (one pass, four 16 x 32 accumulators per warp), then the gram gradients,
 //                           dG, dgk; writes dq, dk, da, db, dgk
 // Intermediates (workspace, beyond the forward's): T, A_ak, P_qk, P_qb p.dtype [chunks, H, 64, 64]; q e^G
@@ -60,9 +60,11 @@
 // Registers (nvcc 13 --resource-usage, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at
 // 16 bits, 207-214 at fp32; dk 128 / 128 at 16 bits, 250 / 236 at fp32. Kernels 1-4 as in dplr_fwd.cu.
 // Speed: not yet timed (no GPU run yet). This is the straightforward first version: kernel 5 passes over the
-// value blocks twice (four 64 x 64 accumulators at once would hold 128 registers per thread), kernel 6 recomputes nothing but loads
-// every value tile once per 32 key columns (4 times at K = 128), and the workspace holds 10 per-chunk
-// intermediates in HBM (the forward's, plus T, A_ak, P_qk, dh_c, dUt, dUt' and the score gradients).
+// value blocks twice (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads
+// every value tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a chunk are
+// neighbours in the grid); the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T, A_ak,
+// P_qk, dh_c, dUt, dUt' and the score gradients); the reverse scan's grid is N * H * VP / 32 CTAs, as the
+// forward scan's.
 #include "dplr_stages.cuh"
 
 namespace deltacp::cuda::tiled {
@@ -286,8 +288,11 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
   T* scr = smem_at<T>(smem, L::scr);
 
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int64_t c = blockIdx.x, h = blockIdx.y;
-  const int kb0 = static_cast<int>(blockIdx.z) * KB;
+  // blockIdx.x = chunk * (KP / 32) + key block: the key blocks of one (chunk, head) run side by side and read
+  // its value tiles and score gradients through L2 once.
+  constexpr int kBlocks = KP / KB;
+  const int64_t c = blockIdx.x / kBlocks, h = blockIdx.y;
+  const int kb0 = static_cast<int>(blockIdx.x % kBlocks) * KB;
   const int K = static_cast<int>(x.K);
   if (kb0 >= K) return;  // uniform: a key block wholly past K
   const int Kleft = K - kb0;
@@ -480,7 +485,9 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
 
   const dim3 per_chunk(static_cast<unsigned>(C), static_cast<unsigned>(H));
   const dim3 per_seq(static_cast<unsigned>(p.num_seqs * H), static_cast<unsigned>(VP / kDBV));
-  const dim3 per_key_block(static_cast<unsigned>(C), static_cast<unsigned>(H), static_cast<unsigned>(KP / kDKB));
+  DELTACP_CHECK(C * (KP / kDKB) <= 0x7fffffff, "T", "expected fewer than ", 0x7fffffff / (KP / kDKB),
+                " chunks for the tiled DPLR backward, got ", C);
+  const dim3 per_key_block(static_cast<unsigned>(C * (KP / kDKB)), static_cast<unsigned>(H));
   if (C > 0) {
     const auto wy = dplr_wy_kernel<T, KP>;
     dplr_prepare_smem(wy, WySmem<T, KP>::bytes, p, "WY stage");

@@ -611,7 +611,8 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
         for (int e = 0; e < 4; e += 2) {
           const int i = 16 * warp + acc_row(0, e), col = acc_col(nt, e);
           store_pair(sdUt + i * L::ldv + col, acc[0][nt][e], acc[0][nt][e + 1]);
-          if (dut != nullptr && i < len) store_pair(dut + int64_t(i) * x.H * x.VP + col, acc[0][nt][e], acc[0][nt][e + 1]);
+          if (dut != nullptr && i < len)
+            store_pair(dut + int64_t(i) * x.H * x.VP + col, acc[0][nt][e], acc[0][nt][e + 1]);
         }
     }
     __syncthreads();
