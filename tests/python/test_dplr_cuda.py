@@ -166,6 +166,20 @@ def test_dplr_tiled_backward_chunk_sizes_and_fp16(shape, dtype, chunk_size):
                  True)
 
 
+@pytest.mark.parametrize("shape", ["T200", "T130_K128_V128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dplr_tiled_backward_strong_decay(shape, dtype):
+    """Gates down to the chunk form's limit (-1024 / 64 = -16): cumulative decays of hundreds inside a chunk,
+    where a positive exponent anywhere would overflow and a wrongly masked one would underflow a live term."""
+    p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"strong/{shape}/{dtype}".encode()))
+    t["g"] = (t["g"].float() * 40.0).clamp(min=-16.0).to(t["g"].dtype)
+    p["g"] = t["g"].double().cpu().numpy()
+    do, dht = _upstream(p, dtype, 61, True)
+    g, tier = _tiled_grads(t, h0, cu, "tiled", do, dht)
+    assert tier == "tiled"
+    _check_grads(g, _ref_grads(p, do, dht, True), TOL[dtype], f"tiled dplr bwd strong decay {shape} {dtype}", True)
+
+
 @pytest.mark.parametrize("shape", ["T63", "T130_K128_V128", "varlen"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_dplr_tiled_backward_against_naive(shape, dtype):
