@@ -58,8 +58,8 @@
 //   every sm_80+ GPU (sm_86 / sm_89: 99 KB), 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90's 163 / 227
 //   KB, fp32 K <= 128 Hopper only.
 // Registers (nvcc 13 --resource-usage; sm_80 / sm_90a, 16-bit inputs): wy 80 / 72-79 (KP 64), 128 / 72 (KP
-// 128); scan 122 / 91, 96 / 80; output 118 / 87, 88-89 / 76-77; dh0 scan 128 / 127, 122 / 117. Spills: none
-// except 4-16 bytes in some wy kernels (fp16 KP 64 sm_80, fp32 KP 64 sm_80, fp16 KP 128, bf16 KP 64 and fp32
+// 128); scan 122 / 91, 96 / 80; output 80 / 77, 80-86 / 74-75; dh0 scan 122 / 96, 128 / 96. Spills: none
+// except 4-16 bytes in some wy kernels (fp16 KP 64 and fp32 KP 64 on sm_80; fp16 KP 128, bf16 KP 64 and fp32
 // KP 128 on sm_90a).
 // Speed: not yet timed (no GPU run yet). This is the straightforward first version: T's blocks are products
 // of fp32 loops (not tensor cores), the wy stage at K = 128 runs one 142 KB CTA per SM, and the scan's grid is

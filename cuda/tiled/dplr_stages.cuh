@@ -4,7 +4,6 @@
 // everything sits in an anonymous namespace, so each of the two files compiles its own copy of the kernels.
 #pragma once
 
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -461,7 +460,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
     cp_async_wait<0>();
     __syncthreads();
   }
-  const bool with_o = x.o.ptr != nullptr;  // false: the dh0-only backward's preparation (QG, P_qb only)
+  const bool with_o = x.o.ptr != nullptr;  // false: the backward's preparation (q e^G, P_qb; P_qk when x.Pk)
   if (with_o || x.Pk != nullptr)
     dplr_scores<T, kDThreads>(sq, sk, L::ldk, sG, sG, L::ldg, Xr, Yr, KP, len, true,
                               [&](int i, int j, float val) { Pk[i * L::ld64 + j] = from_f<T>(val); });
@@ -512,15 +511,15 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
   }
 }
 
-// ---- the dh0-only backward: the reverse state-gradient scan ---------------------------------------------------
+// ---- the reverse state-gradient scan (the dh0-only backward, and stage 4 of the full one) ---------------------
 // With dS = dL/dS at a chunk's end (dht at the sequence's end), the chunk form's backward (chunk_backward in
 // reference/src/chunked.cpp) gives the gradient at the chunk's start as
 //   dUt = P_qb^T (scale dO) + Bd dS          (dL/dUt, the low-rank read-outs)
 //   dS' = D_n dS + (q e^G)^T (scale dO) + W^T dUt
 // and dh0 is dS' of a sequence's first chunk. The mirror of dplr_scan_kernel: the 32 columns of dS in fp32
 // registers, sequential over the chunks from the last; W, Bd, D_n from the WY stage, q e^G and P_qb from the
-// output stage run without o. This is the first stage of the tiled DPLR backward (the full one also needs
-// dS and dUt per chunk, which this kernel has in hand) and what the CP backward pre-pass runs.
+// output stage run without o. Alone it is the dh0-only backward (the CP backward pre-pass); in the full backward
+// (dplr_bwd.cu) it also keeps dS at each chunk's end (x.dh) and dUt (x.dUt) for the chunk-parallel stages.
 template <class T, int KP>
 struct Dh0Smem {
   static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV);
