@@ -155,6 +155,13 @@ void validate_on_gpu(const Params& p, Method tier, bool backward, bool by_name =
   }
   check_variant(p, tier, backward, by_name);
   check_gpu_pointers(p, backward);
+  if (p.qk_l2norm) {  // params.h: normalised as contiguous rows
+    DELTACP_CHECK(p.K <= 256, "K", "expected K <= 256 with qk_l2norm, got ", p.K);
+    for (const auto& [ref, name] : {std::pair{&p.q, "q"}, std::pair{&p.k, "k"}})
+      DELTACP_CHECK(ref->stride_h == p.K && ref->stride_t == p.H * p.K && (p.B == 1 || ref->stride_b == p.T * p.H * p.K),
+                    name, "expected contiguous [B, T, H, K] rows with qk_l2norm, got strides (", ref->stride_b, ", ",
+                    ref->stride_t, ", ", ref->stride_h, ")");
+  }
 }
 
 }  // namespace
@@ -182,10 +189,35 @@ bool supports(Variant v, Method tier, bool backward) {
   }
 }
 
+static void run_forward(const Params& p, Method tier);
+
+// qk_l2norm on a tier that does not fold it into its kernels: q and k normalised into workspace (one pass
+// each, cuda/common/l2norm.cu, FLA's eps), then the tier runs on them.
+static void run_forward_on_normalised(const Params& p, Method tier) {
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int64_t rows = p.B * p.T * p.H;
+  const int64_t bytes = (rows * p.K * dtype_size(p.dtype) + 255) / 256 * 256;
+  char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(2 * bytes), stream));
+  try {
+    l2norm_rows(p.q.ptr, ws, nullptr, rows, p.K, p.dtype, kQkL2normEps, p.stream);
+    l2norm_rows(p.k.ptr, ws + bytes, nullptr, rows, p.K, p.dtype, kQkL2normEps, p.stream);
+    Params pn = p;
+    pn.qk_l2norm = false;
+    pn.q = contiguous_ref(static_cast<void*>(ws), p.T, p.H, p.K);
+    pn.k = contiguous_ref(static_cast<void*>(ws + bytes), p.T, p.H, p.K);
+    run_forward(pn, tier);
+  } catch (...) {
+    workspace_free(ws, stream);
+    throw;
+  }
+  workspace_free(ws, stream);
+}
+
 static void run_forward(const Params& p, Method tier) {
   check_tier(tier, false);
   validate_on_gpu(p, tier, false, /*by_name=*/true);
   g_last_choice = TierChoice{tier, std::string("asked for by name")};
+  if (p.qk_l2norm && tier != Method::fused) return run_forward_on_normalised(p, tier);
   switch (tier) {
     case Method::naive: naive_forward(p); return;
 #ifdef DELTACP_HAVE_TILED_FWD

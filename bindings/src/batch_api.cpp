@@ -92,7 +92,7 @@ py::object run_reference(const Params& p, bool backward, Kind kind, Method m, co
 
 py::object run(const std::string& direction, const std::string& variant, const std::string& method,
                const std::string& compute, const py::dict& tensors, std::optional<double> scale, int chunk_size,
-               std::optional<std::vector<int64_t>> cuts, uintptr_t stream, bool want_exchange) {
+               std::optional<std::vector<int64_t>> cuts, uintptr_t stream, bool want_exchange, bool qk_l2norm) {
   Method m = Method::chunked;
   const Kind kind = kind_of(method, &m);
   if (kind == Kind::cp && !cuts) throw Error("cuts", "is required for simulated context parallelism");
@@ -101,6 +101,7 @@ py::object run(const std::string& direction, const std::string& variant, const s
   const auto descs = parse_descs(tensors);
   Params p = build_params(variant, direction, descs, scale, chunk_size,
                           kind == Kind::cuda ? Place::cuda : Place::host);
+  p.qk_l2norm = qk_l2norm;
   const bool backward = direction == "backward";
 
   if (kind == Kind::cuda) {
@@ -400,8 +401,9 @@ py::list plan_to_python(const std::vector<CpRankPlan>& plans) {
 void register_batch_api(py::module_& m) {
   m.def("run", &run, py::arg("direction"), py::arg("variant"), py::arg("method"), py::arg("compute"),
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("cuts") = py::none(),
-        py::arg("stream") = 0, py::arg("want_exchange") = false,
-        "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp).");
+        py::arg("stream") = 0, py::arg("want_exchange") = false, py::arg("qk_l2norm") = false,
+        "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp); qk_l2norm: "
+        "q and k l2-normalised inside the CUDA forward (Params::qk_l2norm).");
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA tiers were compiled into this module.");
   m.def("cuda_available", &cuda_available, "True when the CUDA tiers are built and a device is usable.");
   py::class_<StagedBackwardHandle>(m, "StagedBackward",

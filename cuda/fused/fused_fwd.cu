@@ -25,6 +25,7 @@
 //   per chunk (each warpgroup; "rs": A from registers)
 //     (1) Va = S^T W^T,  Oa = S^T Q^T        16 x wgmma m64n64k16 rs, one group
 //     (2) Vn^T = U^T - Va;  Oa *= e^(G_i) per token;  Vns^T = Vn^T e^(G_n - G_j); both to A fragments
+//         (with qk_l2norm also Oa *= rq_i and Vns^T *= rk_j: the raw q and k tiles act as normalised ones)
 //     (3) S^T <- e^(G_n) S^T + Vns^T K       4 x wgmma m64n128k16 rs (K's tile MN-major)
 //         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major), same group
 //     (4) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as
@@ -106,6 +107,8 @@ struct ChainArgs {
   const T* W = nullptr;      // [R, HV, 128]
   const T* U = nullptr;      // [R, HV, 128]
   const T* P = nullptr;      // [R, HV, 64]: row i of its chunk's P (fused_wy_kernel)
+  const float* rq = nullptr; // [R, HV] fp32: qk_l2norm's row scales of q and k (fused_wy_kernel), or nullptr
+  const float* rk = nullptr;
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
   float* ht = nullptr;       // the same shape, or nullptr
   int64_t Tlen = 0, HV = 0, group = 1;
@@ -115,7 +118,7 @@ struct ChainArgs {
 
 // Shared memory of one CTA (offsets from a 1024-byte aligned base: the swizzled tiles need it).
 struct ChainLayout {
-  int w, k, q, p, u, g;  // stage 0's buffers; stage s adds s * stage
+  int w, k, q, p, u, g, rq, rk;  // stage 0's buffers; stage s adds s * stage
   int stage;
   int ldu;               // U tile leading dimension (elements)
   int os;                // per-warpgroup output staging tiles
@@ -137,6 +140,10 @@ __host__ __device__ inline ChainLayout chain_layout(int nwg, int esize) {
   L.u = o;
   o += up(64 * L.ldu * esize, 128);
   L.g = o;
+  o += 64 * 4;
+  L.rq = o;
+  o += 64 * 4;
+  L.rk = o;
   o += 64 * 4;
   L.stage = up(o, 1024);
   o = 2 * L.stage;
@@ -220,6 +227,17 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
       } else {
         gbuf[tid] = 0.f;
       }
+    } else if (tid < 128) {  // qk_l2norm's row scales (1 without it); rows past the chunk: 1
+      const int i = tid - 64;
+      float* rqb = reinterpret_cast<float*>(st + L.rq);
+      float* rkb = reinterpret_cast<float*>(st + L.rk);
+      if (args.rq != nullptr && i < len) {
+        cp_async_4(rqb + i, args.rq + (row0 + i) * HV + hv);
+        cp_async_4(rkb + i, args.rk + (row0 + i) * HV + hv);
+      } else {
+        rqb[i] = 1.f;
+        rkb[i] = 1.f;
+      }
     }
     cp_async_commit();
   };
@@ -255,6 +273,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
     fence_proxy_async();
     __syncthreads();
     const float* gbuf = reinterpret_cast<const float*>(st + L.g);
+    const float* rqb = reinterpret_cast<const float*>(st + L.rq);
+    const float* rkb = reinterpret_cast<const float*>(st + L.rk);
     const T* Us = reinterpret_cast<const T*>(st + L.u);
     const uint32_t w_addr = smem_u32(st + L.w), k_addr = smem_u32(st + L.k), q_addr = smem_u32(st + L.q);
 
@@ -296,15 +316,20 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(ChainArgs<T> 
       // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
       const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
       const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
-      const float f0 = exp_t<T>(glast - ga.x), f1 = exp_t<T>(glast - ga.y);
-      const float f2 = exp_t<T>(glast - gb.x), f3 = exp_t<T>(glast - gb.y);
+      const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);  // K's rows: k_n = rk k
+      const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
+      const float2 qa = *reinterpret_cast<const float2*>(rqb + 16 * kk + 2 * t);  // Q's rows: q_n = rq q
+      const float2 qb = *reinterpret_cast<const float2*>(rqb + 16 * kk + 8 + 2 * t);
+      const float f0 = exp_t<T>(glast - ga.x) * ka.x, f1 = exp_t<T>(glast - ga.y) * ka.y;
+      const float f2 = exp_t<T>(glast - gb.x) * kb.x, f3 = exp_t<T>(glast - gb.y) * kb.y;
       va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
       va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
       va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
       va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
 #pragma unroll
       for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
-      const float e0 = exp_t<T>(ga.x), e1 = exp_t<T>(ga.y), e2 = exp_t<T>(gb.x), e3 = exp_t<T>(gb.y);
+      const float e0 = exp_t<T>(ga.x) * qa.x, e1 = exp_t<T>(ga.y) * qa.y;
+      const float e2 = exp_t<T>(gb.x) * qb.x, e3 = exp_t<T>(gb.y) * qb.y;
       Oa[8 * kk] *= e0;
       Oa[8 * kk + 1] *= e1;
       Oa[8 * kk + 2] *= e0;
@@ -462,7 +487,7 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
 
 template <class T>
 void launch_chain(const Params& p, const ChunkTable& table, const float* G, const void* W, const void* U,
-                  const void* P, const float* h0, float* ht, cudaStream_t stream) {
+                  const void* P, const float* rq, const float* rk, const float* h0, float* ht, cudaStream_t stream) {
   if (table.num_seqs() == 0) return;
   ChainArgs<T> a;
   a.q = dev_rows<const T>(p.q);
@@ -473,6 +498,8 @@ void launch_chain(const Params& p, const ChunkTable& table, const float* G, cons
   a.W = static_cast<const T*>(W);
   a.U = static_cast<const T*>(U);
   a.P = static_cast<const T*>(P);
+  a.rq = rq;
+  a.rk = rk;
   a.h0 = h0;
   a.ht = ht;
   a.Tlen = p.T;
@@ -523,7 +550,12 @@ void forward(const Params& p) {
   const int64_t P = plan.cut() ? static_cast<int64_t>(plan.pieces.size()) : 0;
   const int64_t bytes_maps = align(static_cast<int64_t>(pass1.size()) * p.HV * p.K * (p.V + p.K) * 4);
   const int64_t bytes_starts = align(P * p.HV * KV * 4), bytes_pht = p.ht != nullptr ? bytes_starts : 0;
-  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_P + bytes_maps + bytes_starts + bytes_pht;
+  // qk_l2norm: the rows' scales, and for the pieces' pass 1 (the tiled scan, which reads k) the normalised k.
+  const bool l2 = p.qk_l2norm;
+  const int64_t bytes_r = l2 ? align(R * p.HV * 4) : 0;
+  const int64_t bytes_kn = l2 && plan.cut() ? align(R * p.H * kKeys * es) : 0;
+  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_P + bytes_maps + bytes_starts + bytes_pht + 2 * bytes_r +
+                        bytes_kn;
   char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
   try {
     char* at = ws;
@@ -539,22 +571,32 @@ void forward(const Params& p) {
     float* maps = reinterpret_cast<float*>(take(bytes_maps));
     float* starts = reinterpret_cast<float*>(take(bytes_starts));
     float* piece_ht = reinterpret_cast<float*>(take(bytes_pht));
+    float* rq = reinterpret_cast<float*>(take(bytes_r));
+    float* rk = reinterpret_cast<float*>(take(bytes_r));
+    void* Kn = take(bytes_kn);
     tiled::launch_chunk_cumsum(p, table, G, stream);
     dispatch_dtype(p.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
       if constexpr (tiled::kIs16Bit<T>) {
-        launch_fused_wy<T>(p, table, G, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Pw), stream);
+        launch_fused_wy<T>(p, table, G, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Pw), rq, rk,
+                           static_cast<T*>(Kn), stream);
         if (!plan.cut()) {
-          launch_chain<T>(p, table, G, W, U, Pw, static_cast<const float*>(p.h0), static_cast<float*>(p.ht), stream);
+          launch_chain<T>(p, table, G, W, U, Pw, rq, rk, static_cast<const float*>(p.h0), static_cast<float*>(p.ht),
+                          stream);
           return;
         }
         for (int64_t s = 0; s < N; ++s)
           if (pass1_first[static_cast<size_t>(s)] >= 0)
             seq_maps[static_cast<size_t>(s)] = maps + pass1_first[static_cast<size_t>(s)] * p.HV * p.K * (p.V + p.K);
-        tiled::launch_pass1(p, plan, pass1, G, W, U, nullptr, maps, stream);
+        Params pk = p;  // pass 1 reads k itself: with qk_l2norm, the normalised rows
+        if (l2) {
+          pk.qk_l2norm = false;
+          pk.k = contiguous_ref(Kn, p.T, p.H, kKeys);
+        }
+        tiled::launch_pass1(pk, plan, pass1, G, W, U, nullptr, maps, stream);
         const tiled::PieceTables tables(p, plan, seq_maps, stream);
         tiled::launch_fold_starts(p, tables, N, static_cast<const float*>(p.h0), starts, stream);
-        launch_chain<T>(p, tables.pieces(), G, W, U, Pw, starts, piece_ht, stream);
+        launch_chain<T>(p, tables.pieces(), G, W, U, Pw, rq, rk, starts, piece_ht, stream);
         if (p.ht != nullptr) tiled::launch_gather_final_states(p, tables, N, piece_ht, static_cast<float*>(p.ht), stream);
       }
     });

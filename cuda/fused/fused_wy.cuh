@@ -16,6 +16,11 @@
 //   W, U      each 4 x wgmma m64n128k16, A = T Beta (e^G) as 16-bit register fragments (each warp's 16 rows
 //             of T), B = the K or V tile read MN-major; staged in shared memory (16-byte pieces swizzled
 //             by row) and stored as whole rows
+// With qk_l2norm (FLA's use_qk_l2norm_in_kernel, no gradient: params.h) each row's 1 / sqrt(|x|^2 + eps) is
+// summed from the tiles while Q K^T and K K^T run and folded into P (rq_i rk_j), A (rk_i rk_j) and W's
+// operand (rk_j); the scales go out (8 bytes per token and head) for the chain, which folds them into its
+// products the same way, so q and k are read once and never written normalised (except k for the pieces'
+// pass 1, which reads k itself).
 // The tiled tier's WY stage (tiled_fwd.cu, chunk_wy_kernel) computes the same W and U with mma.sync and
 // the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation), so the pass-1 maps
 // of the intra-card CP (cuda/tiled/scan_split.cu) read these W and U unchanged; the fused tier's scores
@@ -49,7 +54,12 @@ struct WyArgs {
   T* W = nullptr;            // [R, HV, 128]
   T* U = nullptr;            // [R, HV, 128]
   T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P
-  int64_t HV = 0, group = 1;
+  // qk_l2norm (params.h): rq, rk [R, HV] fp32 receive each row's 1 / sqrt(|x|^2 + eps) (nullptr: no l2 norm);
+  // Kn [R, H, 128], when given, the normalised k rows (for the pieces' pass 1, which reads k itself).
+  float* rq = nullptr;
+  float* rk = nullptr;
+  T* Kn = nullptr;
+  int64_t H = 0, HV = 0, group = 1;
 };
 
 // Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
@@ -62,7 +72,9 @@ struct WySmem {
   static constexpr int beta = t + 64 * kLdA * 4;
   static constexpr int g = beta + 256;
   static constexpr int eg = g + 256;
-  static constexpr int bytes = eg + 256 + 1024;  // plus the alignment slack
+  static constexpr int rq = eg + 256;            // the rows' l2-norm scales (1 without qk_l2norm)
+  static constexpr int rk = rq + 256;
+  static constexpr int bytes = rk + 256 + 1024;  // plus the alignment slack
 };
 static_assert(64 * WySmem::kLdA * 4 <= WySmem::k, "A must fit in the Q tile's region");
 
@@ -96,6 +108,26 @@ __device__ __forceinline__ void store_rows_128(T* dst, const unsigned char* src,
           *reinterpret_cast<const uint4*>(src + r * 256 + ((piece ^ (r & 7)) << 4));
   }
 }
+// 1 / sqrt(|x_r|^2 + eps) of row r = tid / 2 of a swizzled 64 x 128 tile: each of the row's two threads sums
+// the squares of one 64-column block (the swizzle only permutes a row's pieces inside its block).
+template <class T>
+__device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
+  const int r = static_cast<int>(threadIdx.x) >> 1, h = static_cast<int>(threadIdx.x) & 1;
+  const unsigned char* row = tile + h * 8192 + r * 128;
+  float ss = 0.f;
+#pragma unroll
+  for (int pc = 0; pc < 8; ++pc) {
+    const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * pc);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = tiled::unpack2<T>(w[e]);
+      ss = fmaf(f.x, f.x, fmaf(f.y, f.y, ss));
+    }
+  }
+  ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+  return rsqrtf(ss + kQkL2normEps);
+}
 #endif
 
 template <class T>
@@ -110,6 +142,9 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
   float* bs = reinterpret_cast<float*>(smem + S::beta);
   float* gs = reinterpret_cast<float*>(smem + S::g);
   float* egs = reinterpret_cast<float*>(smem + S::eg);
+  float* rqs = reinterpret_cast<float*>(smem + S::rq);
+  float* rks = reinterpret_cast<float*>(smem + S::rk);
+  const bool l2 = a.rq != nullptr;
   const int tid = threadIdx.x, wi = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const ChunkEntry ce = a.chunks[blockIdx.x];
   const int64_t hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
@@ -147,6 +182,20 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
     wgmma_n64_ss<T>(Aacc, kd, kd, kk > 0);
   }
   wg_commit();
+  // qk_l2norm: the rows' scales while the products run (published by the barrier below). With
+  // q_n = rq q and k_n = rk k, every product below takes them as row and column scales.
+  {
+    const float sq = l2 ? row_rnorm<T>(smem + S::q) : 1.f, sk = l2 ? row_rnorm<T>(smem + S::k) : 1.f;
+    const int r = tid >> 1;
+    if ((tid & 1) == 0) {
+      rqs[r] = sq;
+      rks[r] = sk;
+      if (l2 && r < len) {
+        a.rq[(ce.row0 + r) * HV + hv] = sq;
+        a.rk[(ce.row0 + r) * HV + hv] = sk;
+      }
+    }
+  }
   wg_wait_all();
   reg_fence(Pacc);
   reg_fence(Aacc);
@@ -155,17 +204,21 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
   // P (diagonal included) to global; A (strictly lower, scaled by beta_i) to shared memory. The masks come
   // before the exponentials, whose exponents are positive above the diagonal.
   const int i0 = 16 * wi + g, i1 = i0 + 8;
-  const float gi0 = gs[i0], gi1 = gs[i1], b0 = bs[i0], b1 = bs[i1];
+  const float gi0 = gs[i0], gi1 = gs[i1];
+  const float b0 = bs[i0] * rks[i0], b1 = bs[i1] * rks[i1];  // A's row scales: beta_i rk_i
+  const float q0 = rqs[i0], q1 = rqs[i1];                    // P's row scales
   T* prow0 = a.P + ((ce.row0 + i0) * HV + hv) * 64;
   T* prow1 = a.P + ((ce.row0 + i1) * HV + hv) * 64;
 #pragma unroll
   for (int nb = 0; nb < 8; ++nb) {
     const int j = 8 * nb + 2 * t;
-    const float gj0 = gs[j], gj1 = gs[j + 1];
-    const float e00 = j <= i0 ? exp_t<T>(gi0 - gj0) : 0.f, e01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) : 0.f;
-    const float e10 = j <= i1 ? exp_t<T>(gi1 - gj0) : 0.f, e11 = j + 1 <= i1 ? exp_t<T>(gi1 - gj1) : 0.f;
-    if (i0 < len) *reinterpret_cast<uint32_t*>(prow0 + j) = pack2<T>(e00 * Pacc[4 * nb], e01 * Pacc[4 * nb + 1]);
-    if (i1 < len) *reinterpret_cast<uint32_t*>(prow1 + j) = pack2<T>(e10 * Pacc[4 * nb + 2], e11 * Pacc[4 * nb + 3]);
+    const float gj0 = gs[j], gj1 = gs[j + 1], kj0 = rks[j], kj1 = rks[j + 1];
+    const float e00 = j <= i0 ? exp_t<T>(gi0 - gj0) * kj0 : 0.f, e01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) * kj1 : 0.f;
+    const float e10 = j <= i1 ? exp_t<T>(gi1 - gj0) * kj0 : 0.f, e11 = j + 1 <= i1 ? exp_t<T>(gi1 - gj1) * kj1 : 0.f;
+    if (i0 < len)
+      *reinterpret_cast<uint32_t*>(prow0 + j) = pack2<T>(q0 * e00 * Pacc[4 * nb], q0 * e01 * Pacc[4 * nb + 1]);
+    if (i1 < len)
+      *reinterpret_cast<uint32_t*>(prow1 + j) = pack2<T>(q1 * e10 * Pacc[4 * nb + 2], q1 * e11 * Pacc[4 * nb + 3]);
     *reinterpret_cast<float2*>(As + i0 * S::kLdA + j) =
         make_float2(j < i0 ? b0 * e00 * Aacc[4 * nb] : 0.f, j + 1 < i0 ? b0 * e01 * Aacc[4 * nb + 1] : 0.f);
     *reinterpret_cast<float2*>(As + i1 * S::kLdA + j) =
@@ -186,7 +239,7 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
       const int j = 16 * kk + 8 * h + 2 * t;
       const float2 t0 = *reinterpret_cast<const float2*>(Ts + i0 * S::kLdA + j);
       const float2 t1 = *reinterpret_cast<const float2*>(Ts + i1 * S::kLdA + j);
-      const float s0 = bs[j], s1 = bs[j + 1], e0 = egs[j], e1 = egs[j + 1];
+      const float s0 = bs[j], s1 = bs[j + 1], e0 = egs[j] * rks[j], e1 = egs[j + 1] * rks[j + 1];
       fu[kk][2 * h] = pack2<T>(t0.x * s0, t0.y * s1);
       fu[kk][2 * h + 1] = pack2<T>(t1.x * s0, t1.y * s1);
       fw[kk][2 * h] = pack2<T>(t0.x * s0 * e0, t0.y * s1 * e1);
@@ -220,16 +273,35 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
   __syncthreads();
   store_rows_128<T>(a.W, smem + S::q, ce.row0, HV, hv, len);
   store_rows_128<T>(a.U, smem + S::t, ce.row0, HV, hv, len);
+  if (a.Kn != nullptr && hv % a.group == 0) {  // the normalised k rows, once per key head
+    const int piece = tid & 15, r0 = tid >> 4;
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int r = r0 + 8 * it;
+      if (r >= len) break;
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + S::k + (piece >> 3) * 8192 + r * 128 +
+                                                      (((piece & 7) ^ (r & 7)) << 4));
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      uint32_t o[4];
+      const float sk = rks[r];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = unpack2<T>(w[e]);
+        o[e] = pack2<T>(f.x * sk, f.y * sk);
+      }
+      *reinterpret_cast<uint4*>(a.Kn + ((ce.row0 + r) * a.H + hk) * 128 + piece * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
 #else
   __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
 #endif
 }
 
 // Launches fused_wy_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
-// stage 1, nullptr for delta).
+// stage 1, nullptr for delta; rq, rk, Kn as in WyArgs: nullptr without p.qk_l2norm).
 template <class T>
-void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const float* G, T* W, T* U, T* P,
-                     cudaStream_t stream) {
+void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const float* G, T* W, T* U, T* P, float* rq,
+                     float* rk, T* Kn, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
   WyArgs<T> a;
   a.q = dev_rows<const T>(p.q);
@@ -241,6 +313,10 @@ void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const floa
   a.W = W;
   a.U = U;
   a.P = P;
+  a.rq = rq;
+  a.rk = rk;
+  a.Kn = Kn;
+  a.H = p.H;
   a.HV = p.HV;
   a.group = p.HV / p.H;
   DELTACP_CHECK(WySmem::bytes <= max_smem_optin(), "K", "the fused WY stage needs ", WySmem::bytes,

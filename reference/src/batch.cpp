@@ -216,6 +216,8 @@ void backward_unchecked(const Params& p, Method method) {
 template <class S>
 void forward(const Params& p, Method method) {
   validate_forward(p);
+  DELTACP_CHECK(!p.qk_l2norm, "qk_l2norm", "expected false for the CPU reference (it takes q and k normalised: "
+                "deltacp.fla_options.l2norm), got true");
   check_finite_host(p, /*backward=*/false);
   forward_unchecked<S>(p, method);
   check_outputs_host(p, /*backward=*/false);
@@ -282,6 +284,7 @@ std::vector<Mat<S>> merged_initial_states(const Params& p, const std::vector<CpR
 template <class S>
 void cp_forward(const Params& p, const std::vector<int64_t>& cuts, CpExchange<S>* ex) {
   validate_forward(p);
+  DELTACP_CHECK(!p.qk_l2norm, "qk_l2norm", "expected false for the CPU reference, got true");
   check_finite_host(p, false);
   DELTACP_CHECK(p.B == 1, "B", "expected B == 1 (a packed batch) for context parallelism, got ", p.B);
   const std::vector<int64_t> cu = global_cu(p);

@@ -103,6 +103,8 @@ void validate_forward(const Params& p) {
 
 void validate_backward(const Params& p) {
   validate_inputs(p);
+  DELTACP_CHECK(!p.qk_l2norm, "qk_l2norm", "expected false for a backward (it takes q and k as the forward used "
+                "them: normalised), got true");
   const Variant v = p.variant;
   require(p.dout, "do", "upstream gradient of o [B, T, HV, V]");
   if (p.dh0_only()) return;  // only dL/dh0 is wanted (params.h): no input gradient buffers at all

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deltacp  # noqa: E402
+import deltacp.fla_options as fla_options  # noqa: E402
 import deltacp.reference as ref  # noqa: E402
 from deltacp_testutil import input_names, make_problem, ref_forward, rel_err  # noqa: E402
 
@@ -181,3 +182,90 @@ def test_fused_forward_with_gradients_through_the_tiled_backward():
         grads[backend] = {n: t[n].grad.double().cpu().numpy() for n in t}
     for n in grads["fused"]:
         assert rel_err(grads["fused"][n], grads["tiled"][n]) < 5e-3, n
+
+
+# ---- FLA's use_qk_l2norm_in_kernel inside the kernels (Params::qk_l2norm) ----------------------------------
+def _raw_qk(t, seed=5):
+    """q and k with row norms spread over [0.3, 3] (make_problem's keys are unit rows), in their dtype."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for n in ("q", "k"):
+        x = t[n].detach().float()
+        s = 0.3 + 2.7 * torch.rand(x.shape[:-1] + (1,), device="cuda", generator=gen)
+        out[n] = (x / x.norm(dim=-1, keepdim=True).clamp_min(1e-6) * s).to(t[n].dtype)
+    return out
+
+
+def _gdn_call(t, q, k, h0, cu, **kw):
+    return deltacp.chunk_gated_delta_rule(q, k, t["v"], t["g"], t["beta"], initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu, **kw)
+
+
+@pytest.mark.parametrize("case", ["fixed", "grouped", "varlen"])
+@pytest.mark.parametrize("piece", [0, 100])
+def test_fused_in_kernel_l2norm(case, piece, monkeypatch):
+    """use_qk_l2norm_in_kernel without gradients: the fused kernels fold each row's 1 / |x| into their products
+    (q and k read once, no normalised copy) — against the fp64 reference of the normalised inputs, and against
+    normalising first and running the fused tier on the result; whole sequences and pieces (whose pass 1 reads
+    the normalised k the WY kernel writes)."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
+    B, T, H, HV, cu, with_h0 = CASES[case]
+    p = make_problem("gdn", B=B, T=T or 0, H=H, HV=HV, K=128, V=128, cu_seqlens=cu, h0=with_h0, seed=17)
+    t, h0, cu_t = _tensors(p, "gdn", torch.bfloat16)
+    raw = _raw_qk(t)
+    _poison()
+    with torch.no_grad():
+        o, ht = _gdn_call(t, raw["q"], raw["k"], h0, cu_t, use_qk_l2norm_in_kernel=True)
+    torch.cuda.synchronize()
+    assert deltacp.last_cuda_tier()[0] == "fused"
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    normed = {n: raw[n].double() / torch.sqrt((raw[n].double() ** 2).sum(-1, keepdim=True) + 1e-6) for n in raw}
+    o_ref, ht_ref = _reference("gdn", p, dict(t, **normed), h0)
+    assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
+    assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
+    with torch.no_grad():
+        qn, kn = fla_options.l2norm(raw["q"]), fla_options.l2norm(raw["k"])
+        o_pre, ht_pre = _gdn_call(t, qn, kn, h0, cu_t, backend="fused")
+    assert rel_err(o.double().cpu().numpy(), o_pre.double().cpu().numpy()) < 5e-3
+    assert rel_err(ht.double().cpu().numpy(), ht_pre.double().cpu().numpy()) < 5e-3
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_in_kernel_l2norm_on_the_tiled_tier_normalises_first(variant):
+    """Where the kernels do not fold the norm in (the tiled tier; kda), the CUDA core normalises q and k into
+    workspace with the same one-pass kernel the torch op uses, so the answer is bitwise the torch path's."""
+    if not deltacp.built_with_cuda():
+        pytest.fail("a CUDA device is present but this build has no CUDA tiers")
+    p = make_problem(variant, B=2, T=150, H=2, K=64, V=32, seed=19)
+    t, h0, _ = _tensors(p, variant, torch.bfloat16)
+    raw = _raw_qk(t)
+    op = deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_kda
+    with torch.no_grad():
+        o, ht = op(raw["q"], raw["k"], t["v"], t["g"], t["beta"], initial_state=h0, output_final_state=True,
+                   backend="tiled", use_qk_l2norm_in_kernel=True)
+        qn, kn = fla_options.l2norm(raw["q"]), fla_options.l2norm(raw["k"])
+        o_pre, ht_pre = op(qn, kn, t["v"], t["g"], t["beta"], initial_state=h0, output_final_state=True,
+                           backend="tiled")
+    assert torch.equal(o, o_pre) and torch.equal(ht, ht_pre)
+
+
+def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
+    """With a gradient wanted, or q / k rows that are not contiguous, the call normalises with autograd first
+    (the kernels' folded norm has no backward): the same forward to rounding, and gradients flow."""
+    _need_fused()
+    p = make_problem("gdn", B=1, T=300, H=2, K=128, V=128, seed=23)
+    t, h0, _ = _tensors(p, "gdn", torch.bfloat16)
+    raw = _raw_qk(t)
+    with torch.no_grad():
+        o_in, _ = _gdn_call(t, raw["q"], raw["k"], h0, None, use_qk_l2norm_in_kernel=True)
+    q = raw["q"].clone().requires_grad_(True)
+    o_grad, _ = _gdn_call(t, q, raw["k"], h0, None, use_qk_l2norm_in_kernel=True)
+    o_grad.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert rel_err(o_in.double().cpu().numpy(), o_grad.detach().double().cpu().numpy()) < 5e-3
+    wide = torch.cat([raw["q"], raw["q"]], dim=-1)[..., :128]  # a strided view: rows 256 elements apart
+    assert not wide.is_contiguous()
+    with torch.no_grad():
+        o_strided, _ = _gdn_call(t, wide, raw["k"], h0, None, use_qk_l2norm_in_kernel=True)
+    assert rel_err(o_in.double().cpu().numpy(), o_strided.double().cpu().numpy()) < 5e-3

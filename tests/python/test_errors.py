@@ -233,3 +233,27 @@ def test_cp_context_refuses_cu_seqlens_cpu():
     g, beta = torch.zeros(1, 4, 1, dtype=torch.float64), torch.full((1, 4, 1), 0.5, dtype=torch.float64)
     with pytest.raises(ValueError, match="'cu_seqlens_cpu'"):
         deltacp.chunk_gated_delta_rule(x, x, x, g, beta, cp_context=object(), cu_seqlens_cpu=torch.tensor([0, 4]))
+
+
+def test_in_kernel_l2norm_flag_is_refused_where_it_cannot_apply():
+    """Params::qk_l2norm (FLA's use_qk_l2norm_in_kernel inside the CUDA forward) on the CPU reference, or on a
+    backward, is an error naming it, never a silent run on unnormalised q and k."""
+    torch = pytest.importorskip("torch")
+    from deltacp import _core
+    from deltacp._calls import tensor_descs
+    from deltacp._describe import torch_desc
+
+    p = make_problem("gdn", B=1, T=10, H=1, K=4, V=3, seed=3)
+    t = {n: torch.tensor(p[n]) for n in ("q", "k", "v", "g", "beta")}
+    d = tensor_descs("g", t["q"], t["k"], t["v"], t["g"], t["beta"], None, None)
+    d["o"] = torch_desc(torch.empty(1, 10, 1, 3, dtype=torch.float64), "o")
+    with pytest.raises(deltacp.InvalidArgumentError) as info:
+        _core.run("forward", "gdn", "chunked", "float64", d, None, 64, None, 0, False, True)
+    assert info.value.argument == "qk_l2norm"
+    d.pop("o")
+    d["dout"] = torch_desc(torch.ones(1, 10, 1, 3, dtype=torch.float64), "do")
+    for n in ("q", "k", "v", "g", "beta"):
+        d["d" + n] = torch_desc(torch.empty_like(t[n]), "d" + n)
+    with pytest.raises(deltacp.InvalidArgumentError) as info:
+        _core.run("backward", "gdn", "chunked", "float64", d, None, 64, None, 0, False, True)
+    assert info.value.argument == "qk_l2norm"

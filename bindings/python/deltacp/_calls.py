@@ -24,7 +24,7 @@ def _run(cfg, direction: str, method: str, descs: dict) -> None:
         with torch.cuda.device(cfg.device):
             stream = torch.cuda.current_stream(cfg.device).cuda_stream
             _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
-                      False)
+                      False, getattr(cfg, "qk_l2norm", False) and direction == "forward")
     else:
         _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
 

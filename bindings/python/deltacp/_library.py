@@ -42,7 +42,7 @@ class _Config:
     """Everything about one call that is not a differentiable tensor."""
 
     __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
-                 "cu", "cu_host", "device", "gate_name", "state_dtype")
+                 "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm")
 
 
 def _state_dtype(q: Tensor):
@@ -65,6 +65,7 @@ def _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_
     cfg.cu_host = cu if (cu is None or q.device.type == "cpu") else (
         cu_host if cu_host is not None else cu.to("cpu"))
     cfg.fwd_method, cfg.bwd_method = fwd_method, bwd_method
+    cfg.qk_l2norm = False
     return cfg
 
 
@@ -161,9 +162,12 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
               b: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
               cu_seqlens_cpu: Optional[Tensor], variant: str, fwd_method: str, bwd_method: str,
               scale: Optional[float], chunk_size: int, output_final_state: bool,
-              gate_min: Optional[float]) -> Tuple[Tensor, Tensor]:
+              gate_min: Optional[float], qk_l2norm: bool = False) -> Tuple[Tensor, Tensor]:
+    # qk_l2norm: q and k are l2-normalised inside the CUDA forward (FLA's use_qk_l2norm_in_kernel, no gradient:
+    # deltacp.ops sets it only for calls that need none; the fused tier folds it into its products).
     cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
                   cu_seqlens_cpu)
+    cfg.qk_l2norm = bool(qk_l2norm)
     if gate_min is not None:
         _check_gate_range(g, gate_min, cfg.gate_name)
     return _forward(cfg, q, k, v, g, beta, a, b, h0)
@@ -171,7 +175,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
 
 @chunk_fwd.register_fake
 def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method, scale,
-                    chunk_size, output_final_state, gate_min):
+                    chunk_size, output_final_state, gate_min, qk_l2norm=False):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
@@ -202,13 +206,17 @@ def _chunk_bwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, a, b, h0, cu, cu_host, variant, _fwd_method, bwd_method, scale, chunk_size,
-     output_final_state, _gate_min) = inputs
+     output_final_state, _gate_min) = inputs[:17]
+    ctx.qk_l2norm = len(inputs) > 17 and bool(inputs[17])
     ctx.save_for_backward(q, k, v, g, beta, a, b, h0, cu, cu_host)
     ctx.variant, ctx.method, ctx.scale, ctx.chunk_size = variant, bwd_method, scale, chunk_size
     ctx.output_final_state = output_final_state
 
 
 def _chunk_fwd_backward(ctx, do, dht):
+    if ctx.qk_l2norm:
+        raise InvalidArgumentError("deltacp: argument 'qk_l2norm': the in-kernel l2 norm has no gradient here; "
+                                   "normalise q and k with autograd (deltacp.fla_options.l2norm) when one is wanted")
     q, k, v, g, beta, a, b, h0, cu, cu_host = ctx.saved_tensors
     if do is None:
         do = q.new_zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))

@@ -89,6 +89,15 @@ class FlaOptions:
         self.return_intermediate_states = False
         self.state_v_first = False
 
+    def copy(self, **changes) -> "FlaOptions":
+        """These options with some fields replaced."""
+        out = FlaOptions(self.variant)
+        for name in self.__slots__:
+            setattr(out, name, changes.pop(name, getattr(self, name)))
+        if changes:
+            raise TypeError(f"deltacp: FlaOptions has no field {sorted(changes)[0]!r}")
+        return out
+
     def gate_check_bound(self) -> Optional[float]:
         """The lower bound the op must check a precomputed g against (safe_gate), else None."""
         if not self.safe_gate or self.use_gate_in_kernel:

@@ -179,6 +179,15 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     if backend is not None and backend not in BACKENDS:
         raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
     opts = opts if opts is not None else fla_options.FlaOptions(variant)
+    # use_qk_l2norm_in_kernel inside the CUDA forward when no gradient is wanted (Params::qk_l2norm: the fused
+    # tier folds the row scales into its products, saving a pass over q and k); with a gradient, or
+    # elsewhere, the normalisation runs here with autograd.
+    l2_in_kernel = (opts.use_qk_l2norm_in_kernel and cp_context is None and not opts.return_intermediate_states
+                    and q.device.type == "cuda" and q.shape[-1] <= 256 and q.is_contiguous() and k.is_contiguous()
+                    and not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                             for t in (q, k, v, g, beta, a, b, initial_state))))
+    if l2_in_kernel:
+        opts = opts.copy(use_qk_l2norm_in_kernel=False)
     q, k, g, beta = fla_options.preprocess(opts, q, k, g, beta)
     gate_bound = opts.gate_check_bound()
 
@@ -223,7 +232,7 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     fwd_method, bwd_method = _methods(variant, backend, q.device, needs_grad)
     o, ht = _library.chunk_fwd(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, fwd_method, bwd_method, scale,
-                               int(chunk_size), output_final_state, gate_bound)
+                               int(chunk_size), output_final_state, gate_bound, l2_in_kernel)
     if not output_final_state:
         ht = None
     elif opts.state_v_first:

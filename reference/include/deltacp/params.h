@@ -68,6 +68,9 @@ inline TensorRef contiguous_ref(const void* ptr, int64_t T, int64_t heads, int64
   return contiguous_ref(const_cast<void*>(ptr), T, heads, D);
 }
 
+// FLA's l2norm epsilon (use_qk_l2norm_in_kernel): x / sqrt(sum x^2 + eps).
+constexpr float kQkL2normEps = 1e-6f;
+
 struct Params {
   Variant variant = Variant::gdn;
   DType dtype = DType::f32;        // q, k, v, g, beta, a, b, o and every gradient of them
@@ -87,6 +90,12 @@ struct Params {
 
   double scale = 0.0;  // query scale; the front ends fill K^-1/2 when the user gives none
   int chunk_size = 64;
+  // FLA's use_qk_l2norm_in_kernel inside the CUDA forward: the kernels use q / sqrt(|q|^2 + 1e-6) and the same
+  // for k in place of q and k (the fused tier folds the row scales into its products, so q and k are read
+  // once; the other tiers normalise q and k into workspace first). Forward only, CUDA only, q and k with
+  // contiguous [B, T, H, K] rows; the backward takes normalised q and k (the front ends normalise with
+  // autograd when a gradient is wanted).
+  bool qk_l2norm = false;
 
   // Forward inputs.
   TensorRef q, k, v, g, beta, a, b;
