@@ -97,10 +97,13 @@ void run_prepass(const std::string& direction, const std::string& variant, const
 
 PYBIND11_MODULE(_cp_nccl, m) {
   m.doc() = "deltacp context parallelism on GPUs: NCCL communicator with timeouts, CP pre-pass and merge";
-  py::register_exception<Error>(m, "Error", PyExc_ValueError);
-  py::register_exception<dist::CommTimeout>(m, "CommTimeout", PyExc_RuntimeError);
-  py::register_exception<dist::CommDead>(m, "CommDead", PyExc_RuntimeError);
-  py::register_exception<dist::CommBusy>(m, "CommBusy", PyExc_RuntimeError);
+  // Module-local: these translate only what this module's functions throw. A global registration would
+  // also catch the deltacp::Error thrown inside deltacp._core once this module is imported, and turn the
+  // package's exception classes (deltacp.OutOfMemoryError, ...) into this module's plain Error.
+  py::register_local_exception<Error>(m, "Error", PyExc_ValueError);
+  py::register_local_exception<dist::CommTimeout>(m, "CommTimeout", PyExc_RuntimeError);
+  py::register_local_exception<dist::CommDead>(m, "CommDead", PyExc_RuntimeError);
+  py::register_local_exception<dist::CommBusy>(m, "CommBusy", PyExc_RuntimeError);
 
   m.def("unique_id", [] { return py::bytes(dist::nccl_unique_id()); }, "A new ncclUniqueId as bytes (on rank 0).");
 
