@@ -60,13 +60,14 @@
 //   Kd         bf16    WY -> B1                   -   256
 //   Q e^G      bf16    B0 -> B1                   -   256
 //   slice: dW (bf16; was fp32 512) 256, dP 256, dA 256, dq_w 512, dk_w 512, dG_w (kda) 512, dG rows (gdn) 4,
-//          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice, which spans about
-//          8 * SMs / HV chunks (8 waves of B2's CTAs), or as many as fit region 2's first use if more
+//          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice: all the chunks when that is at
+//          most 256 MiB, else at least 16 * SMs / HV chunks (16 waves of B2's CTAs), or as many as fit
+//          region 2's first use if more
 //   total                                     2308  3328   5132 / 6660 (every buffer at once)
 //
-// At (2, 16384, 16, 128) on a 132-SM GPU: gdn 1,154 MiB (was 2,566), kda 1,664 MiB (was 3,330); the
-// gdn slice (at least 66 chunks of 1.84 MB; 72 fit) stays inside W's 128 MiB, so the slices cost no
-// memory there, and B2..B5 run 8 times over 64 chunks (1024 CTAs). Slices give bitwise the gradients of one slice over
+// At (2, 16384, 16, 128) on a 132-SM GPU: gdn 1,154 MiB (was 2,566) plus what a slice needs beyond W's
+// 128 MiB (4 slices of 128 chunks of 1.84 MB: 97 MiB), kda 1,664 MiB (was 3,330). Slices give bitwise the
+// gradients of one slice over
 // every chunk (each element is still written by one thread; tests/python/test_cuda_memory.py). The
 // workspace comes from workspace_pool.h's allocator: torch's caching allocator when called from torch.
 //
@@ -313,9 +314,9 @@ SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows) {
 
 // How many chunks one slice of B2..B5 takes. The slice region reuses the bytes of W, Kd and Q e^G (dead
 // once B1 has run), so a slice that fits them costs no memory; but each slice is a launch of B2, B3, B4
-// (and B5), and a launch of few CTAs leaves SMs idle in its last wave: a slice takes at least 8 waves of
-// (chunk, value head) CTAs (one CTA per SM at a time in B2), and then the slices are made equal (so no
-// short last one; each may end a little under 8 waves). DELTACP_BWD_SLICE_CHUNKS=n sets it (tests: several
+// (and B5), and a launch of few CTAs leaves SMs idle in its last wave: below 256 MiB of slice buffers
+// there is one slice; above, a slice takes at least 16 waves of (chunk, value head) CTAs (one CTA per SM at
+// a time in B2), and then the slices are made equal (so no short last one; each may end a little under). DELTACP_BWD_SLICE_CHUNKS=n sets it (tests: several
 // slices on small problems).
 int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes) {
   if (const char* env = std::getenv("DELTACP_BWD_SLICE_CHUNKS")) {
@@ -326,8 +327,13 @@ int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes) {
   const int64_t per_row = K * es + 2 * K * 4 + (p.variant == Variant::kda ? K * 4 : 0) +
                           (p.variant == Variant::gdn ? 4 : 0) + 4;
   const int64_t per_chunk = p.HV * (2 * kRows * kRows * 4 + int64_t(p.chunk_size) * per_row);
+  // Small problems take one slice: their buffers are small, and each extra slice is four more launches with
+  // a partial last wave (H200, tiled gdn forward + backward under torch's allocator: (4, 2048, 16, 128) 2.45 ms
+  // in 2 slices against 1.80 in one; (2, 16384, 16, 128) 7.33 ms in 8 slices of 8 waves against 7.01 in one).
+  constexpr int64_t kOneSliceBytes = int64_t(256) << 20;
+  if (num_chunks * per_chunk <= kOneSliceBytes) return num_chunks;
   const int64_t fit = static_cast<int64_t>(free_bytes) / std::max<int64_t>(per_chunk, 1);
-  const int64_t waves = (8 * int64_t(sm_count()) + p.HV - 1) / p.HV;
+  const int64_t waves = (16 * int64_t(sm_count()) + p.HV - 1) / p.HV;
   const int64_t cap = std::max<int64_t>(1, std::min(num_chunks, std::max(fit, waves)));
   const int64_t n = (num_chunks + cap - 1) / cap;  // slices; then equal ones (no short last launch)
   return (num_chunks + n - 1) / n;
