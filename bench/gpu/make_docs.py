@@ -223,6 +223,22 @@ def perf_md(res, plots):
                              if best and "TFLOPs" in best else ["-"] * 3)
                     lines.append(f"| {fmt_shape(s)} | " + " | ".join(cells + rat + extra) + " |")
                 lines.append("")
+                mem = [x for x in rows if "peak_MiB" in x]
+                if d == "fwd+bwd" and mem:
+                    lines += [f"Peak memory of one {variant.upper()} forward + backward step, same run: "
+                              "`torch.cuda.max_memory_allocated` over the step above its inputs plus what deltacp held "
+                              "outside torch (its workspaces come from torch's caching allocator, so that part is 0 "
+                              "here); MiB.", "",
+                              "| (B, T, H, D) | " + " | ".join(f"{n} MiB" for n in impls) + " | " +
+                              " | ".join(f"{n.split('-', 1)[1]} / FLA" for n in ours) + " |",
+                              "|---|" + "---|" * (len(impls) + len(ours))]
+                    for s in shapes:
+                        by = {x["impl"]: x for x in mem if shape_of(x) == s}
+                        fla = by.get("fla", {})
+                        cells = [f"{by[n]['peak_MiB']:.0f}" if n in by else "-" for n in impls]
+                        rat = [f"{by[n]['peak_MiB'] / fla['peak_MiB']:.2f}x" if n in by and fla else "-" for n in ours]
+                        lines.append(f"| {fmt_shape(s)} | " + " | ".join(cells + rat) + " |")
+                    lines.append("")
         if perf.get("accuracy"):
             shape = tuple(perf.get("accuracy_shape", (2, 300, 4, 128)))
             lines += ["### Accuracy against the fp64 reference", "",

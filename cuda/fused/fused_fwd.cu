@@ -55,16 +55,18 @@
 // Registers: 209 per thread (nvcc 13.0), no spills.
 //
 // Measured (NVIDIA H200, 2026-11-25, bf16 gdn, bench/gpu/bench_gpu.py with FLA 0.5.2 in the same run, both
-// with use_qk_l2norm_in_kernel=True; docs/perf.md has the current table). Per kernel at (2,16384,16,128)
-// (bench/gpu/stage_times.py): whole sequences 1.018 ms = chain 0.677 (256 chunks on 64 CTAs: 2.6 us a
-// chunk) + WY and scores 0.308 + cumsum 0.029; the default plan, pieces of 4096 tokens, 0.855 ms = WY and
-// scores 0.308 + pass-1 maps 0.260 + chain 0.207 (64 chunks on 128 CTAs: 3.2 us a chunk) + cumsum 0.029 +
-// fold 0.027 + the rest 0.024. Before fused_wy_kernel the token-parallel part was the tiled tier's
-// mma.sync WY stage (0.463 ms) and a scores kernel (0.093 ms): 1.098 ms in all. What is left: the chain
-// step, whose tensor-core work is about 1 us a chunk (3.5 M multiply-adds for 128 state columns), so
-// 2.6 us is mostly the latency of its two dependent product groups and the barrier, which a
-// warp-specialised CTA (an output warpgroup beside the state's) would overlap; and pass 1 (a state 256
-// columns wide, on the tiled tier's scan).
+// with use_qk_l2norm_in_kernel=True, which this tier folds into its kernels; docs/perf.md has the table):
+// forward (4,2048,16,128) 0.225 ms (FLA 0.781), (1,8192,96,128) 0.989 (1.642), (2,16384,16,128) 0.944
+// (1.084), (4,4096,64,128) 1.184 (1.967), (1,65536,8,128) 0.963 (2.029). Per kernel at (2,16384,16,128)
+// (bench/gpu/stage_times.py, plain call): whole sequences 0.996 ms = chain 0.682 (256 chunks on 64 CTAs:
+// 2.7 us a chunk) + WY and scores 0.282 + cumsum 0.029; the default plan, pieces of 4096 tokens, 0.830 ms =
+// WY and scores 0.283 + pass-1 maps 0.257 + chain 0.210 (64 chunks on 128 CTAs: 3.3 us a chunk) + cumsum,
+// fold and the rest 0.080. Before fused_wy_kernel the token-parallel part was the tiled tier's mma.sync WY
+// stage (0.463 ms) and a scores kernel (0.093 ms). What is left: the chain step, whose tensor-core work is
+// about 1 us a chunk (3.5 M multiply-adds for 128 state columns), so 2.7 us is mostly the latency of its
+// two dependent product groups and the barrier, which a warp-specialised CTA (an output warpgroup beside
+// the state's) would overlap; pass 1 (a state 256 columns wide, on the tiled tier's scan); and the WY
+// kernel at about half the copy rate (Nsight Compute: barrier stalls between its phases, three CTAs per SM).
 #include <cuda_runtime.h>
 
 #include <algorithm>
