@@ -1,4 +1,4 @@
-"""The shared body of the context-parallel examples (gdn_cp.py, kda_cp.py).
+"""The shared body of the context-parallel examples (gdn_cp.py, kda_cp.py, dplr_cp.py).
 
     torchrun --nproc_per_node=N -m deltacp.examples.gdn_cp [--dtype float32] [--device cpu|cuda] ...
 
@@ -11,6 +11,16 @@ rank agrees on it), so CI can run this as a test.
 
 On CPUs this runs the Eigen reference and gloo; on GPUs (--device cuda) the fastest CUDA tier and
 NCCL (deltacp's own communicator when deltacp._cp_nccl is built).
+
+Inputs: gdn / kda as FLA's GDN / KDA tests draw them (unit keys, g = logsigmoid(x + 3) / 2,
+beta = sigmoid). dplr as FLA's DPLR tests and bench/gpu/bench_dplr.py draw them: q, k, v ~ randn,
+a = normalize(rand) per row, b = -a (so the transition diag(e^gk) - a a^T has spectral norm <= 1),
+gk = logsigmoid(randn) clamped to [-5, 0] and kept in float32 beside 16-bit q, k, v (inside the chunk
+form's gate range at every chunk size, so neither side falls back to the token recurrence). DPLR has
+no grouped values (HV == H). These gates forget fast (the product of the transitions falls about
+e^-0.64 per token, to 1e-18 over 64 tokens), so a rank's incoming state shapes its first few dozen
+tokens and the maps M composed across ranks are negligible (one 2048-token sequence on 4 ranks matches
+one process bitwise in float32); tests/python/test_cp_gloo.py checks the dplr merges with slower gates.
 """
 
 from __future__ import annotations
@@ -32,10 +42,16 @@ import deltacp.cp as cp
 import deltacp.ops  # noqa: E402,F401
 
 # Relative-error tolerances of CP against one process (docs/design.md section 7).
+# dplr, measured on the CPU (gloo + reference; 2 and 4 ranks; seeds 0-7, chunks 16 / 32 / 64, with and
+# without states, one sequence over every rank, H = 4 and K = V = 64): float64 <= 1e-15, float32 <= 6e-7, bfloat16 <= 6e-5 (both sides compute in fp32; a
+# few bf16 roundings of o and the gradients land on the other side of a tie). float32 and float64 keep
+# gdn's and kda's margins; bfloat16 takes kda's 8e-3, the tolerance the GPU path (naive DPLR tier, fp32
+# pre-pass loops) is held to in distributed/tests/gpu_cp_check.py. An incoming state lost in the exchange
+# (the merged state zeroed, 2 ranks, float32) shows as 1.5e-2 in o and 3.2e-2 in dgk: above 8e-3 too.
 TOLERANCE = {
-    "float64": {"gdn": 1e-10, "kda": 1e-10},
-    "float32": {"gdn": 1e-5, "kda": 1e-5},
-    "bfloat16": {"gdn": 3e-3, "kda": 8e-3},
+    "float64": {"gdn": 1e-10, "kda": 1e-10, "dplr": 1e-10},
+    "float32": {"gdn": 1e-5, "kda": 1e-5, "dplr": 1e-5},
+    "bfloat16": {"gdn": 3e-3, "kda": 8e-3, "dplr": 8e-3},
 }
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -61,7 +77,11 @@ def parse_args(variant: str, argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a stalled exchange fails")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if variant == "dplr" and args.value_heads is not None and args.value_heads != args.heads:
+        p.error(f"--value-heads {args.value_heads}: DPLR has no grouped values (a, b and gk act on the state "
+                f"of each query/key head), so HV == H = {args.heads}; leave --value-heads out")
+    return args
 
 
 def make_inputs(variant, cu, H, HV, K, V, dtype, device, seed, with_states):
@@ -72,6 +92,18 @@ def make_inputs(variant, cu, H, HV, K, V, dtype, device, seed, with_states):
     def rnd(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    state = lambda t: None if t is None else t.to(device=device, dtype=torch.float32 if dtype != torch.float64  # noqa: E731
+                                                   else torch.float64)
+    if variant == "dplr":  # FLA's DPLR inputs (module doc); the gate in float32 unless the run is float64
+        q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, HV, V)
+        a = torch.nn.functional.normalize(torch.rand(1, T, H, K, generator=gen, dtype=torch.float64), p=2, dim=-1)
+        gk = torch.nn.functional.logsigmoid(rnd(1, T, H, K)).clamp(-5.0, 0.0)
+        h0 = rnd(N, HV, K, V) * 0.5 if with_states else None
+        do = rnd(1, T, HV, V)
+        dht = rnd(N, HV, K, V) if with_states else None
+        return dict(q=cast(q), k=cast(k), v=cast(v), a=cast(a), b=cast(-a), gk=state(gk), h0=state(h0),
+                    do=cast(do), dht=state(dht))
     q = rnd(1, T, H, K)
     k = torch.nn.functional.normalize(rnd(1, T, H, K), dim=-1)  # unit keys keep the delta rule stable
     v = rnd(1, T, HV, V)
@@ -83,9 +115,6 @@ def make_inputs(variant, cu, H, HV, K, V, dtype, device, seed, with_states):
     h0 = rnd(N, HV, K, V) * 0.5 if with_states else None
     do = rnd(1, T, HV, V)
     dht = rnd(N, HV, K, V) if with_states else None
-    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
-    state = lambda t: None if t is None else t.to(device=device, dtype=torch.float32 if dtype != torch.float64  # noqa: E731
-                                                   else torch.float64)
     return dict(q=cast(q), k=cast(k), v=cast(v), g=cast(g), beta=cast(beta), h0=state(h0), do=cast(do),
                 dht=state(dht))
 
@@ -125,18 +154,22 @@ def _run(variant, args, device, rank, world) -> int:
     HV = args.value_heads or H
     K = V = args.head_dim
     dtype = DTYPES[args.dtype]
-    op = deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_kda
-    cp_op = cp.chunk_gated_delta_rule_cp if variant == "gdn" else cp.chunk_kda_cp
+    # The op's tensor arguments in its positional order (the same for the CP and the single-process op).
+    op, cp_op, inputs = {
+        "gdn": (deltacp.chunk_gated_delta_rule, cp.chunk_gated_delta_rule_cp, ["q", "k", "v", "g", "beta"]),
+        "kda": (deltacp.chunk_kda, cp.chunk_kda_cp, ["q", "k", "v", "g", "beta"]),
+        "dplr": (deltacp.chunk_dplr_delta_rule, cp.chunk_dplr_cp, ["q", "k", "v", "a", "b", "gk"]),
+    }[variant]
 
     ctx = cp.build_context(torch.tensor(cu, dtype=torch.int64), device=device, timeout=args.timeout)
     x = make_inputs(variant, cu, H, HV, K, V, dtype, device, args.seed, args.initial_state)
-    names = ["q", "k", "v", "g", "beta"] + (["h0"] if args.initial_state else [])
+    names = inputs + (["h0"] if args.initial_state else [])
 
     # ---- CP forward + backward on this rank's slice --------------------------------------------
     def cp_step():
         local = {n: (x[n] if n == "h0" else cp.split_even(x[n], ctx)).detach().clone().requires_grad_()
                  for n in names}
-        o, ht = cp_op(local["q"], local["k"], local["v"], local["g"], local["beta"], cp_context=ctx,
+        o, ht = cp_op(*[local[n] for n in inputs], cp_context=ctx,
                       initial_state=local.get("h0"), output_final_state=args.initial_state,
                       chunk_size=args.chunk_size, backend=args.backend)
         sync(device)
@@ -164,7 +197,7 @@ def _run(variant, args, device, rank, world) -> int:
     errors = {}
     if args.check:
         full = {n: x[n].detach().clone().requires_grad_() for n in names}
-        o_ref, ht_ref = op(full["q"], full["k"], full["v"], full["g"], full["beta"],
+        o_ref, ht_ref = op(*[full[n] for n in inputs],
                            initial_state=full.get("h0"), output_final_state=args.initial_state,
                            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device), chunk_size=args.chunk_size,
                            backend=args.backend)
@@ -201,8 +234,8 @@ def _run(variant, args, device, rank, world) -> int:
               f"{len(seqlens)} sequences {seqlens} = {cu[-1]} tokens, H={H} HV={HV} K=V={K}, {args.dtype}, "
               f"chunk {args.chunk_size}, initial/final states {'on' if args.initial_state else 'off'}")
         if args.check:
-            print(f"errors: relative ||cp - single|| / ||single|| per tensor (worst gradient of dq, dk, dv, dg, dbeta; "
-                  f"states: summed ht and dh0); tolerance {tol:g}")
+            print(f"errors: relative ||cp - single|| / ||single|| per tensor (worst gradient of "
+                  f"{', '.join('d' + n for n in inputs)}; states: summed ht and dh0); tolerance {tol:g}")
         hdr = (f"{'rank':>4} {'tokens':>7} {'segs':>4} {'pre':>3} {'post':>4} {'err o':>9} {'err grad':>9} "
                f"{'err state':>9} {'fwd ms':>8} {'bwd ms':>8} {'tokens/s':>10} {'exchange B':>11}  check")
         print(hdr)
