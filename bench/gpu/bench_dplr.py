@@ -4,6 +4,11 @@ chunk 64 with safe_gate=True, bf16, median of triton's do_bench; plus the error 
 reference: o, and the worst of the gradients dq, dk, dv, da, db, dgk.
 
     python3 bench/gpu/bench_dplr.py --out dplr.json            # FLA's source on PYTHONPATH for its rows
+    python3 bench/gpu/bench_dplr.py --impls deltacp_tiled,fla_chunk16 --shapes 4,4096,32,64
+
+The naive tier (a token loop: tens of seconds of do_bench at these shapes) is timed only when --impls names
+it (deltacp_naive); its accuracy is always measured. FLA's first call compiles and autotunes its Triton
+kernels (minutes per chunk size without a tuned cache), so each step prints a progress line first.
 
 Inputs as FLA's DPLR tests draw them: q, k, v ~ randn; a = normalize(rand), b = -a; gk = logsigmoid(randn),
 clamped to [-5, 0] (FLA's safe_gate range, the same inputs for every implementation). Shapes (B, T, H, D):
@@ -111,20 +116,29 @@ def accuracy(impls):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_dplr.json")
+    ap.add_argument("--impls", default="deltacp_tiled,fla_chunk16,fla_chunk64_safe_gate",
+                    help="implementations to time, comma-separated (deltacp_tiled, deltacp_naive, fla_chunk16, "
+                         "fla_chunk64_safe_gate); every available one is checked for accuracy")
+    ap.add_argument("--shapes", default=None, help="B,T,H,D shapes, ';'-separated (default: the three above)")
     args = ap.parse_args()
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     impls = {"deltacp_tiled": deltacp_fn("tiled"), "deltacp_naive": deltacp_fn("naive")}
     for cs, safe in ((16, False), (64, True)):
         f = fla_fn(cs, safe)
         if f is not None:
             impls[f"fla_chunk{cs}" + ("_safe_gate" if safe else "")] = f
+    timed = [n for n in args.impls.split(",") if n in impls]
+    print(f"# accuracy against float64 of {', '.join(impls)} (FLA's first calls compile its kernels)", flush=True)
     errors, grad_errors = accuracy(impls)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), dtype="bf16",
                   gate=f"logsigmoid(randn) clamped to [{LOWER}, 0]", rows=[], errors_vs_fp64=errors,
                   grad_errors_vs_fp64=grad_errors)
-    for shape in SHAPES:
+    for shape in shapes:
         for backward in (False, True):
             row = dict(shape=list(shape), direction="fwd+bwd" if backward else "fwd")
-            for name, fn in impls.items():
+            for name in timed:
+                fn = impls[name]
+                print(f"# timing {name} {shape} {row['direction']}", flush=True)
                 try:
                     row[name + "_ms"] = time_impl(fn, shape, backward)
                 except Exception as e:  # noqa: BLE001 - record and go on (e.g. a shape one side refuses)

@@ -2,7 +2,7 @@
 # One call on a GPU machine: build, validate, sanitize, benchmark; results under $OUT (default /tmp/deltacp-out).
 #
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
-#                                            cpbench, stages, scan, ncu (default build,test,sanitize,pytest,bench)
+#                                            cpbench, stages, scan, dplr, ncu (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too); on one GPU the checks run as 2 ranks
 #            sharing it over gloo, without the examples and the bench
@@ -10,6 +10,8 @@
 #            DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log; with DELTACP_STAGE_FUSED="0 4096 ..."
 #            the fused gdn forward's kernels instead, once per piece length (DELTACP_FUSED_PIECE; 0 = whole)
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
+#   dplr     bench/gpu/bench_dplr.py: the tiled DPLR forward and forward + backward beside FLA's chunk_dplr
+#            (DELTACP_DPLR_ARGS, e.g. "--impls deltacp_tiled,fla_chunk16 --shapes 4,4096,32,64") -> bench_dplr.json
 #   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt,
 #            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
@@ -92,6 +94,14 @@ if has scan; then  # the state scan alone: wgmma against mma.sync (bench/gpu/ben
   timeout 300 python3 bench/gpu/bench_scan.py --json "$OUT/bench_scan.json" ${DELTACP_SCAN_ARGS:-} >"$OUT/bench_scan.log" 2>&1
   say "scan bench: rc=$? in $(( $(date +%s) - t0 )) s"
   tail -24 "$OUT/bench_scan.log"
+fi
+
+if has dplr; then  # DPLR beside FLA (its first calls compile and autotune: progress lines in bench_dplr.log)
+  t0=$(date +%s)
+  PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout 420 python3 bench/gpu/bench_dplr.py --out "$OUT/bench_dplr.json" \
+    ${DELTACP_DPLR_ARGS:-} >"$OUT/bench_dplr.log" 2>&1
+  say "dplr bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  tail -12 "$OUT/bench_dplr.log"
 fi
 
 if has stages; then  # where the tiled forward + backward spends its time, kernel by kernel
