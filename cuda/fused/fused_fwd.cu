@@ -512,9 +512,7 @@ void launch_chain(const Params& p, const ChunkTable& table, const float* G, cons
   const int nwg = chain_warpgroups(table.num_seqs() * p.HV, sm_count());
   const ChainLayout L = chain_layout(nwg, sizeof(T));
   auto kernel = nwg == 2 ? fused_chain_kernel<T, 2> : fused_chain_kernel<T, 1>;
-  DELTACP_CHECK(L.bytes <= max_smem_optin(), "K", "the fused forward needs ", L.bytes,
-                " bytes of shared memory; this GPU allows ", max_smem_optin());
-  DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes));
+  opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
                   static_cast<unsigned>(kKeys / (kCols * nwg)));
   kernel<<<grid, 128 * nwg, L.bytes, stream>>>(a);

@@ -319,10 +319,8 @@ void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const floa
   a.H = p.H;
   a.HV = p.HV;
   a.group = p.HV / p.H;
-  DELTACP_CHECK(WySmem::bytes <= max_smem_optin(), "K", "the fused WY stage needs ", WySmem::bytes,
-                " bytes of shared memory; this GPU allows ", max_smem_optin());
-  DELTACP_CUDA_CHECK(
-      cudaFuncSetAttribute(fused_wy_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, WySmem::bytes));
+  opt_in_smem(fused_wy_kernel<T>, WySmem::bytes, "K", "the fused WY stage needs ", WySmem::bytes,
+              " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
   fused_wy_kernel<T><<<grid, 128, WySmem::bytes, stream>>>(a);
   DELTACP_CUDA_CHECK_LAUNCH();

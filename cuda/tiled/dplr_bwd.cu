@@ -489,38 +489,21 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
                 " chunks for the tiled DPLR backward, got ", C);
   const dim3 per_key_block(static_cast<unsigned>(C * (KP / kDKB)), static_cast<unsigned>(H));
   if (C > 0) {
-    const auto wy = dplr_wy_kernel<T, KP>;
-    dplr_prepare_smem(wy, WySmem<T, KP>::bytes, p, "WY stage");
-    wy<<<per_chunk, kDThreads, WySmem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_wy_kernel<T, KP>, WySmem<T, KP>::bytes, per_chunk, p, "WY stage", stream, x);
   }
   if (p.num_seqs > 0) {
-    const auto scan = dplr_scan_kernel<T, KP>;
-    dplr_prepare_smem(scan, ScanSmem<T, KP>::bytes, p, "state scan");
-    scan<<<per_seq, kDThreads, ScanSmem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_scan_kernel<T, KP>, ScanSmem<T, KP>::bytes, per_seq, p, "state scan", stream, x);
   }
   if (C > 0) {
-    const auto out = dplr_output_kernel<T, KP>;
-    dplr_prepare_smem(out, OutSmem<T, KP>::bytes, p, "output stage");
-    out<<<per_chunk, kDThreads, OutSmem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
   }
   if (p.num_seqs > 0) {
-    const auto scan = dplr_dh0_scan_kernel<T, KP>;
-    dplr_prepare_smem(scan, Dh0Smem<T, KP>::bytes, p, "reverse state-gradient scan");
-    scan<<<per_seq, kDThreads, Dh0Smem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_dh0_scan_kernel<T, KP>, Dh0Smem<T, KP>::bytes, per_seq, p, "reverse state-gradient scan",
+                stream, x);
   }
   if (C > 0) {
-    const auto dv = dplr_bwd_dv_kernel<T, KP>;
-    dplr_prepare_smem(dv, BdvSmem<T, KP>::bytes, p, "backward dv stage");
-    dv<<<per_chunk, kDThreads, BdvSmem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
-    const auto dk = dplr_bwd_dk_kernel<T, KP>;
-    dplr_prepare_smem(dk, BdkSmem<T>::bytes, p, "backward dk stage");
-    dk<<<per_key_block, kDThreads, BdkSmem<T>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_bwd_dv_kernel<T, KP>, BdvSmem<T, KP>::bytes, per_chunk, p, "backward dv stage", stream, x);
+    dplr_launch(dplr_bwd_dk_kernel<T, KP>, BdkSmem<T>::bytes, per_key_block, p, "backward dk stage", stream, x);
   }
 }
 

@@ -101,37 +101,22 @@ void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
   const dim3 per_seq(static_cast<unsigned>(p.num_seqs * H), static_cast<unsigned>(VP / kDBV));
 
   if (C > 0) {
-    const auto wy = dplr_wy_kernel<T, KP>;
-    dplr_prepare_smem(wy, WySmem<T, KP>::bytes, p, "WY stage");
-    wy<<<per_chunk, kDThreads, WySmem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_wy_kernel<T, KP>, WySmem<T, KP>::bytes, per_chunk, p, "WY stage", stream, x);
   }
   if (dh0_only) {
     if (C > 0) {  // the output stage without o: q e^G and P_qb for the reverse scan
-      const auto out = dplr_output_kernel<T, KP>;
-      dplr_prepare_smem(out, OutSmem<T, KP>::bytes, p, "output stage");
-      out<<<per_chunk, kDThreads, OutSmem<T, KP>::bytes, stream>>>(x);
-      DELTACP_CUDA_CHECK_LAUNCH();
+      dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
     }
     if (p.num_seqs > 0) {
-      const auto scan = dplr_dh0_scan_kernel<T, KP>;
-      dplr_prepare_smem(scan, Dh0Smem<T, KP>::bytes, p, "dh0 scan");
-      scan<<<per_seq, kDThreads, Dh0Smem<T, KP>::bytes, stream>>>(x);
-      DELTACP_CUDA_CHECK_LAUNCH();
+      dplr_launch(dplr_dh0_scan_kernel<T, KP>, Dh0Smem<T, KP>::bytes, per_seq, p, "dh0 scan", stream, x);
     }
     return;
   }
   if (p.num_seqs > 0) {
-    const auto scan = dplr_scan_kernel<T, KP>;
-    dplr_prepare_smem(scan, ScanSmem<T, KP>::bytes, p, "state scan");
-    scan<<<per_seq, kDThreads, ScanSmem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_scan_kernel<T, KP>, ScanSmem<T, KP>::bytes, per_seq, p, "state scan", stream, x);
   }
   if (C > 0 && p.o.defined()) {
-    const auto out = dplr_output_kernel<T, KP>;
-    dplr_prepare_smem(out, OutSmem<T, KP>::bytes, p, "output stage");
-    out<<<per_chunk, kDThreads, OutSmem<T, KP>::bytes, stream>>>(x);
-    DELTACP_CUDA_CHECK_LAUNCH();
+    dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
   }
 }
 

@@ -681,13 +681,17 @@ struct BdkSmem {
 // ---- host ------------------------------------------------------------------------------------------------------
 template <class Kernel>
 void dplr_prepare_smem(Kernel kernel, int64_t bytes, const Params& p, const char* stage) {
-  const int limit = max_smem_optin();
-  if (bytes > limit)
-    throw_error("K", "the tiled DPLR ", stage, " needs ", bytes, " bytes of shared memory for K = ", p.K,
-                " and dtype ", to_string(p.dtype), "; this GPU allows ", limit,
-                " (use the naive tier, or 16-bit inputs)");
-  DELTACP_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  opt_in_smem(kernel, bytes, "K", "the tiled DPLR ", stage, " needs ", bytes, " bytes of shared memory for K = ", p.K,
+              " and dtype ", to_string(p.dtype), " (use the naive tier, or 16-bit inputs)");
+}
+
+// One stage: its shared memory checked and opted into (dplr_prepare_smem), then launched with kDThreads threads.
+template <class Kernel, class Args>
+void dplr_launch(Kernel kernel, int64_t bytes, dim3 grid, const Params& p, const char* stage, cudaStream_t stream,
+                 const Args& x) {
+  dplr_prepare_smem(kernel, bytes, p, stage);
+  kernel<<<grid, kDThreads, static_cast<size_t>(bytes), stream>>>(x);
+  DELTACP_CUDA_CHECK_LAUNCH();
 }
 
 // Stream-ordered workspace buffers, freed on the stream when the forward returns.

@@ -765,12 +765,8 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
 // Opts the kernel into `bytes` of dynamic shared memory; names the arguments when it cannot fit.
 template <class Kernel>
 void prepare_smem(Kernel kernel, int bytes, const Params& p, const char* stage) {
-  const int limit = max_smem_optin();
-  if (bytes > limit) {
-    throw_error("K", "the tiled tier's ", stage, " needs ", bytes, " bytes of shared memory for K = ", p.K,
-                ", V = ", p.V, " and dtype ", to_string(p.dtype), "; this GPU allows ", limit);
-  }
-  DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  opt_in_smem(kernel, bytes, "K", "the tiled tier's ", stage, " needs ", bytes, " bytes of shared memory for K = ",
+              p.K, ", V = ", p.V, " and dtype ", to_string(p.dtype));
 }
 
 // Grid dimensions y and z are limited to 65535.
