@@ -58,6 +58,19 @@ def make_problem(variant, B=2, T=37, H=2, K=8, V=6, HV=None, seed=0, cu_seqlens=
     return p
 
 
+def rwkv7_inputs(rng, B, T, H, K, V):
+    """FLA's RWKV-7 layer inputs, float64: r, k, v ~ randn; w = -exp(-0.5) sigmoid(.) (the log decay);
+    a = -kk and b = kk * sigmoid(.) (the in-context learning rate) with kk a unit row."""
+    r = rng.standard_normal((B, T, H, K))
+    k = rng.standard_normal((B, T, H, K))
+    v = rng.standard_normal((B, T, H, V))
+    w = -np.exp(-0.5) / (1.0 + np.exp(-rng.standard_normal((B, T, H, K))))
+    kk = rng.standard_normal((B, T, H, K))
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    iclr = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, K))))
+    return dict(r=r, w=w, k=k, v=v, a=-kk, b=kk * iclr)
+
+
 def ref_forward(ref, variant, p, **kw):
     """Calls deltacp.reference's forward of `variant` on a make_problem dict."""
     common = dict(initial_state=p["initial_state"], cu_seqlens=p["cu_seqlens"], **kw)

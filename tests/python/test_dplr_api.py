@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 import deltacp  # noqa: E402
 import deltacp.reference as ref  # noqa: E402
 from deltacp import dplr  # noqa: E402
-from deltacp_testutil import make_problem, rel_err  # noqa: E402
+from deltacp_testutil import make_problem, rel_err, rwkv7_inputs  # noqa: E402
 
 
 def _t(x, dtype=torch.float64, requires_grad=False):
@@ -81,14 +81,8 @@ def test_rwkv7_native_recurrence_and_state_v_first():
     b = kk * a): output, the [V, K] initial and final states (state_v_first=True)."""
     rng = np.random.default_rng(3)
     B, T, H, K, V = 2, 23, 2, 8, 4
-    r = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    v = rng.standard_normal((B, T, H, V))
-    w = -np.exp(-0.5) / (1.0 + np.exp(-rng.standard_normal((B, T, H, K))))
-    kk = rng.standard_normal((B, T, H, K))
-    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
-    iclr = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, K))))
-    a, b = -kk, kk * iclr
+    x = rwkv7_inputs(rng, B, T, H, K, V)
+    r, w, k, v, a, b = (x[n] for n in ("r", "w", "k", "v", "a", "b"))
     s0_vk = 0.3 * rng.standard_normal((B, H, V, K))
     y_ref, s_ref = _rwkv7_native(r, w, k, v, a, b, s0_vk, 1.0)
     for backend in ("reference", "recurrent"):

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import deltacp  # noqa: E402
 import deltacp.reference as ref  # noqa: E402
-from deltacp_testutil import make_problem, rel_err  # noqa: E402
+from deltacp_testutil import make_problem, rel_err, rwkv7_inputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -250,16 +250,7 @@ def test_against_fla_chunk_rwkv7():
     w and a / b), both against float64; deltacp's error no worse than twice FLA's (or below 2e-3)."""
     fla_rwkv7 = pytest.importorskip("fla.ops.rwkv7")
     rng = np.random.default_rng(9)
-    B, T, H, K, V = 2, 1000, 4, 64, 64
-    r = rng.standard_normal((B, T, H, K))
-    k = rng.standard_normal((B, T, H, K))
-    v = rng.standard_normal((B, T, H, V))
-    w = -np.exp(-0.5) / (1.0 + np.exp(-rng.standard_normal((B, T, H, K))))
-    kk = rng.standard_normal((B, T, H, K))
-    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
-    iclr = 1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, K))))
-    xs = {n: torch.tensor(x).to(torch.bfloat16) for n, x in
-          (("r", r), ("w", w), ("k", k), ("v", v), ("a", -kk), ("b", kk * iclr))}
+    xs = {n: torch.tensor(x).to(torch.bfloat16) for n, x in rwkv7_inputs(rng, 2, 1000, 4, 64, 64).items()}
     xd = {n: x.double().numpy() for n, x in xs.items()}
     o_ref, ht_ref = ref.dplr(xd["r"], xd["k"], xd["v"], xd["a"], xd["b"], xd["w"], scale=1.0)
     xc = {n: x.cuda() for n, x in xs.items()}

@@ -206,8 +206,8 @@ def _chunk_bwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, a, b, h0, cu, cu_host, variant, _fwd_method, bwd_method, scale, chunk_size,
-     output_final_state, _gate_min) = inputs[:17]
-    ctx.qk_l2norm = len(inputs) > 17 and bool(inputs[17])
+     output_final_state, _gate_min, qk_l2norm) = inputs
+    ctx.qk_l2norm = qk_l2norm
     ctx.save_for_backward(q, k, v, g, beta, a, b, h0, cu, cu_host)
     ctx.variant, ctx.method, ctx.scale, ctx.chunk_size = variant, bwd_method, scale, chunk_size
     ctx.output_final_state = output_final_state
