@@ -95,6 +95,19 @@ void check_view(const View& v, const char* name, const char* what, bool log_deca
 
 bool per_key_gate(Variant v) { return v == Variant::kda || v == Variant::dplr; }
 
+// The checks read a flag back and synchronise the stream, which a stream capture (torch.cuda.graph) cannot
+// record: refused by name before any of it is issued, so the capture stays valid and the caller learns why.
+void refuse_under_capture(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // the legacy stream while another stream captures: not checkable either
+    status = cudaStreamCaptureStatusActive;
+  }
+  DELTACP_CHECK(status == cudaStreamCaptureStatusNone, "DELTACP_CHECK",
+                "the numeric checks copy a result to the host and synchronise the stream, which a CUDA graph "
+                "capture cannot record; unset DELTACP_CHECK (or set it to 0) while capturing");
+}
+
 }  // namespace
 
 bool numeric_checks_requested() {
@@ -104,6 +117,7 @@ bool numeric_checks_requested() {
 
 void check_inputs_on_device(const Params& p, bool backward) {
   auto stream = static_cast<cudaStream_t>(p.stream);
+  refuse_under_capture(stream);
   const int64_t gdim = per_key_gate(p.variant) ? p.K : 1;
   const bool decay = p.variant == Variant::gdn || p.variant == Variant::kda;
   check_view(tensor_view(p, p.q, p.H, p.K, p.dtype), "q", "input", false, stream);
@@ -123,6 +137,7 @@ void check_inputs_on_device(const Params& p, bool backward) {
 
 void check_outputs_on_device(const Params& p, bool backward) {
   auto stream = static_cast<cudaStream_t>(p.stream);
+  refuse_under_capture(stream);
   if (!backward) {
     check_view(tensor_view(p, p.o, p.HV, p.V, p.dtype), "o", "output", false, stream);
     check_view(state_view(p, p.ht), "ht", "output", false, stream);

@@ -8,7 +8,8 @@
 //
 // Cost: off (unset or "0"), one getenv per call and nothing on the GPU. On, one reduction kernel per
 // tensor (reads every element once, atomicMin of the first bad flat index) and one synchronisation of
-// p.stream per check: for debugging runs, not for timing.
+// p.stream per check: for debugging runs, not for timing. Inside a CUDA graph capture (torch.cuda.graph)
+// they cannot run: with DELTACP_CHECK set, a captured call raises deltacp::Error naming DELTACP_CHECK.
 #pragma once
 
 #include "deltacp/params.h"

@@ -20,9 +20,31 @@
 // initial state).
 //
 // The table is built on the host from p.cu_seqlens_host (varlen) or from B and T (fixed batches),
-// and uploaded with cudaMemcpyAsync on the given stream into stream-ordered memory from deltacp's
-// workspace pool (../common/workspace_pool.h); the ChunkTable object owns that memory and frees it on
-// the same stream when it is destroyed, so kernels launched on that stream before the destructor runs may use it.
+// and uploaded with cudaMemcpyAsync on the given stream into stream-ordered workspace memory
+// (../common/workspace_pool.h: torch's caching allocator or deltacp's pool); the ChunkTable object owns
+// that memory and frees it on the same stream when it is destroyed, so kernels launched on that stream
+// before the destructor runs may use it.
+//
+// Uploads and CUDA graphs (upload_table below; every host-to-device table of the tiled and fused tiers
+// goes through it: ChunkTable here, the fold table of scan_split.cu's PieceTables). Outside a capture the
+// copy reads the host vector directly: from pageable memory the runtime stages the bytes before
+// cudaMemcpyAsync returns, so the vector may go at once. Inside a stream capture (torch.cuda.graph) the
+// copy is not run but recorded as a memcpy node that every replay runs again, reading its source address
+// then (the runtime records a copy from pageable memory without complaint), so a vector freed when the
+// call returns would be read after its death. So under capture the bytes are first copied into a
+// process-lifetime store of pinned host memory (pinned_table_copy), deduplicated by content, and the node
+// reads them from there.
+// The destination is workspace memory, which under capture is the graph's own (torch's graph pool, or a
+// graph allocation node of deltacp's pool), so each replay rewrites the same table where the captured
+// kernels read it. A table is fixed at capture: it depends on B, T, chunk_size and the host offsets
+// (cu_seqlens_host), which fix the grids too, so a replay is the captured problem on new tensor contents.
+// Why not build the tables on the device instead: the host needs them anyway (grid sizes, the pieces'
+// plan, the fold's map pointers), so a device builder would be a second copy of the numbering, and
+// varlen calls would still need the host offsets. Why not pass them as kernel parameters: a table grows
+// with the tokens (56 bytes per chunk) past the 4 KB of a launch's parameters. The store's cost: each
+// distinct table captured stays pinned for the process's life (56 bytes per chunk, 40 per sequence), once
+// however often it is captured; only the pieces' fold table, which holds workspace addresses, may differ
+// between two captures of one shape (24 bytes per sequence each time).
 //
 // Everything is int64 (docs/design.md section 6).
 //
@@ -36,6 +58,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -45,6 +71,71 @@
 #include "deltacp/params.h"
 
 namespace deltacp::cuda::tiled {
+
+// True while `stream` is being captured into a CUDA graph (also when its capture was invalidated). A
+// query that fails (the legacy stream while another stream of the device captures) counts as capturing:
+// the pinned path is correct everywhere, it only keeps the bytes.
+inline bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so a later check does not report it
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+namespace detail {
+// The process-lifetime store of table bytes for captured copies (see the file comment): pinned blocks
+// handed out in 256-byte pieces, and an index from the bytes to their piece.
+struct PinnedTables {
+  std::mutex mutex;
+  std::unordered_map<std::string, const void*> by_bytes;
+  char* block = nullptr;  // the free part of the newest pinned block
+  size_t left = 0;
+};
+inline PinnedTables& pinned_tables() {
+  static PinnedTables* t = new PinnedTables;  // leaked on purpose: graphs may replay until the process ends
+  return *t;
+}
+}  // namespace detail
+
+// A pinned, never freed, never rewritten copy of host[0, bytes), shared by equal byte strings. The pinned
+// allocation runs in relaxed capture mode: torch captures in global mode, where a cudaHostAlloc on the
+// capturing thread fails (cudaErrorStreamCaptureUnsupported) and invalidates the capture, although it
+// records nothing on any stream.
+inline const void* pinned_table_copy(const void* host, size_t bytes) {
+  auto& store = detail::pinned_tables();
+  std::string key(static_cast<const char*>(host), bytes);
+  std::lock_guard<std::mutex> lock(store.mutex);
+  const auto found = store.by_bytes.find(key);
+  if (found != store.by_bytes.end()) return found->second;
+  const size_t need = (bytes + 255) / 256 * 256;
+  if (need > store.left) {
+    const size_t block = std::max<size_t>(need, size_t{256} << 10);
+    void* ptr = nullptr;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    DELTACP_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    const cudaError_t err = cudaHostAlloc(&ptr, block, cudaHostAllocPortable);
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);  // the caller's mode again
+    DELTACP_CUDA_CHECK(err);
+    store.block = static_cast<char*>(ptr);
+    store.left = block;
+  }
+  char* dst = store.block;
+  store.block += need;
+  store.left -= need;
+  std::memcpy(dst, host, bytes);
+  store.by_bytes.emplace(std::move(key), dst);
+  return dst;
+}
+
+// host[0, bytes) into device memory, ordered on stream; under stream capture from the pinned store, so
+// that every replay of the graph copies the same bytes (the file comment says why).
+inline void upload_table(void* device, const void* host, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  const void* src = stream_capturing(stream) ? pinned_table_copy(host, bytes) : host;
+  DELTACP_CUDA_CHECK(cudaMemcpyAsync(device, src, bytes, cudaMemcpyHostToDevice, stream));
+}
 
 // One chunk of one sequence (56 bytes, all int64).
 struct ChunkEntry {
@@ -164,9 +255,7 @@ class ChunkTable {
     if (host.empty()) return;
     const size_t bytes = host.size() * sizeof(E);
     *device = static_cast<E*>(workspace_alloc(bytes, stream_));
-    // From pageable memory the runtime stages the bytes before returning, and host_ lives as long as
-    // the table anyway.
-    DELTACP_CUDA_CHECK(cudaMemcpyAsync(*device, host.data(), bytes, cudaMemcpyHostToDevice, stream_));
+    upload_table(*device, host.data(), bytes, stream_);
   }
 
   cudaStream_t stream_ = nullptr;

@@ -515,12 +515,13 @@ PieceTables::PieceTables(const Params& p, const ScanPlan& plan, const std::vecto
   }
   const size_t bytes = host.size() * sizeof(FoldSeq);
   fold_seqs_ = static_cast<FoldSeq*>(workspace_alloc(bytes, stream));
-  // From pageable memory the runtime stages the bytes before returning, so `host` may go (ChunkTable keeps
-  // its host copy for other readers).
-  const cudaError_t e = cudaMemcpyAsync(fold_seqs_, host.data(), bytes, cudaMemcpyHostToDevice, stream);
-  if (e != cudaSuccess) {
+  // upload_table (chunk_table.cuh): `host` may go when it returns, also under graph capture, where the
+  // maps' addresses in it are the graph's own workspace and stay valid for every replay.
+  try {
+    upload_table(fold_seqs_, host.data(), bytes, stream);
+  } catch (...) {
     workspace_free(fold_seqs_, stream);
-    DELTACP_CUDA_CHECK(e);
+    throw;
   }
 }
 

@@ -29,6 +29,17 @@ def _run(cfg, direction: str, method: str, descs: dict) -> None:
         _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
 
 
+def capturing(device) -> bool:
+    """True while torch's current stream of the CUDA ``device`` is being captured into a CUDA graph
+    (torch.cuda.graph): then nothing may copy device memory to the host or synchronise, so the steps that
+    would (a host copy of cu_seqlens, safe_gate's range check) raise an error naming their argument
+    instead of breaking the capture."""
+    if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def tensor_descs(gate_name, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
     """The descriptions _core.run takes for the inputs (the single-device and the CP ops share it)."""
     d = {"q": torch_desc(q, "q"), "k": torch_desc(k, "k"), "v": torch_desc(v, "v")}

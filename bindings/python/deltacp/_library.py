@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._calls import _run, tensor_descs
+from ._calls import _run, capturing, tensor_descs
 from ._describe import torch_desc
 from .errors import InvalidArgumentError
 
@@ -61,7 +61,12 @@ def _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_
     cfg.output_final_state = output_final_state
     cfg.cu = cu
     # The host copy of the offsets the CUDA tiers plan with (deltacp.ops makes it once per call; a
-    # direct caller of the op without one pays a device-to-host copy here).
+    # direct caller of the op without one pays a device-to-host copy here, which a CUDA graph capture
+    # cannot record).
+    if cu is not None and q.device.type == "cuda" and cu_host is None and capturing(q.device):
+        raise InvalidArgumentError(
+            "deltacp: argument 'cu_seqlens_cpu': is required for a varlen call inside a CUDA graph capture "
+            "(copying cu_seqlens to the host synchronises, which the capture cannot record)")
     cfg.cu_host = cu if (cu is None or q.device.type == "cpu") else (
         cu_host if cu_host is not None else cu.to("cpu"))
     cfg.fwd_method, cfg.bwd_method = fwd_method, bwd_method
@@ -119,6 +124,12 @@ def _check_gate_range(g, lower: float, gate_name: str = "g") -> None:
     """safe_gate's promise lower <= g <= 0 on a precomputed log decay (deltacp.fla_options)."""
     if g is None or g.numel() == 0:
         return
+    if not torch.compiler.is_compiling() and capturing(g.device):
+        raise InvalidArgumentError(
+            f"deltacp: argument 'safe_gate': with a precomputed {gate_name}, safe_gate=True checks "
+            f"{lower} <= {gate_name} <= 0 on the host, a device-to-host copy that a CUDA graph capture cannot "
+            f"record; check the range before the capture and call with safe_gate=False inside it, or let the "
+            f"gate come from use_gate_in_kernel=True")
     lo, hi = float(g.min()), float(g.max())
     if not (lo >= lower and hi <= 0.0):
         raise InvalidArgumentError(

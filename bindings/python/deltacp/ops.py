@@ -47,7 +47,7 @@ BACKENDS = ("reference", "recurrent", "naive", "tiled", "fused")
 _CPU_METHOD = {"reference": "chunked", "recurrent": "recurrent"}
 _CUDA_TIERS = ("fused", "tiled", "naive")  # fastest first
 # The tensor check, the tensor descriptions and the core call, shared with deltacp.cp (deltacp/_calls.py).
-from ._calls import _FLOAT_DTYPES, _run, _tensor, tensor_descs  # noqa: E402,F401
+from ._calls import _FLOAT_DTYPES, _run, _tensor, capturing, tensor_descs  # noqa: E402,F401
 # The registered ops and the run of one call (_Config, _DeltaRuleFunction for callers that build one).
 from . import _library  # noqa: E402
 from ._library import _Config, _DeltaRuleFunction, _check_gate_range  # noqa: E402,F401
@@ -143,12 +143,36 @@ def _offsets(cu_seqlens, cu_seqlens_cpu, device):
     if cu_seqlens.dim() != 1:
         raise InvalidArgumentError(f"deltacp: argument 'cu_seqlens': expected a 1-D tensor [N + 1], got shape "
                                    f"{list(cu_seqlens.shape)}")
+    if device.type == "cuda" and not torch.compiler.is_compiling() and capturing(device):
+        _check_captured_offsets(cu_seqlens, cu_seqlens_cpu, device)
     cu = cu_seqlens.to(device=device, dtype=torch.int64).contiguous()
     if device.type == "cpu":
         return cu, cu
     host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     host = torch.as_tensor(host).to(device="cpu", dtype=torch.int64).contiguous()  # one sync when on the GPU
     return cu, host
+
+
+def _check_captured_offsets(cu_seqlens, cu_seqlens_cpu, device):
+    """A varlen call inside a CUDA graph capture: the CUDA tiers plan from a host copy of the offsets, and
+    neither copy between host and device may run while the stream is captured (each synchronises). So
+    cu_seqlens must already be on the GPU and cu_seqlens_cpu its host copy; the graph then replays those
+    sequence boundaries (changing cu_seqlens' contents between replays does not move them)."""
+    if cu_seqlens.device.type != "cuda":
+        raise InvalidArgumentError(
+            f"deltacp: argument 'cu_seqlens': inside a CUDA graph capture expected a tensor on {device} (copying "
+            f"host offsets to the GPU synchronises, which the capture cannot record), got one on "
+            f"{cu_seqlens.device}; pass cu_seqlens on the GPU and its host copy as cu_seqlens_cpu")
+    if cu_seqlens_cpu is None:
+        raise InvalidArgumentError(
+            "deltacp: argument 'cu_seqlens_cpu': is required for a varlen call inside a CUDA graph capture: the "
+            "CUDA tiers plan from a host copy of cu_seqlens, and copying cu_seqlens to the host synchronises, "
+            "which the capture cannot record; pass cu_seqlens_cpu=cu_seqlens.cpu(), made before the capture "
+            "(the graph replays these sequence boundaries)")
+    if isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type != "cpu":
+        raise InvalidArgumentError(
+            f"deltacp: argument 'cu_seqlens_cpu': inside a CUDA graph capture expected a CPU tensor (copying it "
+            f"to the host synchronises, which the capture cannot record), got one on {cu_seqlens_cpu.device}")
 
 
 def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, cu_seqlens, backend,
@@ -249,6 +273,10 @@ def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, method, scal
 
     Chunk c of every sequence is run as one packed varlen call from the states the previous call
     left: ceil(longest sequence / chunk_size) calls, a path for inference and checks, not for speed."""
+    if not torch.compiler.is_compiling() and capturing(q.device):
+        raise InvalidArgumentError(
+            "deltacp: argument 'return_intermediate_states': not supported inside a CUDA graph capture (it runs "
+            "one call per chunk with offsets built on the host, copied to the GPU with a synchronisation)")
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu is None:
