@@ -7,8 +7,11 @@
 //   W = (T Beta e^G) K        U = (T Beta) V             P = tril(Q K^T) o e^(G_i - G_j)   (j <= i)
 //
 // One warpgroup (128 threads) per (chunk, value head):
-//   loads     Q, K, V tiles (64 tokens x 128, 16-bit, 128-byte swizzle) by cp.async; V lands while A, P
-//             and T are computed
+//   loads     Q, K, V tiles (64 tokens x 128, 16-bit) by TMA (../common/tma.cuh), each as two 64 x 64 boxes
+//             with the 128-byte swizzle the wgmma descriptors read: Q and K on one mbarrier, V on another,
+//             so V lands while A, P and T are computed. A box covers 64 rows whatever the chunk's length:
+//             in a chunk of n < 64 tokens rows n .. 63 are zeroed in shared memory before use, as masked
+//             loads would have left them
 //   products  Q K^T and K K^T: 2 x 8 wgmma m64n64k16 with both operands in shared memory, one group
 //   P         masked and decayed in registers, stored (16-bit, 128 bytes per token and head)
 //   A         masked and scaled in registers, to shared memory (fp32); T by blocked substitution (fp32
@@ -18,17 +21,15 @@
 //             by row) and stored as whole rows
 // With qk_l2norm (FLA's use_qk_l2norm_in_kernel, no gradient: params.h) each row's 1 / sqrt(|x|^2 + eps) is
 // summed from the tiles while Q K^T and K K^T run and folded into P (rq_i rk_j), A (rk_i rk_j) and W's
-// operand (rk_j); the scales go out (8 bytes per token and head) for the chain, which folds them into its
-// products the same way, so q and k are read once and never written normalised (except k for the pieces'
-// pass 1, which reads k itself).
+// operand (rk_j); the scales go out (8 bytes per token and head) for the chain and its map mode (the pieces'
+// pass 1), which fold them into their products the same way, so q and k are read once and never written
+// normalised.
 // The tiled tier's WY stage (tiled_fwd.cu, chunk_wy_kernel) computes the same W and U with mma.sync and
-// the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation), so the pass-1 maps
-// of the intra-card CP (cuda/tiled/scan_split.cu) read these W and U unchanged; the fused tier's scores
-// used to be a kernel of their own that read q and k a second time.
+// the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation).
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
-// K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G: 69,376 bytes plus 1 KB of alignment
-// slack: three CTAs per SM on an H100/H200.
+// K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G, the row scales and two mbarriers:
+// 69,392 bytes plus 1 KB of alignment slack: three CTAs per SM on an H100/H200.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,6 +39,7 @@
 #include "../common/check.h"
 #include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
+#include "../common/tma.cuh"
 #include "../tiled/chunk_table.cuh"
 #include "../tiled/fwd_mma.cuh"
 #include "../tiled/wgmma_ops.cuh"
@@ -48,17 +50,16 @@ namespace deltacp::cuda::fused {
 
 template <class T>
 struct WyArgs {
-  DevRows<const T> q, k, v, beta;
+  TileMap16 tm_q, tm_k, tm_v;  // [B, T, H or HV, 128] as the caller strides them: boxes of 64 columns x 64 tokens
+  DevRows<const T> beta;
   const tiled::ChunkEntry* chunks = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
   T* W = nullptr;            // [R, HV, 128]
   T* U = nullptr;            // [R, HV, 128]
   T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P
   // qk_l2norm (params.h): rq, rk [R, HV] fp32 receive each row's 1 / sqrt(|x|^2 + eps) (nullptr: no l2 norm);
-  // Kn [R, H, 128], when given, the normalised k rows (for the pieces' pass 1, which reads k itself).
   float* rq = nullptr;
   float* rk = nullptr;
-  T* Kn = nullptr;
   int64_t H = 0, HV = 0, group = 1;
 };
 
@@ -74,7 +75,8 @@ struct WySmem {
   static constexpr int eg = g + 256;
   static constexpr int rq = eg + 256;            // the rows' l2-norm scales (1 without qk_l2norm)
   static constexpr int rk = rq + 256;
-  static constexpr int bytes = rk + 256 + 1024;  // plus the alignment slack
+  static constexpr int bar = rk + 256;           // two mbarriers: Q and K, then V
+  static constexpr int bytes = bar + 16 + 1024;  // plus the alignment slack
 };
 static_assert(64 * WySmem::kLdA * 4 <= WySmem::k, "A must fit in the Q tile's region");
 
@@ -131,7 +133,7 @@ __device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
 #endif
 
 template <class T>
-__global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
+__global__ void __launch_bounds__(128) fused_wy_kernel(const __grid_constant__ WyArgs<T> a) {
 #ifdef DELTACP_WGMMA_DEVICE
   using namespace tiled;
   using S = WySmem;
@@ -149,12 +151,31 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
   const ChunkEntry ce = a.chunks[blockIdx.x];
   const int64_t hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
   const int len = static_cast<int>(ce.len);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::bar);
 
-  load_tile_sw128<T, 128>(smem + S::q, a.q.at(ce.batch, ce.t0, hk), a.q.st, len);
-  load_tile_sw128<T, 128>(smem + S::k, a.k.at(ce.batch, ce.t0, hk), a.k.st, len);
-  cp_async_commit();
-  load_tile_sw128<T, 128>(smem + S::v, a.v.at(ce.batch, ce.t0, hv), a.v.st, len);
-  cp_async_commit();
+  if (tid == 0) {
+    mbar_init(bars, 1);
+    mbar_init(bars + 1, 1);
+    fence_mbar_init();
+    const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch);
+    const int h = static_cast<int>(hk), hvi = static_cast<int>(hv);
+    mbar_expect_tx(bars, 4 * 8192);
+    tma_load_4d(smem + S::q, &a.tm_q.map, bars, 0, h, t0, b);
+    tma_load_4d(smem + S::q + 8192, &a.tm_q.map, bars, 64, h, t0, b);
+    tma_load_4d(smem + S::k, &a.tm_k.map, bars, 0, h, t0, b);
+    tma_load_4d(smem + S::k + 8192, &a.tm_k.map, bars, 64, h, t0, b);
+    mbar_expect_tx(bars + 1, 2 * 8192);
+    tma_load_4d(smem + S::v, &a.tm_v.map, bars + 1, 0, hvi, t0, b);
+    tma_load_4d(smem + S::v + 8192, &a.tm_v.map, bars + 1, 64, hvi, t0, b);
+  }
+  // Rows len .. 63 of the two 64-row blocks at tile: zero (after the box has landed).
+  auto zero_tail_rows = [&](unsigned char* tile) {
+    if (len < 64)
+      for (int idx = tid; idx < 2 * 64 * 8; idx += 128) {
+        const int row = (idx >> 3) & 63;
+        if (row >= len) *reinterpret_cast<uint4*>(tile + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
+      }
+  };
   if (tid < 64) {
     // rows past a short chunk repeat its last G (every decay stays finite) and have beta = 0
     const float gi = a.G != nullptr ? a.G[(ce.row0 + min(tid, len - 1)) * HV + hv] : 0.f;
@@ -162,7 +183,10 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
     egs[tid] = exp_t<T>(gi);
     bs[tid] = tid < len ? to_f(*a.beta.at(ce.batch, ce.t0 + tid, hv)) : 0.f;
   }
-  cp_async_wait<1>();  // Q and K (V may still be in flight)
+  __syncthreads();  // the barriers are initialised
+  mbar_wait(bars, 0);  // Q and K (V may still be in flight)
+  zero_tail_rows(smem + S::q);
+  zero_tail_rows(smem + S::k);
   fence_proxy_async();
   __syncthreads();
 
@@ -224,7 +248,8 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
     *reinterpret_cast<float2*>(As + i1 * S::kLdA + j) =
         make_float2(j < i1 ? b1 * e10 * Aacc[4 * nb + 2] : 0.f, j + 1 < i1 ? b1 * e11 * Aacc[4 * nb + 3] : 0.f);
   }
-  cp_async_wait<0>();  // the V tile, published by the solve's first barrier
+  mbar_wait(bars + 1, 0);  // the V tile
+  zero_tail_rows(smem + S::v);
   fence_proxy_async();
   __syncthreads();
   unit_lower_inverse_64_tf32(As, Ts, S::kLdA);
@@ -273,40 +298,22 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(WyArgs<T> a) {
   __syncthreads();
   store_rows_128<T>(a.W, smem + S::q, ce.row0, HV, hv, len);
   store_rows_128<T>(a.U, smem + S::t, ce.row0, HV, hv, len);
-  if (a.Kn != nullptr && hv % a.group == 0) {  // the normalised k rows, once per key head
-    const int piece = tid & 15, r0 = tid >> 4;
-#pragma unroll
-    for (int it = 0; it < 8; ++it) {
-      const int r = r0 + 8 * it;
-      if (r >= len) break;
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + S::k + (piece >> 3) * 8192 + r * 128 +
-                                                      (((piece & 7) ^ (r & 7)) << 4));
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      uint32_t o[4];
-      const float sk = rks[r];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = unpack2<T>(w[e]);
-        o[e] = pack2<T>(f.x * sk, f.y * sk);
-      }
-      *reinterpret_cast<uint4*>(a.Kn + ((ce.row0 + r) * a.H + hk) * 128 + piece * 8) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
-  }
 #else
   __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
 #endif
 }
 
 // Launches fused_wy_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
-// stage 1, nullptr for delta; rq, rk, Kn as in WyArgs: nullptr without p.qk_l2norm).
+// stage 1, nullptr for delta; rq, rk as in WyArgs: nullptr without p.qk_l2norm).
 template <class T>
 void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const float* G, T* W, T* U, T* P, float* rq,
-                     float* rk, T* Kn, cudaStream_t stream) {
+                     float* rk, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
   WyArgs<T> a;
-  a.q = dev_rows<const T>(p.q);
-  a.k = dev_rows<const T>(p.k);
-  a.v = dev_rows<const T>(p.v);
+  a.tm_q = tile_map_16bit(p.q.ptr, {128, p.H, p.T, p.B}, {p.q.stride_h, p.q.stride_t, p.q.stride_b}, {64, 1, 64, 1}, "q");
+  a.tm_k = tile_map_16bit(p.k.ptr, {128, p.H, p.T, p.B}, {p.k.stride_h, p.k.stride_t, p.k.stride_b}, {64, 1, 64, 1}, "k");
+  a.tm_v = tile_map_16bit(p.v.ptr, {128, p.HV, p.T, p.B}, {p.v.stride_h, p.v.stride_t, p.v.stride_b}, {64, 1, 64, 1},
+                          "v");
   a.beta = dev_rows<const T>(p.beta);
   a.chunks = table.chunks();
   a.G = p.variant == Variant::delta ? nullptr : G;
@@ -315,7 +322,6 @@ void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const floa
   a.P = P;
   a.rq = rq;
   a.rk = rk;
-  a.Kn = Kn;
   a.H = p.H;
   a.HV = p.HV;
   a.group = p.HV / p.H;

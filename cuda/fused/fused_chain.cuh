@@ -1,0 +1,504 @@
+// cuda/fused/fused_chain.cuh — the fused forward's serial part: one CTA walks a sequence's (or a piece's)
+// chunks with the state S in registers, doing every product that touches S, and writes the output.
+//
+// For a chunk of n <= 64 tokens with state S (K x V, fp32) at its start, G the within-chunk cumulative log
+// decay, and W, U, P from fused_wy_kernel (fused_wy.cuh):
+//
+//   Vn = U - W S
+//   O  = scale ( e^G (Q S) + P Vn )
+//   S' = e^(G_n) S + (K e^(G_n - G))^T Vn
+//
+//   CTA       one per (sequence or piece, value head, 64 NWG state columns); NWG = 1 or 2 warpgroups of
+//             128 threads, each owning 64 state columns (all 128 key rows) as an fp32 wgmma accumulator
+//             (64 registers per thread), written transposed (S^T) so that every product that reads S takes
+//             it straight from registers as the A operand
+//   loads     by TMA (../common/tma.cuh), kStages deep (3 with one warpgroup, 2 with two: what fits in
+//             shared memory): thread 0 issues a chunk's W, K, Q tiles (64 tokens x 128 keys, 16-bit, as two
+//             64 x 64 boxes with the 128-byte swizzle the wgmma descriptors read), its P box (64 x 64) and U's
+//             columns (64 x 64 boxes), kStages - 1 chunks ahead, completing on the stage's mbarrier; G and
+//             qk_l2norm's row scales (64 floats each, one per row of a strided [R, HV] array: too narrow for a
+//             TMA box) come by cp.async. A box covers 64 rows whatever the chunk's length, so in a chunk of
+//             n < 64 tokens rows n .. 63 (the next sequence's or piece's rows, or TMA's zero fill past the
+//             tensor) are zeroed in shared memory before use: every product then sees what it saw with
+//             masked loads, bit for bit
+//   per chunk (each warpgroup; "rs": A from registers)
+//     (1) Va = S^T W^T,  Oa = S^T Q^T        16 x wgmma m64n64k16 rs, one group
+//     (2) Vn^T = U^T - Va (U^T by ldmatrix.trans from the swizzled box);  Oa *= e^(G_i) per token;
+//         Vns^T = Vn^T e^(G_n - G_j); both to A fragments (with qk_l2norm also Oa *= rq_i and Vns^T *= rk_j:
+//         the raw q and k tiles act as normalised ones)
+//     (3) S^T <- e^(G_n) S^T + Vns^T K       4 x wgmma m64n128k16 rs (K's tile MN-major)
+//         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major), same group
+//     (4) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as 16-byte
+//         pieces of whole rows while the next chunk's first products run
+//   So per chunk q, k, W, U, P, g come in and o goes out; no per-chunk state (h) and no v_new. Why P is made
+//   outside the chain: ptxas waits for every outstanding wgmma group before reading any register a wgmma
+//   wrote, so a Q K^T issued beside the state's products could not overlap them; computed in the chain it
+//   cost a serial group, 64 exponentials per thread and a barrier per chunk.
+//
+// Shared memory (bf16): a stage is W, K, Q (16 KB each), P (8 KB), U (8 KB per warpgroup) and G, rq, rk
+// (768 B), rounded to 1 KB; plus an output staging tile (9 KB) per warpgroup and the stages' mbarriers.
+// NWG = 1: 3 stages, 205 KB; NWG = 2: 2 stages, 165 KB; the map mode (NWG = 2, W, K and U only): 3 stages,
+// 148 KB. One CTA per SM.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "../common/check.h"
+#include "../common/dev_rows.cuh"
+#include "../common/device_info.h"
+#include "../common/tma.cuh"
+#include "../tiled/chunk_table.cuh"
+#include "../tiled/fwd_mma.cuh"
+#include "../tiled/wgmma_ops.cuh"
+#include "deltacp/error.h"
+#include "deltacp/params.h"
+
+namespace deltacp::cuda::fused {
+
+constexpr int kKeys = 128;   // K: key rows of the state
+constexpr int kCols = 64;    // state columns per warpgroup
+constexpr int kLdStage = 72; // leading dimension (elements) of the output staging tile
+
+// Load stages of a CTA of nwg warpgroups: three chunks in flight where they fit (the map mode has no Q and P).
+__host__ __device__ constexpr int chain_stages(int nwg, bool map) { return map || nwg == 1 ? 3 : 2; }
+
+template <class T>
+struct ChainArgs {
+  TileMap16 tm_w, tm_u, tm_p;  // [R, HV, 128], [R, HV, 128], [R, HV, 64]: boxes of 64 columns x 64 rows
+  TileMap16 tm_k, tm_q;        // [B, T, H, 128] as the caller strides them: boxes of 64 keys x 64 tokens
+  DevRows<T> o;
+  const tiled::SeqEntry* seqs = nullptr;
+  const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
+  const float* rq = nullptr; // [R, HV] fp32: qk_l2norm's row scales of q and k (fused_wy_kernel), or nullptr
+  const float* rk = nullptr;
+  const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
+  float* ht = nullptr;       // the same shape, or nullptr; the map mode: [N, HV, K, V + K]
+  int64_t Tlen = 0, HV = 0, group = 1;
+  int chunk_size = 64;
+  float scale = 1.f;
+};
+
+// Shared memory of one CTA (offsets from a 1024-byte aligned base: the swizzled boxes need it). Within a
+// stage the boxes are consecutive 64-row blocks of 128-byte rows: W (2), K (2), Q (2), P (1), U (nwg); the
+// map mode has no Q, P or output staging.
+struct ChainLayout {
+  int w, k, q, p, u, g, rq, rk;  // stage 0's buffers; stage s adds s * stage
+  int blocks;                    // 64-row blocks of a stage, from offset 0
+  int stage, stages;
+  int os;     // per-warpgroup output staging tiles
+  int bar;    // the stages' mbarriers
+  int bytes;  // everything, plus 1024 bytes of slack for the alignment
+};
+__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map) {
+  auto up = [](int x, int a) { return (x + a - 1) / a * a; };
+  constexpr int kBlock = 64 * 128;
+  ChainLayout L;
+  L.w = 0;
+  L.k = 2 * kBlock;
+  L.q = map ? -1 : 4 * kBlock;
+  L.p = map ? -1 : 6 * kBlock;
+  L.u = (map ? 4 : 7) * kBlock;
+  L.blocks = (map ? 4 : 7) + nwg;
+  int o = L.blocks * kBlock;
+  L.g = o;
+  o += 64 * 4;
+  L.rq = o;
+  o += 64 * 4;
+  L.rk = o;
+  o += 64 * 4;
+  L.stage = up(o, 1024);
+  L.stages = chain_stages(nwg, map);
+  o = L.stages * L.stage;
+  L.os = o;
+  if (!map) o += nwg * 64 * kLdStage * esize;
+  L.bar = up(o, 8);
+  o = L.bar + 8 * L.stages;
+  L.bytes = o + 1024;
+  return L;
+}
+
+#ifdef DELTACP_WGMMA_DEVICE
+// Va <- U^T - Va for an m64n64 accumulator (this warpgroup's 64 state columns x 64 tokens), U^T's fragments
+// read by ldmatrix.trans from a 64 x 64 box with the 128-byte swizzle (16-byte piece j of row r at j ^ (r % 8)).
+// srow, scol: this lane's row and column in the box (as for an unswizzled tile, see u_minus_acc_trans).
+template <class T>
+__device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const unsigned char* box, int srow, int scol) {
+  const int piece = scol >> 3;
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    const int row = 16 * np + srow;
+    uint32_t u[4];
+    tiled::ldmatrix_x4_trans(u, box + row * 128 + ((piece ^ (row & 7)) << 4));
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int at = 8 * np + 2 * q;  // n-block 2 np + q / 2, row half q % 2
+      const float2 uf = tiled::unpack2<T>(u[q]);
+      Va[at] = uf.x - Va[at];
+      Va[at + 1] = uf.y - Va[at + 1];
+    }
+  }
+}
+#endif
+
+// One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns), sequential over
+// the sequence's chunks (the file comment gives the steps).
+//
+// kMap: the map mode, the pieces' pass 1 of intra-card CP. A piece entered with [0 | I] (a state V + K = 256
+// columns wide: the value columns from zero, then the identity) leaves with [H | M], so that entered with S it
+// leaves with M S + H (cuda/tiled/scan_split.cu has the algebra). The same chain step without the output:
+// no Q or P tile, no output products; the identity columns' CTAs (v0 >= V) see U = 0 and load no U. The
+// start state is made in registers and [H | M] goes to ht, rows V + K apart.
+template <class T, int NWG, bool kMap>
+__global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
+#ifdef DELTACP_WGMMA_DEVICE
+  using namespace tiled;
+  constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = chain_stages(NWG, kMap);
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const ChainLayout L = chain_layout(NWG, sizeof(T), kMap);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L.bar);
+
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t n = blockIdx.x, hv = blockIdx.y, HV = args.HV;
+  const int v0 = blockIdx.z * BVC;   // the CTA's first state column
+  const int vw = v0 + kCols * wg;    // this warpgroup's first state column
+  const int jr = 16 * wi + g;        // this thread's rows of S^T: jr and jr + 8
+  const int hk = static_cast<int>(hv / args.group);
+  const SeqEntry se = args.seqs[n];
+  const int cs = args.chunk_size;
+  const bool has_gate = args.G != nullptr;
+  const bool u_zero = kMap && v0 >= kKeys;  // the map mode's identity columns
+  constexpr int64_t kStateCols = kMap ? 2 * kKeys : kKeys;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(bars + s, 1);
+    fence_mbar_init();
+  }
+  if (tid == 0 && se.num_chunks > 0) {
+    tma_prefetch_map(&args.tm_w.map);
+    tma_prefetch_map(&args.tm_u.map);
+    tma_prefetch_map(&args.tm_p.map);
+    tma_prefetch_map(&args.tm_k.map);
+    tma_prefetch_map(&args.tm_q.map);
+  }
+
+  // S^T in the m64n128 accumulator layout: S[4 nb + e] = state (key row 8 nb + 2 t + (e & 1),
+  // column vw + jr + 8 (e >> 1)).
+  const int64_t state0 = (n * HV + hv) * kKeys * kStateCols;
+  float S[64];
+#pragma unroll
+  for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
+      if constexpr (kMap) {
+        S[4 * nb + e] = col - kKeys == d ? 1.f : 0.f;
+      } else {
+        S[4 * nb + e] = args.h0 != nullptr ? args.h0[state0 + d * kKeys + col] : 0.f;
+      }
+    }
+  __syncthreads();  // the barriers are initialised
+
+  auto chunk_row0 = [&](int64_t c) { return se.batch * args.Tlen + se.bos + c * cs; };
+  auto chunk_len = [&](int64_t c) { return static_cast<int>(min(static_cast<int64_t>(cs), se.len - c * cs)); };
+  // Chunk c's loads into stage c % kStages (its previous chunk's readers are past the barrier that ended it).
+  auto issue = [&](int64_t c) {
+    const int64_t row0 = chunk_row0(c), t0 = se.bos + c * cs;
+    const int len = chunk_len(c);
+    const int s = static_cast<int>(c % kStages);
+    unsigned char* st = smem + s * L.stage;
+    if (tid == 0) {
+      const uint32_t bytes = (4 + (kMap ? 0 : 3) + (u_zero ? 0 : NWG)) * 8192;
+      const int r = static_cast<int>(row0), tt = static_cast<int>(t0), b = static_cast<int>(se.batch);
+      const int h = static_cast<int>(hv);
+      fence_proxy_async();  // the zeroed rows of this stage's last use (generic writes) before the copies
+      mbar_expect_tx(bars + s, bytes);
+      tma_load_3d(st + L.w, &args.tm_w.map, bars + s, 0, h, r);
+      tma_load_3d(st + L.w + 8192, &args.tm_w.map, bars + s, 64, h, r);
+      tma_load_4d(st + L.k, &args.tm_k.map, bars + s, 0, hk, tt, b);
+      tma_load_4d(st + L.k + 8192, &args.tm_k.map, bars + s, 64, hk, tt, b);
+      if constexpr (!kMap) {
+        tma_load_4d(st + L.q, &args.tm_q.map, bars + s, 0, hk, tt, b);
+        tma_load_4d(st + L.q + 8192, &args.tm_q.map, bars + s, 64, hk, tt, b);
+        tma_load_3d(st + L.p, &args.tm_p.map, bars + s, 0, h, r);
+      }
+      if (!u_zero)
+#pragma unroll
+        for (int u = 0; u < NWG; ++u) tma_load_3d(st + L.u + u * 8192, &args.tm_u.map, bars + s, v0 + 64 * u, h, r);
+    }
+    float* gbuf = reinterpret_cast<float*>(st + L.g);
+    if (tid < 64) {
+      if (has_gate) {
+        cp_async_4(gbuf + tid, args.G + (row0 + min(tid, len - 1)) * HV + hv);
+      } else {
+        gbuf[tid] = 0.f;
+      }
+    } else if (tid < 128) {  // qk_l2norm's row scales (1 without it); rows past the chunk: 1
+      const int i = tid - 64;
+      float* rqb = reinterpret_cast<float*>(st + L.rq);
+      float* rkb = reinterpret_cast<float*>(st + L.rk);
+      if (args.rq != nullptr && i < len) {
+        cp_async_4(rqb + i, args.rq + (row0 + i) * HV + hv);
+      } else {
+        rqb[i] = 1.f;
+      }
+      if (args.rk != nullptr && i < len) {  // the map mode has rk without rq
+        cp_async_4(rkb + i, args.rk + (row0 + i) * HV + hv);
+      } else {
+        rkb[i] = 1.f;
+      }
+    }
+    cp_async_commit();
+  };
+  T* os = reinterpret_cast<T*>(smem + L.os) + wg * 64 * kLdStage;
+  // stmatrix / ldmatrix row addresses: lane -> matrix q = lane / 8 (n-block parity q / 2, row half q % 2).
+  const int sq = lane >> 3, srr = lane & 7;
+  const int srow = 8 * (sq >> 1) + srr, scol = 16 * wi + 8 * (sq & 1);
+
+  // The staged output rows of a chunk (tokens t0 .. t0 + len - 1) as 16-byte pieces of whole rows.
+  auto store_staged = [&](int64_t t0, int len) {
+    const int i0 = wtid >> 3, pc = (wtid & 7) * 8;
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int i = i0 + 16 * it;
+      if (i < len)
+        *reinterpret_cast<uint4*>(args.o.at(se.batch, t0 + i, hv) + vw + pc) =
+            *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
+    }
+  };
+
+  const int64_t nchunks = se.num_chunks;
+#pragma unroll
+  for (int c = 0; c + 1 < kStages; ++c) {
+    if (c < nchunks) {
+      issue(c);
+    } else {
+      cp_async_commit();
+    }
+  }
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int len = chunk_len(c);
+    const int64_t t0 = se.bos + c * cs;
+    const int s = static_cast<int>(c % kStages);
+    unsigned char* st = smem + s * L.stage;
+    if (c + kStages - 1 < nchunks) {
+      issue(c + kStages - 1);
+    } else {
+      cp_async_commit();
+    }
+    cp_async_wait<kStages - 1>();
+    mbar_wait(bars + s, static_cast<uint32_t>((c / kStages) & 1));
+    if (len < 64) {  // rows len .. 63 of every box: zero, as masked loads would have left them
+      for (int idx = tid; idx < L.blocks * 64 * 8; idx += kThr) {
+        const int row = (idx >> 3) & 63;
+        if (row >= len) *reinterpret_cast<uint4*>(st + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const float* gbuf = reinterpret_cast<const float*>(st + L.g);
+    const float* rqb = reinterpret_cast<const float*>(st + L.rq);
+    const float* rkb = reinterpret_cast<const float*>(st + L.rk);
+    const uint32_t w_addr = smem_u32(st + L.w), k_addr = smem_u32(st + L.k), q_addr = smem_u32(st + (kMap ? 0 : L.q));
+    const uint32_t p_addr = smem_u32(st + (kMap ? 0 : L.p));
+
+    // (1) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers.
+    float Va[32], Oa[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) Va[i] = Oa[i] = 0.f;
+    uint32_t sa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) sa[kk][r] = pack2<T>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
+    wg_fence();
+    reg_fence(Va);
+    if constexpr (!kMap) reg_fence(Oa);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+      wgmma_n64_rs<T>(Va, sa[kk], wg_desc(w_addr + off, 16, 1024), kk > 0);
+      if constexpr (!kMap) wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
+    }
+    wg_commit();
+    // The previous chunk's output, staged at its end (the barrier that ended it made the tile visible),
+    // goes out while the products run.
+    if (!kMap && c > 0) store_staged(t0 - cs, cs);
+    wg_wait_all();
+    reg_fence(Va);
+    if constexpr (!kMap) reg_fence(Oa);
+    reg_fence(sa);
+
+    // (2) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i.
+    if (u_zero) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) Va[i] = -Va[i];
+    } else {
+      u_minus_acc_trans_sw128<T>(Va, st + L.u + wg * 8192, srow, scol);
+    }
+    const float glast = gbuf[len - 1];
+    uint32_t va[4][4], vo[4][4];  // Vns^T (state update) and Vn^T (output) as A fragments
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
+      const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
+      const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
+      const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);  // K's rows: k_n = rk k
+      const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
+      const float2 qa = *reinterpret_cast<const float2*>(rqb + 16 * kk + 2 * t);  // Q's rows: q_n = rq q
+      const float2 qb = *reinterpret_cast<const float2*>(rqb + 16 * kk + 8 + 2 * t);
+      const float f0 = exp_t<T>(glast - ga.x) * ka.x, f1 = exp_t<T>(glast - ga.y) * ka.y;
+      const float f2 = exp_t<T>(glast - gb.x) * kb.x, f3 = exp_t<T>(glast - gb.y) * kb.y;
+      va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
+      va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
+      va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
+      va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
+      const float e0 = exp_t<T>(ga.x) * qa.x, e1 = exp_t<T>(ga.y) * qa.y;
+      const float e2 = exp_t<T>(gb.x) * qb.x, e3 = exp_t<T>(gb.y) * qb.y;
+      Oa[8 * kk] *= e0;
+      Oa[8 * kk + 1] *= e1;
+      Oa[8 * kk + 2] *= e0;
+      Oa[8 * kk + 3] *= e1;
+      Oa[8 * kk + 4] *= e2;
+      Oa[8 * kk + 5] *= e3;
+      Oa[8 * kk + 6] *= e2;
+      Oa[8 * kk + 7] *= e3;
+    }
+
+    // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.
+    const float eg = exp_t<T>(glast);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) S[i] *= eg;
+    wg_fence();
+    reg_fence(S);
+    if constexpr (!kMap) reg_fence(Oa);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(S, va[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
+    if constexpr (!kMap)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Oa, vo[kk], wg_desc(p_addr + kk * 32, 16, 1024), 1);
+    wg_commit();
+    wg_wait_all();
+    reg_fence(S);
+    reg_fence(va);
+    if constexpr (kMap) {
+      __syncthreads();  // this stage is free
+      continue;
+    }
+    reg_fence(Oa);
+    reg_fence(vo);
+
+    // (4) O = scale Oa^T, staged tokens x 64 columns (after every thread of the warpgroup has stored the
+    // previous chunk's rows from the tile); stored during the next chunk's first products.
+    warpgroup_bar(wg);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      const float sc = args.scale;
+      const uint32_t r[4] = {pack2<T>(sc * Oa[8 * np], sc * Oa[8 * np + 1]),
+                             pack2<T>(sc * Oa[8 * np + 2], sc * Oa[8 * np + 3]),
+                             pack2<T>(sc * Oa[8 * np + 4], sc * Oa[8 * np + 5]),
+                             pack2<T>(sc * Oa[8 * np + 6], sc * Oa[8 * np + 7])};
+      stmatrix_x4_trans(os + (16 * np + srow) * kLdStage + scol, r);
+    }
+    __syncthreads();  // this stage is free; the staged output is visible to the warpgroup
+  }
+  if (!kMap && nchunks > 0) store_staged(se.bos + (nchunks - 1) * cs, chunk_len(nchunks - 1));
+
+  if (args.ht != nullptr) {
+#pragma unroll
+    for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
+        args.ht[state0 + d * kStateCols + col] = S[4 * nb + e];
+      }
+  }
+#else
+  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
+#endif
+}
+
+// DELTACP_FUSED_WG: 0 (unset) = by the grid's width, else 1 or 2 warpgroups per CTA.
+inline int warpgroups_from_env() {
+  const char* env = std::getenv("DELTACP_FUSED_WG");
+  if (env == nullptr || *env == '\0') return 0;
+  DELTACP_CHECK(std::string(env) == "1" || std::string(env) == "2", "DELTACP_FUSED_WG", "expected 1 or 2, got '",
+                env, "'");
+  return std::atoi(env);
+}
+
+// Warpgroups per CTA: two share one copy of each chunk's tiles; one doubles the CTAs, which pays where
+// two per CTA would leave SMs idle. DELTACP_FUSED_WG forces it.
+inline int chain_warpgroups(int64_t seqs_x_heads, int sms) {
+  const int env = warpgroups_from_env();
+  if (env != 0) return env;
+  return 2 * seqs_x_heads >= sms ? 2 : 1;
+}
+
+// The chain kernel over the table's sequences (or pieces): W, U, P from fused_wy_kernel ([R, HV, 128 / 128 /
+// 64]), G ([R, HV] fp32, ignored for delta), rq / rk (qk_l2norm's row scales, or nullptr), h0 / ht per table
+// entry (the map mode: h0 unused, ht = the maps [N, HV, K, V + K]).
+template <class T, bool kMap>
+void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W,
+                         const void* U, const void* P, const float* rq, const float* rk, const float* h0, float* ht,
+                         int nwg, cudaStream_t stream) {
+  if (table.num_seqs() == 0) return;
+  const int64_t R = p.B * p.T, HV = p.HV;
+  ChainArgs<T> a;
+  if (R > 0) {  // else no sequence has a chunk: the kernel only carries h0 to ht and never reads a map
+    a.tm_w = tile_map_16bit(W, {kKeys, HV, R}, {kKeys, HV * kKeys}, {64, 1, 64}, "W");
+    a.tm_u = tile_map_16bit(U, {kKeys, HV, R}, {kKeys, HV * kKeys}, {64, 1, 64}, "U");
+    a.tm_k = tile_map_16bit(p.k.ptr, {kKeys, p.H, p.T, p.B}, {p.k.stride_h, p.k.stride_t, p.k.stride_b},
+                            {64, 1, 64, 1}, "k");
+    if (!kMap) {
+      a.tm_p = tile_map_16bit(P, {64, HV, R}, {64, HV * 64}, {64, 1, 64}, "P");
+      a.tm_q = tile_map_16bit(p.q.ptr, {kKeys, p.H, p.T, p.B}, {p.q.stride_h, p.q.stride_t, p.q.stride_b},
+                              {64, 1, 64, 1}, "q");
+    }
+  }
+  if (!kMap) a.o = dev_rows<T>(p.o);
+  a.seqs = table.seqs();
+  a.G = p.variant == Variant::delta ? nullptr : G;
+  a.rq = rq;
+  a.rk = rk;
+  a.h0 = h0;
+  a.ht = ht;
+  a.Tlen = p.T;
+  a.HV = p.HV;
+  a.group = p.HV / p.H;
+  a.chunk_size = p.chunk_size;
+  a.scale = static_cast<float>(p.scale);
+  const ChainLayout L = chain_layout(nwg, sizeof(T), kMap);
+  auto kernel = nwg == 2 ? fused_chain_kernel<T, 2, kMap> : fused_chain_kernel<T, 1, kMap>;
+  opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");
+  const int64_t cols = kMap ? 2 * kKeys : kKeys;
+  const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
+                  static_cast<unsigned>(cols / (kCols * nwg)));
+  kernel<<<grid, 128 * nwg, L.bytes, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+// The chain with the output (warpgroups per CTA: chain_warpgroups).
+template <class T>
+void launch_chain(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W, const void* U,
+                  const void* P, const float* rq, const float* rk, const float* h0, float* ht, cudaStream_t stream) {
+  launch_chain_kernel<T, false>(p, table, G, W, U, P, rq, rk, h0, ht, chain_warpgroups(table.num_seqs() * p.HV, sm_count()),
+                                stream);
+}
+
+// The map mode over the pieces of `table`: maps [pieces, HV, K, V + K] = [H | M] of each (two warpgroups per
+// CTA, two CTAs per piece and head: one shared copy of each chunk's W and K per 128 columns).
+template <class T>
+void launch_chain_maps(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W, const void* U,
+                       const float* rk, float* maps, cudaStream_t stream) {
+  launch_chain_kernel<T, true>(p, table, G, W, U, nullptr, nullptr, rk, nullptr, maps, 2, stream);
+}
+
+}  // namespace deltacp::cuda::fused
