@@ -13,6 +13,7 @@
 //       // dims fastest first (dims[0] contiguous), strides in elements for dims 1.., box[0] = 64 (128 B: the
 //       // swizzle span), 128-byte swizzle, zero fill outside the tensor. An Error names `arg` when the driver
 //       // refuses the map (its message has the dims and strides).
+//   token_rows_map(q, B, T, H, 128, "q"), workspace_rows_map(W, B * T, HV, 128, "W")   // 64 x 64 boxes
 // Device (sm_90):
 //   mbar_init(bar, 1); fence_mbar_init();            // once, one thread, then a CTA barrier
 //   mbar_expect_tx(bar, bytes); tma_load_3d/4d(...)  // the thread that issues the stage's copies
@@ -29,6 +30,7 @@
 #include <string>
 
 #include "check.h"
+#include "deltacp/params.h"
 
 namespace deltacp::cuda {
 
@@ -83,6 +85,15 @@ inline TileMap16 tile_map_16bit(const void* base, std::initializer_list<int64_t>
                            "]: strides must be positive multiples of 16 bytes)");
   }
   return m;
+}
+
+// Boxes of 64 columns x 64 token rows over a caller's [B, T, heads, D] tensor (TensorRef strides) ...
+inline TileMap16 token_rows_map(const TensorRef& r, int64_t B, int64_t T, int64_t heads, int64_t D, const char* arg) {
+  return tile_map_16bit(r.ptr, {D, heads, T, B}, {r.stride_h, r.stride_t, r.stride_b}, {64, 1, 64, 1}, arg);
+}
+// ... and over a contiguous [R, heads, D] workspace (R = B * T token rows).
+inline TileMap16 workspace_rows_map(const void* base, int64_t R, int64_t heads, int64_t D, const char* arg) {
+  return tile_map_16bit(base, {D, heads, R}, {D, heads * D}, {64, 1, 64}, arg);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -453,14 +453,12 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   const int64_t R = p.B * p.T, HV = p.HV;
   ChainArgs<T> a;
   if (R > 0) {  // else no sequence has a chunk: the kernel only carries h0 to ht and never reads a map
-    a.tm_w = tile_map_16bit(W, {kKeys, HV, R}, {kKeys, HV * kKeys}, {64, 1, 64}, "W");
-    a.tm_u = tile_map_16bit(U, {kKeys, HV, R}, {kKeys, HV * kKeys}, {64, 1, 64}, "U");
-    a.tm_k = tile_map_16bit(p.k.ptr, {kKeys, p.H, p.T, p.B}, {p.k.stride_h, p.k.stride_t, p.k.stride_b},
-                            {64, 1, 64, 1}, "k");
+    a.tm_w = workspace_rows_map(W, R, HV, kKeys, "W");
+    a.tm_u = workspace_rows_map(U, R, HV, kKeys, "U");
+    a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, kKeys, "k");
     if (!kMap) {
-      a.tm_p = tile_map_16bit(P, {64, HV, R}, {64, HV * 64}, {64, 1, 64}, "P");
-      a.tm_q = tile_map_16bit(p.q.ptr, {kKeys, p.H, p.T, p.B}, {p.q.stride_h, p.q.stride_t, p.q.stride_b},
-                              {64, 1, 64, 1}, "q");
+      a.tm_p = workspace_rows_map(P, R, HV, 64, "P");
+      a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, kKeys, "q");
     }
   }
   if (!kMap) a.o = dev_rows<T>(p.o);

@@ -310,10 +310,9 @@ void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const floa
                      float* rk, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
   WyArgs<T> a;
-  a.tm_q = tile_map_16bit(p.q.ptr, {128, p.H, p.T, p.B}, {p.q.stride_h, p.q.stride_t, p.q.stride_b}, {64, 1, 64, 1}, "q");
-  a.tm_k = tile_map_16bit(p.k.ptr, {128, p.H, p.T, p.B}, {p.k.stride_h, p.k.stride_t, p.k.stride_b}, {64, 1, 64, 1}, "k");
-  a.tm_v = tile_map_16bit(p.v.ptr, {128, p.HV, p.T, p.B}, {p.v.stride_h, p.v.stride_t, p.v.stride_b}, {64, 1, 64, 1},
-                          "v");
+  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
+  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, 128, "k");
+  a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, 128, "v");
   a.beta = dev_rows<const T>(p.beta);
   a.chunks = table.chunks();
   a.G = p.variant == Variant::delta ? nullptr : G;
