@@ -440,10 +440,11 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
 // ---- host ------------------------------------------------------------------------------------------------------
 template <class T, int KP>
 void run_dplr_backward(const Params& p, cudaStream_t stream) {
-  const ChunkTable table(p, p.chunk_size, stream);
+  check_dplr_grid(p);
+  check_dplr_smem<T, KP>(p, kDplrWy | kDplrScan | kDplrOut | kDplrDh0Scan | kDplrBwdDv | kDplrBwdDk);
+  const ChunkTable table(p, p.chunk_size, stream);  // (after the checks: a refusal launches nothing)
   const int64_t R = p.B * p.T, H = p.H, C = table.num_chunks();
   const int VP = dplr_vp(p);
-  check_dplr_grid(p);
   DplrWorkspace ws(stream);
   DplrArgs<T> x = dplr_args<T>(p, table, VP);
   constexpr int64_t kMat = int64_t(kDRows) * kDRows;

@@ -17,6 +17,34 @@
 // reference rows, every exponent <= 0 for gk <= 0). Every other exponential here is <= 0 too: e^Gp,
 // e^G, e^(G_n - G), e^G_n. The kernels assume gk <= 0 (deltacp.dplr routes other gates to the naive tier).
 //
+// The state maps (context parallelism's pre-pass, docs/design.md sections 3.2 and 4). Putting Ut = U + W S
+// into S' makes a chunk an affine map of its start state,
+//
+//   S' = M_c S + H_c,   M_c = D_n + Bd^T W   (K x K),   H_c = Kd^T V + Bd^T U   (K x V),
+//   Kd = k e^(G_n - G), Bd = b e^(G_n - G)
+//
+// (the reference's chunk_affine; M_c equals the product of the chunk's token transitions diag(e^gk_t) +
+// b_t a_t^T, span_affine_tokens), and a span of chunks is M = M_last ... M_first with the offsets folded
+// alongside. This tier computes a span's [H | M] without forming any K x K chunk matrix: a final-state-only
+// forward of the widened problem, values [v | 0] (K zero columns) from the state [S0 | I]. U = (T A_ak) V is
+// linear in V, so the zero columns have U = 0 too, and in them the scan's chunk step is
+// Y <- D_n Y + Kd^T 0 + Bd^T (0 + W Y) = M_c Y: the state's own two products (W Y, then Bd^T (W Y); 2 x 64 K^2
+// multiply-adds a chunk, no more than forming M_c and composing it, 64 K^2 + K^3). From Y = I those columns
+// end at M, the others at M S0 + H. The mirror, the dh0-only backward of values [v | 0], upstream [do | 0] and
+// dL/dS_end = [dend | I]: in the zero columns dO = 0 and dUt = Bd dY, so dY <- D_n dY + W^T Bd dY = M_c^T dY,
+// and dh0 = [M^T dend + dH | M^T]. The map columns ride exactly the state's arithmetic: fp32 registers, rounded
+// to the input dtype once a chunk as a tensor-core operand. The CP pre-pass (bindings/python/deltacp/cp/local.py)
+// runs a span as pieces of whole chunks, side by side as the sequences of one varlen problem, and composes the
+// pieces' maps in fp32; tests/cuda/test_cuda_dplr_maps.cpp checks the maps against span_affine and
+// span_affine_backward. A final-state-only run skips the output stage and the stores of h_c and Ut (only the
+// output stage reads them): its workspace is G, W, Kd, Bd, U and D_n. No kernel of its own: one would skip only
+// the K zero value columns' work (their U columns in stage 1; their zero V and U tiles and Kd^T V in the scan)
+// and the [v | 0] copy, while the widened problem reaches this tier through deltacp::Params as it stands.
+//
+// What the tier refuses (check_dplr_tiled: K > 128, chunk_size > 64; check_dplr_smem: a stage's shared memory
+// past this GPU's opt-in limit) it refuses before launching anything, with an Error naming the argument: a
+// caller may run the naive tier instead, as a CP rank does (deltacp.cp.local._dplr_tiers).
+//
 // Kernels (128 threads = 4 warps each; 64-row tiles in shared memory; mma.sync m16n8k16 with fp32
 // accumulation for bf16 / fp16, FFMA for fp32, through fwd_mma.cuh's warp_mma; KP = 64 for K <= 64, 128
 // for K <= 128; VP = V rounded up to 32):
@@ -72,10 +100,14 @@ namespace {
 // dh0_only: the dh0-only backward of p (Params::dh0_only), else p's forward.
 template <class T, int KP>
 void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
-  const ChunkTable table(p, p.chunk_size, stream);
+  check_dplr_grid(p);
+  const bool with_o = !dh0_only && p.o.defined();
+  check_dplr_smem<T, KP>(p, dh0_only  ? kDplrWy | kDplrOut | kDplrDh0Scan
+                            : with_o ? kDplrWy | kDplrScan | kDplrOut
+                                     : kDplrWy | kDplrScan);
+  const ChunkTable table(p, p.chunk_size, stream);  // (after the checks: a refusal launches nothing)
   const int64_t R = p.B * p.T, H = p.H, C = table.num_chunks();
   const int VP = dplr_vp(p);
-  check_dplr_grid(p);
   DplrWorkspace ws(stream);
   DplrArgs<T> x = dplr_args<T>(p, table, VP);
   x.G = ws.get<float>(R * H * KP);
@@ -92,8 +124,10 @@ void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
     x.dh0 = static_cast<float*>(p.dh0);
   } else {
     x.o = dev_rows<T>(p.o);
-    x.Ut = ws.get<T>(R * H * VP);
-    x.h = ws.get<T>(C * H * KP * VP);
+    if (with_o) {  // what the output stage reads; a final-state-only run (the CP pre-pass's maps) keeps neither
+      x.Ut = ws.get<T>(R * H * VP);
+      x.h = ws.get<T>(C * H * KP * VP);
+    }
     x.h0 = static_cast<const float*>(p.h0);
     x.ht = static_cast<float*>(p.ht);
   }
@@ -115,7 +149,7 @@ void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
   if (p.num_seqs > 0) {
     dplr_launch(dplr_scan_kernel<T, KP>, ScanSmem<T, KP>::bytes, per_seq, p, "state scan", stream, x);
   }
-  if (C > 0 && p.o.defined()) {
+  if (C > 0 && with_o) {
     dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
   }
 }

@@ -367,8 +367,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
     load_tile<T, kDThreads>(sV, L::ldv, pv, x.v.st, len, kDRows, static_cast<int>(x.V) - v0, kDBV, vec_ok(pv, x.v.st));
     cp_async_commit();
     for (int d = tid; d < KP; d += kDThreads) sDn[d] = x.Dn[(c * x.H + h) * KP + d];
-    // The chunk-start state: a T operand in shared memory, and h_c in the workspace.
-    T* hc = x.h + (c * x.H + h) * KP * x.VP + v0;
+    // The chunk-start state: a T operand in shared memory, and h_c in the workspace (for the output stage and
+    // the backward; a final-state-only run, the CP pre-pass's maps, keeps none: x.h null).
+    T* hc = x.h == nullptr ? nullptr : x.h + (c * x.H + h) * KP * x.VP + v0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -377,7 +378,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
         for (int e = 0; e < 4; e += 2) {
           const int r = m0 + acc_row(mt, e), col = acc_col(nt, e);
           store_pair(sS + r * L::ldv + col, S[mt][nt][e], S[mt][nt][e + 1]);
-          store_pair(hc + int64_t(r) * x.VP + col, S[mt][nt][e], S[mt][nt][e + 1]);
+          if (hc != nullptr) store_pair(hc + int64_t(r) * x.VP + col, S[mt][nt][e], S[mt][nt][e + 1]);
         }
     cp_async_wait<0>();
     __syncthreads();
@@ -390,14 +391,14 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[0][nt][e] = to_f(sU[(16 * warp + acc_row(0, e)) * L::ldv + acc_col(nt, e)]);
       warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, sW, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
-      T* ut = x.Ut + wrow * x.VP + v0;
+      T* ut = x.Ut == nullptr ? nullptr : x.Ut + wrow * x.VP + v0;  // null: final-state-only, as h
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int i = 16 * warp + acc_row(0, e), col = acc_col(nt, e);
           store_pair(sUt + i * L::ldv + col, acc[0][nt][e], acc[0][nt][e + 1]);
-          if (i < len) store_pair(ut + int64_t(i) * ldv_g + col, acc[0][nt][e], acc[0][nt][e + 1]);
+          if (ut != nullptr && i < len) store_pair(ut + int64_t(i) * ldv_g + col, acc[0][nt][e], acc[0][nt][e + 1]);
         }
     }
     __syncthreads();
@@ -692,6 +693,38 @@ void dplr_launch(Kernel kernel, int64_t bytes, dim3 grid, const Params& p, const
   dplr_prepare_smem(kernel, bytes, p, stage);
   kernel<<<grid, kDThreads, static_cast<size_t>(bytes), stream>>>(x);
   DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+// The stages a run launches (DplrStage bits), each stage's shared memory against the GPU's opt-in limit, before
+// anything is launched: a refusal (an Error naming K, the message of dplr_prepare_smem) leaves no partial work
+// behind, and depends on the dtype, K and the GPU only (not on the sizes of the problem), so a caller that gets
+// it may run the naive tier instead (deltacp.cp does, per rank).
+enum DplrStage : unsigned {
+  kDplrWy = 1u,
+  kDplrScan = 2u,
+  kDplrOut = 4u,
+  kDplrDh0Scan = 8u,
+  kDplrBwdDv = 16u,
+  kDplrBwdDk = 32u,
+};
+template <class T, int KP>
+void check_dplr_smem(const Params& p, unsigned stages) {
+  const int limit = max_smem_optin();
+  const struct {
+    unsigned bit;
+    const char* name;
+    int64_t bytes;
+  } table[] = {{kDplrWy, "WY stage", WySmem<T, KP>::bytes},
+               {kDplrScan, "state scan", ScanSmem<T, KP>::bytes},
+               {kDplrOut, "output stage", OutSmem<T, KP>::bytes},
+               {kDplrDh0Scan, "reverse state-gradient scan", Dh0Smem<T, KP>::bytes},
+               {kDplrBwdDv, "backward dv stage", BdvSmem<T, KP>::bytes},
+               {kDplrBwdDk, "backward dk stage", BdkSmem<T>::bytes}};
+  for (const auto& st : table)
+    if ((stages & st.bit) != 0 && st.bytes > limit)
+      ::deltacp::throw_error("K", "the tiled DPLR ", st.name, " needs ", st.bytes, " bytes of shared memory for K = ",
+                             p.K, " and dtype ", to_string(p.dtype), " (use the naive tier, or 16-bit inputs)",
+                             "; this GPU allows ", limit);
 }
 
 // Stream-ordered workspace buffers, freed on the stream when the forward returns.

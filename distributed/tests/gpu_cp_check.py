@@ -78,8 +78,10 @@ def inputs(variant, seqlens, H, HV, K, V, dtype, device, seed=0, states=True):
     return cu, x, do, dht
 
 
-def call(variant, x, chunk, states, cp_context=None, cu=None):
+def call(variant, x, chunk, states, cp_context=None, cu=None, backend=None):
     kw = dict(initial_state=x.get("h0"), output_final_state=states, chunk_size=chunk)
+    if backend is not None:
+        kw["backend"] = backend
     if cp_context is not None:
         kw["cp_context"] = cp_context
         fns = {"gdn": cp.chunk_gated_delta_rule_cp, "kda": cp.chunk_kda_cp, "delta": cp.chunk_delta_rule_cp,
@@ -87,7 +89,9 @@ def call(variant, x, chunk, states, cp_context=None, cu=None):
     else:
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int64, device=x["q"].device)
         fns = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule,
-               "dplr": deltacp.chunk_dplr}
+               # the tiled DPLR tier is opt-in by name through deltacp.dplr's op (deltacp.chunk_dplr lists the
+               # tiers cuda_supports() names)
+               "dplr": deltacp.chunk_dplr_delta_rule if backend == "tiled" else deltacp.chunk_dplr}
     if variant == "dplr":
         return fns[variant](x["q"], x["k"], x["v"], x["a"], x["b"], x["g"], **kw)
     if variant == "delta":
@@ -127,8 +131,9 @@ def check_prepass(device, report):
                 ok = ef <= 1e-5 and eb <= 1e-5
                 row = dict(variant=variant, dtype=str(dtype), n=n, err_fwd=ef, err_bwd=eb, ok=ok)
                 # The route deltacp.cp takes for tiled variants: the tiled tier's state-only modes
-                # (final-state-only forward, dh0-only backward) on the augmented problem.
-                if deltacp._core.cuda_supports(variant, "tiled", True):
+                # (final-state-only forward, dh0-only backward) on the augmented problem (dplr: the tiled DPLR
+                # tier, which CP runs with backend="tiled").
+                if deltacp._core.cuda_supports(variant, "tiled", True) or variant == "dplr":
                     cfg.device = device
                     tf = cp_local._augmented_forward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, start, method="tiled")
                     tb = cp_local._augmented_backward(cfg, x["q"], x["k"], x["v"], g, beta, a, b, do, start,
@@ -157,7 +162,8 @@ def check_cp(device, world, report):
     many = [7, 1, 64, 65, 3, 128, 17] * 4
     many.append(T - sum(many))
     rows = []
-    for variant in ("gdn", "kda", "dplr", "delta"):
+    # dplr twice: the default (naive) tier, and the tiled DPLR tier for the local pass and the pre-pass
+    for variant, backend in (("gdn", None), ("kda", None), ("dplr", None), ("dplr", "tiled"), ("delta", None)):
         if not deltacp._core.cuda_supports(variant, "tiled", True) and not deltacp._core.cuda_supports(
                 variant, "naive", True):
             rows.append(dict(variant=variant, skipped="no CUDA tier with a backward for this variant"))
@@ -180,7 +186,7 @@ def check_cp(device, world, report):
             def cp_run():
                 loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone().requires_grad_()
                        for n, t in x.items()}
-                o, ht = call(variant, loc, 64, states, cp_context=ctx)
+                o, ht = call(variant, loc, 64, states, cp_context=ctx, backend=backend)
                 loss = (o.float() * cp.split_even(do, ctx).float()).sum()
                 if ht is not None:
                     loss = loss + (ht * dht).sum()
@@ -200,7 +206,7 @@ def check_cp(device, world, report):
                 os.environ.pop("DELTACP_CP_STAGED")
             staged_equal = bool(torch.equal(o, o3) and all(torch.equal(grads[n], grads3[n]) for n in grads))
             full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-            o_ref, ht_ref = call(variant, full, 64, states, cu=cu)
+            o_ref, ht_ref = call(variant, full, 64, states, cu=cu, backend=backend)
             loss = (o_ref.float() * do.float()).sum()
             if ht_ref is not None:
                 loss = loss + (ht_ref * dht).sum()
@@ -218,9 +224,12 @@ def check_cp(device, world, report):
                 dist.all_reduce(total)
                 err["ht"] = rel(total, ht_ref)
             tol = TOL[dtype_name] if dtype_name == "float32" else TOL[dtype_name][variant]
-            ok = all(e <= tol for e in err.values()) and bitwise and staged_equal
+            # backend="tiled" for dplr: every rank ran the tiled DPLR tier (the inputs are in its range)
+            local_tier = dict(cp.last_stats.get("local_tier", {}))
+            tier_ok = backend is None or local_tier.get("forward") == backend
+            ok = all(e <= tol for e in err.values()) and bitwise and staged_equal and tier_ok
             ok_all &= ok
-            row = dict(variant=variant, dtype=dtype_name, seqlens=len(seqlens), states=states, K=K, errors=err,
+            row = dict(variant=variant, backend=backend, local_tier=local_tier, dtype=dtype_name, seqlens=len(seqlens), states=states, K=K, errors=err,
                        tol=tol, bitwise=bitwise, staged_equals_one_shot=staged_equal, ok=ok, plan=ctx.describe(), exchange_bytes=dict(cp.last_stats))
             if dtype_name == "bfloat16" and not hopper_shape:  # (the fp64 CPU run of the large shape is slow)
                 # For the record (not judged): each side's own error against the fp64 reference on the same

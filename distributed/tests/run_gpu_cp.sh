@@ -56,7 +56,7 @@ step fault_sleep timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29
 step fault_exit timeout 300 torchrun --nproc_per_node="$NPROC" --master_port=29633 distributed/tests/gpu_cp_check.py exit "${SHARED[@]}" --out "$OUT"
 
 [ ${#SHARED[@]} -eq 0 ] && for args in "gdn_cp --dtype bfloat16" "gdn_cp --dtype float32" "kda_cp --dtype bfloat16" \
-            "dplr_cp --dtype float32" "dplr_cp --dtype bfloat16" \
+            "dplr_cp --dtype float32" "dplr_cp --dtype bfloat16" "dplr_cp --dtype bfloat16 --backend tiled" \
             "gdn_cp --dtype bfloat16 --seqlens 32768,32768 --heads 16 --head-dim 128 --no-initial-state"; do
   name=example_$(echo "$args" | tr ' ,-' '___' | tr -s _)
   step "$name" timeout 600 torchrun --nproc_per_node="$NPROC" --master_port=29634 -m deltacp.examples.$args --device cuda

@@ -48,6 +48,13 @@ Backends: None (CPU: the chunked reference; CUDA: the naive tier), "reference", 
 "tiled" (the tiled DPLR forward and backward: chunked, on the tensor cores; cuda/tiled/dplr_fwd.cu and
 dplr_bwd.cu). The tiled DPLR tier is opt-in: it is not the CUDA default until it has been validated on a GPU.
 With "tiled", gates outside the range above run forward and backward on the naive tier.
+
+With ``cp_context`` (context parallelism, deltacp.cp) the same choice is made on each rank for its own
+tokens: with "tiled", the local pass (forward from the merged initial state, backward from the merged
+dL/dS) and the pre-pass's state maps run on the tiled DPLR tier where the rank's gates lie in the range
+and the tier takes the inputs (K <= 128, chunk_size <= 64, its stages' shared memory on the GPU), else on
+the naive tier (and the fp32 loop kernels of deltacp._cp_nccl for the maps). ``deltacp.cp.last_stats
+["local_tier"]`` says which tier a rank ran and why.
 """
 
 from __future__ import annotations
@@ -60,18 +67,13 @@ import torch
 
 from . import _core
 from . import ops as _ops
-from .errors import InvalidArgumentError
+from ._calls import _FLOAT_DTYPES
+from ._dplr_gates import DEFAULT_CHUNK as _DEFAULT_CHUNK
+from ._dplr_gates import GK_SPAN, gate_range
+from ._dplr_gates import gates_in_range as _gates_in_range
+from .errors import DTypeError, InvalidArgumentError
 
 __all__ = ["chunk_dplr_delta_rule", "chunk_rwkv7", "gate_range", "GK_SPAN"]
-
-# Largest |cumulative gate| inside one chunk the chunk form takes: GK_MIN = -GK_SPAN / chunk_size.
-GK_SPAN = 1024.0
-_DEFAULT_CHUNK = 64
-
-
-def gate_range(chunk_size: int = _DEFAULT_CHUNK) -> Tuple[float, float]:
-    """(GK_MIN, 0.0): the gates the chunked methods take at this chunk size (see the module doc)."""
-    return (-GK_SPAN / float(chunk_size), 0.0)
 
 
 def _chunk_size(chunk_size) -> int:
@@ -88,16 +90,6 @@ def _flag(x, name) -> bool:
     if not isinstance(x, (bool, int)) or (isinstance(x, int) and x not in (0, 1)):
         raise TypeError(f"deltacp: argument '{name}': expected a bool, got {type(x).__name__}")
     return bool(x)
-
-
-def _gates_in_range(gk: torch.Tensor, chunk_size: int) -> bool:
-    """True when every gate lies in gate_range(chunk_size) (one reduction; a sync on CUDA)."""
-    if gk.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(gk.detach())
-    gk_min, _ = gate_range(chunk_size)
-    lo, hi = float(lo), float(hi)
-    return math.isfinite(lo) and math.isfinite(hi) and lo >= gk_min and hi <= 0.0
 
 
 def _state_to_kv(initial_state, state_v_first):
@@ -160,6 +152,25 @@ def _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_
     return o, (ht if cfg.output_final_state else None)
 
 
+def _run_cp(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_seqlens_cpu, backend, chunk_size,
+            cp_context, gate_check):
+    """The CP op (deltacp.cp) with the backend as given, the same on every rank (the ranks check that they agree).
+    Each rank then picks its own tier (deltacp.cp.local._dplr_tiers): the chunked method the backend names (the
+    chunked reference on CPUs, the tiled tier with backend="tiled" on GPUs) where this rank's gates lie in
+    gate_range (checked unless gate_check is False) and the tier takes its inputs, else the token recurrence.
+    Mixed tiers across ranks are exact: the ranks exchange only fp32 state maps."""
+    if cu_seqlens_cpu is not None:
+        raise InvalidArgumentError("deltacp: argument 'cu_seqlens_cpu': expected None with cp_context (the CP context "
+                                   "carries the rank-local offsets and their host copy), got a tensor")
+    if isinstance(h0, torch.Tensor) and h0.dtype not in _FLOAT_DTYPES:
+        raise DTypeError(f"deltacp: argument 'initial_state': expected a floating dtype, got {h0.dtype}")
+    from .cp.ops import cp_apply
+
+    return cp_apply("dplr", q, k, v, gk, None, a, b, cp_context=cp_context, scale=scale, initial_state=h0,
+                    output_final_state=output_final_state, chunk_size=chunk_size, backend=backend, gate_name="gk",
+                    cu_seqlens=cu_seqlens, gate_check=gate_check)
+
+
 def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale: Optional[float] = None, initial_state=None,
                           output_final_state: bool = False, cu_seqlens=None, cu_seqlens_cpu=None,
                           safe_gate: bool = False, chunk_size: Optional[int] = None, disable_recompute: bool = False,
@@ -200,18 +211,21 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale: Optional[float] = None, init
     if backend is None:
         backend = "naive" if device.type == "cuda" else "reference"
 
-    chunked = backend in ("reference", "tiled")
-    if chunked and gate_check:
-        trusted = lower_bound is not None and lower_bound >= gate_range(cs)[0]
-        if not trusted and not _gates_in_range(gk, cs):
-            backend = "naive" if device.type == "cuda" else "recurrent"  # the documented fallback
-            chunked = False
+    trusted = not gate_check or (lower_bound is not None and lower_bound >= gate_range(cs)[0])
+    if cp_context is not None:
+        return _run_cp(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_seqlens_cpu, backend, cs,
+                       cp_context, gate_check=not trusted)
 
-    if backend == "tiled" and cp_context is None:
+    chunked = backend in ("reference", "tiled")
+    if chunked and not trusted and not _gates_in_range(gk, cs):
+        backend = "naive" if device.type == "cuda" else "recurrent"  # the documented fallback
+        chunked = False
+
+    if backend == "tiled":
         o, ht = _run_tiled(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, cu_seqlens_cpu, cs)
     else:
         o, ht = _ops.chunk_dplr(q, k, v, a, b, gk, scale, h0, output_final_state, cu_seqlens, backend,
-                                chunk_size=cs, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context)
+                                chunk_size=cs, cu_seqlens_cpu=cu_seqlens_cpu)
     if ht is not None and state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     return o, ht

@@ -23,7 +23,8 @@ from .local import (_augmented_backward, _augmented_forward_pieces, _Cfg, _compo
                     _identity_block, _piece_bounds, _pieces_of_segment, _PreparedForward, _prepass_chunked_or_loops,
                     _rows, _seg, _split, _transitions, _use_nccl_kernels)
 
-# Filled by each call (for the examples' tables): bytes received by the all-gathers, per direction.
+# Filled by each call (for the examples' tables): bytes received by the all-gathers, per direction; and
+# "local_tier", the tiers this rank's local pass runs and why ({"forward", "backward", "why"}; set by cp_apply).
 last_stats = {"forward_bytes": 0, "backward_bytes": 0}
 
 

@@ -5,7 +5,8 @@ backward runs that give a span's affine map [H | M] (and [dH | M^T]) from a wide
 in pieces of whole chunks side by side; the staged local forward / backward of the tiled tier
 (prepare before the exchange, finish after it) and the pieces taken from their stages; the fp32
 compositions of the pieces' maps; and the chunk grid across a rank boundary (the head piece up to the
-one-device chunk boundary). Imports: deltacp._calls, deltacp.cp.context; nothing above it.
+one-device chunk boundary); and, for dplr, which tier this rank runs (_dplr_tiers). Imports: deltacp._calls,
+deltacp._dplr_gates, deltacp.cp.context; nothing above it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from .. import _core
 from .._calls import _run, tensor_descs
 from .._describe import torch_desc
+from .._dplr_gates import gate_range, gates_in_range
 from ..errors import InvalidArgumentError
 from .context import CPContext
 
@@ -28,7 +30,7 @@ class _Cfg:
 
     __slots__ = ("variant", "gate_name", "scale", "chunk_size", "output_final_state", "compute", "state_dtype",
                  "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0",
-                 "pending_check")
+                 "pending_check", "tier_why")
 
 
 def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
@@ -167,7 +169,7 @@ def _cut_bounds(cfg: _Cfg, local_descs, n: int, pad: int):
     forward's problem, the body [pad, T_local), whose sequence n is segment n (the first less the head
     piece [0, pad), which then is a piece of its own)."""
     if local_descs is None or cfg.fwd_method != "tiled" or cfg.device.type != "cuda" or \
-            not hasattr(_core, "staged_forward_composed_map"):
+            not hasattr(_core, "staged_forward_composed_map") or cfg.variant == "dplr":  # (the tiled DPLR never cuts)
         return None
     ctx = cfg.ctx
     n = n % ctx.num_local_seqs
@@ -243,6 +245,8 @@ def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
     if flag not in ("0", "1"):
         raise InvalidArgumentError(f"deltacp: environment variable 'DELTACP_CP_STAGED': expected 0 or 1, got {flag!r}")
     if not (flag == "1" and cfg.device.type == "cuda" and _core.built_with_cuda()):
+        return False
+    if cfg.variant == "dplr":  # the tiled DPLR kernels have no staged form: one-shot local pass, separate pre-pass
         return False
     if direction == "backward":
         return cfg.bwd_method == "tiled" and hasattr(_core, "staged_backward_prepare")
@@ -491,7 +495,9 @@ def _prepass_route(cfg: _Cfg, direction: str, q, g) -> str:
         return mode
     method = cfg.fwd_method if direction == "forward" else cfg.bwd_method
     key = (direction, cfg.variant, str(q.dtype), None if g is None else str(g.dtype), cfg.K, cfg.V)
-    if method == "tiled" and cfg.V + cfg.K <= _TILED_MAX_WIDTH and key not in _TILED_PREPASS_UNFIT:
+    # The tiled DPLR kernels take any state width (their scans run 32-column blocks of the state side by side).
+    fits = cfg.variant == "dplr" or cfg.V + cfg.K <= _TILED_MAX_WIDTH
+    if method == "tiled" and fits and key not in _TILED_PREPASS_UNFIT:
         return "chunked"
     return "loops"
 
@@ -511,3 +517,66 @@ def _prepass_chunked_or_loops(cfg: _Cfg, direction: str, chunked, loops, q, g):
         _TILED_PREPASS_UNFIT.add((direction, cfg.variant, str(q.dtype), None if g is None else str(g.dtype), cfg.K,
                                   cfg.V))
         return loops()
+
+
+# ---------------------------------------------------------------------------------------------
+# dplr: this rank's tier
+# ---------------------------------------------------------------------------------------------
+# The token recurrence that stands in for a chunked method where that method does not take a rank's inputs.
+_DPLR_FALLBACK = {"chunked": "recurrent", "tiled": "naive"}
+_TILED_DPLR_REFUSALS = {}  # (device, dtype, gk dtype, K, chunk size) -> None (it runs) or why the tier refuses
+
+
+def _dplr_tiers(cfg: _Cfg, q, k, v, g, a, b, gate_check: bool) -> None:
+    """cfg.fwd_method / bwd_method (and cfg.tier_why) for dplr on this rank.
+
+    The chunked methods (the chunked reference on CPUs; the tiled DPLR tier on GPUs, named by backend="tiled")
+    run the local pass and the pre-pass's maps where every gate of this rank lies in the chunk form's range
+    (deltacp._dplr_gates; not checked when the caller vouches for it: gate_check False) and, for the tiled tier,
+    where it takes the inputs (_tiled_dplr_refusal). Otherwise this rank runs the token recurrence (the
+    recurrent reference, the naive tier), as the single-device op does. The choice is the rank's own: the ranks
+    agree on the backend argument, and exchange only fp32 state maps, which every tier computes exactly."""
+    fallback = _DPLR_FALLBACK.get(cfg.fwd_method)
+    if fallback is None:  # the token recurrence already (cfg.tier_why: why that one)
+        return
+    why = None
+    if gate_check and not gates_in_range(g, cfg.chunk_size):
+        lo, hi = gate_range(cfg.chunk_size)
+        why = f"gk outside the chunk form's range [{lo:g}, {hi:g}] at chunk size {cfg.chunk_size} on this rank"
+    elif cfg.fwd_method == "tiled":
+        refusal = _tiled_dplr_refusal(cfg, q, k, v, g, a, b)
+        if refusal is not None:
+            why = f"the tiled DPLR tier does not take these inputs: {refusal}"
+    if why is None:
+        cfg.tier_why = ("the tiled DPLR tier takes this rank's inputs" if cfg.fwd_method == "tiled"
+                        else "the chunked reference takes this rank's gates")
+        return
+    cfg.fwd_method = cfg.bwd_method = fallback
+    cfg.tier_why = why
+
+
+def _tiled_dplr_refusal(cfg: _Cfg, q, k, v, g, a, b) -> Optional[str]:
+    """None when the tiled DPLR tier runs this call's inputs, else the tier's own words for why not.
+
+    The tier checks what it takes (K <= 128, chunk_size <= 64, and each of its stages' shared memory against
+    this GPU's limit for the dtype and K) before it launches anything, and names what it refuses. That depends
+    on the dtype, gk's dtype, K and the chunk size only, so a one-token forward of this rank's first token
+    (outputs to scratch) asks it once per such key and device. Its stages' widest is the WY stage, wider than
+    every stage of the backward (cuda/tiled/dplr_bwd.cu's table), so the forward's answer holds for both."""
+    key = (str(cfg.device), str(q.dtype), str(g.dtype), cfg.K, cfg.chunk_size)
+    if key in _TILED_DPLR_REFUSALS:
+        return _TILED_DPLR_REFUSALS[key]
+    if q.shape[1] == 0:
+        return None  # nothing runs on this rank
+    descs = _descs(cfg, *_split((q, k, v, g, None, a, b), 0, 1))
+    o = torch.empty((1, 1, cfg.HV, cfg.V), dtype=v.dtype, device=v.device)
+    ht = torch.empty((1, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=v.device)
+    descs["o"] = torch_desc(o, "o")
+    descs["ht"] = torch_desc(ht, "ht")
+    try:
+        _run(cfg, "forward", "tiled", descs)
+        refusal = None
+    except ValueError as exc:  # deltacp.InvalidArgumentError naming K, chunk_size, ... (nothing was launched)
+        refusal = str(exc)
+    _TILED_DPLR_REFUSALS[key] = refusal
+    return refusal

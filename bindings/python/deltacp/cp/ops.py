@@ -51,7 +51,13 @@ final-state-only forward (no "o": only ht = [H | M] is written) and the backward
     the input dtype exactly like the local kernel). A tiled launch that does not fit the GPU's
     shared memory (fp32 inputs with V + K near 256) falls back to the loop kernels once and is
     remembered for that shape;
-  * otherwise (dplr, the naive tier, V + K > 256): the fp32 loop kernels of deltacp._cp_nccl
+  * dplr with backend="tiled": on each rank whose inputs the tiled DPLR tier takes (local._dplr_tiers:
+    gates in the chunk form's range, K <= 128, its shared memory on this GPU), that tier for the local
+    pass and the pre-pass alike, at any V + K (its scans run the state in 32-column blocks): [H | M] is
+    its final-state-only forward of [v | 0] from [start | I] (cuda/tiled/dplr_fwd.cu says why that is the
+    chunks' transitions D_n + Bd^T W on the tensor cores), [dH | M^T] its dh0-only backward; the other
+    ranks run the naive tier and the loop kernels below (the ranks exchange the same fp32 maps either way);
+  * otherwise (the naive tier, V + K > 256): the fp32 loop kernels of deltacp._cp_nccl
     (distributed/src/cp_kernels.cu, exact fp32), or the chunked CUDA tier when that module is absent.
 
 DELTACP_CP_PREPASS=auto (default) | chunked | loops overrides the CUDA choice (loops needs
@@ -89,7 +95,7 @@ from ..fla_options import l2norm as _l2norm
 from .context import CPContext, agree, agree_start
 from .autograd import _CPFunction
 from .exchange import exchange_bytes, last_stats
-from .local import _Cfg
+from .local import _Cfg, _dplr_tiers
 
 __all__ = ["chunk_gated_delta_rule_cp", "chunk_kda_cp", "chunk_delta_rule_cp", "chunk_dplr_cp", "cp_apply",
            "exchange_bytes", "last_stats"]
@@ -114,6 +120,10 @@ def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
     if backend is not None and backend not in _CUDA_TIERS:
         raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {_CUDA_TIERS} for CUDA tensors, "
                          f"got {backend!r}")
+    if variant == "dplr" and backend == "tiled":
+        # The tiled DPLR tier runs when named (opt-in, as in deltacp.dplr), which cuda_supports() does not list
+        # until it is the CUDA default; each rank then checks that it takes its inputs (local._dplr_tiers).
+        return "tiled", "tiled"
     fwd = next((t for t in tiers if _core.cuda_supports(variant, t, False)), None)
     bwd = next((t for t in tiers if _core.cuda_supports(variant, t, True)), None)
     if fwd is None:
@@ -126,8 +136,10 @@ def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
 
 def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=None, initial_state=None,
              output_final_state=False, chunk_size=64, backend=None, use_qk_l2norm_in_kernel=False,
-             gate_name="g", cu_seqlens=None):
-    """The CP op for any variant (the public functions below fix the variant and argument names)."""
+             gate_name="g", cu_seqlens=None, gate_check=True):
+    """The CP op for any variant (the public functions below fix the variant and argument names).
+    gate_check (dplr): each rank checks its gates against the chunk form's range before a chunked method runs
+    them (False: the caller vouches for them; local._dplr_tiers)."""
     ctx = cp_context
     if not isinstance(ctx, CPContext):
         raise TypeError(f"deltacp: argument 'cp_context': expected a deltacp.cp.CPContext (from "
@@ -222,6 +234,15 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cfg.fwd_method, cfg.bwd_method = _methods(variant, backend, q.device, needs_grad)
+    if q.device.type == "cpu":
+        cfg.tier_why = "the chunked reference (CPU tensors)"
+    elif backend is None:
+        cfg.tier_why = f"the first CUDA tier among {_CUDA_TIERS} that implements {variant}"
+    else:
+        cfg.tier_why = f"backend={backend!r}"
+    if variant == "dplr":
+        _dplr_tiers(cfg, q, k, v, g, a, b, bool(gate_check))
+    last_stats["local_tier"] = {"forward": cfg.fwd_method, "backward": cfg.bwd_method, "why": cfg.tier_why}
     o, ht = _CPFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
     return o, (ht if cfg.output_final_state else None)
 
@@ -257,8 +278,16 @@ def chunk_delta_rule_cp(q, k, v, beta, scale: Optional[float] = None, initial_st
 
 def chunk_dplr_cp(q, k, v, a, b, gk, scale: Optional[float] = None, initial_state=None,
                   output_final_state: bool = False, cu_seqlens=None, backend: Optional[str] = None, *,
-                  cp_context: CPContext, chunk_size: int = 64):
-    """DPLR (RWKV-7 family) under context parallelism: S <- diag(e^gk) S + k v^T + b (a^T S)."""
+                  cp_context: CPContext, chunk_size: int = 64, gate_check: bool = True):
+    """DPLR (RWKV-7 family) under context parallelism: S <- diag(e^gk) S + k v^T + b (a^T S).
+
+    backend="tiled" (CUDA): the tiled DPLR tier for the local pass and the pre-pass on every rank whose gates
+    lie in deltacp.dplr.gate_range(chunk_size) and whose inputs the tier takes, the naive tier on the others
+    (deltacp.cp.last_stats["local_tier"] says which and why); gate_check=False skips the gates' check (the
+    caller's guarantee, as deltacp.chunk_dplr_delta_rule's lower_bound). None: the naive tier (the CUDA
+    default, as in the single-device op)."""
+    if not isinstance(gate_check, bool):
+        raise TypeError(f"deltacp: argument 'gate_check': expected a bool, got {type(gate_check).__name__}")
     return cp_apply("dplr", q, k, v, gk, None, a, b, cp_context=cp_context, scale=scale,
                     initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
-                    backend=backend, gate_name="gk", cu_seqlens=cu_seqlens)
+                    backend=backend, gate_name="gk", cu_seqlens=cu_seqlens, gate_check=gate_check)
