@@ -11,7 +11,8 @@
 #            the fused gdn forward's kernels instead, once per piece length (DELTACP_FUSED_PIECE; 0 = whole)
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
 #   dplr     bench/gpu/bench_dplr.py: the tiled DPLR forward and forward + backward beside FLA's chunk_dplr
-#            (DELTACP_DPLR_ARGS, e.g. "--impls deltacp_tiled,fla_chunk16 --shapes 4,4096,32,64") -> bench_dplr.json
+#            (DELTACP_DPLR_ARGS, e.g. "--impls deltacp_tiled,fla_chunk16 --shapes 4,4096,32,64") -> bench_dplr.json,
+#            and the Triton autotune files FLA wrote in the run -> fla_autotune_new.tar.gz
 #   ncu      one launch of the state scan (DELTACP_NCU_KERNEL) under Nsight Compute -> ncu_details.txt,
 #            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
@@ -96,11 +97,26 @@ if has scan; then  # the state scan alone: wgmma against mma.sync (bench/gpu/ben
   tail -24 "$OUT/bench_scan.log"
 fi
 
+# FLA's tuned Triton configs (bench/gpu/fla_autotune/README.md): restored before FLA first runs, so its
+# autotuning (2 to 3.5 minutes per new head count) does not eat the benchmark's time.
+restore_fla_autotune() {
+  if [ -z "${TRITON_CACHE_DIR:-}" ]; then
+    export TRITON_CACHE_DIR=/tmp/tcache
+    mkdir -p "$TRITON_CACHE_DIR"
+    for f in bench/gpu/fla_autotune/*.tar.gz; do tar -xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null; done
+  fi
+}
+
 if has dplr; then  # DPLR beside FLA (its first calls compile and autotune: progress lines in bench_dplr.log)
+  restore_fla_autotune
+  touch /tmp/dplr_start
   t0=$(date +%s)
-  PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout 420 python3 bench/gpu/bench_dplr.py --out "$OUT/bench_dplr.json" \
-    ${DELTACP_DPLR_ARGS:-} >"$OUT/bench_dplr.log" 2>&1
+  PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout ${DELTACP_DPLR_TIMEOUT:-420} python3 bench/gpu/bench_dplr.py \
+    --out "$OUT/bench_dplr.json" ${DELTACP_DPLR_ARGS:-} >"$OUT/bench_dplr.log" 2>&1
   say "dplr bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  # The configs FLA tuned in this run (to keep beside the harness: bench/gpu/fla_autotune/README.md).
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -newer /tmp/dplr_start | tar -czf "$OUT/fla_autotune_new.tar.gz" -T -) 2>/dev/null
+  say "   FLA autotune files written in this run: $(tar -tzf "$OUT/fla_autotune_new.tar.gz" 2>/dev/null | grep -c autotune)"
   tail -12 "$OUT/bench_dplr.log"
 fi
 
@@ -122,12 +138,7 @@ if has stages; then  # where the tiled forward + backward spends its time, kerne
 fi
 
 if has bench; then
-  # FLA's tuned Triton configs (bench/gpu/fla_autotune/README.md): restored before FLA first runs, so its
-  # autotuning (2 to 3.5 minutes per new head count) does not eat the benchmark's time.
-  if [ -z "${TRITON_CACHE_DIR:-}" ]; then
-    export TRITON_CACHE_DIR=/tmp/tcache
-    mkdir -p "$TRITON_CACHE_DIR" && tar -xzf bench/gpu/fla_autotune/*.tar.gz -C "$TRITON_CACHE_DIR" 2>/dev/null
-  fi
+  restore_fla_autotune
   t0=$(date +%s)
   PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout 420 python3 bench/gpu/bench_gpu.py --out "$OUT/bench_gpu.json" \
     ${DELTACP_BENCH_ARGS:-} >"$OUT/bench_gpu.log" 2>&1
