@@ -8,6 +8,8 @@ Measures, on the GPU it runs on:
     fraction of the roofline floor max(bytes / copy_bw, flops / matmul_rate) / time;
   * accuracy on one small problem: each implementation's relative error against the fp64
     reference (deltacp.reference on the CPU, same bf16-rounded inputs), FLA's beside ours;
+  * for the fused tier's forward rows, its serial chain (chain_profile below): the chain kernel's time per
+    call, its CTAs, waves and chunks per CTA, hence the time of one chunk step, and the pieces' map pass;
   * memory of the forward+backward rows, each side in the same run (step_memory below): the step's
     peak above its inputs = torch.cuda.max_memory_allocated over the step + deltacp's high-water
     outside torch (deltacp.cuda_workspace_stats()["peak_reserved_bytes"]: 0 when its workspaces come
@@ -156,6 +158,54 @@ def time_impl(fn, B, T, H, D, variant, backward, l2_bytes):
     return bench_ms(step)
 
 
+# ---- the fused forward's serial chain -------------------------------------------------------
+def chain_profile(fn, B, T, H, D, variant, reps=5):
+    """The fused forward's chain kernel from a torch.profiler trace of `reps` calls: {chain_ms: its time per
+    call, chain_ctas: its grid, chain_waves: ceil(CTAs / SMs) (one CTA per SM), chain_chunks_per_cta: the
+    chunks the longest sequence or piece walks (fixed-length inputs: ceil(T / 64) over the pieces per
+    sequence = grid.x / B), chain_us_per_chunk = chain_ms / (waves x chunks per CTA), and map_ms: the
+    pieces' pass 1 (the chain kernel's map mode; 0 over whole sequences)}."""
+    import os
+    import tempfile
+    x = make_inputs(B, T, H, D, variant, seed=11)
+    with torch.no_grad():
+        fn(x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn(x)
+            torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.unlink(path)
+    chain, maps, grid = 0.0, 0.0, None
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") != "kernel" or "fused_chain_kernel" not in name:
+            continue
+        if name.split("(")[0].rstrip().endswith("true>"):  # the map mode (kMap = true)
+            maps += e["dur"]
+        else:
+            chain += e["dur"]
+            grid = e.get("args", {}).get("grid", grid)
+    if grid is None:
+        return {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = grid[0] * grid[1] * grid[2]
+    waves = -(-ctas // sms)
+    chunks = -(-T // CHUNK)
+    per_seq = max(1, grid[0] // B)
+    per_cta = -(-chunks // per_seq)
+    chain_ms = chain / reps / 1e3
+    return dict(chain_ms=chain_ms, chain_ctas=ctas, chain_waves=waves, chain_chunks_per_cta=per_cta,
+                chain_us_per_chunk=1e3 * chain_ms / (waves * per_cta), map_ms=maps / reps / 1e3)
+
+
 # ---- memory ---------------------------------------------------------------------------------
 def step_memory(fn, B, T, H, D, variant):
     """Peak bytes of one forward + backward step above its inputs (q, k, v, g, beta, do): (through torch,
@@ -300,6 +350,11 @@ def main():
                         floor_ms = max(byts / (copy_tbs * 1e12), flops / (mm_tflops * 1e12)) * 1e3
                         row.update(ms=ms, TBps=byts / (ms * 1e-3) / 1e12, TFLOPs=flops / (ms * 1e-3) / 1e12,
                                    floor_ms=floor_ms, roofline_fraction=floor_ms / ms)
+                        if name == "deltacp-fused" and not backward:
+                            try:
+                                row.update(chain_profile(fn, B, T, H, D, variant))
+                            except Exception as e:  # the timing stands without it
+                                row.update(chain_error=str(e)[:300])
                         if backward:
                             through, outside = step_memory(fn, B, T, H, D, variant)
                             row.update(peak_MiB=(through + outside) / 2**20, peak_torch_MiB=through / 2**20,

@@ -205,12 +205,19 @@ def perf_md(res, plots):
                     continue
                 shapes = sorted({shape_of(x) for x in rows}, key=lambda s: (s[0] * s[1] * s[2], s))
                 ours = tiers(perf)
+                # The fused forward's own columns: its bytes per token-head (counted) and its chain's step.
+                fused = d == "fwd" and any(x["impl"] == "deltacp-fused" for x in rows)
+                fcols = ["fused B per token-head", "fused chain us per chunk"] if fused else []
                 lines += [f"### {variant.upper()} {'forward' if d == 'fwd' else 'forward + backward'}", "",
-                          f"Measured {rows_date(perf, variant)}; both sides called with: {call_of(perf, variant)}.", "",
-                          "| (B, T, H, D) | " + " | ".join(f"{n} ms" for n in impls) + " | " +
+                          f"Measured {rows_date(perf, variant)}; both sides called with: {call_of(perf, variant)}.", ""]
+                if fused:
+                    lines += ["The fused chain's step: its kernel time per call (`bench_gpu.py` chain_profile, "
+                              "torch.profiler) over the waves of CTAs (one per SM) times the chunks each CTA walks; "
+                              "bytes per token-head as counted above.", ""]
+                lines += ["| (B, T, H, D) | " + " | ".join(f"{n} ms" for n in impls) + " | " +
                           " | ".join(f"{n.split('-', 1)[1]} / FLA" for n in ours) +
-                          " | best tier TFLOP/s | TB/s | roofline |",
-                          "|---|" + "---|" * (len(impls) + len(ours) + 3)]
+                          " | best tier TFLOP/s | TB/s | roofline |" + "".join(f" {c} |" for c in fcols),
+                          "|---|" + "---|" * (len(impls) + len(ours) + 3 + len(fcols))]
                 for s in shapes:
                     by = {x["impl"]: x for x in rows if shape_of(x) == s}
                     cells = [f"{by[n]['ms']:.3f}" if n in by and "ms" in by[n] else ("error" if n in by else "-")
@@ -221,6 +228,12 @@ def perf_md(res, plots):
                     best = next((by[n] for n in ours if "ms" in by.get(n, {})), None)
                     extra = ([f"{best['TFLOPs']:.0f}", f"{best['TBps']:.2f}", f"{best['roofline_fraction']:.0%}"]
                              if best and "TFLOPs" in best else ["-"] * 3)
+                    if fused:
+                        fr = by.get("deltacp-fused", {})
+                        extra.append(str(bpt.get("deltacp-fused", "-")))
+                        extra.append(f"{fr['chain_us_per_chunk']:.2f} ({fr['chain_ctas']} CTAs, {fr['chain_waves']} "
+                                     f"wave(s), {fr['chain_chunks_per_cta']} chunks each)" if "chain_us_per_chunk" in fr
+                                     else "-")
                     lines.append(f"| {fmt_shape(s)} | " + " | ".join(cells + rat + extra) + " |")
                 lines.append("")
                 mem = [x for x in rows if "peak_MiB" in x]
