@@ -30,6 +30,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "deltacp/cuda/api.h"
@@ -247,6 +248,34 @@ struct GpuProblem {
 
 bool have_gpu() { return deltacp::cuda::device_available(); }
 
+// A widened [N, H, K, V + K] result split into its value columns (j < V) and its transition columns (j >= V),
+// each compared over every (piece, head) with the reference's pair `ref(n, h)` = ([K, V], [K, K]); prints both
+// relative errors under their names and expects each within the dtype's tolerance.
+void expect_widened_maps(const Problem& pr, const std::vector<double>& got, const char* values_name,
+                         const char* transitions_name,
+                         const std::function<std::pair<MatD, MatD>(int64_t n, int64_t h)>& ref) {
+  const Case& c = pr.c;
+  const int64_t W = c.V + c.K;
+  std::vector<double> gH, gM, rH, rM;  // the value columns and the transition columns, every (piece, head)
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t h = 0; h < c.H; ++h) {
+      const auto [H, M] = ref(n, h);
+      for (int64_t i = 0; i < c.K; ++i)
+        for (int64_t j = 0; j < W; ++j) {
+          const double e = got[((n * c.H + h) * c.K + i) * W + j];
+          if (j < c.V) {
+            gH.push_back(e), rH.push_back(H(i, j));
+          } else {
+            gM.push_back(e), rM.push_back(M(i, j - c.V));
+          }
+        }
+    }
+  const double eH = rel_err(gH, rH), eM = rel_err(gM, rM);
+  std::printf("[errors] %s: %s %.2e, %s %.2e\n", c.name.c_str(), values_name, eH, transitions_name, eM);
+  EXPECT_LT(eH, tolerance(c.dtype));
+  EXPECT_LT(eM, tolerance(c.dtype));
+}
+
 std::vector<Case> map_cases() {
   std::vector<Case> v;
   auto add = [&](std::string name, DType dt, bool gk32, int chunk, int64_t H, int64_t K, int64_t V,
@@ -283,26 +312,11 @@ TEST_P(TiledDplrMaps, ForwardMapsEqualTheReferenceAffineMaps) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<double> got = g.ht.download();
 
-  std::vector<double> gH, gM, rH, rM;  // the offset columns and the transition columns, every (piece, head)
-  for (int64_t n = 0; n < pr.N; ++n)
-    for (int64_t h = 0; h < c.H; ++h) {
-      const auto x = pr.head(n, h);
-      const auto f = deltacp::ref::span_affine<double>(x, 0, x.n(), c.chunk);
-      const MatD H = f.apply(pr.state(pr.S0, n, h));
-      for (int64_t i = 0; i < c.K; ++i)
-        for (int64_t j = 0; j < W; ++j) {
-          const double e = got[((n * c.H + h) * c.K + i) * W + j];
-          if (j < c.V) {
-            gH.push_back(e), rH.push_back(H(i, j));
-          } else {
-            gM.push_back(e), rM.push_back(f.M(i, j - c.V));
-          }
-        }
-    }
-  const double eH = rel_err(gH, rH), eM = rel_err(gM, rM);
-  std::printf("[errors] %s: M S0 + H %.2e, M %.2e\n", c.name.c_str(), eH, eM);
-  EXPECT_LT(eH, tolerance(c.dtype));
-  EXPECT_LT(eM, tolerance(c.dtype));
+  expect_widened_maps(pr, got, "M S0 + H", "M", [&](int64_t n, int64_t h) {
+    const auto x = pr.head(n, h);
+    const auto f = deltacp::ref::span_affine<double>(x, 0, x.n(), c.chunk);
+    return std::pair<MatD, MatD>(f.apply(pr.state(pr.S0, n, h)), f.M);
+  });
 
   // The same widened problem with o: its ht bit for bit (the final-state-only run skips stores only).
   Buf o, ht_full;
@@ -337,26 +351,11 @@ TEST_P(TiledDplrMaps, BackwardMapsEqualTheReferenceAffineMaps) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<double> got = g.dh0.download();
 
-  std::vector<double> gH, gM, rH, rM;
-  for (int64_t n = 0; n < pr.N; ++n)
-    for (int64_t h = 0; h < c.H; ++h) {
-      const auto x = pr.head(n, h);
-      const auto f = deltacp::ref::span_affine_backward<double>(x, 0, x.n(), pr.dout_rows(n, h), c.chunk);
-      const MatD dS = f.Mt * pr.state(pr.dend, n, h) + f.dH;
-      for (int64_t i = 0; i < c.K; ++i)
-        for (int64_t j = 0; j < W; ++j) {
-          const double e = got[((n * c.H + h) * c.K + i) * W + j];
-          if (j < c.V) {
-            gH.push_back(e), rH.push_back(dS(i, j));
-          } else {
-            gM.push_back(e), rM.push_back(f.Mt(i, j - c.V));
-          }
-        }
-    }
-  const double eH = rel_err(gH, rH), eM = rel_err(gM, rM);
-  std::printf("[errors] %s: M^T dend + dH %.2e, M^T %.2e\n", c.name.c_str(), eH, eM);
-  EXPECT_LT(eH, tolerance(c.dtype));
-  EXPECT_LT(eM, tolerance(c.dtype));
+  expect_widened_maps(pr, got, "M^T dend + dH", "M^T", [&](int64_t n, int64_t h) {
+    const auto x = pr.head(n, h);
+    const auto f = deltacp::ref::span_affine_backward<double>(x, 0, x.n(), pr.dout_rows(n, h), c.chunk);
+    return std::pair<MatD, MatD>(f.Mt * pr.state(pr.dend, n, h) + f.dH, f.Mt);
+  });
 }
 
 // The local pass of a CP rank: the forward from an initial state (o and ht), against the reference's chunked

@@ -1,6 +1,17 @@
-"""Shared helpers for the deltacp Python tests: random problems in FLA's layouts and the error metric."""
+"""Shared helpers for the deltacp Python tests: random problems in FLA's layouts, the error metric, and the
+launcher of multi-process (gloo) workers."""
 
 from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -117,3 +128,56 @@ def call_torch_op(variant, t, **kw):
     if variant == "dplr":
         return op(t["q"], t["k"], t["v"], t["a"], t["b"], t["g"], **kw)
     return op(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+
+
+class WorkerRun(NamedTuple):
+    """What launch_workers saw of its workers, each list in rank order."""
+
+    reports: dict  # {rank: parsed rank{rank}.json} of the ranks that wrote one
+    logs: list  # each rank's stdout and stderr
+    returncodes: list  # each rank's exit status (negative: killed by that signal)
+    timed_out: list  # the ranks killed at the deadline (not those killed for being outside wait_for)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_workers(script, world, worker_args=(), timeout=240.0, wait_for=None) -> WorkerRun:
+    """Runs `world` processes of `python script worker *worker_args <out dir>` on localhost and collects their reports.
+
+    Each process gets RANK, WORLD_SIZE, MASTER_PORT (one free port for all) and OMP_NUM_THREADS=1 in its
+    environment and writes its report to <out dir>/rank{RANK}.json (a temporary directory). All of them share one
+    deadline, `timeout` seconds from the start; a process still running at the deadline is killed. With `wait_for`
+    (ranks), the other ranks are killed as soon as those have been waited for (a stalled victim).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
+                       OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, str(script), "worker", *worker_args, tmp], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs, timed_out = [""] * world, []
+        deadline = time.time() + timeout
+        waited = set(range(world) if wait_for is None else wait_for)
+        for rank in sorted(range(world), key=lambda r: r not in waited):
+            p = procs[rank]
+            if rank not in waited:
+                p.kill()
+            try:
+                logs[rank], _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                logs[rank], _ = p.communicate()
+                timed_out.append(rank)
+        reports = {}
+        for rank in range(world):
+            f = Path(tmp) / f"rank{rank}.json"
+            if f.exists():
+                reports[rank] = json.loads(f.read_text())
+        return WorkerRun(reports, logs, [p.returncode for p in procs], sorted(timed_out))

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+
+from deltacp_testutil import launch_workers  # noqa: E402
 
 THIS = Path(__file__).resolve()
 
@@ -233,30 +232,13 @@ def worker_main(argv):
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world):
-    with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        procs = [subprocess.Popen([sys.executable, str(THIS), "worker", tmp],
-                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_PORT=str(port),
-                                           OMP_NUM_THREADS="1"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=180)[0])
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    other.kill()
-                pytest.fail("conv1d CP workers did not finish within 180 s")
-        for r, p in enumerate(procs):
-            assert p.returncode == 0, f"rank {r} failed:\n{logs[r]}"
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    run = launch_workers(THIS, world, timeout=180)
+    if run.timed_out:
+        pytest.fail("conv1d CP workers did not finish within 180 s")
+    for r, rc in enumerate(run.returncodes):
+        assert rc == 0, f"rank {r} failed:\n{run.logs[r]}"
+    return [run.reports[r] for r in range(world)]
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="gloo is not available")

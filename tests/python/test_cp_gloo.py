@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +29,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+
+from deltacp_testutil import launch_workers  # noqa: E402
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
@@ -260,44 +259,13 @@ def worker_main(argv):
 # ---------------------------------------------------------------------------------------------
 # the launcher and the tests
 # ---------------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world, spec, timeout=240, wait_for=None):
     """Runs `world` workers; returns ({rank: report} of the ranks that wrote one, logs). With
     `wait_for` (ranks), the others are killed as soon as those have finished (a stalled victim)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, str(THIS), "worker", json.dumps(spec), tmp], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        logs = []
-        deadline = time.time() + timeout
-        waited = set(range(world) if wait_for is None else wait_for)
-        for rank in sorted(range(world), key=lambda r: r not in waited):
-            p = procs[rank]
-            if rank not in waited:
-                p.kill()
-            try:
-                out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate()
-            logs.append(out)
-        reports = {}
-        for rank in range(world):
-            f = Path(tmp) / f"rank{rank}.json"
-            if f.exists():
-                reports[rank] = json.loads(f.read_text())
-        if not reports:
-            raise AssertionError("no worker reported; logs:\n" + "\n".join(logs))
-        return reports, logs
+    run = launch_workers(THIS, world, [json.dumps(spec)], timeout=timeout, wait_for=wait_for)
+    if not run.reports:
+        raise AssertionError("no worker reported; logs:\n" + "\n".join(run.logs))
+    return run.reports, run.logs
 
 
 _COMPARE = {}

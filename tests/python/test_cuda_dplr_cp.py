@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 import zlib
 from pathlib import Path
 
@@ -36,6 +32,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from deltacp_testutil import launch_workers  # noqa: E402
 
 THIS = Path(__file__).resolve()
 
@@ -313,34 +311,10 @@ def worker_main(argv):
     os._exit(0)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world, timeout=600):
-    with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        procs = [subprocess.Popen([sys.executable, str(THIS), "worker", tmp],
-                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_PORT=str(port),
-                                           OMP_NUM_THREADS="1"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-        deadline, logs = time.time() + timeout, []
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, _ = p.communicate()
-            logs.append(out)
-        reports = {}
-        for r in range(world):
-            f = Path(tmp) / f"rank{r}.json"
-            if f.exists():
-                reports[r] = json.loads(f.read_text())
-        assert len(reports) == world, "a worker did not report; logs:\n" + "\n".join(logs)
-        return reports
+    run = launch_workers(THIS, world, timeout=timeout)
+    assert len(run.reports) == world, "a worker did not report; logs:\n" + "\n".join(run.logs)
+    return run.reports
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+
+from deltacp_testutil import launch_workers  # noqa: E402
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
@@ -128,12 +127,6 @@ def worker_main(argv):
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _REPORTS = {}
 
 
@@ -141,24 +134,12 @@ def reports(world):
     """Every rank's report for one world size (launched once per session)."""
     if world in _REPORTS:
         return _REPORTS[world]
-    with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, str(THIS), "worker", tmp], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=240)[0])
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    other.kill()
-                pytest.fail("ring attention workers did not finish within 240 s")
-        for rank, p in enumerate(procs):
-            assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank]}"
-        _REPORTS[world] = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    run = launch_workers(THIS, world, timeout=240)
+    if run.timed_out:
+        pytest.fail("ring attention workers did not finish within 240 s")
+    for rank, rc in enumerate(run.returncodes):
+        assert rc == 0, f"rank {rank} failed:\n{run.logs[rank]}"
+    _REPORTS[world] = [run.reports[r] for r in range(world)]
     return _REPORTS[world]
 
 
