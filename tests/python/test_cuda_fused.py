@@ -206,8 +206,8 @@ def _gdn_call(t, q, k, h0, cu, **kw):
 def test_fused_in_kernel_l2norm(case, piece, monkeypatch):
     """use_qk_l2norm_in_kernel without gradients: the fused kernels fold each row's 1 / |x| into their products
     (q and k read once, no normalised copy) — against the fp64 reference of the normalised inputs, and against
-    normalising first and running the fused tier on the result; whole sequences and pieces (whose pass 1 reads
-    the normalised k the WY kernel writes)."""
+    normalising first and running the fused tier on the result; whole sequences and pieces (whose pass 1, the
+    chain's map mode, folds k's row scales into its products like the chain)."""
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
     B, T, H, HV, cu, with_h0 = CASES[case]
