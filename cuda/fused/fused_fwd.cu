@@ -49,20 +49,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
-#include <string>
 #include <vector>
 
 #include "../common/check.h"
-#include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
 #include "../common/load_store.cuh"
 #include "../common/workspace_pool.h"
 #include "../tiled/chunk_table.cuh"
 #include "../tiled/fwd_mma.cuh"
 #include "../tiled/fwd_stages.cuh"
-#include "../tiled/wgmma_ops.cuh"
 #include "fused_chain.cuh"
 #include "fused_wy.cuh"
 #include "deltacp/cuda/tiers.h"

@@ -60,7 +60,7 @@ struct WyArgs {
   // qk_l2norm (params.h): rq, rk [R, HV] fp32 receive each row's 1 / sqrt(|x|^2 + eps) (nullptr: no l2 norm);
   float* rq = nullptr;
   float* rk = nullptr;
-  int64_t H = 0, HV = 0, group = 1;
+  int64_t HV = 0, group = 1;
 };
 
 // Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
@@ -321,7 +321,6 @@ void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const floa
   a.P = P;
   a.rq = rq;
   a.rk = rk;
-  a.H = p.H;
   a.HV = p.HV;
   a.group = p.HV / p.H;
   opt_in_smem(fused_wy_kernel<T>, WySmem::bytes, "K", "the fused WY stage needs ", WySmem::bytes,
