@@ -161,9 +161,9 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
 
 }  // namespace
 
-void forward(const Params& p) {
-  if (const char* why = forward_refusal(p))
-    throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
+namespace {
+// One window of the forward (the whole call when it is not cut): cumsum, WY, and the chain, whole or in pieces.
+void forward_window(const Params& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const ChunkTable table(p, p.chunk_size, stream);
   if (table.num_seqs() == 0) return;
@@ -242,6 +242,78 @@ void forward(const Params& p) {
     throw;
   }
   workspace_free(ws, stream);
+}
+
+// Workspace of one window, bytes per token row (every value head): G (gdn), W, U, P, and qk_l2norm's row scales.
+int64_t window_bytes_per_row(const Params& p) {
+  const int64_t es = dtype_size(p.dtype);
+  return p.HV * ((p.variant == Variant::gdn ? 4 : 0) + (2 * kKeys + 64) * es + (p.qk_l2norm ? 8 : 0));
+}
+
+// Tokens per window on the time axis of a fixed-length batch (0: one window). DELTACP_FUSED_WINDOW=<tokens>
+// forces it (rounded up to whole chunks; 0 never cuts); unset, windows only where the whole call's workspace
+// would pass kWindowBytes, each as long as that budget allows.
+constexpr int64_t kWindowBytes = int64_t{1} << 30;
+int64_t fused_window_tokens(const Params& p) {
+  if (p.varlen() || p.T <= p.chunk_size) return 0;
+  int64_t tokens = tiled::piece_tokens_from_env("DELTACP_FUSED_WINDOW");
+  if (tokens == 0) return 0;
+  if (tokens < 0) {
+    const int64_t per_token = p.B * window_bytes_per_row(p);
+    if (per_token * p.T <= kWindowBytes) return 0;
+    tokens = kWindowBytes / per_token;
+  }
+  tokens = std::max<int64_t>(1, tokens / p.chunk_size) * p.chunk_size;
+  return tokens < p.T ? tokens : 0;
+}
+
+// The view of p's tensors from token t0 on, T = len (fixed-length batches: every batch row's tokens t0 ..).
+TensorRef shifted(const TensorRef& r, int64_t t0, int64_t es) {
+  TensorRef s = r;
+  if (s.ptr != nullptr) s.ptr = static_cast<char*>(s.ptr) + t0 * r.stride_t * es;
+  return s;
+}
+}  // namespace
+
+// The forward. A fixed-length batch whose workspace (W, U, P and G grow with the tokens) would pass
+// kWindowBytes runs as windows of whole chunks along time, one after another, each from the state the last
+// left (fp32, so a window boundary changes nothing over whole sequences: the chain carries the same fp32
+// state through registers); so the workspace stays under the budget however long the sequences are.
+void forward(const Params& p) {
+  if (const char* why = forward_refusal(p))
+    throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
+  const int64_t Tw = fused_window_tokens(p);
+  if (Tw == 0) {
+    forward_window(p);
+    return;
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int64_t es = dtype_size(p.dtype), ges = p.g_fp32 ? 4 : es;
+  const int64_t state_bytes = p.B * p.HV * p.K * p.V * 4;
+  float* carry = static_cast<float*>(workspace_alloc(static_cast<size_t>(2 * state_bytes), stream));
+  try {
+    int w = 0;
+    for (int64_t t0 = 0; t0 < p.T; t0 += Tw, ++w) {
+      const int64_t t1 = std::min(p.T, t0 + Tw);
+      Params q = p;
+      q.T = t1 - t0;
+      q.q = shifted(p.q, t0, es);
+      q.k = shifted(p.k, t0, es);
+      q.v = shifted(p.v, t0, es);
+      q.g = shifted(p.g, t0, ges);
+      q.beta = shifted(p.beta, t0, es);
+      q.o = shifted(p.o, t0, es);
+      float* in = carry + static_cast<int64_t>((w + 1) % 2) * (state_bytes / 4);
+      float* out = carry + static_cast<int64_t>(w % 2) * (state_bytes / 4);
+      q.h0 = t0 == 0 ? p.h0 : in;
+      q.ht = t1 == p.T ? p.ht : out;
+      forward_window(q);
+    }
+  } catch (...) {
+    workspace_free(carry, stream);
+    throw;
+  }
+  workspace_free(carry, stream);
 }
 
 }  // namespace deltacp::cuda::fused
