@@ -59,6 +59,7 @@
 #include "../tiled/fwd_mma.cuh"
 #include "../tiled/fwd_stages.cuh"
 #include "fused_chain.cuh"
+#include "fused_windows.h"
 #include "fused_wy.cuh"
 #include "deltacp/cuda/tiers.h"
 #include "deltacp/error.h"
@@ -250,12 +251,12 @@ int64_t window_bytes_per_row(const Params& p) {
   return p.HV * ((p.variant == Variant::gdn ? 4 : 0) + (2 * kKeys + 64) * es + (p.qk_l2norm ? 8 : 0));
 }
 
-// Tokens per window on the time axis of a fixed-length batch (0: one window). DELTACP_FUSED_WINDOW=<tokens>
-// forces it (rounded up to whole chunks; 0 never cuts); unset, windows only where the whole call's workspace
-// would pass kWindowBytes, each as long as that budget allows.
+// Tokens per window (0: one window): on the time axis of a fixed-length batch, or of the packed axis of a varlen
+// one. DELTACP_FUSED_WINDOW=<tokens> forces it (rounded down to whole chunks; 0 never cuts); unset, windows
+// only where the whole call's workspace would pass kWindowBytes, each as long as that budget allows.
 constexpr int64_t kWindowBytes = int64_t{1} << 30;
 int64_t fused_window_tokens(const Params& p) {
-  if (p.varlen() || p.T <= p.chunk_size) return 0;
+  if (p.T <= p.chunk_size) return 0;
   int64_t tokens = tiled::piece_tokens_from_env("DELTACP_FUSED_WINDOW");
   if (tokens == 0) return 0;
   if (tokens < 0) {
@@ -273,12 +274,74 @@ TensorRef shifted(const TensorRef& r, int64_t t0, int64_t es) {
   if (s.ptr != nullptr) s.ptr = static_cast<char*>(s.ptr) + t0 * r.stride_t * es;
   return s;
 }
+
+// p over tokens [t0, t1) of its time axis (packed for varlen): every input and o shifted, no sequences set.
+Params time_range(const Params& p, int64_t t0, int64_t t1) {
+  const int64_t es = dtype_size(p.dtype), ges = p.g_fp32 ? 4 : es;
+  Params q = p;
+  q.T = t1 - t0;
+  q.q = shifted(p.q, t0, es);
+  q.k = shifted(p.k, t0, es);
+  q.v = shifted(p.v, t0, es);
+  q.g = shifted(p.g, t0, ges);
+  q.beta = shifted(p.beta, t0, es);
+  q.o = shifted(p.o, t0, es);
+  return q;
+}
+
+// A varlen call in windows of the packed axis (fused_windows.h). A window runs as up to three calls, so that
+// every state comes from and goes to where it lives without a gathered copy of the batch's states: the
+// segment that continues the previous window's sequence (one sequence, from the carried state), the whole
+// sequences (h0 and ht in place in the caller's arrays), and the segment its sequence continues past the
+// window (one sequence, its state to the carry). carry[0], carry[1]: the state in and out, swapped per window.
+void forward_varlen_windows(const Params& p, int64_t Tw, float* carry0, float* carry1) {
+  const int64_t state = p.HV * p.K * p.V;
+  const auto windows = plan_varlen_windows(p.host_cu(), p.num_seqs, Tw, p.chunk_size);
+  const float* h0 = static_cast<const float*>(p.h0);
+  float* ht = static_cast<float*>(p.ht);
+  float* in = carry0;
+  float* out = carry1;
+  for (const FusedWindow& w : windows) {
+    const int64_t nseg = static_cast<int64_t>(w.cu.size()) - 1;
+    if (nseg == 0) continue;
+    auto one = [&](int64_t a, int64_t b, const void* s0, void* s1) {  // one sequence, tokens [t0 + a, t0 + b)
+      Params q = time_range(p, w.t0 + a, w.t0 + b);
+      q.cu_seqlens = q.cu_seqlens_host = nullptr;
+      q.num_seqs = 1;
+      q.h0 = s0;
+      q.ht = s1;
+      forward_window(q);
+    };
+    const int64_t first = w.continues_in ? 1 : 0, last = nseg - (w.continues_out ? 1 : 0);  // whole: [first, last)
+    if (w.continues_in && w.continues_out && nseg == 1) {
+      one(0, w.cu[1], in, out);
+    } else {
+      if (w.continues_in) one(0, w.cu[1], in, ht != nullptr ? ht + w.seq_first * state : nullptr);
+      if (last > first) {
+        std::vector<int64_t> cu(w.cu.begin() + first, w.cu.begin() + last + 1);
+        const int64_t a = cu.front();
+        for (int64_t& x : cu) x -= a;
+        Params q = time_range(p, w.t0 + a, w.t0 + a + cu.back());
+        q.cu_seqlens = q.cu_seqlens_host = cu.data();
+        q.num_seqs = last - first;
+        q.h0 = h0 != nullptr ? h0 + (w.seq_first + first) * state : nullptr;
+        q.ht = ht != nullptr ? ht + (w.seq_first + first) * state : nullptr;
+        forward_window(q);
+      }
+      if (w.continues_out) {
+        const int64_t s = w.seq_first + nseg - 1;
+        one(w.cu[nseg - 1], w.cu[nseg], h0 != nullptr ? h0 + s * state : nullptr, out);
+      }
+    }
+    if (w.continues_out) std::swap(in, out);
+  }
+}
 }  // namespace
 
-// The forward. A fixed-length batch whose workspace (W, U, P and G grow with the tokens) would pass
-// kWindowBytes runs as windows of whole chunks along time, one after another, each from the state the last
-// left (fp32, so a window boundary changes nothing over whole sequences: the chain carries the same fp32
-// state through registers); so the workspace stays under the budget however long the sequences are.
+// The forward. A call whose workspace (W, U, P and G grow with the tokens) would pass kWindowBytes runs as
+// windows of whole chunks along time (fused_windows.h), one after another, each from the state the last left
+// (fp32, so a window boundary changes nothing over whole sequences: the chain carries the same fp32 state
+// through registers); so the workspace stays under the budget however long the sequences are.
 void forward(const Params& p) {
   if (const char* why = forward_refusal(p))
     throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
@@ -288,21 +351,18 @@ void forward(const Params& p) {
     return;
   }
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const int64_t es = dtype_size(p.dtype), ges = p.g_fp32 ? 4 : es;
-  const int64_t state_bytes = p.B * p.HV * p.K * p.V * 4;
+  const int64_t state_bytes = (p.varlen() ? 1 : p.B) * p.HV * p.K * p.V * 4;
   float* carry = static_cast<float*>(workspace_alloc(static_cast<size_t>(2 * state_bytes), stream));
   try {
+    if (p.varlen()) {
+      forward_varlen_windows(p, Tw, carry, carry + state_bytes / 4);
+      workspace_free(carry, stream);
+      return;
+    }
     int w = 0;
     for (int64_t t0 = 0; t0 < p.T; t0 += Tw, ++w) {
       const int64_t t1 = std::min(p.T, t0 + Tw);
-      Params q = p;
-      q.T = t1 - t0;
-      q.q = shifted(p.q, t0, es);
-      q.k = shifted(p.k, t0, es);
-      q.v = shifted(p.v, t0, es);
-      q.g = shifted(p.g, t0, ges);
-      q.beta = shifted(p.beta, t0, es);
-      q.o = shifted(p.o, t0, es);
+      Params q = time_range(p, t0, t1);
       float* in = carry + static_cast<int64_t>((w + 1) % 2) * (state_bytes / 4);
       float* out = carry + static_cast<int64_t>(w % 2) * (state_bytes / 4);
       q.h0 = t0 == 0 ? p.h0 : in;

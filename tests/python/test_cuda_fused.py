@@ -318,3 +318,24 @@ def test_fused_inference_workspace_does_not_grow_with_the_chunks(monkeypatch):
 
     small, large = extra_bytes(4096), extra_bytes(16384)
     assert large <= small + (1 << 20), f"workspace {small} B at 4096 tokens, {large} B at 16384"
+
+
+@pytest.mark.parametrize("window", [64, 150, 320])
+def test_fused_varlen_windows_equal_one_window(window, monkeypatch):
+    """A packed batch run as windows of its packed axis (fused_windows.h): sequences cut at their own chunk
+    starts carry their fp32 state to the next window; empty, one-token and long sequences; bit for bit the
+    one-window call over whole sequences."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    cu = [0, 1, 65, 300, 300, 301, 1000, 1100]
+    p = make_problem("gdn", B=1, H=2, HV=4, K=128, V=128, cu_seqlens=cu, h0=True, seed=31)
+    t, h0, cu_t = _tensors(p, "gdn", torch.bfloat16)
+    with torch.no_grad():
+        monkeypatch.setenv("DELTACP_FUSED_WINDOW", "0")
+        o_one, ht_one = _gdn_call(t, t["q"], t["k"], h0, cu_t, backend="fused")
+        monkeypatch.setenv("DELTACP_FUSED_WINDOW", str(window))
+        _poison()
+        o, ht = _gdn_call(t, t["q"], t["k"], h0, cu_t, backend="fused")
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_one)
+    assert torch.equal(ht, ht_one)
