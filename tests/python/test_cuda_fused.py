@@ -274,12 +274,15 @@ def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
 # ---- windows along time (fused_fwd.cu fused_window_tokens) --------------------------------------------------
 @pytest.mark.parametrize("window", [64, 128, 192])
 @pytest.mark.parametrize("l2", [False, True])
-def test_fused_windows_along_time_equal_one_window(window, l2, monkeypatch):
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_fused_windows_along_time_equal_one_window(window, l2, overlap, monkeypatch):
     """A fixed-length batch run as windows of whole chunks (DELTACP_FUSED_WINDOW tokens), each from the fp32
     state the last one left: over whole sequences the same kernels see the same chunks and states, so o and
-    ht equal the one-window call bit for bit (T = 300: a short last window)."""
+    ht equal the one-window call bit for bit (T = 300: a short last window); also with the next window's WY
+    stage beside this window's chain (DELTACP_FUSED_OVERLAP=1: two streams, two slots of W, U, P)."""
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    monkeypatch.setenv("DELTACP_FUSED_OVERLAP", overlap)
     p = make_problem("gdn", B=2, T=300, H=2, HV=4, K=128, V=128, h0=True, seed=23)
     t, h0, _ = _tensors(p, "gdn", torch.bfloat16)
     raw = _raw_qk(t) if l2 else {"q": t["q"], "k": t["k"]}
