@@ -252,7 +252,7 @@ void chain_window(const Params& p, const ChunkTable& table, const WindowBuffers&
         launch_chain_maps<T>(p, map_table, b.G, b.W, b.U, b.rk, maps, stream);
         const tiled::PieceTables tables(p, plan, seq_maps, stream);
         tiled::launch_fold_starts(p, tables, N, static_cast<const float*>(p.h0), starts, stream);
-        launch_chain<T>(p, tables.pieces(), b.G, b.W, b.U, b.P, b.rq, b.rk, starts, piece_ht, stream);
+        launch_chain<T>(p, tables.pieces(), b.G, b.W, b.U, b.P, b.rq, b.rk, starts, piece_ht, stream, chain_stages);
         if (p.ht != nullptr)
           tiled::launch_gather_final_states(p, tables, N, piece_ht, static_cast<float*>(p.ht), stream);
       } catch (...) {
