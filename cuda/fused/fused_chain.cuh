@@ -93,7 +93,7 @@ struct ChainLayout {
   int bar;    // the stages' mbarriers
   int bytes;  // everything, plus 1024 bytes of slack for the alignment
 };
-__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map) {
+__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map, int stages) {
   auto up = [](int x, int a) { return (x + a - 1) / a * a; };
   constexpr int kBlock = 64 * 128;
   ChainLayout L;
@@ -111,7 +111,7 @@ __host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map
   L.rk = o;
   o += 64 * 4;
   L.stage = up(o, 1024);
-  L.stages = chain_stages(nwg, map);
+  L.stages = stages;
   o = L.stages * L.stage;
   L.os = o;
   if (!map) o += nwg * 64 * kLdStage * esize;
@@ -152,14 +152,17 @@ __device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const u
 // leaves with M S + H (cuda/tiled/scan_split.cu has the algebra). The same chain step without the output:
 // no Q or P tile, no output products; the identity columns' CTAs (v0 >= V) see U = 0 and load no U. The
 // start state is made in registers and [H | M] goes to ht, rows V + K apart.
-template <class T, int NWG, bool kMap>
+//
+// KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of fused_wy_kernel
+// beside the chain's, which the windows' overlap in fused_fwd.cu needs).
+template <class T, int NWG, bool kMap, int KS>
 __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using namespace tiled;
-  constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = chain_stages(NWG, kMap);
+  constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = KS;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  const ChainLayout L = chain_layout(NWG, sizeof(T), kMap);
+  const ChainLayout L = chain_layout(NWG, sizeof(T), kMap, KS);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L.bar);
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5, lane = tid & 31;
@@ -448,7 +451,7 @@ inline int chain_warpgroups(int64_t seqs_x_heads, int sms) {
 template <class T, bool kMap>
 void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W,
                          const void* U, const void* P, const float* rq, const float* rk, const float* h0, float* ht,
-                         int nwg, cudaStream_t stream) {
+                         int nwg, int stages, cudaStream_t stream) {
   if (table.num_seqs() == 0) return;
   const int64_t R = p.B * p.T, HV = p.HV;
   ChainArgs<T> a;
@@ -473,8 +476,12 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   a.group = p.HV / p.H;
   a.chunk_size = p.chunk_size;
   a.scale = static_cast<float>(p.scale);
-  const ChainLayout L = chain_layout(nwg, sizeof(T), kMap);
-  auto kernel = nwg == 2 ? fused_chain_kernel<T, 2, kMap> : fused_chain_kernel<T, 1, kMap>;
+  if (stages == 0) stages = chain_stages(nwg, kMap);
+  DELTACP_CHECK(stages == chain_stages(nwg, kMap) || (!kMap && nwg == 1 && stages == 2), "stages",
+                "expected ", chain_stages(nwg, kMap), kMap || nwg == 2 ? "" : " or 2", " load stages, got ", stages);
+  const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages);
+  auto kernel = nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap)>
+                         : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2> : fused_chain_kernel<T, 1, kMap, 3>);
   opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");
   const int64_t cols = kMap ? 2 * kKeys : kKeys;
   const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
@@ -484,11 +491,13 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
 }
 
 // The chain with the output (warpgroups per CTA: chain_warpgroups).
+// stages: 0 = chain_stages; 2 with one warpgroup per CTA to share the SM with the WY kernel.
 template <class T>
 void launch_chain(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W, const void* U,
-                  const void* P, const float* rq, const float* rk, const float* h0, float* ht, cudaStream_t stream) {
-  launch_chain_kernel<T, false>(p, table, G, W, U, P, rq, rk, h0, ht, chain_warpgroups(table.num_seqs() * p.HV, sm_count()),
-                                stream);
+                  const void* P, const float* rq, const float* rk, const float* h0, float* ht, cudaStream_t stream,
+                  int stages = 0) {
+  const int nwg = chain_warpgroups(table.num_seqs() * p.HV, sm_count());
+  launch_chain_kernel<T, false>(p, table, G, W, U, P, rq, rk, h0, ht, nwg, nwg == 1 ? stages : 0, stream);
 }
 
 // The map mode over the pieces of `table`: maps [pieces, HV, K, V + K] = [H | M] of each (two warpgroups per
@@ -496,7 +505,7 @@ void launch_chain(const Params& p, const tiled::ChunkTable& table, const float* 
 template <class T>
 void launch_chain_maps(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W, const void* U,
                        const float* rk, float* maps, cudaStream_t stream) {
-  launch_chain_kernel<T, true>(p, table, G, W, U, nullptr, nullptr, rk, nullptr, maps, 2, stream);
+  launch_chain_kernel<T, true>(p, table, G, W, U, nullptr, nullptr, rk, nullptr, maps, 2, 0, stream);
 }
 
 }  // namespace deltacp::cuda::fused

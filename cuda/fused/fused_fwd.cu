@@ -25,6 +25,11 @@
 // the start states are exact up to rounding. fused_piece_chunks below picks the piece length from a time
 // model of the three kernels.
 //
+// Memory: the workspace (G, W, U, P: 652 bytes per token-head) grows with the tokens, so a call whose
+// workspace would pass 1 GiB runs in windows of whole chunks along time (forward below), each from the fp32
+// state the previous one left; fixed-length windows overlap the next window's WY stage with this window's
+// chain (forward_windows_overlapped).
+//
 // Numerics: the tiled tier's roundings (S, Vn, P to 16 bits for the products, fp32 accumulation, fp32
 // state), so the fused forward agrees with the tiled one to bf16 rounding and with fp64 within 1e-2.
 //
@@ -49,6 +54,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "../common/check.h"
@@ -59,6 +68,7 @@
 #include "../tiled/fwd_mma.cuh"
 #include "../tiled/fwd_stages.cuh"
 #include "fused_chain.cuh"
+#include "fused_windows.h"
 #include "fused_wy.cuh"
 #include "deltacp/cuda/tiers.h"
 #include "deltacp/error.h"
@@ -161,68 +171,82 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
 
 }  // namespace
 
-void forward(const Params& p) {
-  if (const char* why = forward_refusal(p))
-    throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
-  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  const ChunkTable table(p, p.chunk_size, stream);
-  if (table.num_seqs() == 0) return;
+namespace {
+// The token-parallel stage's workspace over a call's B * T rows: G (gdn), W, U, P, and qk_l2norm's row scales.
+struct WindowBuffers {
+  float* G = nullptr;
+  void* W = nullptr;
+  void* U = nullptr;
+  void* P = nullptr;
+  float* rq = nullptr;
+  float* rk = nullptr;
+};
+int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
+int64_t window_buffers_bytes(const Params& p) {
   const int64_t R = p.B * p.T, es = dtype_size(p.dtype);
-  auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
-  const bool gated = p.variant == Variant::gdn;
-  const int64_t bytes_G = gated ? align(R * p.HV * 4) : 0;
-  const int64_t bytes_W = align(R * p.HV * kKeys * es), bytes_U = align(R * p.HV * kKeys * es);
-  const int64_t bytes_P = align(R * p.HV * 64 * es);
+  return (p.variant == Variant::gdn ? align256(R * p.HV * 4) : 0) + 2 * align256(R * p.HV * kKeys * es) +
+         align256(R * p.HV * 64 * es) + (p.qk_l2norm ? 2 * align256(R * p.HV * 4) : 0);
+}
+WindowBuffers carve_window_buffers(char* at, const Params& p) {
+  const int64_t R = p.B * p.T, es = dtype_size(p.dtype);
+  auto take = [&](int64_t b) {
+    char* r = b > 0 ? at : nullptr;
+    at += b;
+    return r;
+  };
+  WindowBuffers b;
+  b.G = reinterpret_cast<float*>(take(p.variant == Variant::gdn ? align256(R * p.HV * 4) : 0));
+  b.W = take(align256(R * p.HV * kKeys * es));
+  b.U = take(align256(R * p.HV * kKeys * es));
+  b.P = take(align256(R * p.HV * 64 * es));
+  b.rq = reinterpret_cast<float*>(take(p.qk_l2norm ? align256(R * p.HV * 4) : 0));
+  b.rk = reinterpret_cast<float*>(take(p.qk_l2norm ? align256(R * p.HV * 4) : 0));
+  return b;
+}
 
-  // The plan: whole sequences, or pieces of L chunks (intra-card CP).
+// The token-parallel stage of a window: G = cumsum g, then W, U, P (and the row scales) by fused_wy_kernel.
+void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffers& b, cudaStream_t stream) {
+  tiled::launch_chunk_cumsum(p, table, b.G, stream);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (tiled::kIs16Bit<T>)
+      launch_fused_wy<T>(p, table, b.G, static_cast<T*>(b.W), static_cast<T*>(b.U), static_cast<T*>(b.P), b.rq, b.rk,
+                         stream);
+  });
+}
+
+// The serial stage of a window: the chain over whole sequences, or in pieces (pass 1 on the chain's map mode,
+// the fold, the chain over the pieces). chain_stages: 0 = the default (fused_chain.cuh).
+void chain_window(const Params& p, const ChunkTable& table, const WindowBuffers& b, cudaStream_t stream,
+                  int chain_stages = 0) {
   const int64_t Lc = fused_piece_chunks(p, table.host_seqs());
   tiled::ScanPlan plan;
   if (Lc > 0) plan = tiled::plan_pieces(p, table.host_seqs(), Lc);
-  const int64_t N = table.num_seqs(), KV = p.K * p.V;
-  std::vector<int64_t> pass1;                 // every piece but each cut sequence's last
-  std::vector<const float*> seq_maps(static_cast<size_t>(N), nullptr);
-  std::vector<int64_t> pass1_first(static_cast<size_t>(N), -1);
-  if (plan.cut())
-    for (int64_t s = 0; s < N; ++s) {
-      if (plan.pieces_of(s) < 2) continue;
-      pass1_first[static_cast<size_t>(s)] = static_cast<int64_t>(pass1.size());
-      for (int64_t i = plan.first_piece[s]; i + 1 < plan.first_piece[s + 1]; ++i) pass1.push_back(i);
-    }
-  const int64_t P = plan.cut() ? static_cast<int64_t>(plan.pieces.size()) : 0;
-  const int64_t bytes_maps = align(static_cast<int64_t>(pass1.size()) * p.HV * p.K * (p.V + p.K) * 4);
-  const int64_t bytes_starts = align(P * p.HV * KV * 4), bytes_pht = p.ht != nullptr ? bytes_starts : 0;
-  // qk_l2norm: the rows' scales (the chain and its map mode fold them into their products).
-  const bool l2 = p.qk_l2norm;
-  const int64_t bytes_r = l2 ? align(R * p.HV * 4) : 0;
-  const int64_t total = bytes_G + bytes_W + bytes_U + bytes_P + bytes_maps + bytes_starts + bytes_pht + 2 * bytes_r;
-  char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(total), stream));
-  try {
-    char* at = ws;
-    auto take = [&](int64_t b) {
-      char* r = b > 0 ? at : nullptr;
-      at += b;
-      return r;
-    };
-    float* G = reinterpret_cast<float*>(take(bytes_G));
-    void* W = take(bytes_W);
-    void* U = take(bytes_U);
-    void* Pw = take(bytes_P);
-    float* maps = reinterpret_cast<float*>(take(bytes_maps));
-    float* starts = reinterpret_cast<float*>(take(bytes_starts));
-    float* piece_ht = reinterpret_cast<float*>(take(bytes_pht));
-    float* rq = reinterpret_cast<float*>(take(bytes_r));
-    float* rk = reinterpret_cast<float*>(take(bytes_r));
-    tiled::launch_chunk_cumsum(p, table, G, stream);
-    dispatch_dtype(p.dtype, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      if constexpr (tiled::kIs16Bit<T>) {
-        launch_fused_wy<T>(p, table, G, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Pw), rq, rk,
-                           stream);
-        if (!plan.cut()) {
-          launch_chain<T>(p, table, G, W, U, Pw, rq, rk, static_cast<const float*>(p.h0), static_cast<float*>(p.ht),
-                          stream);
-          return;
-        }
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (tiled::kIs16Bit<T>) {
+      if (!plan.cut()) {
+        launch_chain<T>(p, table, b.G, b.W, b.U, b.P, b.rq, b.rk, static_cast<const float*>(p.h0),
+                        static_cast<float*>(p.ht), stream, chain_stages);
+        return;
+      }
+      const int64_t N = table.num_seqs(), KV = p.K * p.V;
+      std::vector<int64_t> pass1;  // every piece but each cut sequence's last
+      std::vector<const float*> seq_maps(static_cast<size_t>(N), nullptr);
+      std::vector<int64_t> pass1_first(static_cast<size_t>(N), -1);
+      for (int64_t s = 0; s < N; ++s) {
+        if (plan.pieces_of(s) < 2) continue;
+        pass1_first[static_cast<size_t>(s)] = static_cast<int64_t>(pass1.size());
+        for (int64_t i = plan.first_piece[s]; i + 1 < plan.first_piece[s + 1]; ++i) pass1.push_back(i);
+      }
+      const int64_t P = static_cast<int64_t>(plan.pieces.size());
+      const int64_t bytes_maps = align256(static_cast<int64_t>(pass1.size()) * p.HV * p.K * (p.V + p.K) * 4);
+      const int64_t bytes_starts = align256(P * p.HV * KV * 4), bytes_pht = p.ht != nullptr ? bytes_starts : 0;
+      char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(bytes_maps + bytes_starts + bytes_pht), stream));
+      try {
+        float* maps = reinterpret_cast<float*>(ws);
+        float* starts = reinterpret_cast<float*>(ws + bytes_maps);
+        float* piece_ht = bytes_pht > 0 ? reinterpret_cast<float*>(ws + bytes_maps + bytes_starts) : nullptr;
         for (int64_t s = 0; s < N; ++s)
           if (pass1_first[static_cast<size_t>(s)] >= 0)
             seq_maps[static_cast<size_t>(s)] = maps + pass1_first[static_cast<size_t>(s)] * p.HV * p.K * (p.V + p.K);
@@ -230,18 +254,262 @@ void forward(const Params& p) {
         mapped.reserve(pass1.size());
         for (int64_t i : pass1) mapped.push_back(plan.pieces[static_cast<size_t>(i)]);
         const tiled::ChunkTable map_table(std::move(mapped), p.chunk_size, stream);
-        launch_chain_maps<T>(p, map_table, G, W, U, rk, maps, stream);
+        launch_chain_maps<T>(p, map_table, b.G, b.W, b.U, b.rk, maps, stream);
         const tiled::PieceTables tables(p, plan, seq_maps, stream);
         tiled::launch_fold_starts(p, tables, N, static_cast<const float*>(p.h0), starts, stream);
-        launch_chain<T>(p, tables.pieces(), G, W, U, Pw, rq, rk, starts, piece_ht, stream);
-        if (p.ht != nullptr) tiled::launch_gather_final_states(p, tables, N, piece_ht, static_cast<float*>(p.ht), stream);
+        launch_chain<T>(p, tables.pieces(), b.G, b.W, b.U, b.P, b.rq, b.rk, starts, piece_ht, stream, chain_stages);
+        if (p.ht != nullptr)
+          tiled::launch_gather_final_states(p, tables, N, piece_ht, static_cast<float*>(p.ht), stream);
+      } catch (...) {
+        workspace_free(ws, stream);
+        throw;
       }
-    });
+      workspace_free(ws, stream);
+    }
+  });
+}
+
+// One window of the forward (the whole call when it is not cut): both stages on p's stream.
+void forward_window(const Params& p) {
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const ChunkTable table(p, p.chunk_size, stream);
+  if (table.num_seqs() == 0) return;
+  char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(window_buffers_bytes(p)), stream));
+  try {
+    const WindowBuffers b = carve_window_buffers(ws, p);
+    prepare_window(p, table, b, stream);
+    chain_window(p, table, b, stream);
   } catch (...) {
     workspace_free(ws, stream);
     throw;
   }
   workspace_free(ws, stream);
+}
+
+// Workspace of one window, bytes per token row (every value head): G (gdn), W, U, P, and qk_l2norm's row scales.
+int64_t window_bytes_per_row(const Params& p) {
+  const int64_t es = dtype_size(p.dtype);
+  return p.HV * ((p.variant == Variant::gdn ? 4 : 0) + (2 * kKeys + 64) * es + (p.qk_l2norm ? 8 : 0));
+}
+
+// Tokens per window (0: one window): on the time axis of a fixed-length batch, or of the packed axis of a varlen
+// one. DELTACP_FUSED_WINDOW=<tokens> forces it (rounded down to whole chunks; 0 never cuts); unset, windows
+// only where the whole call's workspace would pass kWindowBytes, each as long as that budget allows.
+constexpr int64_t kWindowBytes = int64_t{1} << 30;
+int64_t fused_window_tokens(const Params& p) {
+  if (p.T <= p.chunk_size) return 0;
+  int64_t tokens = tiled::piece_tokens_from_env("DELTACP_FUSED_WINDOW");
+  if (tokens == 0) return 0;
+  if (tokens < 0) {
+    const int64_t per_token = p.B * window_bytes_per_row(p);
+    if (per_token * p.T <= kWindowBytes) return 0;
+    tokens = kWindowBytes / per_token;
+  }
+  tokens = std::max<int64_t>(1, tokens / p.chunk_size) * p.chunk_size;
+  return tokens < p.T ? tokens : 0;
+}
+
+// The view of p's tensors from token t0 on, T = len (fixed-length batches: every batch row's tokens t0 ..).
+TensorRef shifted(const TensorRef& r, int64_t t0, int64_t es) {
+  TensorRef s = r;
+  if (s.ptr != nullptr) s.ptr = static_cast<char*>(s.ptr) + t0 * r.stride_t * es;
+  return s;
+}
+
+// p over tokens [t0, t1) of its time axis (packed for varlen): every input and o shifted, no sequences set.
+Params time_range(const Params& p, int64_t t0, int64_t t1) {
+  const int64_t es = dtype_size(p.dtype), ges = p.g_fp32 ? 4 : es;
+  Params q = p;
+  q.T = t1 - t0;
+  q.q = shifted(p.q, t0, es);
+  q.k = shifted(p.k, t0, es);
+  q.v = shifted(p.v, t0, es);
+  q.g = shifted(p.g, t0, ges);
+  q.beta = shifted(p.beta, t0, es);
+  q.o = shifted(p.o, t0, es);
+  return q;
+}
+
+// Whether the windows of a fixed-length batch overlap (forward_windows_overlapped) or run one after another on
+// the caller's stream. Overlap is the default: measured on an H200 (bf16 gdn, end to end per call), windows of
+// 2048 / 4096 tokens took 1.11 / 0.86 ms with it against 1.42 / 1.02 ms without at (2,16384,16,128) (64 chain
+// CTAs), 2.80 / 1.92 against 3.68 / 2.45 ms at (1,65536,8,128), and the same within noise at (4,4096,64,128)
+// (256 chain CTAs, no idle SMs). A call captured into a CUDA graph runs them in order (one stream, the path
+// the graph tests replay). DELTACP_FUSED_OVERLAP=0 or 1 forces the choice.
+bool windows_overlap(cudaStream_t stream) {
+  const char* env = std::getenv("DELTACP_FUSED_OVERLAP");
+  if (env != nullptr && *env != '\0') {
+    DELTACP_CHECK(std::string(env) == "0" || std::string(env) == "1", "DELTACP_FUSED_OVERLAP",
+                  "expected 0 or 1, got '", env, "'");
+    return std::string(env) == "1";
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  DELTACP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture == cudaStreamCaptureStatusNone;
+}
+
+// The chain's own stream on the current device: the highest priority, so that its CTAs are placed before the
+// next window's WY CTAs queued on the caller's stream. Created once per device, kept for the process.
+cudaStream_t chain_stream() {
+  static std::mutex mutex;
+  static std::vector<cudaStream_t> streams;
+  int dev = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<int>(streams.size()) <= dev) streams.resize(static_cast<size_t>(dev) + 1, nullptr);
+  if (streams[static_cast<size_t>(dev)] == nullptr) {
+    int lo = 0, hi = 0;
+    DELTACP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    DELTACP_CUDA_CHECK(cudaStreamCreateWithPriority(&streams[static_cast<size_t>(dev)], cudaStreamNonBlocking, hi));
+  }
+  return streams[static_cast<size_t>(dev)];
+}
+
+// Windows of a fixed-length batch with the next window's token-parallel stage beside this window's chain. The
+// chain of a window runs B * HV * (1 or 2) CTAs, one per SM, which leaves the other SMs idle when that is below
+// the SM count (64 of an H200's 132 at (2,16384,16,128)); fused_wy_kernel of the next window fills them. The
+// caller's stream runs the tables and the WY stage of every window, the chain stream the chains:
+//   caller:  [table, WY](0) -> ready0   [table, WY](1) -> ready1   wait freed0, [table, WY](2) -> ready0 ...
+//   chain:   wait ready0, chain(0) -> freed0   wait ready1, chain(1) -> freed1   ...
+// with two slots of W, U, P (a window's stage writes the slot the chain two windows back has freed), the
+// state carried between windows on the chain stream, and the caller's stream joined to the chain stream at the
+// end. The chain runs two load stages, so that a CTA of the WY kernel (70 KB of shared memory) fits on an SM
+// beside it (141 KB): three stages (205 KB) would leave the chain's SMs to the chain and its CTAs waiting for
+// SMs the WY grid has taken.
+void forward_windows_overlapped(const Params& p, int64_t Tw, float* carry0, float* carry1) {
+  cudaStream_t main = static_cast<cudaStream_t>(p.stream), hi = chain_stream();
+  const int64_t n = (p.T + Tw - 1) / Tw;
+  const int64_t slot = window_buffers_bytes(time_range(p, 0, Tw));
+  float* carry[2] = {carry0, carry1};
+  cudaEvent_t ev[6] = {};  // start, done, ready[2], freed[2]
+  for (cudaEvent_t& e : ev) DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  cudaEvent_t start = ev[0], done = ev[1], ready[2] = {ev[2], ev[3]}, freed[2] = {ev[4], ev[5]};
+  char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(2 * slot), main));
+  std::vector<std::unique_ptr<ChunkTable>> tables;
+  auto release = [&] {
+    tables.clear();
+    workspace_free(ws, main);
+    for (cudaEvent_t e : ev) (void)cudaEventDestroy(e);
+  };
+  try {
+    DELTACP_CUDA_CHECK(cudaEventRecord(start, main));
+    DELTACP_CUDA_CHECK(cudaStreamWaitEvent(hi, start, 0));  // the inputs, and anything before the call
+    for (int64_t w = 0; w < n; ++w) {
+      const int64_t t0 = w * Tw, t1 = std::min(p.T, t0 + Tw);
+      Params q = time_range(p, t0, t1);
+      q.h0 = t0 == 0 ? p.h0 : carry[(w + 1) % 2];
+      q.ht = t1 == p.T ? p.ht : carry[w % 2];
+      const WindowBuffers b = carve_window_buffers(ws + (w % 2) * slot, q);
+      if (w >= 2) DELTACP_CUDA_CHECK(cudaStreamWaitEvent(main, freed[w % 2], 0));
+      tables.push_back(std::make_unique<ChunkTable>(q, q.chunk_size, main));
+      prepare_window(q, *tables.back(), b, main);
+      DELTACP_CUDA_CHECK(cudaEventRecord(ready[w % 2], main));
+      DELTACP_CUDA_CHECK(cudaStreamWaitEvent(hi, ready[w % 2], 0));
+      q.stream = hi;
+      chain_window(q, *tables.back(), b, hi, /*chain_stages=*/2);
+      DELTACP_CUDA_CHECK(cudaEventRecord(freed[w % 2], hi));
+    }
+    DELTACP_CUDA_CHECK(cudaEventRecord(done, hi));
+    DELTACP_CUDA_CHECK(cudaStreamWaitEvent(main, done, 0));  // o and ht, and the end of every use of ws
+  } catch (...) {
+    (void)cudaEventRecord(done, hi);
+    (void)cudaStreamWaitEvent(main, done, 0);
+    release();
+    throw;
+  }
+  release();
+}
+
+// A varlen call in windows of the packed axis (fused_windows.h). A window runs as up to three calls, so that
+// every state comes from and goes to where it lives without a gathered copy of the batch's states: the
+// segment that continues the previous window's sequence (one sequence, from the carried state), the whole
+// sequences (h0 and ht in place in the caller's arrays), and the segment its sequence continues past the
+// window (one sequence, its state to the carry). carry[0], carry[1]: the state in and out, swapped per window.
+void forward_varlen_windows(const Params& p, int64_t Tw, float* carry0, float* carry1) {
+  const int64_t state = p.HV * p.K * p.V;
+  const auto windows = plan_varlen_windows(p.host_cu(), p.num_seqs, Tw, p.chunk_size);
+  const float* h0 = static_cast<const float*>(p.h0);
+  float* ht = static_cast<float*>(p.ht);
+  float* in = carry0;
+  float* out = carry1;
+  for (const FusedWindow& w : windows) {
+    const int64_t nseg = static_cast<int64_t>(w.cu.size()) - 1;
+    if (nseg == 0) continue;
+    auto one = [&](int64_t a, int64_t b, const void* s0, void* s1) {  // one sequence, tokens [t0 + a, t0 + b)
+      Params q = time_range(p, w.t0 + a, w.t0 + b);
+      q.cu_seqlens = q.cu_seqlens_host = nullptr;
+      q.num_seqs = 1;
+      q.h0 = s0;
+      q.ht = s1;
+      forward_window(q);
+    };
+    const int64_t first = w.continues_in ? 1 : 0, last = nseg - (w.continues_out ? 1 : 0);  // whole: [first, last)
+    if (w.continues_in && w.continues_out && nseg == 1) {
+      one(0, w.cu[1], in, out);
+    } else {
+      if (w.continues_in) one(0, w.cu[1], in, ht != nullptr ? ht + w.seq_first * state : nullptr);
+      if (last > first) {
+        std::vector<int64_t> cu(w.cu.begin() + first, w.cu.begin() + last + 1);
+        const int64_t a = cu.front();
+        for (int64_t& x : cu) x -= a;
+        Params q = time_range(p, w.t0 + a, w.t0 + a + cu.back());
+        q.cu_seqlens = q.cu_seqlens_host = cu.data();
+        q.num_seqs = last - first;
+        q.h0 = h0 != nullptr ? h0 + (w.seq_first + first) * state : nullptr;
+        q.ht = ht != nullptr ? ht + (w.seq_first + first) * state : nullptr;
+        forward_window(q);
+      }
+      if (w.continues_out) {
+        const int64_t s = w.seq_first + nseg - 1;
+        one(w.cu[nseg - 1], w.cu[nseg], h0 != nullptr ? h0 + s * state : nullptr, out);
+      }
+    }
+    if (w.continues_out) std::swap(in, out);
+  }
+}
+}  // namespace
+
+// The forward. A call whose workspace (W, U, P and G grow with the tokens) would pass kWindowBytes runs as
+// windows of whole chunks along time (fused_windows.h), one after another, each from the state the last left
+// (fp32, so a window boundary changes nothing over whole sequences: the chain carries the same fp32 state
+// through registers); so the workspace stays under the budget however long the sequences are.
+void forward(const Params& p) {
+  if (const char* why = forward_refusal(p))
+    throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
+  const int64_t Tw = fused_window_tokens(p);
+  if (Tw == 0) {
+    forward_window(p);
+    return;
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const int64_t state_bytes = (p.varlen() ? 1 : p.B) * p.HV * p.K * p.V * 4;
+  float* carry = static_cast<float*>(workspace_alloc(static_cast<size_t>(2 * state_bytes), stream));
+  try {
+    if (p.varlen()) {
+      forward_varlen_windows(p, Tw, carry, carry + state_bytes / 4);
+      workspace_free(carry, stream);
+      return;
+    }
+    if (windows_overlap(stream)) {
+      forward_windows_overlapped(p, Tw, carry, carry + state_bytes / 4);
+      workspace_free(carry, stream);
+      return;
+    }
+    int w = 0;
+    for (int64_t t0 = 0; t0 < p.T; t0 += Tw, ++w) {
+      const int64_t t1 = std::min(p.T, t0 + Tw);
+      Params q = time_range(p, t0, t1);
+      float* in = carry + static_cast<int64_t>((w + 1) % 2) * (state_bytes / 4);
+      float* out = carry + static_cast<int64_t>(w % 2) * (state_bytes / 4);
+      q.h0 = t0 == 0 ? p.h0 : in;
+      q.ht = t1 == p.T ? p.ht : out;
+      forward_window(q);
+    }
+  } catch (...) {
+    workspace_free(carry, stream);
+    throw;
+  }
+  workspace_free(carry, stream);
 }
 
 }  // namespace deltacp::cuda::fused

@@ -269,3 +269,76 @@ def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
     with torch.no_grad():
         o_strided, _ = _gdn_call(t, wide, raw["k"], h0, None, use_qk_l2norm_in_kernel=True)
     assert rel_err(o_in.double().cpu().numpy(), o_strided.double().cpu().numpy()) < 5e-3
+
+
+# ---- windows along time (fused_fwd.cu fused_window_tokens) --------------------------------------------------
+@pytest.mark.parametrize("window", [64, 128, 192])
+@pytest.mark.parametrize("l2", [False, True])
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_fused_windows_along_time_equal_one_window(window, l2, overlap, monkeypatch):
+    """A fixed-length batch run as windows of whole chunks (DELTACP_FUSED_WINDOW tokens), each from the fp32
+    state the last one left: over whole sequences the same kernels see the same chunks and states, so o and
+    ht equal the one-window call bit for bit (T = 300: a short last window); also with the next window's WY
+    stage beside this window's chain (DELTACP_FUSED_OVERLAP=1: two streams, two slots of W, U, P)."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    monkeypatch.setenv("DELTACP_FUSED_OVERLAP", overlap)
+    p = make_problem("gdn", B=2, T=300, H=2, HV=4, K=128, V=128, h0=True, seed=23)
+    t, h0, _ = _tensors(p, "gdn", torch.bfloat16)
+    raw = _raw_qk(t) if l2 else {"q": t["q"], "k": t["k"]}
+    kw = dict(use_qk_l2norm_in_kernel=True) if l2 else {}
+    with torch.no_grad():
+        monkeypatch.setenv("DELTACP_FUSED_WINDOW", "0")
+        o_one, ht_one = _gdn_call(t, raw["q"], raw["k"], h0, None, backend="fused", **kw)
+        monkeypatch.setenv("DELTACP_FUSED_WINDOW", str(window))
+        _poison()
+        o, ht = _gdn_call(t, raw["q"], raw["k"], h0, None, backend="fused", **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_one)
+    assert torch.equal(ht, ht_one)
+
+
+def test_fused_inference_workspace_does_not_grow_with_the_chunks(monkeypatch):
+    """An inference call's memory beyond its inputs and outputs (the workspace, from torch's caching allocator)
+    is the same for 4096 and 16384 tokens when windows of 1024 tokens bound it."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_WINDOW", "1024")
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+
+    def extra_bytes(T):
+        p = make_problem("gdn", B=1, T=T, H=4, K=128, V=128, seed=29)
+        t, h0, _ = _tensors(p, "gdn", torch.bfloat16)
+        with torch.no_grad():
+            _gdn_call(t, t["q"], t["k"], h0, None, backend="fused")  # warm: tables, tensor maps, allocator
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            o, ht = _gdn_call(t, t["q"], t["k"], h0, None, backend="fused")
+            torch.cuda.synchronize()
+        outputs = o.numel() * o.element_size() + ht.numel() * ht.element_size()
+        return torch.cuda.max_memory_allocated() - base - outputs
+
+    small, large = extra_bytes(4096), extra_bytes(16384)
+    assert large <= small + (1 << 20), f"workspace {small} B at 4096 tokens, {large} B at 16384"
+
+
+@pytest.mark.parametrize("window", [64, 150, 320])
+def test_fused_varlen_windows_equal_one_window(window, monkeypatch):
+    """A packed batch run as windows of its packed axis (fused_windows.h): sequences cut at their own chunk
+    starts carry their fp32 state to the next window; empty, one-token and long sequences; bit for bit the
+    one-window call over whole sequences."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    cu = [0, 1, 65, 300, 300, 301, 1000, 1100]
+    p = make_problem("gdn", B=1, H=2, HV=4, K=128, V=128, cu_seqlens=cu, h0=True, seed=31)
+    t, h0, cu_t = _tensors(p, "gdn", torch.bfloat16)
+    with torch.no_grad():
+        monkeypatch.setenv("DELTACP_FUSED_WINDOW", "0")
+        o_one, ht_one = _gdn_call(t, t["q"], t["k"], h0, cu_t, backend="fused")
+        monkeypatch.setenv("DELTACP_FUSED_WINDOW", str(window))
+        _poison()
+        o, ht = _gdn_call(t, t["q"], t["k"], h0, cu_t, backend="fused")
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_one)
+    assert torch.equal(ht, ht_one)

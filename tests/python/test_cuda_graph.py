@@ -126,6 +126,21 @@ def test_fused_forward_replays_in_cuda_graph(l2, piece, monkeypatch):
     assert _check_replays_like_eager("gdn", LONG if piece else SHAPE, "fused", l2) == "fused"
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_fused_forward_in_windows_replays_in_cuda_graph(varlen, monkeypatch):
+    """The fused tier in windows along time (DELTACP_FUSED_WINDOW=128 tokens): a captured call runs its
+    windows in order on the capturing stream (the overlapped windows use a second stream of their own), so
+    the replays equal eager calls, which overlap their windows, bit for bit."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    monkeypatch.setenv("DELTACP_FUSED_WINDOW", "128")
+    monkeypatch.delenv("DELTACP_FUSED_OVERLAP", raising=False)
+    if varlen:
+        assert _check_replays_like_eager("gdn", (1, VARLEN[-1], 2, 2), "fused", True, cu=VARLEN) == "fused"
+    else:
+        assert _check_replays_like_eager("gdn", SHAPE, "fused", True) == "fused"
+
+
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
 @pytest.mark.parametrize("l2", [False, True], ids=["plain", "l2norm"])
 @pytest.mark.parametrize("piece", [0, 128], ids=["whole", "pieces"])
