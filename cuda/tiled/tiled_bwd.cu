@@ -110,6 +110,7 @@
 #include "bwd_common.cuh"
 #include "bwd_decay.cuh"
 #include "bwd_dh_scan.cuh"
+#include "bwd_dh_scan_wgmma.cuh"
 #include "bwd_dqkg.cuh"
 #include "bwd_dv_local.cuh"
 #include "bwd_wy.cuh"
@@ -214,7 +215,15 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
   if (NC > 0 && (which == Stages::all || which == Stages::through_b0))
     launch_per_chunk(bwd_dv_local_kernel<Op, KP, PERKEY>, DvLocalSmem<Op, KP, PERKEY>{}.total, "dv_local", a, stream);
   if (which == Stages::through_b0) return;
-  if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
+  if (num_seqs * a.HV > 0 && a.V > 0) {
+    if constexpr (kIs16Bit<Op>) {
+      if (use_dh_scan_wgmma(a, true, PERKEY)) {  // Hopper: dS in wgmma accumulators, tiles by TMA
+        launch_dh_scan_wgmma<Op>(a, num_seqs, stream);
+        return;
+      }
+    }
+    launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
+  }
 }
 
 // B2..B5 on the chunks of one slice (slice_args: a.chunks, a.num_chunks and the slice buffers), whose token
