@@ -216,8 +216,8 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
     launch_per_chunk(bwd_dv_local_kernel<Op, KP, PERKEY>, DvLocalSmem<Op, KP, PERKEY>{}.total, "dv_local", a, stream);
   if (which == Stages::through_b0) return;
   if (num_seqs * a.HV > 0 && a.V > 0) {
-    if constexpr (kIs16Bit<Op>) {
-      if (use_dh_scan_wgmma(a, true, PERKEY)) {  // Hopper: dS in wgmma accumulators, tiles by TMA
+    if (use_dh_scan_wgmma(a, kIs16Bit<Op>, PERKEY)) {  // Hopper: dS in wgmma accumulators, tiles by TMA
+      if constexpr (kIs16Bit<Op>) {
         launch_dh_scan_wgmma<Op>(a, num_seqs, stream);
         return;
       }
