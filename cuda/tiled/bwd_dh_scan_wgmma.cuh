@@ -12,23 +12,27 @@
 //   dh0    = dS of the first chunk
 //
 // The same design as the fused forward's chain (cuda/fused/fused_chain.cuh), mirrored:
-//   CTA       one warpgroup (128 threads) per (sequence or piece, value head, 64 state columns): dS^T of its
-//             64 columns x 128 key rows as an fp32 m64n128 accumulator (64 registers per thread), so the
-//             products that read dS' take it from registers as the A operand
-//   loads     by TMA, three chunks in flight: K, Q, W (64 tokens x 128 keys, two 64 x 64 boxes each, 128-byte
-//             swizzle) and dO's 64 columns (one box); dVn_local (fp32, padded rows) and G by cp.async. Rows
-//             n .. 63 of a chunk of n < 64 tokens are zeroed in shared memory, as masked loads leave them
+//   CTA       one or two warpgroups (128 threads each) per (sequence or piece, value head, 64 or 128 state
+//             columns): each holds dS^T of its 64 columns x 128 key rows as an fp32 m64n128 accumulator (64
+//             registers per thread), so the products that read dS' take it from registers as the A operand;
+//             two share one copy of each chunk's K, Q, W tiles (dh_scan_warpgroups picks the count)
+//   loads     by TMA, three chunks in flight (two with two warpgroups): K, Q, W (64 tokens x 128 keys, two
+//             64 x 64 boxes each, 128-byte swizzle) and dO's 64 columns per warpgroup (one box); dVn_local
+//             (fp32, padded rows) and G by cp.async. Rows n .. 63 of a chunk of n < 64 tokens are zeroed in
+//             shared memory, as masked loads leave them
 //   per chunk ("rs": A from registers)
 //     (1) X^T = dS'^T K^T                       8 x wgmma m64n64k16 rs
 //         meanwhile B1^T = scale e^(G_i) dO^T     (dO^T by ldmatrix.trans from the swizzled box)
-//     (2) dh[c] = dS' staged through the K tile (free once (1) is done; stmatrix.trans, swizzled rows),
-//         stored as 16-byte pieces of whole rows; dVn^T = dVn_local^T + e^(Gn - G_i) X^T -> global (fp32)
+//     (2) dh[c] = dS' staged through the K tile (free once (1) is done; stmatrix.trans, swizzled rows);
+//         dVn^T = dVn_local^T + e^(Gn - G_i) X^T staged over dVn_local; both go out as 16-byte pieces of
+//         whole rows while (3) runs (the second warpgroup stages dh in the two dO boxes, free by then)
 //     (3) dS^T = e^Gn dS'^T + B1^T Q - dVn^T W   8 x wgmma m64n128k16 rs (Q and W MN-major)
 //   So dS never leaves the SM; per chunk it reads q, k, W, dO, dVn_local and writes dh and dVn, as the
 //   mma.sync scan does, but at one TMA instruction per 8 KB tile and 3x fewer product instructions.
 //
-// Shared memory: a stage is K, Q, W (16 KB each), dO (8 KB), dVn_local (64 x 68 floats: 17 KB), G (256 B),
-// rounded to 1 KB: 74 KB; three stages 222 KB (the 227 KB an H100 / H200 block may take). One CTA per SM.
+// Shared memory: a stage is K, Q, W (16 KB each), per warpgroup dO (8 KB) and dVn_local (64 x 68 floats:
+// 17 KB), G (256 B), rounded to 1 KB: one warpgroup 74 KB x 3 stages = 222 KB (of the 227 KB an H100 / H200
+// block may take), two 99 KB x 2 = 198 KB. One CTA per SM.
 //
 // Measured: see tiled_bwd.cu's header (the stage table) and docs/perf.md.
 #pragma once
@@ -49,7 +53,6 @@ namespace deltacp::cuda::tiled::bwd {
 
 constexpr int kDhKeys = 128;  // K = V = 128
 constexpr int kDhCols = 64;   // state columns per CTA
-constexpr int kDhStages = 3;
 constexpr int kDhPF = kDhCols + 4;  // dVn_local's padded row (floats): conflict-free accumulator-layout reads
 
 struct DhWgArgs {
@@ -59,15 +62,21 @@ struct DhWgArgs {
   Args a;
 };
 
-// Offsets from a 1024-byte aligned base; stage s adds s * stage.
+// Load stages: three chunks in flight with one warpgroup per CTA, two with two (what shared memory allows).
+__host__ __device__ constexpr int dh_wg_stages(int nwg) { return nwg == 1 ? 3 : 2; }
+
+// Offsets from a 1024-byte aligned base; stage s adds s * stage. Within a stage: K, Q, W (two 64 x 64 boxes
+// each), dO (a box per warpgroup), then per warpgroup dVn_local (64 x kDhPF floats), then G.
+template <int NWG>
 struct DhWgLayout {
   static constexpr int kBlock = 64 * 128;  // one 64 x 64 box of 16-bit elements
-  static constexpr int k = 0, q = 2 * kBlock, w = 4 * kBlock, dO = 6 * kBlock, blocks = 7;
-  static constexpr int dvl = 7 * kBlock;
-  static constexpr int g = dvl + 64 * kDhPF * 4;
+  static constexpr int k = 0, q = 2 * kBlock, w = 4 * kBlock, dO = 6 * kBlock, blocks = 6 + NWG;
+  static constexpr int dvl = blocks * kBlock, dvl_bytes = 64 * kDhPF * 4;
+  static constexpr int g = dvl + NWG * dvl_bytes;
   static constexpr int stage = (g + 64 * 4 + 1023) / 1024 * 1024;
-  static constexpr int bar = kDhStages * stage;
-  static constexpr int bytes = bar + 8 * kDhStages + 1024;  // + slack for the alignment
+  static constexpr int stages = dh_wg_stages(NWG);
+  static constexpr int bar = stages * stage;
+  static constexpr int bytes = bar + 8 * stages + 1024;  // + slack for the alignment
 };
 
 #ifdef DELTACP_WGMMA_DEVICE
@@ -91,27 +100,31 @@ __device__ __forceinline__ void acc_from_box_trans_sw128(float (&X)[32], const u
 }
 #endif
 
-template <class T>
-__global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_constant__ DhWgArgs args) {
+// One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns); the warpgroups of a CTA
+// share one copy of each chunk's K, Q and W tiles (the file comment gives the steps).
+template <class T, int NWG>
+__global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const __grid_constant__ DhWgArgs args) {
 #ifdef DELTACP_WGMMA_DEVICE
-  using L = DhWgLayout;
+  using L = DhWgLayout<NWG>;
+  constexpr int kStages = L::stages, kThr = 128 * NWG;
   const Args& a = args.a;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::bar);
 
-  const int tid = threadIdx.x, wi = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int64_t n = blockIdx.x, hv = blockIdx.y, HV = a.HV;
-  const int vw = blockIdx.z * kDhCols;  // the CTA's first state column
-  const int jr = 16 * wi + g;           // this thread's rows of dS^T (columns of dS): jr and jr + 8
+  const int v0 = blockIdx.z * kDhCols * NWG;  // the CTA's first state column
+  const int vw = v0 + kDhCols * wg;           // this warpgroup's first state column
+  const int jr = 16 * wi + g;                 // this thread's rows of dS^T (columns of dS): vw + jr, + 8
   const int hk = static_cast<int>(hv / a.group);
   const SeqEntry se = a.seqs[n];
   const int cs = a.chunk_size;
   const bool store = !a.dh0_only;
 
   if (tid == 0) {
-    for (int s = 0; s < kDhStages; ++s) mbar_init(bars + s, 1);
+    for (int s = 0; s < kStages; ++s) mbar_init(bars + s, 1);
     fence_mbar_init();
   }
   if (tid == 0 && se.num_chunks > 0) {
@@ -138,12 +151,12 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
   auto chunk_of = [&](int64_t it) { return nchunks - 1 - it; };  // step it walks chunk nchunks - 1 - it
   auto chunk_row0 = [&](int64_t c) { return se.batch * a.T + se.bos + c * cs; };
   auto chunk_len = [&](int64_t c) { return static_cast<int>(min(static_cast<int64_t>(cs), se.len - c * cs)); };
-  // Step it's loads into stage it % kDhStages (its previous readers are past the barrier that ended them).
+  // Step it's loads into stage it % kStages (its previous readers are past the barrier that ended them).
   auto issue = [&](int64_t it) {
     const int64_t c = chunk_of(it), row0 = chunk_row0(c), t0 = se.bos + c * cs;
     const int len = chunk_len(c);
-    unsigned char* st = smem + static_cast<int>(it % kDhStages) * L::stage;
-    uint64_t* bar = bars + it % kDhStages;
+    unsigned char* st = smem + static_cast<int>(it % kStages) * L::stage;
+    uint64_t* bar = bars + it % kStages;
     if (tid == 0) {
       const int r = static_cast<int>(row0), tt = static_cast<int>(t0), b = static_cast<int>(se.batch);
       const int h = static_cast<int>(hv);
@@ -155,11 +168,13 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
       tma_load_4d(st + L::q + L::kBlock, &args.tm_q.map, bar, 64, hk, tt, b);
       tma_load_3d(st + L::w, &args.tm_w.map, bar, 0, h, r);
       tma_load_3d(st + L::w + L::kBlock, &args.tm_w.map, bar, 64, h, r);
-      tma_load_4d(st + L::dO, &args.tm_do.map, bar, vw, h, tt, b);
+#pragma unroll
+      for (int u = 0; u < NWG; ++u)
+        tma_load_4d(st + L::dO + u * L::kBlock, &args.tm_do.map, bar, v0 + 64 * u, h, tt, b);
     }
-    // dVn_local: 64 rows x 64 floats as 16-byte pieces (8 per thread); rows >= len zero.
-    float* dvl = reinterpret_cast<float*>(st + L::dvl);
-    const int pc = tid & 15, r0 = tid >> 4;
+    // This warpgroup's dVn_local: 64 rows x 64 floats as 16-byte pieces (8 per thread); rows >= len zero.
+    float* dvl = reinterpret_cast<float*>(st + L::dvl + wg * L::dvl_bytes);
+    const int pc = wtid & 15, r0 = wtid >> 4;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int i = r0 + 8 * k;
@@ -186,7 +201,7 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
   const int srow = 8 * (sq >> 1) + srr, scol = 16 * wi + 8 * (sq & 1);
 
 #pragma unroll
-  for (int it = 0; it + 1 < kDhStages; ++it) {
+  for (int it = 0; it + 1 < kStages; ++it) {
     if (it < nchunks) {
       issue(it);
     } else {
@@ -196,16 +211,16 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
   for (int64_t it = 0; it < nchunks; ++it) {
     const int64_t c = chunk_of(it), row0 = chunk_row0(c);
     const int len = chunk_len(c);
-    unsigned char* st = smem + static_cast<int>(it % kDhStages) * L::stage;
-    if (it + kDhStages - 1 < nchunks) {
-      issue(it + kDhStages - 1);
+    unsigned char* st = smem + static_cast<int>(it % kStages) * L::stage;
+    if (it + kStages - 1 < nchunks) {
+      issue(it + kStages - 1);
     } else {
       cp_async_commit();
     }
-    cp_async_wait<kDhStages - 1>();
-    mbar_wait(bars + it % kDhStages, static_cast<uint32_t>((it / kDhStages) & 1));
+    cp_async_wait<kStages - 1>();
+    mbar_wait(bars + it % kStages, static_cast<uint32_t>((it / kStages) & 1));
     if (len < 64) {  // rows len .. 63 of every box: zero, as masked loads would have left them
-      for (int idx = tid; idx < L::blocks * 64 * 8; idx += 128) {
+      for (int idx = tid; idx < L::blocks * 64 * 8; idx += kThr) {
         const int row = (idx >> 3) & 63;
         if (row >= len) *reinterpret_cast<uint4*>(st + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -213,7 +228,7 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
     fence_proxy_async();
     __syncthreads();
     const float* gbuf = reinterpret_cast<const float*>(st + L::g);
-    const float* dvl = reinterpret_cast<const float*>(st + L::dvl);
+    float* dvl = reinterpret_cast<float*>(st + L::dvl + wg * L::dvl_bytes);
     const uint32_t k_addr = smem_u32(st + L::k), q_addr = smem_u32(st + L::q), w_addr = smem_u32(st + L::w);
 
     // (1) X^T = dS'^T K^T, A = 16-bit dS'^T from registers.
@@ -238,7 +253,7 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
     uint32_t b1[4][4];
     {
       float B[32];
-      acc_from_box_trans_sw128<T>(B, st + L::dO, srow, scol);
+      acc_from_box_trans_sw128<T>(B, st + L::dO + wg * L::kBlock, srow, scol);
 #pragma unroll
       for (int nb = 0; nb < 8; ++nb) {
         const float2 gi = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
@@ -256,12 +271,18 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
     wg_wait_all();
     reg_fence(X);
     reg_fence(sa);
-    warpgroup_bar(0);  // every warp's part of (1) is done: the K tile is free
+    // Every warp's part of (1) is done, so the K tile is free; with two warpgroups also every read of the dO
+    // boxes (each warpgroup's B1 came before its wait).
+    if constexpr (NWG == 1) {
+      warpgroup_bar(0);
+    } else {
+      __syncthreads();
+    }
 
-    // (2) dh[c] = dS' (the 16-bit A fragments) staged in the K tile as 128 key rows x 64 columns, 16-byte
-    // piece p of row d at ((p ^ (d % 8)) << 4): stmatrix.trans turns the fragments' (column, key) layout into
-    // (key, column) rows.
-    unsigned char* dhs = st + L::k;
+    // (2) dh[c] = dS' (the 16-bit A fragments) staged as 128 key rows x 64 columns (the K tile; the second
+    // warpgroup's in the two dO boxes), 16-byte piece p of row d at ((p ^ (d % 8)) << 4): stmatrix.trans turns
+    // the fragments' (column, key) layout into (key, column) rows.
+    unsigned char* dhs = st + (wg == 0 ? L::k : L::dO);
     if (store) {
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk) {
@@ -269,7 +290,9 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
         stmatrix_x4_trans(dhs + d * 128 + ((p ^ (d & 7)) << 4), sa[kk]);
       }
     }
-    // dVn^T = dVn_local^T + e^(Gn - G_i) X^T -> global; X <- -dVn^T, the second product's operand.
+    // dVn^T = dVn_local^T + e^(Gn - G_i) X^T, written over dVn_local in shared memory (each element by the
+    // thread that read it) and stored from there during (3); X <- -dVn^T, the second product's operand.
+    // (Stored element by element from registers here, dVn cost 0.9 us of a 4 us step: H200, (2,16384,16,128).)
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) {
       const float2 gi = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
@@ -278,7 +301,7 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
       for (int e = 0; e < 4; ++e) {
         const int i = 8 * nb + 2 * t + (e & 1), v = jr + 8 * (e >> 1);
         const float dvn = i < len ? dvl[i * kDhPF + v] + fk[e & 1] * X[4 * nb + e] : 0.f;
-        if (store && i < len) a.dvnew[((row0 + i) * HV + hv) * a.V + vw + v] = dvn;
+        dvl[i * kDhPF + v] = dvn;
         X[4 * nb + e] = -dvn;
       }
     }
@@ -299,14 +322,25 @@ __global__ void __launch_bounds__(128, 1) bwd_dh_scan_wgmma_kernel(const __grid_
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(D, b2[kk], wg_desc(w_addr + kk * 2048, 8192, 1024));
     wg_commit();
-    // dh[c] from the staged tile while the products run: thread -> 16-byte piece (tid % 8) of rows tid / 8 + 16 j.
+    // dh[c] and dVn from this warpgroup's staged tiles while the products run: 16-byte pieces of whole rows.
     if (store) {
-      warpgroup_bar(0);  // the staged tile is complete
+      warpgroup_bar(wg);  // the staged tiles are complete
+      {  // dVn: thread -> piece (wtid % 16) of token rows wtid / 16 + 8 j
+        const int pc = wtid & 15;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int i = (wtid >> 4) + 8 * j;
+          if (i < len)
+            *reinterpret_cast<float4*>(a.dvnew + ((row0 + i) * HV + hv) * a.V + vw + 4 * pc) =
+                *reinterpret_cast<const float4*>(dvl + i * kDhPF + 4 * pc);
+        }
+      }
+      // dh: thread -> piece (wtid % 8) of key rows wtid / 8 + 16 j
       T* dh = static_cast<T*>(a.dh) + ((se.first_chunk + c) * HV + hv) * kDhKeys * kDhKeys + vw;
-      const int p = tid & 7;
+      const int p = wtid & 7;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const int d = (tid >> 3) + 16 * j;
+        const int d = (wtid >> 3) + 16 * j;
         *reinterpret_cast<uint4*>(dh + d * kDhKeys + 8 * p) =
             *reinterpret_cast<const uint4*>(dhs + d * 128 + ((p ^ (d & 7)) << 4));
       }
@@ -351,12 +385,14 @@ inline const char* dh_scan_wgmma_refusal(const Args& a, bool is16, bool perkey) 
         (a.B > 1 && r->stride_b <= 0))
       return "TMA reads q, k and dO through tensor maps, which need positive strides";
   }
-  if (reinterpret_cast<uintptr_t>(a.dvnew) % 16 != 0 || (a.dh != nullptr && reinterpret_cast<uintptr_t>(a.dh) % 16 != 0))
+  if (reinterpret_cast<uintptr_t>(a.dvnew) % 16 != 0 ||
+      (a.dh != nullptr && reinterpret_cast<uintptr_t>(a.dh) % 16 != 0))
     return "the workspaces are not 16-byte aligned";
   if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
       device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
     return "it runs on compute capability 9.0 (H100 / H200) only";
-  if (max_smem_optin() < DhWgLayout::bytes) return "the GPU gives a block less shared memory than it needs";
+  if (max_smem_optin() < DhWgLayout<1>::bytes || max_smem_optin() < DhWgLayout<2>::bytes)
+    return "the GPU gives a block less shared memory than it needs";
   return nullptr;
 #endif
 }
@@ -375,6 +411,19 @@ inline bool use_dh_scan_wgmma(const Args& a, bool is16, bool perkey) {
   return why == nullptr;
 }
 
+// Warpgroups per CTA: two share one copy of each chunk's K, Q and W tiles and halve the CTAs, which pays once
+// one warpgroup per CTA would fill the SMs (one CTA per SM); below that, one per CTA spreads the heads over
+// twice the SMs. DELTACP_TILED_DH_WG=1 or 2 forces it.
+inline int dh_scan_warpgroups(int64_t seqs_x_heads) {
+  const char* env = std::getenv("DELTACP_TILED_DH_WG");
+  if (env != nullptr && *env != '\0') {
+    DELTACP_CHECK(std::string(env) == "1" || std::string(env) == "2", "DELTACP_TILED_DH_WG", "expected 1 or 2, got '",
+                  env, "'");
+    return std::atoi(env);
+  }
+  return 2 * seqs_x_heads >= sm_count() ? 2 : 1;
+}
+
 template <class T>
 void launch_dh_scan_wgmma(const Args& a, int64_t num_seqs, cudaStream_t stream) {
   DhWgArgs w;
@@ -386,12 +435,14 @@ void launch_dh_scan_wgmma(const Args& a, int64_t num_seqs, cudaStream_t stream) 
     w.tm_do = token_rows_map(a.dout, a.B, a.T, a.HV, kDhKeys, "do");
     w.tm_w = workspace_rows_map(a.W, R, a.HV, kDhKeys, "W");
   }
-  auto kernel = bwd_dh_scan_wgmma_kernel<T>;
-  opt_in_smem(kernel, DhWgLayout::bytes, "K", "the wgmma dh scan needs ", DhWgLayout::bytes,
-              " bytes of shared memory");
   DELTACP_CHECK(a.HV <= 65535, "HV", "expected at most 65535 value heads, got ", a.HV);
-  const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(a.HV), kDhKeys / kDhCols);
-  kernel<<<grid, 128, DhWgLayout::bytes, stream>>>(w);
+  const int nwg = dh_scan_warpgroups(num_seqs * a.HV);
+  const int bytes = nwg == 2 ? DhWgLayout<2>::bytes : DhWgLayout<1>::bytes;
+  auto kernel = nwg == 2 ? bwd_dh_scan_wgmma_kernel<T, 2> : bwd_dh_scan_wgmma_kernel<T, 1>;
+  opt_in_smem(kernel, bytes, "K", "the wgmma dh scan needs ", bytes, " bytes of shared memory");
+  const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(a.HV),
+                  static_cast<unsigned>(kDhKeys / (kDhCols * nwg)));
+  kernel<<<grid, 128 * nwg, bytes, stream>>>(w);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 
