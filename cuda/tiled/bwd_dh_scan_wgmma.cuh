@@ -22,11 +22,14 @@
 //             shared memory, as masked loads leave them
 //   per chunk ("rs": A from registers)
 //     (1) X^T = dS'^T K^T                       8 x wgmma m64n64k16 rs
-//         meanwhile B1^T = scale e^(G_i) dO^T     (dO^T by ldmatrix.trans from the swizzled box)
-//     (2) dh[c] = dS' staged through the K tile (free once (1) is done; stmatrix.trans, swizzled rows);
-//         dVn^T = dVn_local^T + e^(Gn - G_i) X^T staged over dVn_local; both go out as 16-byte pieces of
-//         whole rows while (3) runs (the second warpgroup stages dh in the two dO boxes, free by then)
+//         meanwhile: the next loads, B1^T = scale e^(G_i) dO^T (dO^T by ldmatrix.trans from the swizzled
+//         box) and the factors e^(Gn - G_i)
+//     (2) dVn^T = dVn_local^T + e^(Gn - G_i) X^T, staged over dVn_local
 //     (3) dS^T = e^Gn dS'^T + B1^T Q - dVn^T W   8 x wgmma m64n128k16 rs (Q and W MN-major)
+//         meanwhile: dh[c] = dS' staged through the K tile (free once (1) is done; stmatrix.trans, swizzled
+//         rows; the second warpgroup's in the two dO boxes), then dh[c] and dVn stored as 16-byte pieces of
+//         whole rows
+//   Only (1), (2) and (3) are on the chain of dependent steps; what "meanwhile" lists runs in their shadow.
 //   So dS never leaves the SM; per chunk it reads q, k, W, dO, dVn_local and writes dh and dVn, as the
 //   mma.sync scan does, but at one TMA instruction per 8 KB tile and 3x fewer product instructions.
 //
@@ -212,12 +215,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
     const int64_t c = chunk_of(it), row0 = chunk_row0(c);
     const int len = chunk_len(c);
     unsigned char* st = smem + static_cast<int>(it % kStages) * L::stage;
-    if (it + kStages - 1 < nchunks) {
-      issue(it + kStages - 1);
-    } else {
-      cp_async_commit();
-    }
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<kStages - 2>();  // this step's group (the next one's may be in flight)
     mbar_wait(bars + it % kStages, static_cast<uint32_t>((it / kStages) & 1));
     if (len < 64) {  // rows len .. 63 of every box: zero, as masked loads would have left them
       for (int idx = tid; idx < L::blocks * 64 * 8; idx += kThr) {
@@ -248,7 +246,15 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
       wgmma_n64_rs<T>(X, sa[kk], wg_desc(k_addr + off, 16, 1024), kk > 0);
     }
     wg_commit();
-    // Meanwhile: B1^T = scale e^(G_i) dO^T as A fragments (token i = 8 nb + 2 t + (e & 1) of element 4 nb + e).
+    // Meanwhile, off the chain of dependent products: the loads of step it + kStages - 1 into the stage the
+    // last step freed (issued here rather than before (1), they no longer delay it), ...
+    if (it + kStages - 1 < nchunks) {
+      issue(it + kStages - 1);
+    } else {
+      cp_async_commit();
+    }
+    // ... B1^T = scale e^(G_i) dO^T as A fragments (token i = 8 nb + 2 t + (e & 1) of element 4 nb + e) and
+    // the factors e^(Gn - G_i) of step (2).
     const float glast = gbuf[len - 1];
     uint32_t b1[4][4];
     {
@@ -268,39 +274,26 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
 #pragma unroll
         for (int r = 0; r < 4; ++r) b1[kk][r] = pack2<T>(B[8 * kk + 2 * r], B[8 * kk + 2 * r + 1]);
     }
+    float fk[16];  // e^(Gn - G_i) for the tokens 8 nb + 2 t and 8 nb + 2 t + 1 of this thread's elements
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      const float2 gi = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
+      fk[2 * nb] = exp_t<T>(glast - gi.x);
+      fk[2 * nb + 1] = exp_t<T>(glast - gi.y);
+    }
     wg_wait_all();
     reg_fence(X);
     reg_fence(sa);
-    // Every warp's part of (1) is done, so the K tile is free; with two warpgroups also every read of the dO
-    // boxes (each warpgroup's B1 came before its wait).
-    if constexpr (NWG == 1) {
-      warpgroup_bar(0);
-    } else {
-      __syncthreads();
-    }
 
-    // (2) dh[c] = dS' (the 16-bit A fragments) staged as 128 key rows x 64 columns (the K tile; the second
-    // warpgroup's in the two dO boxes), 16-byte piece p of row d at ((p ^ (d % 8)) << 4): stmatrix.trans turns
-    // the fragments' (column, key) layout into (key, column) rows.
-    unsigned char* dhs = st + (wg == 0 ? L::k : L::dO);
-    if (store) {
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        const int d = 16 * kk + srow, p = scol >> 3;
-        stmatrix_x4_trans(dhs + d * 128 + ((p ^ (d & 7)) << 4), sa[kk]);
-      }
-    }
-    // dVn^T = dVn_local^T + e^(Gn - G_i) X^T, written over dVn_local in shared memory (each element by the
+    // (2) dVn^T = dVn_local^T + e^(Gn - G_i) X^T, written over dVn_local in shared memory (each element by the
     // thread that read it) and stored from there during (3); X <- -dVn^T, the second product's operand.
     // (Stored element by element from registers here, dVn cost 0.9 us of a 4 us step: H200, (2,16384,16,128).)
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) {
-      const float2 gi = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
-      const float fk[2] = {exp_t<T>(glast - gi.x), exp_t<T>(glast - gi.y)};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 8 * nb + 2 * t + (e & 1), v = jr + 8 * (e >> 1);
-        const float dvn = i < len ? dvl[i * kDhPF + v] + fk[e & 1] * X[4 * nb + e] : 0.f;
+        const float dvn = i < len ? dvl[i * kDhPF + v] + fk[2 * nb + (e & 1)] * X[4 * nb + e] : 0.f;
         dvl[i * kDhPF + v] = dvn;
         X[4 * nb + e] = -dvn;
       }
@@ -322,8 +315,23 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(D, b2[kk], wg_desc(w_addr + kk * 2048, 8192, 1024));
     wg_commit();
-    // dh[c] and dVn from this warpgroup's staged tiles while the products run: 16-byte pieces of whole rows.
+    // While (3) runs: dh[c] = dS' (the 16-bit A fragments of (1)) staged as 128 key rows x 64 columns (the K
+    // tile, free since (1) is done; the second warpgroup's in the two dO boxes, free since its B1 is made),
+    // 16-byte piece p of row d at ((p ^ (d % 8)) << 4): stmatrix.trans turns the fragments' (column, key)
+    // layout into (key, column) rows. Then dh[c] and dVn go out from the staged tiles as 16-byte pieces of
+    // whole rows.
+    unsigned char* dhs = st + (wg == 0 ? L::k : L::dO);
     if (store) {
+      if constexpr (NWG == 1) {
+        warpgroup_bar(0);  // every warp's part of (1) is done
+      } else {
+        __syncthreads();  // both warpgroups' (1) and B1 are done
+      }
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        const int d = 16 * kk + srow, p = scol >> 3;
+        stmatrix_x4_trans(dhs + d * 128 + ((p ^ (d & 7)) << 4), sa[kk]);
+      }
       warpgroup_bar(wg);  // the staged tiles are complete
       {  // dVn: thread -> piece (wtid % 16) of token rows wtid / 16 + 8 j
         const int pc = wtid & 15;
