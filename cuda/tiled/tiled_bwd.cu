@@ -19,7 +19,8 @@
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
 //             W, U, and the chunk-start states h and v_new from h0.
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
-//   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0
+//   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
+//                                                  16-bit gdn / delta at K = V = 128: bwd_dh_scan_wgmma.cuh)
 //   B2 bwd_dqkg       per (chunk, head)            V contractions: dP, dq/dk/dG partials, dW
 //   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
 //   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
