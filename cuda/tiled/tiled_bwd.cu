@@ -19,7 +19,8 @@
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
 //             W, U, and the chunk-start states h and v_new from h0.
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
-//   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0
+//   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
+//                                                  16-bit gdn / delta at K = V = 128: bwd_dh_scan_wgmma.cuh)
 //   B2 bwd_dqkg       per (chunk, head)            V contractions: dP, dq/dk/dG partials, dW
 //   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
 //   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
@@ -110,6 +111,7 @@
 #include "bwd_common.cuh"
 #include "bwd_decay.cuh"
 #include "bwd_dh_scan.cuh"
+#include "bwd_dh_scan_wgmma.cuh"
 #include "bwd_dqkg.cuh"
 #include "bwd_dv_local.cuh"
 #include "bwd_wy.cuh"
@@ -214,7 +216,15 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
   if (NC > 0 && (which == Stages::all || which == Stages::through_b0))
     launch_per_chunk(bwd_dv_local_kernel<Op, KP, PERKEY>, DvLocalSmem<Op, KP, PERKEY>{}.total, "dv_local", a, stream);
   if (which == Stages::through_b0) return;
-  if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
+  if (num_seqs * a.HV > 0 && a.V > 0) {
+    if (use_dh_scan_wgmma(a, kIs16Bit<Op>, PERKEY)) {  // Hopper: dS in wgmma accumulators, tiles by TMA
+      if constexpr (kIs16Bit<Op>) {
+        launch_dh_scan_wgmma<Op>(a, num_seqs, stream);
+        return;
+      }
+    }
+    launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
+  }
 }
 
 // B2..B5 on the chunks of one slice (slice_args: a.chunks, a.num_chunks and the slice buffers), whose token

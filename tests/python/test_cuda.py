@@ -824,3 +824,89 @@ def test_staged_backward_equals_the_one_shot_backward(variant, dtype):
     with pytest.raises(ValueError, match="tier"):
         _core.staged_backward_prepare(variant, "naive", naive, None, 64, stream)
     torch.cuda.synchronize()
+
+
+# ---- the backward's reverse state-gradient scan on Hopper (cuda/tiled/bwd_dh_scan_wgmma.cuh) ---------------
+def _backward_grads(variant, t, h0, cu, do, dht, monkeypatch, switch):
+    monkeypatch.setenv("DELTACP_TILED_DH_WGMMA", switch)
+    x = {n: v.clone().requires_grad_(True) for n, v in t.items()}
+    h = h0.clone().requires_grad_(True)
+    o, ht = _call(variant, x, initial_state=h, output_final_state=True, cu_seqlens=cu, backend="tiled")
+    ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+    torch.cuda.synchronize()
+    return {"dh0": h.grad, **{"d" + n: x[n].grad for n in t}}
+
+
+@pytest.mark.parametrize("variant", ["gdn", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["varlen", "grouped"])
+def test_wgmma_dh_scan_matches_the_mma_sync_scan_and_the_reference(variant, dtype, case, monkeypatch):
+    """Stage B1 of the tiled backward on Hopper (wgmma, dS^T in registers, tiles by TMA) against the
+    mma.sync scan (DELTACP_TILED_DH_WGMMA=0) and the fp64 reference, every gradient including dh0, with a
+    non-zero dht: packed sequences of 1, 149, 150 and 400 tokens (short last chunks, whose rows past the
+    sequence the kernel zeroes), or grouped value heads (HV = 2 H) over a fixed-length batch. One and two
+    warpgroups per CTA (DELTACP_TILED_DH_WG) give the same bits, and so do two runs. Runs on compute capability 9.0 only (elsewhere the switch set to 1
+    must raise naming itself)."""
+    _require_cuda_build()
+    if case == "varlen":
+        p = make_problem(variant, cu_seqlens=[0, 1, 150, 300, 700], H=2, HV=2, K=128, V=128, seed=41)
+        N, T = 4, 700
+    else:
+        p = make_problem(variant, B=2, T=200, H=2, HV=4, K=128, V=128, seed=43)
+        N, T = 2, 200
+    names = input_names(variant)
+    t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda") for n in names}
+    rng = np.random.default_rng(7)
+    h0 = torch.tensor(rng.standard_normal((N, p["v"].shape[-2], 128, 128)) * 0.1, dtype=torch.float32, device="cuda")
+    dht = torch.tensor(rng.standard_normal(tuple(h0.shape)), dtype=torch.float32, device="cuda")
+    B = 1 if case == "varlen" else 2
+    do = torch.tensor(rng.standard_normal((B, T, p["v"].shape[-2], 128)), dtype=dtype, device="cuda")
+    cu = torch.tensor(p["cu_seqlens"], device="cuda") if p.get("cu_seqlens") is not None else None
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(ValueError, match="DELTACP_TILED_DH_WGMMA"):
+            _backward_grads(variant, t, h0, cu, do, dht, monkeypatch, "1")
+        pytest.skip("the wgmma dh scan runs on compute capability 9.0 only")
+    got = {}
+    for wg in ("1", "2"):  # one or two warpgroups per CTA (DELTACP_TILED_DH_WG)
+        monkeypatch.setenv("DELTACP_TILED_DH_WG", wg)
+        try:
+            got[wg] = _backward_grads(variant, t, h0, cu, do, dht, monkeypatch, "1")
+        except ValueError as e:  # a Hopper GPU, but a build without 90a in DELTACP_CUDA_ARCHS
+            if "sm_90a" in str(e):
+                pytest.skip(str(e))
+            raise
+    again = _backward_grads(variant, t, h0, cu, do, dht, monkeypatch, "1")
+    monkeypatch.delenv("DELTACP_TILED_DH_WG")
+    base = _backward_grads(variant, t, h0, cu, do, dht, monkeypatch, "0")
+    rounded = dict(p, **{n: t[n].double().cpu().numpy() for n in names}, initial_state=h0.double().cpu().numpy())
+    want = ref_backward(ref, variant, rounded, do.double().cpu().numpy(), dht=dht.double().cpu().numpy())
+    for wg, grads in got.items():
+        for name, g in grads.items():
+            assert torch.isfinite(g).all(), name
+            # each state column evolves on its own: the warpgroup count changes no bit
+            assert torch.equal(g, got["1"][name]), f"{name}: {wg} warpgroups differ from one"
+            err = rel_err(g.double().cpu().numpy(), base[name].double().cpu().numpy())
+            assert err < 5e-3, f"{name}: wgmma ({wg} warpgroups) vs mma.sync dh scan {err:.2e}"
+            err = rel_err(g.double().cpu().numpy(), np.asarray(want[name]))
+            assert err < 1e-2, f"{name}: wgmma dh scan ({wg} warpgroups) vs the fp64 reference {err:.2e}"
+    for name, g in again.items():
+        assert torch.equal(g, got["2"][name]), f"{name}: two runs differ"
+
+
+def test_wgmma_dh_scan_switch_names_what_it_cannot_run(monkeypatch):
+    """DELTACP_TILED_DH_WGMMA=1 requires the Hopper dh scan: fp32 inputs and kda's per-key gate (which it
+    does not take) raise a ValueError naming the variable and the reason; a value other than 0 or 1 is
+    rejected by name."""
+    _require_cuda_build()
+    for variant, dtype, why in (("gdn", torch.float32, "bf16 or fp16|sm_90a"), ("kda", torch.bfloat16, "scalar gate|sm_90a")):
+        p = make_problem(variant, B=1, T=70, H=1, K=128, V=128, seed=25)
+        t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda").requires_grad_(True)
+             for n in input_names(variant)}
+        monkeypatch.setenv("DELTACP_TILED_DH_WGMMA", "1")
+        o, _ = _call(variant, t, backend="tiled")
+        with pytest.raises(ValueError, match=f"DELTACP_TILED_DH_WGMMA.*({why})"):
+            o.float().sum().backward()
+    monkeypatch.setenv("DELTACP_TILED_DH_WGMMA", "yes")
+    o, _ = _call(variant, t, backend="tiled")
+    with pytest.raises(ValueError, match="DELTACP_TILED_DH_WGMMA.*expected 0 or 1"):
+        o.float().sum().backward()
