@@ -52,7 +52,6 @@ struct Args {
   bool gated = false;       // gdn and kda: a log decay g exists
   bool g_fp32 = false;      // g and dg are fp32 (Params::g_fp32), whatever the input dtype
   bool dh0_only = false;    // Params::dh0_only: stages B0 and B1 only, B1 writes dh0 and nothing else
-  bool dqkg_staged = true;  // B2 stores dq, dk through shared memory (DELTACP_TILED_DQKG_STAGED=0: from registers)
   // Inputs and outputs: [B, T, heads, D] views in the input dtype (see params.h).
   TensorRef q, k, v, g, beta, dout;
   TensorRef dq, dk, dv, dg, dbeta;

@@ -223,15 +223,6 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
 
   // The epilogue on the accumulators: (row i, columns d, d + 1) per lane and n-tile.
   const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
-  // dq and dk (fp32, 64 KB of the 96 KB a 16-bit chunk writes at K = 128) go through the stage buffers, free
-  // after the walk, and out as 16-byte pieces of whole rows: stored from the accumulators, each warp store
-  // touches eight rows. (The same change in the dh scan took its dVn stores from 0.23 ms to nearly nothing
-  // at (2,16384,16,128) on an H200.)
-  constexpr int PQ = KP + 4;  // staged row (floats)
-  constexpr bool kStaged = kIs16Bit<Op> && size_t{2} * kRows * PQ * sizeof(float) <= NS * L.stage;
-  const bool staged = kStaged && (K % 4) == 0 && a.dqkg_staged;
-  float* sdq = reinterpret_cast<float*>(smem);
-  float* sdk = sdq + kRows * PQ;
   float grow[2] = {0.f, 0.f};       // gdn: dG of rows mt_row + g (+ 8) summed over this lane's columns
 #pragma unroll
   for (int nt = 0; nt < NTK; ++nt)
@@ -259,13 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
         }
       }
       if (pairs) {  // d + 1 < K as well (K even, d even)
-        if (staged) {
-          *reinterpret_cast<float2*>(sdq + i * PQ + d) = make_float2(dq[0], dq[1]);
-          *reinterpret_cast<float2*>(sdk + i * PQ + d) = make_float2(dk[0], dk[1]);
-        } else {
-          *reinterpret_cast<float2*>(a.dqw + o) = make_float2(dq[0], dq[1]);
-          *reinterpret_cast<float2*>(a.dkw + o) = make_float2(dk[0], dk[1]);
-        }
+        *reinterpret_cast<float2*>(a.dqw + o) = make_float2(dq[0], dq[1]);
+        *reinterpret_cast<float2*>(a.dkw + o) = make_float2(dk[0], dk[1]);
         store_pair(static_cast<Op*>(a.dW) + o, dw[0], dw[1]);
         if constexpr (PERKEY) *reinterpret_cast<float2*>(a.dGw + o) = make_float2(dg[0], dg[1]);
         else grow[h2] += dg[0] + dg[1];
@@ -281,20 +267,6 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dqkg_kernel(const Args a) {
           }
       }
     }
-  if (staged) {  // rows < len of the staged dq and dk, thread -> 16-byte piece (tid % 32) of rows tid / 32 + 8 j
-    __syncthreads();
-    const int d = 4 * (tid & 31);
-    if (d < K)
-#pragma unroll
-      for (int j = 0; j < kRows / 8; ++j) {
-        const int i = (tid >> 5) + 8 * j;
-        if (i < len) {
-          const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
-          *reinterpret_cast<float4*>(a.dqw + o) = *reinterpret_cast<const float4*>(sdq + i * PQ + d);
-          *reinterpret_cast<float4*>(a.dkw + o) = *reinterpret_cast<const float4*>(sdk + i * PQ + d);
-        }
-      }
-  }
   if constexpr (!PERKEY) {
     if (a.gated) {  // gdn: dGr = each row's dG summed over d, the four lanes of a row and then the two
                     // column halves in a fixed order (kr_part's bytes are free since kr_sum was formed)

@@ -102,7 +102,6 @@
 #include <cstdlib>
 #include <memory>
 #include <type_traits>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -495,11 +494,6 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   a.Vp = padded_dim(p.V);
   a.scale = static_cast<float>(p.scale);
   a.gated = gated;
-  if (const char* env = std::getenv("DELTACP_TILED_DQKG_STAGED"); env != nullptr && *env != '\0') {
-    DELTACP_CHECK(std::string(env) == "0" || std::string(env) == "1", "DELTACP_TILED_DQKG_STAGED",
-                  "expected 0 or 1, got '", env, "'");
-    a.dqkg_staged = std::string(env) == "1";
-  }
   a.q = p.q;
   a.k = p.k;
   a.v = p.v;
