@@ -482,6 +482,22 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_decay_scalar_kernel(const Arg
   // 48 registers instead of 96, so two CTAs fit an SM (one CTA of 8 warps hid too little latency).
   for (int pass = 0; pass < 2; ++pass) {
     const int n0 = half * (KP / 2) + pass * (KP / 4);
+    // B2's and B3's parts of dq and dk for this pass's elements (K even), read before the products so that
+    // their latency passes under them: read in the epilogue, each waited for the previous element's stores
+    // (the compiler cannot tell the addresses apart), one memory latency per element pair.
+    float2 xq[NTP][2], xk[NTP][2];
+#pragma unroll
+    for (int nt = 0; nt < NTP; ++nt)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int r = m0 + acc_row(0, 2 * h2), d = n0 + acc_col(nt, 0);
+        xq[nt][h2] = xk[nt][h2] = make_float2(0.f, 0.f);
+        if (pairs && r < len && d < K) {
+          const int64_t o = ws_row(ch, r, a.HV, hv, a.K) + d;
+          xq[nt][h2] = *reinterpret_cast<const float2*>(a.dqw + o);
+          xk[nt][h2] = *reinterpret_cast<const float2*>(a.dkw + o);
+        }
+      }
     float yq[1][NTP][4], yr[1][NTP][4], yc[1][NTP][4];
     zero_acc(yq);
     zero_acc(yr);
@@ -515,9 +531,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_decay_scalar_kernel(const Arg
         const bool both = d + 1 < K;
         float wq[2] = {0.f, 0.f}, wk[2] = {0.f, 0.f};  // B2's and B3's parts
         if (pairs) {
-          const float2 xq = *reinterpret_cast<const float2*>(a.dqw + o);
-          const float2 xk = *reinterpret_cast<const float2*>(a.dkw + o);
-          wq[0] = xq.x, wq[1] = xq.y, wk[0] = xk.x, wk[1] = xk.y;
+          wq[0] = xq[nt][h2].x, wq[1] = xq[nt][h2].y, wk[0] = xk[nt][h2].x, wk[1] = xk[nt][h2].y;
         } else {
           wq[0] = a.dqw[o], wk[0] = a.dkw[o];
           if (both) wq[1] = a.dqw[o + 1], wk[1] = a.dkw[o + 1];

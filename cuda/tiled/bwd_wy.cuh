@@ -222,6 +222,19 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   {
     const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
     float s[2] = {0.f, 0.f}, gs[2] = {0.f, 0.f};  // per row: Z . X; gdn: dG summed over this lane's columns
+    // B2's dk (gdn, delta: K even), read all at once before any store: in the loop below each read waited for
+    // the previous element's store (the compiler cannot tell the addresses apart), one memory latency each.
+    float2 wk[NTK][2];
+    if constexpr (!PERKEY) {
+#pragma unroll
+      for (int nt = 0; nt < NTK; ++nt)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = m0 + acc_row(0, 2 * h2), d = half * (KP / 2) + acc_col(nt, 0);
+          wk[nt][h2] = pairs && i < len && d < K ? *reinterpret_cast<const float2*>(a.dkw + ws_row(ch, i, a.HV, hv, a.K) + d)
+                                                 : make_float2(0.f, 0.f);
+        }
+    }
 #pragma unroll
     for (int nt = 0; nt < NTK; ++nt)
 #pragma unroll
@@ -241,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
         }
         if (pairs) {
           float2* pk = reinterpret_cast<float2*>(a.dkw + o);
-          float2 w = *pk;
+          const float2 w = PERKEY ? *pk : wk[nt][h2];
           *pk = make_float2(w.x + dk[0], w.y + dk[1]);
           if constexpr (PERKEY) {
             float2* pg = reinterpret_cast<float2*>(a.dGw + o);
