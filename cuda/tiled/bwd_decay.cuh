@@ -24,7 +24,10 @@
 //     (block, key column) (see the kernel's comment).
 //   kda, fp32 inputs (bwd_decay_kda_kernel): each (row, key column) sums over the chunk element by element.
 // With one value head per key head (group 1) this stage writes dq and dk to the outputs (no stage B5).
-// Measured (H100, bf16, (2, 16384, 16, 128), torch.profiler, 2026-11-23): gdn 1.08 ms (1.64 when
+// Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 0.67 ms at (2, 16384, 16, 128), 1.05 at
+// (1, 8192, 96, 128), with B2's and B3's dq / dk parts read before the products; 0.94 and 1.46 when each was
+// read in the epilogue just before its store (one memory latency per element pair).
+// Earlier (H100, bf16, (2, 16384, 16, 128), torch.profiler, 2026-11-23): gdn 1.08 ms (1.64 when
 // dG travelled as an [R, HV, K] workspace and one CTA of 96 accumulator registers a thread filled an SM; 3.44
 // ms on H200 with four block GEMMs each with a read-modify-write epilogue); kda 2.98 ms (8.35 element
 // by element).

@@ -18,10 +18,10 @@
 // At most 128 registers: two CTAs per SM where the shared memory allows (under ~113 KB a CTA: 16-bit
 // gdn / delta, fp32 and 16-bit kda at K <= 64, and 16-bit kda at K > 64 with one V stage, which the launch
 // does not pick yet: it takes two stages wherever they fit one CTA; which is faster is not measured).
-// Measured: with this stage and B4 rebuilt, forward + backward on H100 (bf16 GDN) went from 12.98 to
-// 9.50 ms at (2, 16384, 16, 128) (2026-11-23); the previous version took 2.89 ms at
-// (1, 32768, 16, 128) on H200 (Nsight Systems profile), with dT in fp32 shared memory and element-wise loads
-// and epilogues.
+// Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 1.02 ms at (2, 16384, 16, 128), 1.58 at
+// (1, 8192, 96, 128); 1.15 and 1.80 when the epilogue read each of B2's dk pairs just before storing it (the
+// compiler kept every read behind the previous store). Earlier, with dT in fp32 shared memory and element-wise
+// loads and epilogues, 2.89 ms at (1, 32768, 16, 128) (H200).
 #pragma once
 
 #include "bwd_common.cuh"

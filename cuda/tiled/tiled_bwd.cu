@@ -85,15 +85,15 @@
 // reference row onto the tensor cores (kda_scores.cuh; bwd_decay.cuh), as FLA's sub-chunks do; only the
 // diagonal blocks are summed element by element (fp32 inputs: B4 wholly element by element).
 //
-// Measured (NVIDIA H200, 2026-11-22, bf16 GDN (2,16384,16,128), torch.profiler): forward+backward
-// 17.9 ms of kernels (FLA 4.08 ms): bwd_dqkg 6.3 ms, bwd_decay 3.5, bwd_wy 3.0, the
-// forward's two scans 1.0, bwd_dh_scan 0.94 (was 12.0 ms, ~47 us per chunk step, before it kept dS
-// in registers and double-buffered its tiles: bwd_dh_scan.cuh), chunk_wy 0.9, bwd_dv_local 0.9,
-// reduce 0.6. The per-chunk stages now accumulate in registers and load their tiles by cp.async
-// (H100, 2026-11-23): bwd_dqkg 7.07 -> 1.53 ms under Nsight Compute at (1, 32768, 16, 128); with B3
-// (bwd_wy) and B4's gdn / delta path (bwd_decay) built the same way, forward + backward 12.98 -> 9.50 ms
-// at (2, 16384, 16, 128); with B0 and kda's B4 rebuilt, gdn's dG as row sums and no B5 at group 1,
-// 9.68 -> 7.67 ms of kernels (gdn), 27.9 -> 17.0 ms (kda). On H200: 6.87 ms (FLA 3.61 in the same run).
+// Measured (NVIDIA H200, 2026-11-25, bf16 gdn, bench/gpu/stage_times.py --backward with the fused forward,
+// kernel time per call): (2,16384,16,128) 5.72 ms of kernels for forward + backward: bwd_dqkg 1.24, bwd_wy
+// 1.02, bwd_dh_scan (wgmma) 0.72, bwd_decay 0.67, the recompute's state scan 0.52 and chunk_wy 0.45,
+// bwd_dv_local 0.28, and the forward 0.76; (1,8192,96,128) 7.37 ms (bwd_dqkg 1.87, bwd_wy 1.58, bwd_decay
+// 1.05, chunk_wy 0.66, bwd_dh_scan 0.54). The steps that got there: the per-chunk stages accumulating in
+// registers with cp.async tiles (17.9 -> 6.87 ms of kernels, 2026-11-22 .. 23), the Hopper dh scan (1.06 ->
+// 0.72 ms), and B3 / B4 reading B2's dq / dk parts before their stores instead of element by element between
+// them (B3 1.15 -> 1.02, B4 0.94 -> 0.67 ms). Tried and not kept: B2 storing dq and dk through shared memory
+// as whole rows (1.24 -> 1.32 ms).
 #include <cuda_runtime.h>
 
 #include <algorithm>
