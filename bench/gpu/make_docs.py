@@ -284,6 +284,18 @@ def perf_md(res, plots):
                 lines.append(f"| {plan} | {x['total_ms']:.3f} | {chain:.3f} | {x['chain_ctas']} | {x['chain_chunks']} | "
                              f"{1e3 * chain / x['chain_chunks']:.2f} | {others} |")
             lines.append("")
+        sb = perf.get("stages_backward")
+        if sb:
+            names = list(next(iter(sb["shapes"].values()))["kernels_ms"])
+            lines += [f"### Forward + backward kernel by kernel, {sb['variant'].upper()} ({sb['backend']})", "",
+                      f"Measured {sb['date']}; {sb['source']}. B0..B4 are the tiled backward's stages "
+                      "(`cuda/tiled/tiled_bwd.cu`); the recompute rebuilds the chunk-start states and W, U.", "",
+                      "| (B, T, H, D) | kernels ms | " + " | ".join(names) + " |",
+                      "|---|---|" + "---|" * len(names)]
+            for shape, x in sb["shapes"].items():
+                lines.append(f"| {fmt_shape(tuple(int(v) for v in shape.split(',')))} | {x['total_ms']:.3f} | " +
+                             " | ".join(f"{x['kernels_ms'][n]:.3f}" for n in names) + " |")
+            lines.append("")
         png = plots / f"perf-{g.lower()}.png"
         if plot_perf(perf, impls, png):
             lines += [f"![time per shape on {perf['gpu']}](plots/{png.name})", ""]
