@@ -53,6 +53,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -181,26 +182,33 @@ struct WindowBuffers {
   float* rq = nullptr;
   float* rk = nullptr;
 };
+// Bytes of each buffer over R token rows, in carve order: G (gdn), W, U, P, then qk_l2norm's rq and rk. The one
+// place that knows the layout: the workspace size, the carve and the window budget all read it.
+std::array<int64_t, 6> window_buffer_sizes(const Params& p, int64_t R) {
+  const int64_t es = dtype_size(p.dtype), rows = R * p.HV, scales = p.qk_l2norm ? rows * 4 : 0;
+  return {p.variant == Variant::gdn ? rows * 4 : 0, rows * kKeys * es, rows * kKeys * es, rows * 64 * es, scales,
+          scales};
+}
 int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
 int64_t window_buffers_bytes(const Params& p) {
-  const int64_t R = p.B * p.T, es = dtype_size(p.dtype);
-  return (p.variant == Variant::gdn ? align256(R * p.HV * 4) : 0) + 2 * align256(R * p.HV * kKeys * es) +
-         align256(R * p.HV * 64 * es) + (p.qk_l2norm ? 2 * align256(R * p.HV * 4) : 0);
+  int64_t total = 0;
+  for (int64_t b : window_buffer_sizes(p, p.B * p.T)) total += align256(b);
+  return total;
 }
 WindowBuffers carve_window_buffers(char* at, const Params& p) {
-  const int64_t R = p.B * p.T, es = dtype_size(p.dtype);
-  auto take = [&](int64_t b) {
-    char* r = b > 0 ? at : nullptr;
-    at += b;
-    return r;
-  };
+  const auto sizes = window_buffer_sizes(p, p.B * p.T);
+  char* part[6] = {};
+  for (int i = 0; i < 6; ++i) {
+    part[i] = sizes[i] > 0 ? at : nullptr;
+    at += align256(sizes[i]);
+  }
   WindowBuffers b;
-  b.G = reinterpret_cast<float*>(take(p.variant == Variant::gdn ? align256(R * p.HV * 4) : 0));
-  b.W = take(align256(R * p.HV * kKeys * es));
-  b.U = take(align256(R * p.HV * kKeys * es));
-  b.P = take(align256(R * p.HV * 64 * es));
-  b.rq = reinterpret_cast<float*>(take(p.qk_l2norm ? align256(R * p.HV * 4) : 0));
-  b.rk = reinterpret_cast<float*>(take(p.qk_l2norm ? align256(R * p.HV * 4) : 0));
+  b.G = reinterpret_cast<float*>(part[0]);
+  b.W = part[1];
+  b.U = part[2];
+  b.P = part[3];
+  b.rq = reinterpret_cast<float*>(part[4]);
+  b.rk = reinterpret_cast<float*>(part[5]);
   return b;
 }
 
@@ -286,10 +294,11 @@ void forward_window(const Params& p) {
   workspace_free(ws, stream);
 }
 
-// Workspace of one window, bytes per token row (every value head): G (gdn), W, U, P, and qk_l2norm's row scales.
+// Workspace of one window, bytes per token row (every value head).
 int64_t window_bytes_per_row(const Params& p) {
-  const int64_t es = dtype_size(p.dtype);
-  return p.HV * ((p.variant == Variant::gdn ? 4 : 0) + (2 * kKeys + 64) * es + (p.qk_l2norm ? 8 : 0));
+  int64_t total = 0;
+  for (int64_t b : window_buffer_sizes(p, 1)) total += b;
+  return total;
 }
 
 // Tokens per window (0: one window): on the time axis of a fixed-length batch, or of the packed axis of a varlen
