@@ -44,8 +44,11 @@ if has build; then
   t0=$(date +%s)
   # One build for everything: C++ tests and the Python modules (installed into a staging
   # site-packages below instead of a second build through pip).
+  # DELTACP_BUILD_CTESTS=0 skips the GoogleTest programs (a run of pytest, stages or bench only needs the
+  # Python modules: about a minute less on 16 cores).
   cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DDELTACP_CUDA=ON -DDELTACP_CUDA_ARCHS="$ARCH" \
-        -DDELTACP_BUILD_BENCH=OFF -DDELTACP_BUILD_PYTHON=ON >"$OUT/build.log" 2>&1 &&
+        -DDELTACP_BUILD_BENCH=OFF -DDELTACP_BUILD_PYTHON=ON \
+        -DDELTACP_BUILD_TESTS=$([ "${DELTACP_BUILD_CTESTS:-1}" = 0 ] && echo OFF || echo ON) >"$OUT/build.log" 2>&1 &&
     cmake --build $BUILD -j 16 >>"$OUT/build.log" 2>&1
   rc=$?
   rm -rf /tmp/dcp_site && mkdir -p /tmp/dcp_site/deltacp && cp -r bindings/python/deltacp/. /tmp/dcp_site/deltacp/ &&
