@@ -388,9 +388,6 @@ inline const char* dh_scan_wgmma_refusal(const Args& a, bool is16, bool perkey) 
 #else
   if (!is16) return "it takes bf16 or fp16 inputs";
   if (perkey) return "it takes a scalar gate (gdn, delta)";
-  // The dh0-only mode (the CP backward's pre-pass) stays on the mma.sync scan, whose dh0-only runs the CP tests
-  // check on GPUs; in this kernel it would only skip the stores (the `store` flag).
-  if (a.dh0_only) return "the dh0-only mode runs on the mma.sync scan";
   if (a.K != kDhKeys || a.V != kDhKeys || a.Kp != kDhKeys) return "it takes K = V = 128";
   if (a.B * a.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
   for (const TensorRef* r : {&a.q, &a.k, &a.dout}) {
