@@ -933,6 +933,8 @@ def test_wgmma_dh_scan_dh0_only_equals_the_full_run(wg, monkeypatch):
     d = {n: torch_desc(x, n) for n, x in t.items()}
     d["h0"] = torch_desc(h0, "initial_state")
     d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
+    cu_host = cu.cpu()  # the CUDA tiers plan their chunk table from a host copy of the offsets
+    d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
     gen = torch.Generator(device="cuda").manual_seed(5)
     do = torch.randn(t["v"].shape, device="cuda", generator=gen).bfloat16()
     dht = torch.randn(tuple(h0.shape), device="cuda", generator=gen)
