@@ -522,6 +522,126 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   return state;
 }
 
+// ---- B1 in pieces: intra-card CP of the reverse chain ---------------------------------------------------
+// Where a few long sequences leave B1's grid narrow (its CTAs walk every chunk of a sequence: 16 CTAs of 1024
+// chunks at (1, 65536, 8, 128)), B1 runs on pieces of whole chunks side by side, each from its true dS' at the
+// piece's end. The algebra is the forward's (section 3.2 of docs/design.md) transposed: a piece j entered with
+// S leaves with M_j S + H_j, so dL/d(its start) = M_j^T dL/d(its end) + dH_j, where dH_j is what the piece's
+// own outputs contribute (B1's dh0-only mode over the piece from a zero dS'). For a sequence of pieces
+// 0 .. P-1 and dS'_{P-1} = dht:
+//   maps   M_j of pieces P-1 .. 1 (the forward's pass 1, launch_pass1: [H_j | M_j] from [0 | I]; M_j reads
+//          W, K and G only, so U's bytes, which B1 then takes for dh, are still the forward's)
+//   dH     dH_j of the same pieces, side by side (B1 dh0-only from zero)
+//   fold   dS'_{j-1} = M_j^T dS'_j + dH_j for j = P-1 .. 1: the forward's fold (launch_fold_starts) over the
+//          pieces in reverse order with the maps [dH_j | M_j^T] (build_reverse_maps_kernel)
+//   B1     every piece from its dS'_j, storing dh and dVn; dh0 of the sequence = dS of piece 0's first chunk
+// Exact like the forward's pieces: M_j is carried through the scan's 16-bit products, the fold is fp32-level.
+// DELTACP_TILED_DH_PIECE=<tokens> forces the piece length (0: never cut); unset, dh_piece_plan below.
+
+// maps_out[r] = [dH[r] | M[r]^T] for r < rows: dH [rows, HV, K, V], maps [rows, HV, K, V + K] ([H | M]; M is
+// the last K columns), maps_out the same shape as maps. Grid (rows, HV), 256 threads.
+__global__ void build_reverse_maps_kernel(const float* __restrict__ maps, const float* __restrict__ dH,
+                                          float* __restrict__ maps_out, int64_t HV, int64_t K, int64_t V) {
+  const int64_t W = V + K, rh = static_cast<int64_t>(blockIdx.x) * HV + blockIdx.y;
+  const float* M = maps + rh * K * W + V;
+  const float* d = dH + rh * K * V;
+  float* out = maps_out + rh * K * W;
+  for (int64_t i = threadIdx.x; i < K * W; i += blockDim.x) {
+    const int64_t r = i / W, c = i % W;
+    out[i] = c < V ? d[r * V + c] : M[(c - V) * W + r];
+  }
+}
+
+// The pieces B1 runs on, or an uncut plan. Unset, B1 is cut where its whole-sequence grid (V / 64 CTAs per
+// sequence and head) fills less than half the SMs and the longest sequence has more than two pieces' chunks:
+// pieces of L chunks with L such that the pieces' CTAs about fill the SMs (at least 16 chunks a piece, so
+// that a piece's maps, dH and its share of the fold stay small beside its walk). Never where the maps' state
+// (V + K columns, padded) is wider than the scans take.
+ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs) {
+  const int64_t env = piece_tokens_from_env("DELTACP_TILED_DH_PIECE");
+  if (env == 0 || seqs.empty() || p.dh0_only()) return {};
+  int64_t most = 0;
+  for (const SeqEntry& s : seqs) most = std::max(most, s.num_chunks);
+  const bool fits = padded_dim(p.V) + padded_dim(p.K) <= kMaxHeadDim;
+  if (env > 0) {
+    const int64_t L = std::max<int64_t>(1, (env + p.chunk_size - 1) / p.chunk_size);
+    if (most <= L) return {};
+    DELTACP_CHECK(fits, "DELTACP_TILED_DH_PIECE", "B1 in pieces folds a state V + K wide, at most ", kMaxHeadDim,
+                  " columns padded; got K = ", p.K, ", V = ", p.V);
+    return plan_pieces(p, seqs, L);
+  }
+  if (!fits) return {};
+  const int64_t sms = sm_count();
+  const int64_t ctas = static_cast<int64_t>(seqs.size()) * p.HV * ((p.V + 63) / 64);
+  if (2 * ctas >= sms) return {};
+  int64_t L = (most * ctas + sms - 1) / sms;
+  L = std::max<int64_t>(16, (L + 15) / 16 * 16);
+  if (most <= 2 * L) return {};
+  return plan_pieces(p, seqs, L);
+}
+
+template <class Op, int KP, bool PERKEY>
+void launch_dh_scan_in_pieces(const BwdState& s, const Args& a, const ScanPlan& plan, cudaStream_t stream) {
+  const Params& p = s.p;
+  const int64_t N = s.table.num_seqs(), HV = p.HV, K = p.K, V = p.V, W = V + K;
+  // Pieces P-1 .. 1 of every cut sequence, in that order: row r of the maps, dH and the reverse maps.
+  std::vector<int64_t> back;
+  std::vector<int64_t> first_back(static_cast<size_t>(N), -1);
+  for (int64_t n = 0; n < N; ++n) {
+    if (plan.pieces_of(n) < 2) continue;
+    first_back[static_cast<size_t>(n)] = static_cast<int64_t>(back.size());
+    for (int64_t i = plan.first_piece[n + 1] - 1; i > plan.first_piece[n]; --i) back.push_back(i);
+  }
+  // The plan with every sequence's pieces in reverse order: the fold's and the last B1's table.
+  ScanPlan rev = plan;
+  for (int64_t n = 0; n < N; ++n)
+    std::reverse(rev.pieces.begin() + plan.first_piece[n], rev.pieces.begin() + plan.first_piece[n + 1]);
+  const int64_t R = static_cast<int64_t>(back.size()), P = static_cast<int64_t>(plan.pieces.size());
+  auto align = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t b_maps = align(static_cast<size_t>(R * HV * K * W) * 4), b_dH = align(static_cast<size_t>(R * HV * K * V) * 4);
+  const size_t b_starts = align(static_cast<size_t>(P * HV * K * V) * 4);
+  const size_t b_dh0 = a.dh0 != nullptr ? b_starts : 0;
+  char* ws = static_cast<char*>(workspace_alloc(2 * b_maps + b_dH + b_starts + b_dh0, stream));
+  try {
+    float* maps = reinterpret_cast<float*>(ws);
+    float* rmaps = reinterpret_cast<float*>(ws + b_maps);
+    float* dH = reinterpret_cast<float*>(ws + 2 * b_maps);
+    float* starts = reinterpret_cast<float*>(ws + 2 * b_maps + b_dH);
+    float* piece_dh0 = b_dh0 ? reinterpret_cast<float*>(ws + 2 * b_maps + b_dH + b_starts) : nullptr;
+    if (R > 0) {
+      launch_pass1(p, plan, back, a.G, a.W, s.U, a.Kd, maps, stream);
+      std::vector<SeqEntry> back_pieces;
+      for (int64_t i : back) back_pieces.push_back(plan.pieces[static_cast<size_t>(i)]);
+      const ChunkTable bt(std::move(back_pieces), p.chunk_size, stream);
+      Args d = a;
+      d.seqs = bt.seqs();
+      d.dht = nullptr;
+      d.dh0 = dH;
+      d.dh = nullptr;
+      d.dh0_only = true;
+      launch_stages<Op, KP, PERKEY>(d, R, stream, Stages::dh_scan_only);
+      build_reverse_maps_kernel<<<dim3(static_cast<unsigned>(R), static_cast<unsigned>(HV)), 256, 0, stream>>>(
+          maps, dH, rmaps, HV, K, V);
+      DELTACP_CUDA_CHECK_LAUNCH();
+    }
+    std::vector<const float*> seq_maps(static_cast<size_t>(N), nullptr);
+    for (int64_t n = 0; n < N; ++n)
+      if (first_back[static_cast<size_t>(n)] >= 0) seq_maps[static_cast<size_t>(n)] = rmaps + first_back[static_cast<size_t>(n)] * HV * K * W;
+    const PieceTables tables(p, rev, seq_maps, stream);
+    launch_fold_starts(p, tables, N, a.dht, starts, stream);  // starts[first + j'] = dS' of piece P-1-j'
+    Args f = a;
+    f.seqs = tables.pieces().seqs();
+    f.dht = starts;
+    f.dh0 = piece_dh0;
+    launch_stages<Op, KP, PERKEY>(f, P, stream, Stages::dh_scan_only);
+    if (a.dh0 != nullptr) launch_gather_final_states(p, tables, N, piece_dh0, a.dh0, stream);  // piece 0 is last
+  } catch (...) {
+    workspace_free(ws, stream);
+    throw;
+  }
+  workspace_free(ws, stream);
+}
+
 // The kernels' template configuration of p: f(op tag, KP, PERKEY) with compile-time KP and PERKEY.
 template <class F>
 void with_config(const Params& p, F&& f) {
@@ -544,8 +664,15 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
     constexpr int KP = decltype(kp)::value;
     constexpr bool PERKEY = decltype(perkey)::value;
     const cudaStream_t stream = static_cast<cudaStream_t>(s.p.stream);
-    launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, which);
-    if (a.dh0_only || (which != Stages::all && which != Stages::after_b0)) return;
+    const bool full = !a.dh0_only && (which == Stages::all || which == Stages::after_b0);
+    const ScanPlan pieces = full ? dh_piece_plan(s.p, s.table.host_seqs()) : ScanPlan{};
+    if (pieces.cut()) {  // B0 as asked, then B1 in pieces
+      if (which == Stages::all) launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, Stages::through_b0);
+      if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan_in_pieces<Op, KP, PERKEY>(s, a, pieces, stream);
+    } else {
+      launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, which);
+    }
+    if (!full) return;
     for (size_t i = 0; i + 1 < s.slices.size(); ++i) {
       int64_t row0 = 0, rows = 0;
       const Args x = slice_args(s, a, s.slices[i], s.slices[i + 1], &row0, &rows);

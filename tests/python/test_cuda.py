@@ -956,3 +956,44 @@ def test_wgmma_dh_scan_dh0_only_equals_the_full_run(wg, monkeypatch):
     full, only = dh0_of(True), dh0_of(False)
     assert torch.isfinite(full).all()
     assert torch.equal(only, full)
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_dh_scan_in_pieces_matches_the_whole_scan(variant, dtype, monkeypatch):
+    """Stage B1 in pieces (intra-card CP of the reverse chain, tiled_bwd.cu launch_dh_scan_in_pieces): pieces
+    of 128 tokens (DELTACP_TILED_DH_PIECE) against the whole-sequence scan (=0) and the fp64 reference, every
+    gradient and dh0, with a non-zero dht: packed sequences of 1, 149, 150 and 400 tokens (cut into 1, 2, 2 and
+    4 pieces, the last ones short), grouped value heads, K = V = 128."""
+    _require_cuda_build()
+    p = make_problem(variant, cu_seqlens=[0, 1, 150, 300, 700], H=2, HV=4, K=128, V=128, seed=71)
+    names = input_names(variant)
+    t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda") for n in names}
+    rng = np.random.default_rng(9)
+    h0 = torch.tensor(rng.standard_normal((4, 4, 128, 128)) * 0.1, dtype=torch.float32, device="cuda")
+    dht = torch.tensor(rng.standard_normal((4, 4, 128, 128)), dtype=torch.float32, device="cuda")
+    do = torch.tensor(rng.standard_normal((1, 700, 4, 128)), dtype=dtype, device="cuda")
+    cu = torch.tensor(p["cu_seqlens"], device="cuda")
+
+    def grads(piece):
+        monkeypatch.setenv("DELTACP_TILED_DH_PIECE", piece)
+        x = {n: v.clone().requires_grad_(True) for n, v in t.items()}
+        h = h0.clone().requires_grad_(True)
+        o, ht = _call(variant, x, initial_state=h, output_final_state=True, cu_seqlens=cu, backend="tiled")
+        ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+        torch.cuda.synchronize()
+        return {"dh0": h.grad, **{"d" + n: x[n].grad for n in names}}
+
+    cut, whole = grads("128"), grads("0")
+    rounded = dict(p, **{n: t[n].double().cpu().numpy() for n in names}, initial_state=h0.double().cpu().numpy())
+    want = ref_backward(ref, variant, rounded, do.double().cpu().numpy(), dht=dht.double().cpu().numpy())
+    tol_whole = 5e-3 if dtype == torch.bfloat16 else 1e-5
+    for name, g in cut.items():
+        assert torch.isfinite(g).all(), name
+        err = rel_err(g.double().cpu().numpy(), whole[name].double().cpu().numpy())
+        assert err < tol_whole, f"{name}: B1 in pieces vs whole {err:.2e}"
+        err = rel_err(g.double().cpu().numpy(), np.asarray(want[name]))
+        assert err < TOL[dtype], f"{name}: B1 in pieces vs the fp64 reference {err:.2e}"
+    monkeypatch.setenv("DELTACP_TILED_DH_PIECE", "lots")
+    with pytest.raises(ValueError, match="DELTACP_TILED_DH_PIECE"):
+        grads("lots")
