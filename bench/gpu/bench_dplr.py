@@ -137,7 +137,14 @@ def main():
     errors, grad_errors = accuracy(checked, shapes[0][2], shapes[0][3])
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), dtype="bf16",
                   gate=f"logsigmoid(randn) clamped to [{LOWER}, 0]", rows=[], errors_vs_fp64=errors,
-                  grad_errors_vs_fp64=grad_errors)
+                  grad_errors_vs_fp64=grad_errors, torch=torch.__version__)
+    try:
+        import triton
+        result["triton"] = triton.__version__
+        import fla
+        result["fla"] = getattr(fla, "__version__", "?")
+    except Exception:  # noqa: BLE001 - versions are for the record only
+        pass
     for shape in shapes:
         for backward in (False, True):
             row = dict(shape=list(shape), direction="fwd+bwd" if backward else "fwd")

@@ -92,8 +92,13 @@
 // 1.05, chunk_wy 0.66, bwd_dh_scan 0.54). The steps that got there: the per-chunk stages accumulating in
 // registers with cp.async tiles (17.9 -> 6.87 ms of kernels, 2026-11-22 .. 23), the Hopper dh scan (1.06 ->
 // 0.72 ms), and B3 / B4 reading B2's dq / dk parts before their stores instead of element by element between
-// them (B3 1.15 -> 1.02, B4 0.94 -> 0.67 ms). Tried and not kept: B2 storing dq and dk through shared memory
-// as whole rows (1.24 -> 1.32 ms).
+// them (B3 1.15 -> 1.02, B4 0.94 -> 0.67 ms), and B1 in pieces where few long sequences leave its grid narrow
+// (below; (1,65536,8,128): B1 2.99 -> 0.65 ms, plus 0.26 ms of the pieces' maps, 0.03 of the fold and 0.06 of
+// the reverse maps). Tried and not kept: B2 storing dq and dk through shared memory as whole rows (1.24 ->
+// 1.32 ms); B3 ending with B4's work in the same CTA (dA o E built from B3's accumulators, no dA round trip,
+// no second read of k and of the dk parts; bitwise the same gradients): 1.64 ms against B3 1.01 + B4 0.66 at
+// (2,16384,16,128), 2.60 against 1.57 + 1.05 at (1,8192,96,128). B4's time is its products and epilogue in
+// series behind B3's, not its traffic; two CTAs of 8 warps per SM hide little of either.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -537,6 +542,10 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
 //   B1     every piece from its dS'_j, storing dh and dVn; dh0 of the sequence = dS of piece 0's first chunk
 // Exact like the forward's pieces: M_j is carried through the scan's 16-bit products, the fold is fp32-level.
 // DELTACP_TILED_DH_PIECE=<tokens> forces the piece length (0: never cut); unset, dh_piece_plan below.
+// Measured (NVIDIA H200, bf16, (1,65536,8,128), stage_times.py --backward, 2026-11-25): gdn's wgmma B1 2.99 ms
+// whole, 0.65 in the default plan's 8 pieces of 128 chunks, 0.56 in pieces of 64 chunks (maps and fold about
+// the same: the heuristic's length is not tuned), 1.29 in pieces of 256; kda's mma.sync B1 4.26 -> 1.47 ms.
+// Around them: the pieces' maps 0.26 ms, the fold 0.03, the reverse maps 0.06.
 
 // maps_out[r] = [dH[r] | M[r]^T] for r < rows: dH [rows, HV, K, V], maps [rows, HV, K, V + K] ([H | M]; M is
 // the last K columns), maps_out the same shape as maps. Grid (rows, HV), 256 threads.
