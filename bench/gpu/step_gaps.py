@@ -13,6 +13,8 @@ back as do_bench issues them). From a torch.profiler trace (CPU and CUDA activit
            operators (torch / deltacp calls) enclosing that launch
   calls    host time per step in the CUDA runtime and driver calls that can block or are slow (synchronise,
            copies, allocation, attribute setting), by name
+  host     the host operators (torch and deltacp calls) by inclusive time per step: where a host-bound step's
+           time goes
 
 A kernel time table (stage_times.py) says what the GPU does; this says when it does nothing, and why.
 """
@@ -76,8 +78,17 @@ def summarise(events, n, ngaps):
     lines.append("host time in CUDA runtime / driver calls per step (us; count per step):")
     for name, (cnt, us) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:12]:
         lines.append(f"  {us / n:9.1f}  {cnt / n:6.1f}  {name}")
+    # Host operators by inclusive time (an operator's time includes the operators and calls it encloses).
+    host = collections.defaultdict(lambda: [0, 0.0])
+    for e in ops:
+        host[e["name"]][0] += 1
+        host[e["name"]][1] += e["dur"]
+    lines.append("host operators per step, inclusive (us; count per step):")
+    for name, (cnt, us) in sorted(host.items(), key=lambda kv: -kv[1][1])[:16]:
+        lines.append(f"  {us / n:9.1f}  {cnt / n:6.1f}  {short(name, 70)}")
     summary = dict(span_ms=span / n / 1e3, busy_ms=busy / n / 1e3, idle_ms=(span - busy) / n / 1e3, gaps=shown,
-                   calls={k: dict(count=v[0] / n, us=v[1] / n) for k, v in calls.items()})
+                   calls={k: dict(count=v[0] / n, us=v[1] / n) for k, v in calls.items()},
+                   host_ops={k: dict(count=v[0] / n, us=v[1] / n) for k, v in host.items()})
     return summary, lines
 
 

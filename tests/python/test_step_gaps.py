@@ -41,4 +41,5 @@ def test_gaps_union_and_the_launch_behind_each_gap():
     assert "deltacp::backward > aten::empty" in first["where"]
     assert (second["us"], second["after"]) == (10, "copy")
     assert summary["calls"]["cudaMemcpyAsync"] == {"count": 0.5, "us": 29.0}
+    assert summary["host_ops"]["deltacp::backward"] == {"count": 0.5, "us": 50.0}
     assert any("longest gaps" in line for line in lines)
