@@ -172,7 +172,7 @@ if has ncu; then
   # One launch of a kernel under Nsight Compute (full set: warp stall reasons, pipe use, source counters),
   # from three forwards of one shape (forward + backward when the kernel's name has "bwd").
   # DELTACP_NCU_KERNEL (regex, default the state scan), DELTACP_NCU_SHAPE (B,T,H,D, default 1,32768,16,128:
-  # one sequence, as in the CP bench), DELTACP_NCU_VARIANT (gdn or kda), DELTACP_NCU_SKIP / _COUNT (matching
+  # one sequence, as in the CP bench), DELTACP_NCU_VARIANT (gdn, kda or dplr), DELTACP_NCU_SKIP / _COUNT (matching
   # launches skipped, then profiled: default 1, 1).
   t0=$(date +%s)
   if command -v ncu >/dev/null 2>&1; then
@@ -185,14 +185,22 @@ B, T, H, D = $NB, $NT, $NH, $ND
 q = torch.randn(B, T, H, D, device='cuda', dtype=torch.bfloat16)
 k = F.normalize(torch.randn(B, T, H, D, device='cuda'), dim=-1).bfloat16()
 v = torch.randn(B, T, H, D, device='cuda', dtype=torch.bfloat16)
-kda = '${DELTACP_NCU_VARIANT:-gdn}' == 'kda'  # kda: a gate per key dimension (FLA's bench: logsigmoid / 8)
+variant = '${DELTACP_NCU_VARIANT:-gdn}'
+kda = variant == 'kda'  # kda: a gate per key dimension (FLA's bench: logsigmoid / 8)
 g = F.logsigmoid(torch.randn(B, T, H, D, device='cuda')) / 8 if kda else F.logsigmoid(torch.randn(B, T, H, device='cuda'))
 beta = torch.rand(B, T, H, device='cuda').sigmoid().bfloat16()
 backward = 'bwd' in '${DELTACP_NCU_KERNEL:-}'  # a backward kernel: forward + backward each time
-for t in (q, k, v, g, beta):
+if variant == 'dplr':  # bench_dplr.py's inputs, the tiled tier
+    an = F.normalize(torch.rand(B, T, H, D, device='cuda'), dim=-1)
+    xs = [q, k, v, an.bfloat16(), (-an).bfloat16(), F.logsigmoid(torch.randn(B, T, H, D, device='cuda')).clamp(-5, 0)]
+    call = lambda: deltacp.chunk_dplr_delta_rule(*xs, backend='tiled', lower_bound=-5.0)
+else:
+    xs = [q, k, v, g, beta]
+    call = lambda: (deltacp.chunk_kda if kda else deltacp.chunk_gated_delta_rule)(*xs)
+for t in xs:
     t.requires_grad_(backward)
 for _ in range(3):
-    o, _ = (deltacp.chunk_kda if kda else deltacp.chunk_gated_delta_rule)(q, k, v, g, beta)
+    o, _ = call()
     if backward:
         o.backward(torch.ones_like(o))
 torch.cuda.synchronize()

@@ -1,7 +1,9 @@
 """Per-kernel CUDA time of one deltacp forward (torch.profiler), for tuning.
 
-    python3 bench/gpu/stage_times.py --shape 2,16384,16,128 [--variant gdn] [--backward] [--backend fused]
-Prints each kernel's total CUDA time per call (median of --repeat profiled calls) and the sum.
+    python3 bench/gpu/stage_times.py --shape 2,16384,16,128 [--variant gdn|kda|dplr] [--backward] [--backend fused]
+Prints each kernel's total CUDA time per call (mean of --repeat profiled calls) and the sum. dplr takes the
+inputs of bench_dplr.py (a = normalize(rand), b = -a, gates logsigmoid(randn) clamped to [-5, 0]) on the tiled
+tier.
 """
 import argparse
 import collections
@@ -24,15 +26,22 @@ def main():
     q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
     k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16()
     v = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-    g = F.logsigmoid(torch.randn((B, T, H, D) if a.variant == "kda" else (B, T, H), device="cuda"))
-    beta = torch.rand(B, T, H, device="cuda").sigmoid().bfloat16()
-    op = deltacp.chunk_gated_delta_rule if a.variant == "gdn" else deltacp.chunk_kda
-    xs = [q, k, v, g, beta]
+    kw = dict(backend=a.backend)
+    if a.variant == "dplr":
+        an = F.normalize(torch.rand(B, T, H, D, device="cuda"), dim=-1)
+        gk = F.logsigmoid(torch.randn(B, T, H, D, device="cuda")).clamp(-5.0, 0.0)
+        op, xs = deltacp.chunk_dplr_delta_rule, [q, k, v, an.bfloat16(), (-an).bfloat16(), gk]
+        kw.update(lower_bound=-5.0)
+    else:
+        g = F.logsigmoid(torch.randn((B, T, H, D) if a.variant == "kda" else (B, T, H), device="cuda"))
+        beta = torch.rand(B, T, H, device="cuda").sigmoid().bfloat16()
+        op = deltacp.chunk_gated_delta_rule if a.variant == "gdn" else deltacp.chunk_kda
+        xs = [q, k, v, g, beta]
     if a.backward:
         xs = [x.requires_grad_(True) for x in xs]
 
     def step():
-        o, _ = op(*xs, backend=a.backend)
+        o, _ = op(*xs, **kw)
         if a.backward:
             o.backward(torch.ones_like(o))
             for x in xs:  # so that the next step assigns the gradients instead of adding to them (an extra kernel)
