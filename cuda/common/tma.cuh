@@ -87,6 +87,13 @@ inline TileMap16 tile_map_16bit(const void* base, std::initializer_list<int64_t>
   return m;
 }
 
+// Whether a [B, T, heads, D] tensor's pointer and strides are whole 16-byte pieces (what 16-byte loads, stores
+// and TMA boxes of its rows need).
+inline bool rows_aligned16(const TensorRef& r, int64_t es) {
+  return reinterpret_cast<uintptr_t>(r.ptr) % 16 == 0 && (r.stride_b * es) % 16 == 0 &&
+         (r.stride_t * es) % 16 == 0 && (r.stride_h * es) % 16 == 0;
+}
+
 // Boxes of 64 columns x 64 token rows over a caller's [B, T, heads, D] tensor (TensorRef strides) ...
 inline TileMap16 token_rows_map(const TensorRef& r, int64_t B, int64_t T, int64_t heads, int64_t D, const char* arg) {
   return tile_map_16bit(r.ptr, {D, heads, T, B}, {r.stride_h, r.stride_t, r.stride_b}, {64, 1, 64, 1}, arg);

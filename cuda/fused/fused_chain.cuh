@@ -2,7 +2,7 @@
 // chunks with the state S in registers, doing every product that touches S, and writes the output.
 //
 // For a chunk of n <= 64 tokens with state S (K x V, fp32) at its start, G the within-chunk cumulative log
-// decay, and W, U, P from fused_wy_kernel (fused_wy.cuh):
+// decay, and W, U, P from the wgmma WY stage (cuda/tiled/wy_wgmma.cuh):
 //
 //   Vn = U - W S
 //   O  = scale ( e^G (Q S) + P Vn )
@@ -73,7 +73,7 @@ struct ChainArgs {
   DevRows<T> o;
   const tiled::SeqEntry* seqs = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
-  const float* rq = nullptr; // [R, HV] fp32: qk_l2norm's row scales of q and k (fused_wy_kernel), or nullptr
+  const float* rq = nullptr; // [R, HV] fp32: qk_l2norm's row scales of q and k (the wgmma WY stage), or nullptr
   const float* rk = nullptr;
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
   float* ht = nullptr;       // the same shape, or nullptr; the map mode: [N, HV, K, V + K]
@@ -153,7 +153,7 @@ __device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const u
 // no Q or P tile, no output products; the identity columns' CTAs (v0 >= V) see U = 0 and load no U. The
 // start state is made in registers and [H | M] goes to ht, rows V + K apart.
 //
-// KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of fused_wy_kernel
+// KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of the wgmma WY stage
 // beside the chain's, which the windows' overlap in fused_fwd.cu needs).
 template <class T, int NWG, bool kMap, int KS>
 __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
@@ -445,7 +445,7 @@ inline int chain_warpgroups(int64_t seqs_x_heads, int sms) {
   return 2 * seqs_x_heads >= sms ? 2 : 1;
 }
 
-// The chain kernel over the table's sequences (or pieces): W, U, P from fused_wy_kernel ([R, HV, 128 / 128 /
+// The chain kernel over the table's sequences (or pieces): W, U, P from the wgmma WY stage ([R, HV, 128 / 128 /
 // 64]), G ([R, HV] fp32, ignored for delta), rq / rk (qk_l2norm's row scales, or nullptr), h0 / ht per table
 // entry (the map mode: h0 unused, ht = the maps [N, HV, K, V + K]).
 template <class T, bool kMap>

@@ -10,8 +10,8 @@
 //   S' = e^(G_n) S + (K e^(G_n - G))^T Vn
 //
 // Pipeline. What does not depend on the state runs token-parallel first, on every chunk at once: the tiled
-// tier's stage 1 (G = cumsum g, cuda/tiled/fwd_stages.cuh) and fused_wy_kernel (fused_wy.cuh: W, U and P =
-// 128 bytes per token and head of 16-bit scores, from one read of q, k and v). Then fused_chain_kernel
+// tier's stage 1 (G = cumsum g, cuda/tiled/fwd_stages.cuh) and its Hopper WY stage (cuda/tiled/wy_wgmma.cuh:
+// W, U and P = 128 bytes per token and head of 16-bit scores, from one read of q, k and v). Then fused_chain_kernel
 // (fused_chain.cuh: its CTA, loads and steps) walks each sequence's chunks with S in registers, does every
 // product that touches S, and writes the output. Per chunk q, k, W, U, P, g come in and o goes out: no
 // per-chunk state (h) and no v_new, which the tiled tier's stages 3 and 4 move through HBM. Every 16-bit tile
@@ -70,7 +70,7 @@
 #include "../tiled/fwd_stages.cuh"
 #include "fused_chain.cuh"
 #include "fused_windows.h"
-#include "fused_wy.cuh"
+#include "../tiled/wy_wgmma.cuh"
 #include "deltacp/cuda/tiers.h"
 #include "deltacp/error.h"
 #include "deltacp/params.h"
@@ -80,12 +80,6 @@ namespace {
 
 using tiled::ChunkTable;
 using tiled::SeqEntry;
-
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-bool rows_aligned16(const TensorRef& r, int64_t es) {
-  return aligned16(r.ptr) && (r.stride_b * es) % 16 == 0 && (r.stride_t * es) % 16 == 0 &&
-         (r.stride_h * es) % 16 == 0;
-}
 
 // The time model of the piece choice, in microseconds, for the sequences seqs cut into pieces of L chunks
 // (L = 0: whole sequences). A chain step is one chunk of one CTA; the kernels run one CTA per SM, so CTAs
@@ -120,30 +114,12 @@ double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t
 }  // namespace
 
 const char* forward_refusal(const Params& p) {
-#ifndef DELTACP_HAVE_SM90A
-  (void)p;
-  return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
-#else
-  if (p.variant != Variant::gdn && p.variant != Variant::delta)
-    return "it implements gdn and delta (kda and dplr run on the tiled and naive tiers)";
-  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
-  if (p.K != kKeys || p.V != kKeys) return "it takes K = V = 128";
-  if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
+  // The token-parallel stage's needs (q, k, v, the GPU), then the chain's: it writes o in 16-byte pieces.
+  if (const char* why = tiled::wy_wgmma_refusal(p)) return why;
   if (p.final_state_only()) return "it computes the output (a final-state-only call runs on the tiled tier)";
-  const int64_t es = dtype_size(p.dtype);
-  if (!rows_aligned16(p.q, es)) return "it reads q in 16-byte pieces (q's pointer or strides are not 16-byte aligned)";
-  if (!rows_aligned16(p.v, es)) return "it reads v in 16-byte pieces (v's pointer or strides are not 16-byte aligned)";
-  if (!rows_aligned16(p.o, es)) return "it writes o in 16-byte pieces (o's pointer or strides are not 16-byte aligned)";
-  if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
-  // TMA boxes (fused_wy.cuh, fused_chain.cuh): int32 coordinates, strides positive wherever a dim is stepped.
-  if (p.B * p.T >= (int64_t{1} << 31)) return "it addresses token rows by TMA's 32-bit coordinates (B * T < 2^31)";
-  for (const TensorRef* r : {&p.q, &p.k, &p.v})
-    if (((r == &p.v ? p.HV : p.H) > 1 && r->stride_h <= 0) || (p.T > 1 && r->stride_t <= 0) ||
-        (p.B > 1 && r->stride_b <= 0))
-      return "it reads q, k and v through TMA tensor maps, which need positive strides";
-  // k's alignment and the GPU: what the wgmma state scan (its pass 1 of the pieces) needs too.
-  return tiled::wgmma_scan_refusal(p, /*h_and_vnew_agree=*/true);
-#endif
+  if (!rows_aligned16(p.o, dtype_size(p.dtype)))
+    return "it writes o in 16-byte pieces (o's pointer or strides are not 16-byte aligned)";
+  return nullptr;
 }
 
 namespace {
@@ -212,13 +188,13 @@ WindowBuffers carve_window_buffers(char* at, const Params& p) {
   return b;
 }
 
-// The token-parallel stage of a window: G = cumsum g, then W, U, P (and the row scales) by fused_wy_kernel.
+// The token-parallel stage of a window: G = cumsum g, then W, U, P (and the row scales) by the wgmma WY stage.
 void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffers& b, cudaStream_t stream) {
   tiled::launch_chunk_cumsum(p, table, b.G, stream);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (tiled::kIs16Bit<T>)
-      launch_fused_wy<T>(p, table, b.G, static_cast<T*>(b.W), static_cast<T*>(b.U), static_cast<T*>(b.P), b.rq, b.rk,
+      tiled::launch_wy_wgmma<T>(p, table, b.G, static_cast<T*>(b.W), static_cast<T*>(b.U), static_cast<T*>(b.P), nullptr, b.rq, b.rk,
                          stream);
   });
 }
@@ -376,7 +352,7 @@ cudaStream_t chain_stream() {
 
 // Windows of a fixed-length batch with the next window's token-parallel stage beside this window's chain. The
 // chain of a window runs B * HV * (1 or 2) CTAs, one per SM, which leaves the other SMs idle when that is below
-// the SM count (64 of an H200's 132 at (2,16384,16,128)); fused_wy_kernel of the next window fills them. The
+// the SM count (64 of an H200's 132 at (2,16384,16,128)); the wgmma WY stage of the next window fills them. The
 // caller's stream runs the tables and the WY stage of every window, the chain stream the chains:
 //   caller:  [table, WY](0) -> ready0   [table, WY](1) -> ready1   wait freed0, [table, WY](2) -> ready0 ...
 //   chain:   wait ready0, chain(0) -> freed0   wait ready1, chain(1) -> freed1   ...

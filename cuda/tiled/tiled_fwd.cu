@@ -15,6 +15,8 @@
 //   1 chunk_cumsum_kernel      grid (chunks, ceil(HV*Dg/128))  G = cumsum g per chunk (Dg = 1 gdn, K kda)
 //   2 chunk_wy_kernel          grid (chunks, HV)               A -> T (blocked forward substitution in
 //                                                              fp32) -> W, U (and Kd for kda)
+//     (or, on Hopper for 16-bit gdn / delta at K = V = 128 with DELTACP_TILED_WY_WGMMA=1, wy_wgmma_kernel in
+//     wy_wgmma.cuh: TMA tiles and warpgroup products, the fused forward's token-parallel stage)
 //   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks
 //     (or, on Hopper with wide grids, chunk_state_scan_wgmma_kernel in scan_wgmma.cuh; with a few long
 //     sequences, in pieces side by side: scan_split.cu, whose pass 1 runs in prepare);
@@ -71,6 +73,9 @@
 // On Hopper, stage 3 runs on wgmma where the grid is wide (scan_wgmma.cuh; H200, same harness):
 // (1,8192,96,128) 1.701 ms (FLA 1.399), (4,4096,64,128) 2.128 ms (FLA 1.706); the other two shapes
 // keep the mma.sync scan (0.391, 1.427 ms).
+// Stage 2 on Hopper (wy_wgmma.cuh): 0.259 ms at (2,16384,16,128) and 0.379 at (1,8192,96,128) against this
+// file's chunk_wy_kernel's 0.447 and 0.652 (H200, kernel time, 2026-11-25; as the fused forward's stage, with P
+// and without T); the tiled forward and the backward's recompute run it with DELTACP_TILED_WY_WGMMA=1.
 // Where a few long sequences leave the scan's grid narrow, stage 3 runs in pieces (scan_split.cu:
 // pass 1 in prepare, a fold, pass 2; H200): (1,32768,16,128) 1.541 ms (FLA 1.286; 1.971 unsplit),
 // (1,65536,16,128) 2.782 ms (FLA 2.513; 3.765 unsplit).
@@ -100,6 +105,7 @@
 #include "fwd_stages.cuh"
 #include "kda_scores.cuh"
 #include "wy_solve.cuh"
+#include "wy_wgmma.cuh"
 #include "scan_config.h"
 
 namespace deltacp::cuda::tiled {
@@ -854,9 +860,60 @@ void launch_chunk_cumsum(const Params& p, const ChunkTable& table, float* G, cud
   });
 }
 
+const char* wy_wgmma_refusal(const Params& p) {
+#ifndef DELTACP_HAVE_SM90A
+  (void)p;
+  return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
+#else
+  if (p.variant != Variant::gdn && p.variant != Variant::delta)
+    return "it implements gdn and delta (kda and dplr run on the tiled and naive tiers)";
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
+  if (p.K != 128 || p.V != 128) return "it takes K = V = 128";
+  if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
+  const int64_t es = dtype_size(p.dtype);
+  if (!rows_aligned16(p.q, es)) return "it reads q in 16-byte pieces (q's pointer or strides are not 16-byte aligned)";
+  if (!rows_aligned16(p.v, es)) return "it reads v in 16-byte pieces (v's pointer or strides are not 16-byte aligned)";
+  if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
+  // TMA boxes: int32 coordinates, strides positive wherever a dim is stepped.
+  if (p.B * p.T >= (int64_t{1} << 31)) return "it addresses token rows by TMA's 32-bit coordinates (B * T < 2^31)";
+  for (const TensorRef* r : {&p.q, &p.k, &p.v})
+    if (((r == &p.v ? p.HV : p.H) > 1 && r->stride_h <= 0) || (p.T > 1 && r->stride_t <= 0) ||
+        (p.B > 1 && r->stride_b <= 0))
+      return "it reads q, k and v through TMA tensor maps, which need positive strides";
+  // k's alignment and the GPU: what the wgmma state scan (the fused forward's pass 1 of the pieces) needs too.
+  return wgmma_scan_refusal(p, /*h_and_vnew_agree=*/true);
+#endif
+}
+
+namespace {
+// DELTACP_TILED_WY_WGMMA=1: the Hopper WY stage (wy_wgmma.cuh) in the tiled forward and the backward's recompute
+// (an error names why where it cannot run); unset or 0: the mma.sync one (chunk_wy_kernel). Opt-in: the kernel
+// is the fused forward's validated WY stage, but this use of it (T written for stage B3, the tiled tier's
+// buffers) has not yet passed its GPU test (test_wgmma_wy_stage_matches_the_mma_sync_one).
+bool use_wy_wgmma(const Params& p) {
+  const char* env = std::getenv("DELTACP_TILED_WY_WGMMA");
+  if (env == nullptr || *env == '\0') return false;
+  DELTACP_CHECK(std::string(env) == "0" || std::string(env) == "1", "DELTACP_TILED_WY_WGMMA", "expected 0 or 1, got '",
+                env, "'");
+  if (std::string(env) == "0") return false;
+  if (const char* why = wy_wgmma_refusal(p)) throw_error("DELTACP_TILED_WY_WGMMA", "the wgmma WY stage cannot run: ", why);
+  return true;
+}
+}  // namespace
+
 void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
                      float* Tinv, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
+  if (use_wy_wgmma(p)) {  // 16-bit gdn / delta at K = V = 128 on Hopper (as the fused forward's stage: 0.45 -> 0.26
+                          // ms at (2,16384,16,128), H200)
+    dispatch_dtype(p.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if constexpr (kIs16Bit<T>)
+        launch_wy_wgmma<T>(p, table, p.variant == Variant::delta ? nullptr : G, static_cast<T*>(W),
+                           static_cast<T*>(U), /*P=*/nullptr, Tinv, /*rq=*/nullptr, /*rk=*/nullptr, stream);
+    });
+    return;
+  }
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_kda(p.variant, [&](auto kda) {

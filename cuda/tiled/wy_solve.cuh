@@ -1,6 +1,6 @@
 // cuda/tiled/wy_solve.cuh — T = (I + A)^-1 for one chunk's 64 x 64 strictly lower A: the inverse of the WY
-// representation (docs/design.md section 3), shared by the tiled tier's WY stage (tiled_fwd.cu) and the fused
-// tier's (cuda/fused/fused_wy.cuh).
+// representation (docs/design.md section 3), shared by the WY stages: the mma.sync one (tiled_fwd.cu) and the
+// Hopper one (wy_wgmma.cuh, which the fused forward runs too).
 //
 // Blocked forward substitution over 16 x 16 blocks: the four diagonal blocks D_a = (I + A_aa)^-1 one per
 // warp in fp32 (lane = column, rows in registers), then the blocks below the diagonal by sub-diagonal level
@@ -21,7 +21,7 @@ namespace deltacp::cuda::tiled {
 // D_a = (I + A_aa)^-1 for a = warp, into T's diagonal block a: lane column c (lanes 16..31 duplicate lanes
 // 0..15), rows in registers: d[i] = -sum_{c <= j < i} A[i][j] d[j] for i > c, d[c] = 1, d[i < c] = 0. Row i
 // of A's block is read as float4 broadcasts (every lane reads the same row): a quarter of the scalar loads,
-// which kept the shared-memory pipe busy (fused_wy_kernel, Nsight Compute on an H200: 75% of its
+// which kept the shared-memory pipe busy (the wgmma WY stage, Nsight Compute on an H200: 75% of its
 // wavefronts were the solve's). Needs 16-byte aligned rows: lda a multiple of 4, As 16-byte aligned.
 __device__ __forceinline__ void diag_inverse_16(const float* As, float* Ts, int lda, int warp, int lane) {
   const int a = warp, c = lane & 15;

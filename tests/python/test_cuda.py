@@ -958,6 +958,73 @@ def test_wgmma_dh_scan_dh0_only_equals_the_full_run(wg, monkeypatch):
     assert torch.equal(only, full)
 
 
+class _Switched:
+    """A packed problem (K = V = 128; grouped value heads by default: H = 2, HV = 4) with h0, dht and do, for the
+    tests that run the tiled tier with a kernel switch one way and the other: run(env, value) -> o, ht and every
+    gradient with dh0 (the allocator's free blocks poisoned with NaN first, so an unwritten element shows);
+    reference() -> the same from the fp64 reference on the rounded inputs."""
+
+    def __init__(self, variant, dtype, cu_seqlens, seed, rng_seed, H=2, HV=4):
+        self.variant, self.names = variant, input_names(variant)
+        self.p = make_problem(variant, cu_seqlens=cu_seqlens, H=H, HV=HV, K=128, V=128, seed=seed)
+        self.t = {n: torch.tensor(self.p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda")
+                  for n in self.names}
+        rng = np.random.default_rng(rng_seed)
+        n_seqs, tokens = len(cu_seqlens) - 1, cu_seqlens[-1]
+        self.h0 = torch.tensor(rng.standard_normal((n_seqs, HV, 128, 128)) * 0.1, dtype=torch.float32, device="cuda")
+        self.dht = torch.tensor(rng.standard_normal((n_seqs, HV, 128, 128)), dtype=torch.float32, device="cuda")
+        self.do = torch.tensor(rng.standard_normal((1, tokens, HV, 128)), dtype=dtype, device="cuda")
+        self.cu = torch.tensor(self.p["cu_seqlens"], device="cuda")
+
+    def run(self, monkeypatch, env, value):
+        monkeypatch.setenv(env, value)
+        _poison_cache(64 << 20)
+        x = {n: v.clone().requires_grad_(True) for n, v in self.t.items()}
+        h = self.h0.clone().requires_grad_(True)
+        o, ht = _call(self.variant, x, initial_state=h, output_final_state=True, cu_seqlens=self.cu, backend="tiled")
+        ((o.float() * self.do.float()).sum() + (ht * self.dht).sum()).backward()
+        torch.cuda.synchronize()
+        return {"o": o.detach(), "ht": ht.detach(), "dh0": h.grad, **{"d" + n: x[n].grad for n in self.names}}
+
+    def reference(self):
+        rounded = dict(self.p, **{n: self.t[n].double().cpu().numpy() for n in self.names},
+                       initial_state=self.h0.double().cpu().numpy())
+        o, ht = ref_forward(ref, self.variant, rounded)
+        grads = ref_backward(ref, self.variant, rounded, self.do.double().cpu().numpy(),
+                             dht=self.dht.double().cpu().numpy())
+        return dict(grads, o=o, ht=ht)
+
+
+def _assert_close(got, other, want, tol_other, tol_want, what):
+    for name, x in got.items():
+        assert torch.isfinite(x).all(), name
+        err = rel_err(x.double().cpu().numpy(), other[name].double().cpu().numpy())
+        assert err < tol_other, f"{name}: {what} {err:.2e}"
+        err = rel_err(x.double().cpu().numpy(), np.asarray(want[name]))
+        assert err < tol_want, f"{name}: vs the fp64 reference {err:.2e}"
+
+
+@pytest.mark.parametrize("variant", ["gdn", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_wgmma_wy_stage_matches_the_mma_sync_one(variant, dtype, monkeypatch):
+    """The Hopper WY stage (cuda/tiled/wy_wgmma.cuh, DELTACP_TILED_WY_WGMMA) in the tiled forward and in the
+    backward's recompute (where it also writes T for stage B3) against the mma.sync stage (=0) and the fp64
+    reference: o, ht, every gradient and dh0, packed sequences of 1, 63, 64, 65 and 207 tokens (short chunks),
+    grouped value heads, K = V = 128, a non-zero dht."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma WY stage runs on compute capability 9.0 only")
+    s = _Switched(variant, dtype, [0, 1, 64, 128, 193, 400], seed=87, rng_seed=13)
+    env = "DELTACP_TILED_WY_WGMMA"
+    _assert_close(s.run(monkeypatch, env, "1"), s.run(monkeypatch, env, "0"), s.reference(), 5e-3, 1e-2,
+                  "wgmma WY vs mma.sync WY")
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "sometimes")
+    monkeypatch.setenv(env, "1")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        _call(variant, {n: v.float() for n, v in s.t.items()}, cu_seqlens=s.cu, backend="tiled")
+
+
 @pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_dh_scan_in_pieces_matches_the_whole_scan(variant, dtype, monkeypatch):
@@ -966,34 +1033,9 @@ def test_dh_scan_in_pieces_matches_the_whole_scan(variant, dtype, monkeypatch):
     gradient and dh0, with a non-zero dht: packed sequences of 1, 149, 150 and 400 tokens (cut into 1, 2, 2 and
     4 pieces, the last ones short), grouped value heads, K = V = 128."""
     _require_cuda_build()
-    p = make_problem(variant, cu_seqlens=[0, 1, 150, 300, 700], H=2, HV=4, K=128, V=128, seed=71)
-    names = input_names(variant)
-    t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda") for n in names}
-    rng = np.random.default_rng(9)
-    h0 = torch.tensor(rng.standard_normal((4, 4, 128, 128)) * 0.1, dtype=torch.float32, device="cuda")
-    dht = torch.tensor(rng.standard_normal((4, 4, 128, 128)), dtype=torch.float32, device="cuda")
-    do = torch.tensor(rng.standard_normal((1, 700, 4, 128)), dtype=dtype, device="cuda")
-    cu = torch.tensor(p["cu_seqlens"], device="cuda")
-
-    def grads(piece):
-        monkeypatch.setenv("DELTACP_TILED_DH_PIECE", piece)
-        x = {n: v.clone().requires_grad_(True) for n, v in t.items()}
-        h = h0.clone().requires_grad_(True)
-        o, ht = _call(variant, x, initial_state=h, output_final_state=True, cu_seqlens=cu, backend="tiled")
-        ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
-        torch.cuda.synchronize()
-        return {"dh0": h.grad, **{"d" + n: x[n].grad for n in names}}
-
-    cut, whole = grads("128"), grads("0")
-    rounded = dict(p, **{n: t[n].double().cpu().numpy() for n in names}, initial_state=h0.double().cpu().numpy())
-    want = ref_backward(ref, variant, rounded, do.double().cpu().numpy(), dht=dht.double().cpu().numpy())
-    tol_whole = 5e-3 if dtype == torch.bfloat16 else 1e-5
-    for name, g in cut.items():
-        assert torch.isfinite(g).all(), name
-        err = rel_err(g.double().cpu().numpy(), whole[name].double().cpu().numpy())
-        assert err < tol_whole, f"{name}: B1 in pieces vs whole {err:.2e}"
-        err = rel_err(g.double().cpu().numpy(), np.asarray(want[name]))
-        assert err < TOL[dtype], f"{name}: B1 in pieces vs the fp64 reference {err:.2e}"
-    monkeypatch.setenv("DELTACP_TILED_DH_PIECE", "lots")
-    with pytest.raises(ValueError, match="DELTACP_TILED_DH_PIECE"):
-        grads("lots")
+    s = _Switched(variant, dtype, [0, 1, 150, 300, 700], seed=71, rng_seed=9)
+    env = "DELTACP_TILED_DH_PIECE"
+    _assert_close(s.run(monkeypatch, env, "128"), s.run(monkeypatch, env, "0"), s.reference(),
+                  5e-3 if dtype == torch.bfloat16 else 1e-5, TOL[dtype], "B1 in pieces vs whole")
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "lots")

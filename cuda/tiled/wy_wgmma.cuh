@@ -1,9 +1,11 @@
-// cuda/fused/fused_wy.cuh — the fused forward's token-parallel stage: for every (chunk, value head) at once,
-// the WY representation W, U and the decayed scores P, from one read of the chunk's q, k and v.
+// cuda/tiled/wy_wgmma.cuh — the WY stage on Hopper's warpgroup products: for every (chunk, value head) at once,
+// the WY representation W, U (and T), and the decayed scores P, from one read of the chunk's q, k and v. The
+// tiled tier's forward and its backward's recompute run it where it applies (16-bit gdn / delta at K = V = 128
+// on sm_90a: wy_wgmma_refusal); the fused forward runs it as its token-parallel stage.
 //
 // For a chunk of n <= 64 tokens, G the within-chunk cumulative log decay (zero for delta):
 //
-//   A = strict_tril(K K^T) o beta_i e^(G_i - G_j)        T = (I + A)^-1  (fp32, tiled/wy_solve.cuh)
+//   A = strict_tril(K K^T) o beta_i e^(G_i - G_j)        T = (I + A)^-1  (fp32, wy_solve.cuh)
 //   W = (T Beta e^G) K        U = (T Beta) V             P = tril(Q K^T) o e^(G_i - G_j)   (j <= i)
 //
 // One warpgroup (128 threads) per (chunk, value head):
@@ -13,19 +15,23 @@
 //             in a chunk of n < 64 tokens rows n .. 63 are zeroed in shared memory before use, as masked
 //             loads would have left them
 //   products  Q K^T and K K^T: 2 x 8 wgmma m64n64k16 with both operands in shared memory, one group
-//   P         masked and decayed in registers, stored (16-bit, 128 bytes per token and head)
+//   P         masked and decayed in registers, stored (16-bit, 128 bytes per token and head) when asked for
+//             (the fused forward's chain reads it; the tiled tier's output stage makes its own)
 //   A         masked and scaled in registers, to shared memory (fp32); T by blocked substitution (fp32
-//             diagonal blocks, tf32 tensor-core products below them: tiled/wy_solve.cuh)
+//             diagonal blocks, tf32 tensor-core products below them: wy_solve.cuh); T stored (fp32, 256 bytes
+//             per token and head) when asked for (the tiled backward's stage B3 reads it)
 //   W, U      each 4 x wgmma m64n128k16, A = T Beta (e^G) as 16-bit register fragments (each warp's 16 rows
 //             of T), B = the K or V tile read MN-major; staged in shared memory (16-byte pieces swizzled
 //             by row) and stored as whole rows
 // With qk_l2norm (FLA's use_qk_l2norm_in_kernel, no gradient: params.h) each row's 1 / sqrt(|x|^2 + eps) is
 // summed from the tiles while Q K^T and K K^T run and folded into P (rq_i rk_j), A (rk_i rk_j) and W's
-// operand (rk_j); the scales go out (8 bytes per token and head) for the chain and its map mode (the pieces'
-// pass 1), which fold them into their products the same way, so q and k are read once and never written
-// normalised.
-// The tiled tier's WY stage (tiled_fwd.cu, chunk_wy_kernel) computes the same W and U with mma.sync and
-// the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation).
+// operand (rk_j); the scales go out (8 bytes per token and head) for the fused chain and its map mode (the
+// pieces' pass 1), which fold them into their products the same way, so q and k are read once and never
+// written normalised.
+// The mma.sync WY stage (tiled_fwd.cu, chunk_wy_kernel: every dtype, K and variant) computes the same W, U
+// and T with the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation).
+// Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 0.259 ms at (2,16384,16,128) and 0.379 ms
+// at (1,8192,96,128), with P and without T (the fused forward), against chunk_wy_kernel's 0.447 and 0.652.
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
 // K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G, the row scales and two mbarriers:
@@ -40,23 +46,24 @@
 #include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
 #include "../common/tma.cuh"
-#include "../tiled/chunk_table.cuh"
-#include "../tiled/fwd_mma.cuh"
-#include "../tiled/wgmma_ops.cuh"
-#include "../tiled/wy_solve.cuh"
+#include "chunk_table.cuh"
+#include "fwd_mma.cuh"
+#include "wgmma_ops.cuh"
+#include "wy_solve.cuh"
 #include "deltacp/params.h"
 
-namespace deltacp::cuda::fused {
+namespace deltacp::cuda::tiled {
 
 template <class T>
-struct WyArgs {
+struct WyWgmmaArgs {
   TileMap16 tm_q, tm_k, tm_v;  // [B, T, H or HV, 128] as the caller strides them: boxes of 64 columns x 64 tokens
   DevRows<const T> beta;
   const tiled::ChunkEntry* chunks = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
   T* W = nullptr;            // [R, HV, 128]
   T* U = nullptr;            // [R, HV, 128]
-  T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P
+  T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P (nullptr: not stored)
+  float* Tinv = nullptr;     // [R, HV, 64] fp32: row i of its chunk's T (nullptr: not stored)
   // qk_l2norm (params.h): rq, rk [R, HV] fp32 receive each row's 1 / sqrt(|x|^2 + eps) (nullptr: no l2 norm);
   float* rq = nullptr;
   float* rk = nullptr;
@@ -64,7 +71,7 @@ struct WyArgs {
 };
 
 // Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
-struct WySmem {
+struct WyWgmmaSmem {
   static constexpr int kLdA = 68;                // A and T rows (floats): 4 mod 32, as wy_solve.cuh's tf32 solve wants
   static constexpr int q = 0;                    // Q tile (16 KB); A (17,408 B); W staging (16 KB)
   static constexpr int k = 18432;                // K tile
@@ -78,7 +85,7 @@ struct WySmem {
   static constexpr int bar = rk + 256;           // two mbarriers: Q and K, then V
   static constexpr int bytes = bar + 16 + 1024;  // plus the alignment slack
 };
-static_assert(64 * WySmem::kLdA * 4 <= WySmem::k, "A must fit in the Q tile's region");
+static_assert(64 * WyWgmmaSmem::kLdA * 4 <= WyWgmmaSmem::k, "A must fit in the Q tile's region");
 
 #ifdef DELTACP_WGMMA_DEVICE
 // An m64n128 accumulator (this warpgroup's 64 rows x 128 columns) as 16-bit rows of 256 bytes, the 16-byte
@@ -133,10 +140,9 @@ __device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
 #endif
 
 template <class T>
-__global__ void __launch_bounds__(128) fused_wy_kernel(const __grid_constant__ WyArgs<T> a) {
+__global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ WyWgmmaArgs<T> a) {
 #ifdef DELTACP_WGMMA_DEVICE
-  using namespace tiled;
-  using S = WySmem;
+  using S = WyWgmmaSmem;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   float* As = reinterpret_cast<float*>(smem + S::q);
@@ -239,9 +245,9 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(const __grid_constant__ W
     const float gj0 = gs[j], gj1 = gs[j + 1], kj0 = rks[j], kj1 = rks[j + 1];
     const float e00 = j <= i0 ? exp_t<T>(gi0 - gj0) * kj0 : 0.f, e01 = j + 1 <= i0 ? exp_t<T>(gi0 - gj1) * kj1 : 0.f;
     const float e10 = j <= i1 ? exp_t<T>(gi1 - gj0) * kj0 : 0.f, e11 = j + 1 <= i1 ? exp_t<T>(gi1 - gj1) * kj1 : 0.f;
-    if (i0 < len)
+    if (a.P != nullptr && i0 < len)
       *reinterpret_cast<uint32_t*>(prow0 + j) = pack2<T>(q0 * e00 * Pacc[4 * nb], q0 * e01 * Pacc[4 * nb + 1]);
-    if (i1 < len)
+    if (a.P != nullptr && i1 < len)
       *reinterpret_cast<uint32_t*>(prow1 + j) = pack2<T>(q1 * e10 * Pacc[4 * nb + 2], q1 * e11 * Pacc[4 * nb + 3]);
     *reinterpret_cast<float2*>(As + i0 * S::kLdA + j) =
         make_float2(j < i0 ? b0 * e00 * Aacc[4 * nb] : 0.f, j + 1 < i0 ? b0 * e01 * Aacc[4 * nb + 1] : 0.f);
@@ -269,6 +275,13 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(const __grid_constant__ W
       fu[kk][2 * h + 1] = pack2<T>(t1.x * s0, t1.y * s1);
       fw[kk][2 * h] = pack2<T>(t0.x * s0 * e0, t0.y * s1 * e1);
       fw[kk][2 * h + 1] = pack2<T>(t1.x * s0 * e0, t1.y * s1 * e1);
+    }
+  if (a.Tinv != nullptr)  // T's rows < len, 16 bytes a thread (rows of 68 floats: 16-byte aligned)
+    for (int idx = tid; idx < 64 * 16; idx += 128) {
+      const int r = idx >> 4, c4 = idx & 15;
+      if (r < len)
+        *reinterpret_cast<float4*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64 + 4 * c4) =
+            *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 4 * c4);
     }
   __syncthreads();  // every warp has read T: U's staging takes its place
 
@@ -303,13 +316,17 @@ __global__ void __launch_bounds__(128) fused_wy_kernel(const __grid_constant__ W
 #endif
 }
 
-// Launches fused_wy_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
-// stage 1, nullptr for delta; rq, rk as in WyArgs: nullptr without p.qk_l2norm).
+// Why wy_wgmma_kernel cannot run p's inputs (variant, dtype, K, V, chunk size, alignment, TMA's limits, the
+// GPU), or nullptr when it can. The fused forward adds what its chain needs (fused_fwd.cu, forward_refusal).
+const char* wy_wgmma_refusal(const Params& p);
+
+// Launches wy_wgmma_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
+// stage 1, nullptr for delta; P and Tinv as in WyWgmmaArgs; rq, rk as there: nullptr without p.qk_l2norm).
 template <class T>
-void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const float* G, T* W, T* U, T* P, float* rq,
-                     float* rk, cudaStream_t stream) {
+void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T* W, T* U, T* P, float* Tinv,
+                     float* rq, float* rk, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
-  WyArgs<T> a;
+  WyWgmmaArgs<T> a;
   a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
   a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, 128, "k");
   a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, 128, "v");
@@ -319,15 +336,16 @@ void launch_fused_wy(const Params& p, const tiled::ChunkTable& table, const floa
   a.W = W;
   a.U = U;
   a.P = P;
+  a.Tinv = Tinv;
   a.rq = rq;
   a.rk = rk;
   a.HV = p.HV;
   a.group = p.HV / p.H;
-  opt_in_smem(fused_wy_kernel<T>, WySmem::bytes, "K", "the fused WY stage needs ", WySmem::bytes,
+  opt_in_smem(wy_wgmma_kernel<T>, WyWgmmaSmem::bytes, "K", "the wgmma WY stage needs ", WyWgmmaSmem::bytes,
               " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
-  fused_wy_kernel<T><<<grid, 128, WySmem::bytes, stream>>>(a);
+  wy_wgmma_kernel<T><<<grid, 128, WyWgmmaSmem::bytes, stream>>>(a);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 
-}  // namespace deltacp::cuda::fused
+}  // namespace deltacp::cuda::tiled
