@@ -16,7 +16,7 @@
 //   token_rows_map(q, B, T, H, 128, "q"), workspace_rows_map(W, B * T, HV, 128, "W")   // 64 x 64 boxes
 // Device (sm_90):
 //   mbar_init(bar, 1); fence_mbar_init();            // once, one thread, then a CTA barrier
-//   mbar_expect_tx(bar, bytes); tma_load_3d/4d(...)  // the thread that issues the stage's copies
+//   mbar_expect_tx(bar, bytes); tma_load_2d/3d/4d(...)  // the thread that issues the stage's copies
 //   mbar_wait(bar, parity);                          // every consumer; parity = (use count) & 1
 // A tensor map must reach the kernel as a __grid_constant__ parameter (or a member of one).
 #pragma once
@@ -130,6 +130,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 // One box of a tensor map into shared memory (1024-byte aligned for the 128-byte swizzle), completing on bar.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
+      "[%2];\n" ::"r"(tma_smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(tma_smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "

@@ -17,13 +17,16 @@
 //
 // Stages (launch order; all on p.stream):
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
-//             W, U, and the chunk-start states h and v_new from h0.
+//             W, U, and the chunk-start states h and v_new from h0 (W, U and T on Hopper's warpgroup
+//             products for 16-bit gdn / delta at K = V = 128 with DELTACP_TILED_WY_WGMMA=1: wy_wgmma.cuh)
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
 //   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
 //                                                  16-bit gdn / delta at K = V = 128: bwd_dh_scan_wgmma.cuh)
 //   B2 bwd_dqkg       per (chunk, head)            V contractions: dP, dq/dk/dG partials, dW
 //   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
 //   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
+//      (B2..B4 as one kernel with DELTACP_TILED_BWD_LOCAL_WGMMA=1, 16-bit gdn / delta at K = V = 128 on Hopper:
+//       bwd_local_wgmma.cuh; none of dW, dP, dA and the dq / dk / dG parts goes through global memory)
 //   B5 reduce_heads   per token element            dq, dk: sum the value heads of each group, cast (only when
 //                                                  HV > H: with one value head per key head B4 writes them)
 // Every workspace element is written by exactly one thread per kernel; no atomics, so two runs give
@@ -63,7 +66,8 @@
 //   slice: dW (bf16; was fp32 512) 256, dP 256, dA 256, dq_w 512, dk_w 512, dG_w (kda) 512, dG rows (gdn) 4,
 //          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice: all the chunks when that is at
 //          most 256 MiB, else at least 16 * SMs / HV chunks (16 waves of B2's CTAs), or as many as fit
-//          region 2's first use if more
+//          region 2's first use if more; with the fused chunk-local kernel only dq_w and dk_w, and only with
+//          grouped value heads (HV > H, for B5): 0 or 1024 per token-head
 //   total                                     2308  3328   5132 / 6660 (every buffer at once)
 //
 // At (2, 16384, 16, 128) on a 132-SM GPU: gdn 1,154 MiB (was 2,566) plus what a slice needs beyond W's
@@ -119,6 +123,7 @@
 #include "bwd_dh_scan_wgmma.cuh"
 #include "bwd_dqkg.cuh"
 #include "bwd_dv_local.cuh"
+#include "bwd_local_wgmma.cuh"
 #include "bwd_wy.cuh"
 #include "chunk_table.cuh"
 #include "deltacp/cuda/tiers.h"
@@ -233,11 +238,18 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
 }
 
 // B2..B5 on the chunks of one slice (slice_args: a.chunks, a.num_chunks and the slice buffers), whose token
-// rows are row0 .. row0 + rows - 1.
+// rows are row0 .. row0 + rows - 1. local: B2, B3 and B4 as one kernel on Hopper (bwd_local_wgmma.cuh).
 template <class Op, int KP, bool PERKEY>
-void launch_slice(const Args& a, int64_t row0, int64_t rows, cudaStream_t stream) {
+void launch_slice(const Args& a, int64_t row0, int64_t rows, bool local, cudaStream_t stream) {
   const int64_t NC = a.num_chunks;
-  if (NC > 0) {
+  bool local_ran = false;
+  if constexpr (kIs16Bit<Op> && !PERKEY && KP == kLocalKeys) {
+    if (local && NC > 0) {
+      launch_local_wgmma<Op>(a, stream);
+      local_ran = true;
+    }
+  }
+  if (NC > 0 && !local_ran) {
     if (two_stages_fit<DqkgSmem, Op, KP, PERKEY>())
       launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 2>, DqkgSmem<Op, KP, PERKEY, 2>{}.total, "dq/dk/dg", a, stream);
     else
@@ -259,6 +271,8 @@ void launch_slice(const Args& a, int64_t row0, int64_t rows, cudaStream_t stream
         launch_per_chunk(bwd_decay_kda_kernel<Op, KP>, DecayKdaSmem<Op, KP>{}.total, "decay", a, stream);
     } else
       launch_per_chunk(bwd_decay_scalar_kernel<Op, KP>, DecayScalarSmem<Op, KP>{}.total, "decay", a, stream);
+  }
+  if (NC > 0) {
     if (a.group > 1 && rows > 0) {  // with one value head per key head, B4 wrote dq and dk itself
       const int64_t total = rows * a.H * a.K;
       const int64_t blocks = (total + kThreads - 1) / kThreads;
@@ -301,20 +315,28 @@ struct Carver {
 };
 
 // The buffers of B2..B5 for one slice of at most `chunks` chunks and `rows` token rows (offsets from the
-// start of the slice region).
+// start of the slice region). With the fused chunk-local kernel (local) only dq and dk per value head, and
+// only with grouped value heads (for B5).
 struct SliceLayout {
   int64_t chunks = 0, rows = 0;
   bool perkey = false, row_sums = false;  // kda's dG per key column; gdn's dG row sums
   size_t dW = 0, dP = 0, dA = 0, dq = 0, dk = 0, dG = 0, dGr = 0, db = 0, total = 0;
 };
-SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows) {
+SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows, bool local) {
   SliceLayout L;
   L.chunks = chunks;
   L.rows = rows;
+  Carver c;
+  if (local) {
+    const int64_t rk = p.HV > p.H ? rows * p.HV * p.K : 0;
+    L.dq = c.take(rk * 4);
+    L.dk = c.take(rk * 4);
+    L.total = c.off;
+    return L;
+  }
   L.perkey = p.variant == Variant::kda;
   L.row_sums = p.variant == Variant::gdn;
   const int64_t es = dtype_size(p.dtype), rk = rows * p.HV * p.K, mat = chunks * p.HV * kRows * kRows * 4;
-  Carver c;
   L.dW = c.take(rk * es);
   L.dP = c.take(mat);
   L.dA = c.take(mat);
@@ -333,15 +355,17 @@ SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows) {
 // there is one slice; above, a slice takes at least 16 waves of (chunk, value head) CTAs (one CTA per SM at
 // a time in B2), and then the slices are made equal (so no short last one; each may end a little under). DELTACP_BWD_SLICE_CHUNKS=n sets it (tests: several
 // slices on small problems).
-int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes) {
+int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes, bool local) {
   if (const char* env = std::getenv("DELTACP_BWD_SLICE_CHUNKS")) {
     const long long n = std::strtoll(env, nullptr, 10);
     if (n > 0) return std::min<int64_t>(n, num_chunks);
   }
   const int64_t es = dtype_size(p.dtype), K = p.K;
-  const int64_t per_row = K * es + 2 * K * 4 + (p.variant == Variant::kda ? K * 4 : 0) +
-                          (p.variant == Variant::gdn ? 4 : 0) + 4;
-  const int64_t per_chunk = p.HV * (2 * kRows * kRows * 4 + int64_t(p.chunk_size) * per_row);
+  const int64_t per_row = local ? (p.HV > p.H ? 2 * K * 4 : 0)
+                                : K * es + 2 * K * 4 + (p.variant == Variant::kda ? K * 4 : 0) +
+                                      (p.variant == Variant::gdn ? 4 : 0) + 4;
+  const int64_t per_chunk = local ? p.HV * int64_t(p.chunk_size) * per_row
+                                  : p.HV * (2 * kRows * kRows * 4 + int64_t(p.chunk_size) * per_row);
   // Small problems take one slice: their buffers are small, and each extra slice is four more launches with
   // a partial last wave (H200, tiled gdn forward + backward under torch's allocator: (4, 2048, 16, 128) 2.45 ms
   // in 2 slices against 1.80 in one; (2, 16384, 16, 128) 7.33 ms in 8 slices of 8 waves against 7.01 in one).
@@ -367,6 +391,7 @@ struct BwdState final : StagedBackward {
   std::vector<int64_t> slices;  // B2..B5 run on chunks [slices[i], slices[i + 1])
   SliceLayout slice;
   char* slice_base = nullptr;
+  bool local = false;        // B2..B4 as one kernel (bwd_local_wgmma.cuh)
   bool states_done = false;  // the forward's state scan (h, v_new) has been launched
   bool finished = false;
 };
@@ -457,8 +482,9 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   const size_t x0 = c.off;
   Carver before;
   const size_t oW = x0 + before.take(bW), oKd = x0 + before.take(bKd), oQg = x0 + before.take(bQg);
+  state->local = !dh0_only && use_local_wgmma(p);
   if (!dh0_only && NC > 0) {
-    const int64_t cap = slice_chunks(p, NC, before.off);
+    const int64_t cap = slice_chunks(p, NC, before.off, state->local);
     const auto& hc = table.host_chunks();
     int64_t max_rows = 0;
     for (int64_t c0 = 0; c0 < NC; c0 += cap) {
@@ -467,7 +493,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
       max_rows = std::max(max_rows, hc[c1 - 1].row0 + hc[c1 - 1].len - hc[c0].row0);
     }
     state->slices.push_back(NC);
-    state->slice = slice_layout(p, cap, max_rows);
+    state->slice = slice_layout(p, cap, max_rows, state->local);
   }
   ws.allocate(x0 + std::max(before.off, state->slice.total));
   state->slice_base = ws.at<char>(x0, 1);
@@ -685,7 +711,7 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
     for (size_t i = 0; i + 1 < s.slices.size(); ++i) {
       int64_t row0 = 0, rows = 0;
       const Args x = slice_args(s, a, s.slices[i], s.slices[i + 1], &row0, &rows);
-      launch_slice<Op, KP, PERKEY>(x, row0, rows, stream);
+      launch_slice<Op, KP, PERKEY>(x, row0, rows, s.local, stream);
     }
   });
 }

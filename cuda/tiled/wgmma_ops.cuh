@@ -1,11 +1,14 @@
 // cuda/tiled/wgmma_ops.cuh — Hopper (sm_90a) building blocks shared by the kernels that run their
-// products on wgmma: the tiled tier's state scan (scan_wgmma.cuh) and the fused tier (cuda/fused/).
+// products on wgmma: the tiled tier's (the state scan scan_wgmma.cuh, the WY stage wy_wgmma.cuh, the backward's
+// bwd_dh_scan_wgmma.cuh and bwd_local_wgmma.cuh) and the fused tier's (cuda/fused/).
 //
 //   wg_desc                  shared-memory matrix descriptor, 128-byte swizzle
 //   wg_fence / wg_commit / wg_wait<N>   the asynchronous product's ordering points
 //   wgmma_n64_rs             D (64 x 64 fp32) += A (64 x 16, registers) B (16 x 64, K-major in shared memory)
 //   wgmma_n64_ss             D (64 x 64 fp32) += A (64 x 16, K-major) B (16 x 64, K-major), both in shared memory
 //   wgmma_n128_rs_tb         D (64 x 128 fp32) += A (registers) B (16 x 128, MN-major)
+//   wgmma_ss<T, N, TA, TB>   D (64 x N fp32, N = 32 or 64) += A B, both in shared memory, each K-major or
+//                            transposed (A M-major, B MN-major)
 //   stmatrix_x4_trans, pack2, unpack2, reg_fence, fence_proxy_async, warpgroup_bar
 //   load_tile_sw128          a 64 x 128 16-bit tile into two 64 x 64 blocks with the 128-byte swizzle
 //   load_tile_u              a 64 x kCols tile of plain rows
@@ -144,6 +147,49 @@ __device__ __forceinline__ void wgmma_n128_rs_tb(float (&d)[64], const uint32_t 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
   }
 }
+#define DELTACP_WGMMA_D16                                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define DELTACP_WGMMA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+// d (64 x N, fp32; N = 32 or 64) = A (64 x 16) B (16 x N) + (scale_d ? d : 0), both operands in shared memory
+// (128-byte swizzle). TA = 1: A is stored M-major (the tile holds A^T's rows: A = tile^T); TB = 1: B is stored
+// MN-major (the tile holds B's rows); 0: K-major. Both transposes exist for 16-bit inputs only.
+template <class T, int N, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d) {
+  static_assert(N == 32 || N == 64, "m64n32k16 or m64n64k16");
+  constexpr bool bf = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (N == 32) {
+    if constexpr (bf) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DELTACP_WGMMA_R16
+                   ", %16, %17, p, 1, 1, %19, %20;\n}\n"
+                   : DELTACP_WGMMA_D16
+                   : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
+    } else {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " DELTACP_WGMMA_R16
+                   ", %16, %17, p, 1, 1, %19, %20;\n}\n"
+                   : DELTACP_WGMMA_D16
+                   : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
+    }
+  } else {
+    if constexpr (bf) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DELTACP_WGMMA_R32
+                   ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+                   : DELTACP_WGMMA_D32
+                   : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
+    } else {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DELTACP_WGMMA_R32
+                   ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+                   : DELTACP_WGMMA_D32
+                   : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
+    }
+  }
+}
+#undef DELTACP_WGMMA_D16
+#undef DELTACP_WGMMA_R16
 #undef DELTACP_WGMMA_D32
 #undef DELTACP_WGMMA_D64
 #undef DELTACP_WGMMA_R32

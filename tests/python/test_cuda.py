@@ -1025,6 +1025,38 @@ def test_wgmma_wy_stage_matches_the_mma_sync_one(variant, dtype, monkeypatch):
         _call(variant, {n: v.float() for n, v in s.t.items()}, cu_seqlens=s.cu, backend="tiled")
 
 
+@pytest.mark.parametrize("variant", ["gdn", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)], ids=["one_value_head", "grouped"])
+def test_fused_local_backward_matches_the_three_stages(variant, dtype, heads, monkeypatch):
+    """Stages B2, B3 and B4 of the tiled backward as one Hopper kernel (cuda/tiled/bwd_local_wgmma.cuh,
+    DELTACP_TILED_BWD_LOCAL_WGMMA) against the three mma.sync kernels (=0) and the fp64 reference: o, ht, every
+    gradient and dh0; packed sequences of 1, 63, 64, 65 and 207 tokens (short chunks), a non-zero dht; with one
+    value head per key head (the kernel writes dq and dk) and grouped value heads (stage B5 sums them). Then
+    the same run in slices of two chunks (DELTACP_BWD_SLICE_CHUNKS: the chunk states' tensor maps start at each
+    slice) and a second run give the same bits."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused chunk-local backward runs on compute capability 9.0 only")
+    H, HV = heads
+    s = _Switched(variant, dtype, [0, 1, 64, 128, 193, 400], seed=91, rng_seed=17, H=H, HV=HV)
+    env = "DELTACP_TILED_BWD_LOCAL_WGMMA"
+    fused = s.run(monkeypatch, env, "1")
+    _assert_close(fused, s.run(monkeypatch, env, "0"), s.reference(), 5e-3, 1e-2, "fused B2-B4 vs mma.sync B2, B3, B4")
+    again = s.run(monkeypatch, env, "1")
+    monkeypatch.setenv("DELTACP_BWD_SLICE_CHUNKS", "2")
+    sliced = s.run(monkeypatch, env, "1")
+    for name, x in fused.items():
+        assert torch.equal(x, again[name]), f"{name}: a second run differs"
+        assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "often")
+    monkeypatch.setenv(env, "1")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        _call(variant, {n: v.float().requires_grad_(True) for n, v in s.t.items()}, cu_seqlens=s.cu,
+              backend="tiled")[0].sum().backward()
+
+
 @pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_dh_scan_in_pieces_matches_the_whole_scan(variant, dtype, monkeypatch):
