@@ -8,7 +8,9 @@
 #            sharing it over gloo, without the examples and the bench
 #   stages   bench/gpu/stage_times.py: CUDA time of each kernel of the tiled forward + backward (gdn, kda) at
 #            DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log; with DELTACP_STAGE_FUSED="0 4096 ..."
-#            the fused gdn forward's kernels instead, once per piece length (DELTACP_FUSED_PIECE; 0 = whole)
+#            the fused gdn forward's kernels instead, once per piece length (DELTACP_FUSED_PIECE; 0 = whole);
+#            with DELTACP_STAGE_ENVS="A=0 A=1,B=1 ..." the gdn forward (fused) + backward once per setting (the
+#            comma-joined variables set for that run), e.g. a kernel switch off and on
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
 #   dplr     bench/gpu/bench_dplr.py: the tiled DPLR forward and forward + backward beside FLA's chunk_dplr
 #            (DELTACP_DPLR_ARGS, e.g. "--impls deltacp_tiled,fla_chunk16 --shapes 4,4096,32,64") -> bench_dplr.json,
@@ -125,7 +127,12 @@ fi
 
 if has stages; then  # where the tiled forward + backward spends its time, kernel by kernel
   t0=$(date +%s)
-  if [ -n "${DELTACP_STAGE_FUSED:-}" ]; then  # the fused forward, whole sequences and each piece length listed
+  if [ -n "${DELTACP_STAGE_ENVS:-}" ]; then  # forward + backward once per setting of the variables listed
+    for setting in ${DELTACP_STAGE_ENVS}; do
+      env ${setting//,/ } timeout 120 python3 bench/gpu/stage_times.py --variant gdn --backward --backend fused \
+        --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" 2>&1 | sed "s/^/[$setting] /" >>"$OUT/stages.log"
+    done
+  elif [ -n "${DELTACP_STAGE_FUSED:-}" ]; then  # the fused forward, whole sequences and each piece length listed
     for piece in ${DELTACP_STAGE_FUSED}; do
       DELTACP_FUSED_PIECE=$piece timeout 120 python3 bench/gpu/stage_times.py --variant gdn --backend fused \
         --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" 2>&1 | sed "s/^/[piece $piece] /" >>"$OUT/stages.log"
