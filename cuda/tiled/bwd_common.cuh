@@ -52,6 +52,7 @@ struct Args {
   bool gated = false;       // gdn and kda: a log decay g exists
   bool g_fp32 = false;      // g and dg are fp32 (Params::g_fp32), whatever the input dtype
   bool dh0_only = false;    // Params::dh0_only: stages B0 and B1 only, B1 writes dh0 and nothing else
+  bool dv_local_done = false;  // the recompute's WY stage wrote B0's dVn_local (wy_wgmma.cuh): B0 is skipped
   // Inputs and outputs: [B, T, heads, D] views in the input dtype (see params.h).
   TensorRef q, k, v, g, beta, dout;
   TensorRef dq, dk, dv, dg, dbeta;

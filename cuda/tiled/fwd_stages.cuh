@@ -73,8 +73,11 @@ void check_tiled_supported(const Params& p);
 
 void launch_chunk_cumsum(const Params& p, const ChunkTable& table, float* G, cudaStream_t stream);
 
-void launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
-                     float* Tinv, cudaStream_t stream);
+// The WY stage: W, U (Kd for kda) and, where Tinv is given, T. dv_local (the backward's recompute): where the
+// Hopper WY stage runs (DELTACP_TILED_WY_WGMMA=1) and can read p.dout, it also writes stage B0's scale P^T dO
+// there ([R, HV, 128] fp32) and the call returns true; false: B0 is still to run.
+bool launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
+                     float* Tinv, cudaStream_t stream, float* dv_local = nullptr);
 
 // Where a state scan reads its per-row intermediates when they were made for another problem: the
 // staged forward's pieces (api.h StagedForward) scan rows [row0, row0 + p.T) of the prepared problem's

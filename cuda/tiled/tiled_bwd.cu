@@ -18,7 +18,8 @@
 // Stages (launch order; all on p.stream):
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
 //             W, U, and the chunk-start states h and v_new from h0 (W, U and T on Hopper's warpgroup
-//             products for 16-bit gdn / delta at K = V = 128 with DELTACP_TILED_WY_WGMMA=1: wy_wgmma.cuh)
+//             products for 16-bit gdn / delta at K = V = 128 with DELTACP_TILED_WY_WGMMA=1: wy_wgmma.cuh,
+//             which then also does B0 from the P it forms anyway, so B0 is not launched)
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
 //   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
 //                                                  16-bit gdn / delta at K = V = 128: bwd_dh_scan_wgmma.cuh)
@@ -223,7 +224,7 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
   DELTACP_CHECK(num_seqs <= INT_MAX, "B", "expected at most ", INT_MAX,
                 " sequences for the tiled backward scan, got ", num_seqs);
 
-  if (NC > 0 && (which == Stages::all || which == Stages::through_b0))
+  if (NC > 0 && !a.dv_local_done && (which == Stages::all || which == Stages::through_b0))
     launch_per_chunk(bwd_dv_local_kernel<Op, KP, PERKEY>, DvLocalSmem<Op, KP, PERKEY>{}.total, "dv_local", a, stream);
   if (which == Stages::through_b0) return;
   if (num_seqs * a.HV > 0 && a.V > 0) {
@@ -506,8 +507,9 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   void* vnew = ws.at<void>(ovn, bvn);
   void* h = ws.at<void>(oh, bh);
 
+  float* dvnew = ws.at<float>(odvn, bdvn);
   launch_chunk_cumsum(p, table, G, stream);
-  launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream);
+  const bool dv_local_done = launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream, dvnew);
   state->U = U;
   state->h = h;
   state->vnew = vnew;
@@ -545,7 +547,8 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   a.chunk_size = p.chunk_size;
   a.dh = ws.at<void>(oUdh, bdh);  // null in the dh0-only mode (bdh = 0)
   a.dh0_only = dh0_only;
-  a.dvnew = ws.at<float>(odvn, bdvn);
+  a.dvnew = dvnew;
+  a.dv_local_done = dv_local_done;
   // dW .. dbw: per slice (slice_args).
 
   if (dh0_only) state->states_done = true;  // nothing reads h

@@ -7,7 +7,7 @@
 //   wgmma_n64_rs             D (64 x 64 fp32) += A (64 x 16, registers) B (16 x 64, K-major in shared memory)
 //   wgmma_n64_ss             D (64 x 64 fp32) += A (64 x 16, K-major) B (16 x 64, K-major), both in shared memory
 //   wgmma_n128_rs_tb         D (64 x 128 fp32) += A (registers) B (16 x 128, MN-major)
-//   wgmma_ss<T, N, TA, TB>   D (64 x N fp32, N = 32 or 64) += A B, both in shared memory, each K-major or
+//   wgmma_ss<T, N, TA, TB>   D (64 x N fp32, N = 32, 64, 128) += A B, both in shared memory, each K-major or
 //                            transposed (A M-major, B MN-major)
 //   stmatrix_x4_trans, pack2, unpack2, reg_fence, fence_proxy_async, warpgroup_bar
 //   load_tile_sw128          a 64 x 128 16-bit tile into two 64 x 64 blocks with the 128-byte swizzle
@@ -151,12 +151,12 @@ __device__ __forceinline__ void wgmma_n128_rs_tb(float (&d)[64], const uint32_t 
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
       "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define DELTACP_WGMMA_R16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-// d (64 x N, fp32; N = 32 or 64) = A (64 x 16) B (16 x N) + (scale_d ? d : 0), both operands in shared memory
-// (128-byte swizzle). TA = 1: A is stored M-major (the tile holds A^T's rows: A = tile^T); TB = 1: B is stored
-// MN-major (the tile holds B's rows); 0: K-major. Both transposes exist for 16-bit inputs only.
+// d (64 x N, fp32; N = 32, 64 or 128) = A (64 x 16) B (16 x N) + (scale_d ? d : 0), both operands in shared
+// memory (128-byte swizzle). TA = 1: A is stored M-major (the tile holds A^T's rows: A = tile^T); TB = 1: B is
+// stored MN-major (the tile holds B's rows); 0: K-major. Both transposes exist for 16-bit inputs only.
 template <class T, int N, int TA, int TB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d) {
-  static_assert(N == 32 || N == 64, "m64n32k16 or m64n64k16");
+  static_assert(N == 32 || N == 64 || N == 128, "m64n32k16, m64n64k16 or m64n128k16");
   constexpr bool bf = std::is_same<T, __nv_bfloat16>::value;
   if constexpr (N == 32) {
     if constexpr (bf) {
@@ -172,7 +172,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t
                    : DELTACP_WGMMA_D16
                    : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
     }
-  } else {
+  } else if constexpr (N == 64) {
     if constexpr (bf) {
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DELTACP_WGMMA_R32
@@ -184,6 +184,20 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DELTACP_WGMMA_R32
                    ", %32, %33, p, 1, 1, %35, %36;\n}\n"
                    : DELTACP_WGMMA_D32
+                   : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
+    }
+  } else {
+    if constexpr (bf) {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DELTACP_WGMMA_R64
+                   ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+                   : DELTACP_WGMMA_D64
+                   : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
+    } else {
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " DELTACP_WGMMA_R64
+                   ", %64, %65, p, 1, 1, %67, %68;\n}\n"
+                   : DELTACP_WGMMA_D64
                    : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
     }
   }

@@ -28,6 +28,10 @@
 // operand (rk_j); the scales go out (8 bytes per token and head) for the fused chain and its map mode (the
 // pieces' pass 1), which fold them into their products the same way, so q and k are read once and never
 // written normalised.
+// In the backward's recompute (kDvLocal) it also does stage B0 from the P it forms anyway: dVn_local = scale P^T dO
+// (bwd_dv_local.cuh's product, P rounded to 16 bits the same way), one wgmma m64n128k16 x 4 with P^T read from
+// a swizzled block of shared memory and dO (a third TMA tile, on its own mbarrier) MN-major, written in fp32;
+// the backward then launches no B0.
 // The mma.sync WY stage (tiled_fwd.cu, chunk_wy_kernel: every dtype, K and variant) computes the same W, U
 // and T with the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation).
 // Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 0.259 ms at (2,16384,16,128) and 0.379 ms
@@ -35,7 +39,8 @@
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
 // K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G, the row scales and two mbarriers:
-// 69,392 bytes plus 1 KB of alignment slack: three CTAs per SM on an H100/H200.
+// 69,392 bytes plus 1 KB of alignment slack: three CTAs per SM on an H100/H200. With B0 (kDvLocal) P's block
+// and the dO tile after them: 95,240 bytes and the slack, two CTAs per SM.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -68,6 +73,11 @@ struct WyWgmmaArgs {
   float* rq = nullptr;
   float* rk = nullptr;
   int64_t HV = 0, group = 1;
+  // The backward's recompute (kDvLocal): stage B0's dVn_local = scale P^T dO into dvl ([R, HV, 128] fp32, the
+  // rows of the chunk), dO read through tm_do ([B, T, HV, 128]).
+  TileMap16 tm_do;
+  float* dvl = nullptr;
+  float scale = 1.f;
 };
 
 // Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
@@ -84,8 +94,14 @@ struct WyWgmmaSmem {
   static constexpr int rk = rq + 256;
   static constexpr int bar = rk + 256;           // two mbarriers: Q and K, then V
   static constexpr int bytes = bar + 16 + 1024;  // plus the alignment slack
+  // kDvLocal only: P (64 x 64, 16-bit, swizzled: the transposed A operand of P^T dO), the dO tile and its mbarrier.
+  static constexpr int p = (bar + 16 + 1023) / 1024 * 1024;
+  static constexpr int dO = p + 8192;
+  static constexpr int bar_do = dO + 16384;
+  static constexpr int bytes_dvl = bar_do + 8 + 1024;
 };
 static_assert(64 * WyWgmmaSmem::kLdA * 4 <= WyWgmmaSmem::k, "A must fit in the Q tile's region");
+static_assert(WyWgmmaSmem::bytes_dvl == 95240 + 1024, "the size the opening comment gives");
 
 #ifdef DELTACP_WGMMA_DEVICE
 // An m64n128 accumulator (this warpgroup's 64 rows x 128 columns) as 16-bit rows of 256 bytes, the 16-byte
@@ -139,7 +155,7 @@ __device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
 }
 #endif
 
-template <class T>
+template <class T, bool kDvLocal>
 __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ WyWgmmaArgs<T> a) {
 #ifdef DELTACP_WGMMA_DEVICE
   using S = WyWgmmaSmem;
@@ -159,9 +175,11 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   const int len = static_cast<int>(ce.len);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::bar);
 
+  uint64_t* bar_do = reinterpret_cast<uint64_t*>(smem + S::bar_do);
   if (tid == 0) {
     mbar_init(bars, 1);
     mbar_init(bars + 1, 1);
+    if constexpr (kDvLocal) mbar_init(bar_do, 1);
     fence_mbar_init();
     const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch);
     const int h = static_cast<int>(hk), hvi = static_cast<int>(hv);
@@ -173,6 +191,11 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
     mbar_expect_tx(bars + 1, 2 * 8192);
     tma_load_4d(smem + S::v, &a.tm_v.map, bars + 1, 0, hvi, t0, b);
     tma_load_4d(smem + S::v + 8192, &a.tm_v.map, bars + 1, 64, hvi, t0, b);
+    if constexpr (kDvLocal) {
+      mbar_expect_tx(bar_do, 2 * 8192);
+      tma_load_4d(smem + S::dO, &a.tm_do.map, bar_do, 0, hvi, t0, b);
+      tma_load_4d(smem + S::dO + 8192, &a.tm_do.map, bar_do, 64, hvi, t0, b);
+    }
   }
   // Rows len .. 63 of the two 64-row blocks at tile: zero (after the box has landed).
   auto zero_tail_rows = [&](unsigned char* tile) {
@@ -249,6 +272,13 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
       *reinterpret_cast<uint32_t*>(prow0 + j) = pack2<T>(q0 * e00 * Pacc[4 * nb], q0 * e01 * Pacc[4 * nb + 1]);
     if (a.P != nullptr && i1 < len)
       *reinterpret_cast<uint32_t*>(prow1 + j) = pack2<T>(q1 * e10 * Pacc[4 * nb + 2], q1 * e11 * Pacc[4 * nb + 3]);
+    if constexpr (kDvLocal) {  // P (rows past len are zero: their Q rows were) into the swizzled 64 x 64 block
+      unsigned char* ps = smem + S::p;
+      *reinterpret_cast<uint32_t*>(ps + i0 * 128 + (((nb ^ i0) & 7) << 4) + 4 * t) =
+          pack2<T>(q0 * e00 * Pacc[4 * nb], q0 * e01 * Pacc[4 * nb + 1]);
+      *reinterpret_cast<uint32_t*>(ps + i1 * 128 + (((nb ^ i1) & 7) << 4) + 4 * t) =
+          pack2<T>(q1 * e10 * Pacc[4 * nb + 2], q1 * e11 * Pacc[4 * nb + 3]);
+    }
     *reinterpret_cast<float2*>(As + i0 * S::kLdA + j) =
         make_float2(j < i0 ? b0 * e00 * Aacc[4 * nb] : 0.f, j + 1 < i0 ? b0 * e01 * Aacc[4 * nb + 1] : 0.f);
     *reinterpret_cast<float2*>(As + i1 * S::kLdA + j) =
@@ -256,6 +286,10 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   }
   mbar_wait(bars + 1, 0);  // the V tile
   zero_tail_rows(smem + S::v);
+  if constexpr (kDvLocal) {
+    mbar_wait(bar_do, 0);
+    zero_tail_rows(smem + S::dO);
+  }
   fence_proxy_async();
   __syncthreads();
   unit_lower_inverse_64_tf32(As, Ts, S::kLdA);
@@ -308,6 +342,30 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   reg_fence(acc);
   reg_fence(fu);
   stage_rows_128<T>(smem + S::t, acc);
+  if constexpr (kDvLocal) {
+    // dVn_local = scale P^T dO (stage B0 of the backward): A = P^T (the P block read M-major), B = dO (MN-major,
+    // its two 64-column blocks 8 KB apart), K = the chunk's 64 tokens.
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    reg_fence(acc);
+    wg_fence();
+    const uint32_t p_addr = smem_u32(smem + S::p), do_addr = smem_u32(smem + S::dO);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss<T, 128, 1, 1>(acc, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024), 1);
+    wg_commit();
+    wg_wait_all();
+    reg_fence(acc);
+#pragma unroll
+    for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * wi + g + 8 * h;
+        if (r < len)
+          *reinterpret_cast<float2*>(a.dvl + ((ce.row0 + r) * HV + hv) * 128 + 8 * nb + 2 * t) =
+              make_float2(a.scale * acc[4 * nb + 2 * h], a.scale * acc[4 * nb + 2 * h + 1]);
+      }
+  }
   __syncthreads();
   store_rows_128<T>(a.W, smem + S::q, ce.row0, HV, hv, len);
   store_rows_128<T>(a.U, smem + S::t, ce.row0, HV, hv, len);
@@ -320,11 +378,19 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
 // GPU), or nullptr when it can. The fused forward adds what its chain needs (fused_fwd.cu, forward_refusal).
 const char* wy_wgmma_refusal(const Params& p);
 
+// Whether wy_wgmma_kernel can also compute the backward's B0 for p: dO read through a tensor map.
+inline bool wy_wgmma_takes_dout(const Params& p) {
+  const TensorRef& r = p.dout;
+  return r.ptr != nullptr && rows_aligned16(r, 2) && (p.HV == 1 || r.stride_h > 0) && (p.T == 1 || r.stride_t > 0) &&
+         (p.B == 1 || r.stride_b > 0);
+}
+
 // Launches wy_wgmma_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
-// stage 1, nullptr for delta; P and Tinv as in WyWgmmaArgs; rq, rk as there: nullptr without p.qk_l2norm).
+// stage 1, nullptr for delta; P and Tinv as in WyWgmmaArgs; rq, rk as there: nullptr without p.qk_l2norm). With
+// dvl (the backward's recompute, wy_wgmma_takes_dout(p)), it also writes stage B0's scale P^T dO there.
 template <class T>
 void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T* W, T* U, T* P, float* Tinv,
-                     float* rq, float* rk, cudaStream_t stream) {
+                     float* rq, float* rk, cudaStream_t stream, float* dvl = nullptr) {
   if (table.num_chunks() == 0) return;
   WyWgmmaArgs<T> a;
   a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
@@ -341,10 +407,19 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
   a.rk = rk;
   a.HV = p.HV;
   a.group = p.HV / p.H;
-  opt_in_smem(wy_wgmma_kernel<T>, WyWgmmaSmem::bytes, "K", "the wgmma WY stage needs ", WyWgmmaSmem::bytes,
-              " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
-  wy_wgmma_kernel<T><<<grid, 128, WyWgmmaSmem::bytes, stream>>>(a);
+  if (dvl != nullptr) {
+    a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
+    a.dvl = dvl;
+    a.scale = static_cast<float>(p.scale);
+    opt_in_smem(wy_wgmma_kernel<T, true>, WyWgmmaSmem::bytes_dvl, "K", "the wgmma WY stage needs ",
+                WyWgmmaSmem::bytes_dvl, " bytes of shared memory");
+    wy_wgmma_kernel<T, true><<<grid, 128, WyWgmmaSmem::bytes_dvl, stream>>>(a);
+  } else {
+    opt_in_smem(wy_wgmma_kernel<T, false>, WyWgmmaSmem::bytes, "K", "the wgmma WY stage needs ", WyWgmmaSmem::bytes,
+                " bytes of shared memory");
+    wy_wgmma_kernel<T, false><<<grid, 128, WyWgmmaSmem::bytes, stream>>>(a);
+  }
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 

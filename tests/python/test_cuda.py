@@ -1008,9 +1008,9 @@ def _assert_close(got, other, want, tol_other, tol_want, what):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_wgmma_wy_stage_matches_the_mma_sync_one(variant, dtype, monkeypatch):
     """The Hopper WY stage (cuda/tiled/wy_wgmma.cuh, DELTACP_TILED_WY_WGMMA) in the tiled forward and in the
-    backward's recompute (where it also writes T for stage B3) against the mma.sync stage (=0) and the fp64
-    reference: o, ht, every gradient and dh0, packed sequences of 1, 63, 64, 65 and 207 tokens (short chunks),
-    grouped value heads, K = V = 128, a non-zero dht."""
+    backward's recompute (where it also writes T for stage B3 and does stage B0, scale P^T dO) against the
+    mma.sync stage and B0 (=0) and the fp64 reference: o, ht, every gradient and dh0, packed sequences of 1, 63,
+    64, 65 and 207 tokens (short chunks), grouped value heads, K = V = 128, a non-zero dht."""
     _require_cuda_build()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma WY stage runs on compute capability 9.0 only")
