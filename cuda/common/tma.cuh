@@ -94,6 +94,12 @@ inline bool rows_aligned16(const TensorRef& r, int64_t es) {
          (r.stride_t * es) % 16 == 0 && (r.stride_h * es) % 16 == 0;
 }
 
+// Whether token_rows_map can cover a [B, T, heads, D] tensor: its strides positive wherever a dim is stepped (a
+// tensor map takes no zero or negative stride; 16-byte alignment is rows_aligned16's).
+inline bool steps_forward(const TensorRef& r, int64_t B, int64_t T, int64_t heads) {
+  return (heads <= 1 || r.stride_h > 0) && (T <= 1 || r.stride_t > 0) && (B <= 1 || r.stride_b > 0);
+}
+
 // Boxes of 64 columns x 64 token rows over a caller's [B, T, heads, D] tensor (TensorRef strides) ...
 inline TileMap16 token_rows_map(const TensorRef& r, int64_t B, int64_t T, int64_t heads, int64_t D, const char* arg) {
   return tile_map_16bit(r.ptr, {D, heads, T, B}, {r.stride_h, r.stride_t, r.stride_b}, {64, 1, 64, 1}, arg);

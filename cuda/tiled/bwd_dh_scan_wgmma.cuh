@@ -391,11 +391,8 @@ inline const char* dh_scan_wgmma_refusal(const Args& a, bool is16, bool perkey) 
   if (a.K != kDhKeys || a.V != kDhKeys || a.Kp != kDhKeys) return "it takes K = V = 128";
   if (a.B * a.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
   for (const TensorRef* r : {&a.q, &a.k, &a.dout}) {
-    if (reinterpret_cast<uintptr_t>(r->ptr) % 16 != 0 || (r->stride_t * 2) % 16 != 0 || (r->stride_h * 2) % 16 != 0 ||
-        (r->stride_b * 2) % 16 != 0)
-      return "TMA reads q, k and dO in 16-byte pieces (a pointer or stride is not 16-byte aligned)";
-    if (((r == &a.dout ? a.HV : a.H) > 1 && r->stride_h <= 0) || (a.T > 1 && r->stride_t <= 0) ||
-        (a.B > 1 && r->stride_b <= 0))
+    if (!rows_aligned16(*r, 2)) return "TMA reads q, k and dO in 16-byte pieces (a pointer or stride is not 16-byte aligned)";
+    if (!steps_forward(*r, a.B, a.T, r == &a.dout ? a.HV : a.H))
       return "TMA reads q, k and dO through tensor maps, which need positive strides";
   }
   if (reinterpret_cast<uintptr_t>(a.dvnew) % 16 != 0 ||

@@ -541,8 +541,7 @@ inline const char* local_wgmma_refusal(const Params& p) {
   if (p.B * p.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
   for (const TensorRef* r : {&p.q, &p.k, &p.v, &p.dout}) {
     if (!rows_aligned16(*r, 2)) return "TMA reads q, k, v and dO in 16-byte pieces (a pointer or stride is not 16-byte aligned)";
-    const int64_t heads = (r == &p.q || r == &p.k) ? p.H : p.HV;
-    if ((heads > 1 && r->stride_h <= 0) || (p.T > 1 && r->stride_t <= 0) || (p.B > 1 && r->stride_b <= 0))
+    if (!steps_forward(*r, p.B, p.T, (r == &p.q || r == &p.k) ? p.H : p.HV))
       return "TMA reads q, k, v and dO through tensor maps, which need positive strides";
   }
   if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||

@@ -877,8 +877,7 @@ const char* wy_wgmma_refusal(const Params& p) {
   // TMA boxes: int32 coordinates, strides positive wherever a dim is stepped.
   if (p.B * p.T >= (int64_t{1} << 31)) return "it addresses token rows by TMA's 32-bit coordinates (B * T < 2^31)";
   for (const TensorRef* r : {&p.q, &p.k, &p.v})
-    if (((r == &p.v ? p.HV : p.H) > 1 && r->stride_h <= 0) || (p.T > 1 && r->stride_t <= 0) ||
-        (p.B > 1 && r->stride_b <= 0))
+    if (!steps_forward(*r, p.B, p.T, r == &p.v ? p.HV : p.H))
       return "it reads q, k and v through TMA tensor maps, which need positive strides";
   // k's alignment and the GPU: what the wgmma state scan (the fused forward's pass 1 of the pieces) needs too.
   return wgmma_scan_refusal(p, /*h_and_vnew_agree=*/true);

@@ -380,9 +380,7 @@ const char* wy_wgmma_refusal(const Params& p);
 
 // Whether wy_wgmma_kernel can also compute the backward's B0 for p: dO read through a tensor map.
 inline bool wy_wgmma_takes_dout(const Params& p) {
-  const TensorRef& r = p.dout;
-  return r.ptr != nullptr && rows_aligned16(r, 2) && (p.HV == 1 || r.stride_h > 0) && (p.T == 1 || r.stride_t > 0) &&
-         (p.B == 1 || r.stride_b > 0);
+  return p.dout.ptr != nullptr && rows_aligned16(p.dout, 2) && steps_forward(p.dout, p.B, p.T, p.HV);
 }
 
 // Launches wy_wgmma_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
