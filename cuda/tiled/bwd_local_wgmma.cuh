@@ -50,11 +50,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "../common/check.h"
 #include "../common/device_info.h"
+#include "../common/opt_in_switch.h"
 #include "../common/tma.cuh"
 #include "bwd_common.cuh"
 #include "wgmma_ops.cuh"
@@ -556,14 +555,8 @@ inline const char* local_wgmma_refusal(const Params& p) {
 // run); unset or 0: the three mma.sync kernels. Opt-in until its GPU test
 // (test_fused_local_backward_matches_the_three_stages) has passed on an H100 / H200.
 inline bool use_local_wgmma(const Params& p) {
-  const char* env = std::getenv("DELTACP_TILED_BWD_LOCAL_WGMMA");
-  if (env == nullptr || *env == '\0') return false;
-  DELTACP_CHECK(std::string(env) == "0" || std::string(env) == "1", "DELTACP_TILED_BWD_LOCAL_WGMMA",
-                "expected 0 or 1, got '", env, "'");
-  if (std::string(env) == "0") return false;
-  if (const char* why = local_wgmma_refusal(p))
-    throw_error("DELTACP_TILED_BWD_LOCAL_WGMMA", "the fused chunk-local backward cannot run: ", why);
-  return true;
+  return opt_in_switch("DELTACP_TILED_BWD_LOCAL_WGMMA", "the fused chunk-local backward",
+                       [&] { return local_wgmma_refusal(p); });
 }
 
 // Over the a.num_chunks chunks of a (a slice: a.chunks, a.h and a.dh start at its first chunk).

@@ -96,6 +96,7 @@
 #include "../common/check.h"
 #include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
+#include "../common/opt_in_switch.h"
 #include "../common/load_store.cuh"
 #include "chunk_table.cuh"
 #include "deltacp/cuda/tiers.h"
@@ -890,13 +891,7 @@ namespace {
 // is the fused forward's validated WY stage, but this use of it (T written for stage B3, the tiled tier's
 // buffers) has not yet passed its GPU test (test_wgmma_wy_stage_matches_the_mma_sync_one).
 bool use_wy_wgmma(const Params& p) {
-  const char* env = std::getenv("DELTACP_TILED_WY_WGMMA");
-  if (env == nullptr || *env == '\0') return false;
-  DELTACP_CHECK(std::string(env) == "0" || std::string(env) == "1", "DELTACP_TILED_WY_WGMMA", "expected 0 or 1, got '",
-                env, "'");
-  if (std::string(env) == "0") return false;
-  if (const char* why = wy_wgmma_refusal(p)) throw_error("DELTACP_TILED_WY_WGMMA", "the wgmma WY stage cannot run: ", why);
-  return true;
+  return opt_in_switch("DELTACP_TILED_WY_WGMMA", "the wgmma WY stage", [&] { return wy_wgmma_refusal(p); });
 }
 }  // namespace
 
