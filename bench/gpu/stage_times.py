@@ -1,7 +1,8 @@
 """Per-kernel CUDA time of one deltacp forward (torch.profiler), for tuning.
 
     python3 bench/gpu/stage_times.py --shape 2,16384,16,128 [--variant gdn|kda|dplr] [--backward] [--backend fused]
-Prints each kernel's total CUDA time per call (mean of --repeat profiled calls) and the sum. dplr takes the
+Prints each kernel's total CUDA time per call (mean of --repeat profiled calls), their sum and the elapsed time
+per call. dplr takes the
 inputs of bench_dplr.py (a = normalize(rand), b = -a, gates logsigmoid(randn) clamped to [-5, 0]) on the tiled
 tier.
 """
@@ -60,7 +61,19 @@ def main():
             t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
             per[e.key[:70]] += t / a.repeat / 1e3
     total = sum(per.values())
-    print(f"{a.variant} {a.backend} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}: {total:.3f} ms of kernels per call")
+    # Elapsed time per call (CUDA events around one call, median of 20): below the kernels' sum where kernels
+    # run side by side on two streams, above it by the gaps between launches.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls = []
+    for _ in range(20):
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(start.elapsed_time(end))
+    wall = sorted(walls)[len(walls) // 2]
+    print(f"{a.variant} {a.backend} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}: {total:.3f} ms of kernels "
+          f"per call, {wall:.3f} ms elapsed")
     for name, ms in sorted(per.items(), key=lambda x: -x[1])[:12]:
         print(f"  {ms:8.3f} ms  {name}")
 

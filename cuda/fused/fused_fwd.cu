@@ -57,13 +57,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "../common/check.h"
 #include "../common/device_info.h"
 #include "../common/load_store.cuh"
+#include "../common/side_stream.h"
 #include "../common/workspace_pool.h"
 #include "../tiled/chunk_table.cuh"
 #include "../tiled/fwd_mma.cuh"
@@ -328,26 +328,7 @@ bool windows_overlap(cudaStream_t stream) {
                   "expected 0 or 1, got '", env, "'");
     return std::string(env) == "1";
   }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  DELTACP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  return capture == cudaStreamCaptureStatusNone;
-}
-
-// The chain's own stream on the current device: the highest priority, so that its CTAs are placed before the
-// next window's WY CTAs queued on the caller's stream. Created once per device, kept for the process.
-cudaStream_t chain_stream() {
-  static std::mutex mutex;
-  static std::vector<cudaStream_t> streams;
-  int dev = 0;
-  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (static_cast<int>(streams.size()) <= dev) streams.resize(static_cast<size_t>(dev) + 1, nullptr);
-  if (streams[static_cast<size_t>(dev)] == nullptr) {
-    int lo = 0, hi = 0;
-    DELTACP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    DELTACP_CUDA_CHECK(cudaStreamCreateWithPriority(&streams[static_cast<size_t>(dev)], cudaStreamNonBlocking, hi));
-  }
-  return streams[static_cast<size_t>(dev)];
+  return !capturing(stream);
 }
 
 // Windows of a fixed-length batch with the next window's token-parallel stage beside this window's chain. The
@@ -362,7 +343,7 @@ cudaStream_t chain_stream() {
 // beside it (141 KB): three stages (205 KB) would leave the chain's SMs to the chain and its CTAs waiting for
 // SMs the WY grid has taken.
 void forward_windows_overlapped(const Params& p, int64_t Tw, float* carry0, float* carry1) {
-  cudaStream_t main = static_cast<cudaStream_t>(p.stream), hi = chain_stream();
+  cudaStream_t main = static_cast<cudaStream_t>(p.stream), hi = side_stream();  // the chain's CTAs are placed before the next window's WY CTAs
   const int64_t n = (p.T + Tw - 1) / Tw;
   const int64_t slot = window_buffers_bytes(time_range(p, 0, Tw));
   float* carry[2] = {carry0, carry1};

@@ -53,6 +53,7 @@
 
 #include "../common/check.h"
 #include "../common/device_info.h"
+#include "../common/kernel_switch.h"
 #include "../common/tma.cuh"
 #include "bwd_common.cuh"
 #include "wgmma_ops.cuh"
@@ -407,18 +408,11 @@ inline const char* dh_scan_wgmma_refusal(const Args& a, bool is16, bool perkey) 
 #endif
 }
 
-// DELTACP_TILED_DH_WGMMA: unset = where it applies; 0 = never (the mma.sync scan); 1 = required (an error
-// names why it cannot run).
+// DELTACP_TILED_DH_WGMMA (common/kernel_switch.h): unset = where it applies; 0 = never (the mma.sync scan);
+// 1 = required (an error names why it cannot run).
 inline bool use_dh_scan_wgmma(const Args& a, bool is16, bool perkey) {
-  const char* env = std::getenv("DELTACP_TILED_DH_WGMMA");
-  const bool required = env != nullptr && std::string(env) == "1";
-  if (env != nullptr && *env != '\0') {
-    DELTACP_CHECK(std::string(env) == "0" || required, "DELTACP_TILED_DH_WGMMA", "expected 0 or 1, got '", env, "'");
-    if (!required) return false;
-  }
-  const char* why = dh_scan_wgmma_refusal(a, is16, perkey);
-  if (why != nullptr && required) throw_error("DELTACP_TILED_DH_WGMMA", "the wgmma dh scan cannot run: ", why);
-  return why == nullptr;
+  return kernel_switch("DELTACP_TILED_DH_WGMMA", "the wgmma dh scan",
+                       [&] { return dh_scan_wgmma_refusal(a, is16, perkey); });
 }
 
 // Warpgroups per CTA: two share one copy of each chunk's K, Q and W tiles and halve the CTAs, which pays once

@@ -15,18 +15,19 @@
 //   dG  = (every G_i term: +, every G_j term: -, the Gn terms on the last row), dg = reverse cumsum of dG
 //   dh0 = dS of the first chunk
 //
-// Stages (launch order; all on p.stream):
+// Stages (launch order; on p.stream, except B1 beside the state scan below):
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
 //             W, U, and the chunk-start states h and v_new from h0 (W, U and T on Hopper's warpgroup
-//             products for 16-bit gdn / delta at K = V = 128 with DELTACP_TILED_WY_WGMMA=1: wy_wgmma.cuh,
-//             which then also does B0 from the P it forms anyway, so B0 is not launched)
+//             products for 16-bit gdn / delta at K = V = 128: wy_wgmma.cuh, which then also does B0 from
+//             the P it forms anyway, so B0 is not launched). Where B1's grid is narrow the one-shot backward
+//             runs the state scan beside B1, B1 on a second stream (beside_b1_switch)
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
 //   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
 //                                                  16-bit gdn / delta at K = V = 128: bwd_dh_scan_wgmma.cuh)
 //   B2 bwd_dqkg       per (chunk, head)            V contractions: dP, dq/dk/dG partials, dW
 //   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
 //   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
-//      (B2..B4 as one kernel with DELTACP_TILED_BWD_LOCAL_WGMMA=1, 16-bit gdn / delta at K = V = 128 on Hopper:
+//      (B2..B4 as one kernel for 16-bit gdn / delta at K = V = 128 on Hopper:
 //       bwd_local_wgmma.cuh; none of dW, dP, dA and the dq / dk / dG parts goes through global memory)
 //   B5 reduce_heads   per token element            dq, dk: sum the value heads of each group, cast (only when
 //                                                  HV > H: with one value head per key head B4 writes them)
@@ -59,7 +60,8 @@
 //   h          bf16    state scan -> B2         512   512
 //   v_new      bf16    state scan -> B2         256   256
 //   dVn        fp32    B0 -> B3                 512   512
-//   U | dh     bf16    WY -> state scan | B1 -> B2  512   512   U 256 + dh (fp32) 1024, apart
+//   U | dh     bf16    WY -> state scan | B1 -> B2  512   512   U 256 + dh (fp32) 1024, apart; apart again
+//                                                               (768) where the scan runs beside B1
 //   region 2, W, Kd, Q e^G until B1, then the buffers of one slice of the chunks for B2..B5
 //   W          bf16    WY -> B1                 256   256
 //   Kd         bf16    WY -> B1                   -   256
@@ -90,11 +92,14 @@
 // reference row onto the tensor cores (kda_scores.cuh; bwd_decay.cuh), as FLA's sub-chunks do; only the
 // diagonal blocks are summed element by element (fp32 inputs: B4 wholly element by element).
 //
-// Measured (NVIDIA H200, 2026-11-25, bf16 gdn, bench/gpu/stage_times.py --backward with the fused forward,
-// kernel time per call): (2,16384,16,128) 5.72 ms of kernels for forward + backward: bwd_dqkg 1.24, bwd_wy
-// 1.02, bwd_dh_scan (wgmma) 0.72, bwd_decay 0.67, the recompute's state scan 0.52 and chunk_wy 0.45,
-// bwd_dv_local 0.28, and the forward 0.76; (1,8192,96,128) 7.37 ms (bwd_dqkg 1.87, bwd_wy 1.58, bwd_decay
-// 1.05, chunk_wy 0.66, bwd_dh_scan 0.54). The steps that got there: the per-chunk stages accumulating in
+// Measured (NVIDIA H100, 2026-11-27, bf16 gdn, bench/gpu/stage_times.py --backward with the fused forward,
+// kernel time per call): (2,16384,16,128) 3.60 ms of kernels for forward + backward: bwd_local_wgmma (B2-B4)
+// 1.04, bwd_dh_scan (wgmma) 0.73, the recompute's state scan 0.54 and wy_wgmma with B0 0.46, and the forward
+// 0.80 (4.18 ms elapsed in order, 4.03 with the state scan beside B1); (1,8192,96,128) 4.61 ms (bwd_local_wgmma
+// 1.66, bwd_dh_scan 0.81, wy_wgmma with B0 0.70, state scan 0.50). The same harness on the same H100 before the
+// chunk-local kernel and B0 in the WY stage: 6.01 ms at (2,16384,16,128) (bwd_dqkg 1.30, bwd_wy 1.04,
+// bwd_decay 0.81, chunk_wy 0.46, bwd_dv_local 0.32). On an H200 (2026-11-25), before them: 5.72 and 7.37 ms.
+// The steps that got there: the per-chunk stages accumulating in
 // registers with cp.async tiles (17.9 -> 6.87 ms of kernels, 2026-11-22 .. 23), the Hopper dh scan (1.06 ->
 // 0.72 ms), and B3 / B4 reading B2's dq / dk parts before their stores instead of element by element between
 // them (B3 1.15 -> 1.02, B4 0.94 -> 0.67 ms), and B1 in pieces where few long sequences leave its grid narrow
@@ -110,6 +115,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -117,7 +123,9 @@
 
 #include "../common/check.h"
 #include "../common/device_info.h"
+#include "../common/kernel_switch.h"
 #include "../common/load_store.cuh"
+#include "../common/side_stream.h"
 #include "bwd_common.cuh"
 #include "bwd_decay.cuh"
 #include "bwd_dh_scan.cuh"
@@ -393,6 +401,7 @@ struct BwdState final : StagedBackward {
   SliceLayout slice;
   char* slice_base = nullptr;
   bool local = false;        // B2..B4 as one kernel (bwd_local_wgmma.cuh)
+  bool beside = false;       // the one-shot backward runs the state scan beside B1 (run_backward)
   bool states_done = false;  // the forward's state scan (h, v_new) has been launched
   bool finished = false;
 };
@@ -446,9 +455,42 @@ void launch_states(BwdState& s, cudaStream_t stream) {
   s.states_done = true;
 }
 
+// The one-shot backward's state scan beside B1 (B1 on the side stream of common/side_stream.h, at the higher
+// priority: it is the longer chain; the scan on the caller's stream; joined before B2). Both are chains over
+// a sequence's chunks whose grids leave SMs idle where few sequences x heads run, and they share no buffer
+// once U and dh have their own bytes (256 bytes per token and value head more). The gradients are bitwise
+// the same either way (the same kernels on the same data; only their order changes).
+// DELTACP_TILED_BWD_BESIDE (common/kernel_switch.h): unset = where B1's whole-sequence grid (V / 64 CTAs per
+// sequence and head, one per SM) takes at most half the SMs and B1 is not cut into pieces; 0 = never;
+// 1 = wherever there is a state scan. Measured (NVIDIA H100, bf16 gdn, fused forward + this backward,
+// elapsed per call, stage_times.py): (2,16384,16,128), 64 CTAs of B1: 4.48 -> 4.22 ms, the two kernels
+// each slower beside the other (B1 0.73 -> 1.18 ms, the scan 0.54 -> 0.71) but together shorter;
+// (1,8192,96,128), 192 CTAs: 5.10 -> 5.52 ms, so not there.
+enum class Beside { never, where_narrow, always };
+Beside beside_b1_switch(const Params& p) {
+  const bool on = kernel_switch("DELTACP_TILED_BWD_BESIDE", "the state scan beside B1", [&]() -> const char* {
+    if (p.dh0_only()) return "a dh0-only backward has no state scan";
+    if (capturing(static_cast<cudaStream_t>(p.stream)))
+      return "the stream is being captured into a CUDA graph (the backward then runs on the caller's stream)";
+    return nullptr;
+  });
+  if (!on) return Beside::never;
+  const char* env = std::getenv("DELTACP_TILED_BWD_BESIDE");
+  return env != nullptr && std::string(env) == "1" ? Beside::always : Beside::where_narrow;
+}
+
+ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs);  // below, with B1 in pieces
+
+bool b1_grid_narrow(const Params& p, const ChunkTable& table) {
+  const int64_t ctas = table.num_seqs() * p.HV * ((p.V + 63) / 64);
+  return 2 * ctas <= sm_count() && !dh_piece_plan(p, table.host_seqs()).cut();
+}
+
 // Checks, the chunk table, the workspace, the kernels' arguments and the forward recompute (the state
-// scan only when with_states: the staged backward may run it later, on another stream).
-std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
+// scan only when with_states and not beside B1: the staged backward may run it later, on another stream,
+// and run_backward beside B1). With the scan beside B1, U and dh get their own bytes (the scan reads U, B1
+// writes dh).
+std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Beside beside = Beside::never) {
   check_tiled_supported(p);
   DELTACP_CHECK(p.K <= kMaxKeyDim, "K", "expected K <= ", kMaxKeyDim, " for the tiled backward, got ", p.K);
   DELTACP_CHECK(p.state_dtype == DType::f32, "state_dtype", "expected float32 states on the GPU, got ",
@@ -470,15 +512,19 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   // B0's dVn_local, so the forward's state scan (h, v_new) and stages B2-B5 are skipped with their
   // workspaces, and B1 writes neither dh per chunk nor dVn.
   const bool dh0_only = p.dh0_only();
+  state->beside = with_states && !dh0_only &&
+                  (beside == Beside::always || (beside == Beside::where_narrow && b1_grid_narrow(p, table)));
+  const bool u_apart = state->beside;
   const int64_t bG = fs.G * 4, bW = fs.W * es, bU = fs.U * es, bKd = fs.Kd * es, bT = fs.Tinv * 4,
                 bvn = dh0_only ? 0 : fs.v_new * es, bh = dh0_only ? 0 : fs.h * es;
   const int64_t bQg = p.variant == Variant::kda ? R * p.HV * padded_dim(p.K) * es : 0;  // Q e^G (B0 -> B1)
   const int64_t bdh = dh0_only ? 0 : NC * p.HV * p.K * p.V * es, bdvn = R * p.HV * p.V * 4;
   // Region 1, live through the whole backward. U is read by the state scan only and dh is written from
-  // B1 on, which runs after it (one-shot and staged alike), so they share bytes.
+  // B1 on: where B1 runs after the scan (the staged backward, and the one-shot one with the scan on the same
+  // stream) they share bytes; beside it (u_apart) U takes its own.
   Carver c;
   const size_t oG = c.take(bG), oT = c.take(bT), oh = c.take(bh), ovn = c.take(bvn), odvn = c.take(bdvn),
-               oUdh = c.take(std::max(bU, bdh));
+               odh = c.take(u_apart ? bdh : std::max(bU, bdh)), oU = u_apart ? c.take(bU) : odh;
   // Region 2: W, Kd and Q e^G until B1 has read them, then the buffers of one slice of B2..B5.
   const size_t x0 = c.off;
   Carver before;
@@ -501,7 +547,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
 
   float* G = ws.at<float>(oG, bG);
   void* W = ws.at<void>(oW, bW);
-  void* U = ws.at<void>(oUdh, bU);
+  void* U = ws.at<void>(oU, bU);
   void* Kd = ws.at<void>(oKd, bKd);
   float* Tinv = ws.at<float>(oT, bT);
   void* vnew = ws.at<void>(ovn, bvn);
@@ -545,14 +591,14 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states) {
   a.Kd = Kd;
   a.Qg = ws.at<void>(oQg, bQg);
   a.chunk_size = p.chunk_size;
-  a.dh = ws.at<void>(oUdh, bdh);  // null in the dh0-only mode (bdh = 0)
+  a.dh = ws.at<void>(odh, bdh);  // null in the dh0-only mode (bdh = 0)
   a.dh0_only = dh0_only;
   a.dvnew = dvnew;
   a.dv_local_done = dv_local_done;
   // dW .. dbw: per slice (slice_args).
 
   if (dh0_only) state->states_done = true;  // nothing reads h
-  else if (with_states) launch_states(*state, stream);
+  else if (with_states && !state->beside) launch_states(*state, stream);
   return state;
 }
 
@@ -695,8 +741,27 @@ void with_config(const Params& p, F&& f) {
   });
 }
 
-// B0 and B1 as `which` says, then (all, after_b0) B2..B5 slice after slice, on the prepared stream.
-void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which) {
+// Two events for a fork onto another stream and the join back, destroyed at the end of the scope (a pending
+// event may be destroyed: its resources go once it completes).
+struct ForkJoin {
+  cudaEvent_t fork = nullptr, join = nullptr;
+  ForkJoin() {
+    DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+  }
+  ~ForkJoin() {
+    (void)cudaEventDestroy(fork);
+    (void)cudaEventDestroy(join);
+  }
+  ForkJoin(const ForkJoin&) = delete;
+  ForkJoin& operator=(const ForkJoin&) = delete;
+};
+
+// B0 and B1 as `which` says, then (all, after_b0) B2..B5 slice after slice, on the prepared stream. With
+// beside_b1 (the one-shot backward's state scan), B1 runs on the side stream (common/side_stream.h) after
+// everything before it, beside_b1() on the prepared stream meanwhile, and B2.. after both.
+void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which,
+                const std::function<void()>& beside_b1 = {}) {
   with_config(s.p, [&](auto tag, auto kp, auto perkey) {
     using Op = typename decltype(tag)::type;
     constexpr int KP = decltype(kp)::value;
@@ -704,11 +769,35 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
     const cudaStream_t stream = static_cast<cudaStream_t>(s.p.stream);
     const bool full = !a.dh0_only && (which == Stages::all || which == Stages::after_b0);
     const ScanPlan pieces = full ? dh_piece_plan(s.p, s.table.host_seqs()) : ScanPlan{};
-    if (pieces.cut()) {  // B0 as asked, then B1 in pieces
-      if (which == Stages::all) launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, Stages::through_b0);
-      if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan_in_pieces<Op, KP, PERKEY>(s, a, pieces, stream);
-    } else {
+    auto b1 = [&](cudaStream_t on) {
+      if (pieces.cut()) {
+        if (num_seqs * a.HV > 0 && a.V > 0) launch_dh_scan_in_pieces<Op, KP, PERKEY>(s, a, pieces, on);
+      } else {
+        launch_stages<Op, KP, PERKEY>(a, num_seqs, on, Stages::after_b0);
+      }
+    };
+    if (which == Stages::all || which == Stages::through_b0)
+      launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, Stages::through_b0);
+    if (which == Stages::through_b0) return;
+    if (which == Stages::dh_scan_only) {
       launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, which);
+    } else if (beside_b1) {
+      const cudaStream_t side = side_stream();
+      ForkJoin ev;
+      DELTACP_CUDA_CHECK(cudaEventRecord(ev.fork, stream));
+      DELTACP_CUDA_CHECK(cudaStreamWaitEvent(side, ev.fork, 0));
+      try {
+        b1(side);
+        beside_b1();
+      } catch (...) {  // the caller's stream still waits for whatever reached the side stream
+        (void)cudaEventRecord(ev.join, side);
+        (void)cudaStreamWaitEvent(stream, ev.join, 0);
+        throw;
+      }
+      DELTACP_CUDA_CHECK(cudaEventRecord(ev.join, side));
+      DELTACP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.join, 0));
+    } else {
+      b1(stream);
     }
     if (!full) return;
     for (size_t i = 0; i + 1 < s.slices.size(); ++i) {
@@ -720,9 +809,16 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
 }
 
 void run_backward(const Params& p) {
-  const auto s = start_backward(p, /*with_states=*/true);
-  run_stages(*s, s->a, s->table.num_seqs(), Stages::all);
-  // s's workspace and table free themselves stream-ordered, after the kernels above.
+  const auto s = start_backward(p, /*with_states=*/true, beside_b1_switch(p));
+  if (s->beside) {
+    BwdState& st = *s;
+    run_stages(st, st.a, st.table.num_seqs(), Stages::all,
+               [&] { launch_states(st, static_cast<cudaStream_t>(st.p.stream)); });
+  } else {
+    run_stages(*s, s->a, s->table.num_seqs(), Stages::all);
+  }
+  // s's workspace and table free themselves stream-ordered, after the kernels above (the side stream's
+  // work is joined to the caller's stream before B2).
 }
 
 // ---- the staged backward (api.h) ----------------------------------------------------------------

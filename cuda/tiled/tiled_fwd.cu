@@ -15,7 +15,7 @@
 //   1 chunk_cumsum_kernel      grid (chunks, ceil(HV*Dg/128))  G = cumsum g per chunk (Dg = 1 gdn, K kda)
 //   2 chunk_wy_kernel          grid (chunks, HV)               A -> T (blocked forward substitution in
 //                                                              fp32) -> W, U (and Kd for kda)
-//     (or, on Hopper for 16-bit gdn / delta at K = V = 128 with DELTACP_TILED_WY_WGMMA=1, wy_wgmma_kernel in
+//     (or, on Hopper for 16-bit gdn / delta at K = V = 128, wy_wgmma_kernel in
 //     wy_wgmma.cuh: TMA tiles and warpgroup products, the fused forward's token-parallel stage)
 //   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks
 //     (or, on Hopper with wide grids, chunk_state_scan_wgmma_kernel in scan_wgmma.cuh; with a few long
@@ -75,7 +75,7 @@
 // keep the mma.sync scan (0.391, 1.427 ms).
 // Stage 2 on Hopper (wy_wgmma.cuh): 0.259 ms at (2,16384,16,128) and 0.379 at (1,8192,96,128) against this
 // file's chunk_wy_kernel's 0.447 and 0.652 (H200, kernel time, 2026-11-25; as the fused forward's stage, with P
-// and without T); the tiled forward and the backward's recompute run it with DELTACP_TILED_WY_WGMMA=1.
+// and without T); the tiled forward and the backward's recompute run it where it applies (=0: not).
 // Where a few long sequences leave the scan's grid narrow, stage 3 runs in pieces (scan_split.cu:
 // pass 1 in prepare, a fold, pass 2; H200): (1,32768,16,128) 1.541 ms (FLA 1.286; 1.971 unsplit),
 // (1,65536,16,128) 2.782 ms (FLA 2.513; 3.765 unsplit).
@@ -96,7 +96,7 @@
 #include "../common/check.h"
 #include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
-#include "../common/opt_in_switch.h"
+#include "../common/kernel_switch.h"
 #include "../common/load_store.cuh"
 #include "chunk_table.cuh"
 #include "deltacp/cuda/tiers.h"
@@ -886,12 +886,11 @@ const char* wy_wgmma_refusal(const Params& p) {
 }
 
 namespace {
-// DELTACP_TILED_WY_WGMMA=1: the Hopper WY stage (wy_wgmma.cuh) in the tiled forward and the backward's recompute
-// (an error names why where it cannot run); unset or 0: the mma.sync one (chunk_wy_kernel). Opt-in: the kernel
-// is the fused forward's validated WY stage, but this use of it (T written for stage B3, the tiled tier's
-// buffers) has not yet passed its GPU test (test_wgmma_wy_stage_matches_the_mma_sync_one).
+// DELTACP_TILED_WY_WGMMA (common/kernel_switch.h): unset = the Hopper WY stage (wy_wgmma.cuh) in the tiled
+// forward and the backward's recompute where it applies; 0 = the mma.sync one (chunk_wy_kernel); 1 = required
+// (an error names why it cannot run).
 bool use_wy_wgmma(const Params& p) {
-  return opt_in_switch("DELTACP_TILED_WY_WGMMA", "the wgmma WY stage", [&] { return wy_wgmma_refusal(p); });
+  return kernel_switch("DELTACP_TILED_WY_WGMMA", "the wgmma WY stage", [&] { return wy_wgmma_refusal(p); });
 }
 }  // namespace
 

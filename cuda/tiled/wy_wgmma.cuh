@@ -35,7 +35,9 @@
 // The mma.sync WY stage (tiled_fwd.cu, chunk_wy_kernel: every dtype, K and variant) computes the same W, U
 // and T with the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation).
 // Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 0.259 ms at (2,16384,16,128) and 0.379 ms
-// at (1,8192,96,128), with P and without T (the fused forward), against chunk_wy_kernel's 0.447 and 0.652.
+// at (1,8192,96,128), with P and without T (the fused forward), against chunk_wy_kernel's 0.447 and 0.652. In
+// the backward's recompute with T and B0 (NVIDIA H100, 2026-11-27): 0.460 ms at (2,16384,16,128) against
+// chunk_wy_kernel 0.460 + bwd_dv_local 0.322. DELTACP_TILED_WY_WGMMA=0 keeps chunk_wy_kernel (and B0).
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
 // K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G, the row scales and two mbarriers:

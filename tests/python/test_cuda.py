@@ -1059,6 +1059,30 @@ def test_fused_local_backward_matches_the_three_stages(variant, dtype, heads, mo
 
 @pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("piece", ["0", "128"], ids=["whole_b1", "b1_in_pieces"])
+def test_state_scan_beside_b1_gives_the_same_bits(variant, dtype, piece, monkeypatch):
+    """The one-shot tiled backward runs the recompute's state scan beside B1 (B1 on a second stream; U and dh in
+    their own bytes; DELTACP_TILED_BWD_BESIDE, on by default): o, ht, every gradient and dh0 bit for bit those of
+    the two in order on one stream (=0), and within tolerance of the fp64 reference; B1 whole and in pieces of
+    128 tokens (DELTACP_TILED_DH_PIECE), packed sequences of 1, 63, 64, 65 and 207 tokens, grouped value heads."""
+    _require_cuda_build()
+    monkeypatch.setenv("DELTACP_TILED_DH_PIECE", piece)
+    s = _Switched(variant, dtype, [0, 1, 64, 128, 193, 400], seed=93, rng_seed=19)
+    env = "DELTACP_TILED_BWD_BESIDE"
+    beside, in_order = s.run(monkeypatch, env, "1"), s.run(monkeypatch, env, "0")
+    for name, x in beside.items():
+        assert torch.equal(x, in_order[name]), f"{name}: beside B1 differs from in order"
+    _assert_close(beside, in_order, s.reference(), 1e-12, TOL[dtype], "beside vs in order")
+    monkeypatch.delenv(env)
+    default = s.run(monkeypatch, "DELTACP_TILED_DH_PIECE", piece)
+    for name, x in beside.items():
+        assert torch.equal(x, default[name]), f"{name}: the default differs from beside B1"
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "both")
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_dh_scan_in_pieces_matches_the_whole_scan(variant, dtype, monkeypatch):
     """Stage B1 in pieces (intra-card CP of the reverse chain, tiled_bwd.cu launch_dh_scan_in_pieces): pieces
     of 128 tokens (DELTACP_TILED_DH_PIECE) against the whole-sequence scan (=0) and the fp64 reference, every

@@ -1,0 +1,44 @@
+// cuda/common/side_stream.h — a second stream for work that runs beside the caller's, and the capture test that
+// decides whether forking onto it is allowed.
+//
+//   side_stream()          the current device's stream of the highest priority (non-blocking; created once per
+//                          device, kept for the process). Its CTAs are placed before those queued at a lower
+//                          priority, so the serial chain given to it takes its SMs first and the token-parallel
+//                          work beside it fills the rest (the fused forward's windows, the tiled backward's dh
+//                          scan beside the recompute's state scan).
+//   capturing(stream)      whether stream is being captured into a CUDA graph: the callers keep their work on
+//                          the caller's stream then, so that a captured graph holds no fork they did not ask for.
+// Host-only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <vector>
+
+#include "check.h"
+
+namespace deltacp::cuda {
+
+inline cudaStream_t side_stream() {
+  static std::mutex mutex;
+  static std::vector<cudaStream_t> streams;
+  int dev = 0;
+  DELTACP_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<int>(streams.size()) <= dev) streams.resize(static_cast<size_t>(dev) + 1, nullptr);
+  if (streams[static_cast<size_t>(dev)] == nullptr) {
+    int lo = 0, hi = 0;
+    DELTACP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    DELTACP_CUDA_CHECK(cudaStreamCreateWithPriority(&streams[static_cast<size_t>(dev)], cudaStreamNonBlocking, hi));
+  }
+  return streams[static_cast<size_t>(dev)];
+}
+
+inline bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  DELTACP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace deltacp::cuda
