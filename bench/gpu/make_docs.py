@@ -121,11 +121,27 @@ def cp_config(r):
 
 # ---- README -----------------------------------------------------------------------------------------
 def readme_table(res):
+    # One row per topic, from the newest results file that measured it (a file per GPU: an older GPU's file may
+    # predate the kernels of today).
+    newest = {}
+    for perf in res["perf"]:
+        for variant in {x["variant"] for x in perf["rows"]}:
+            for impl in tiers(perf):
+                if ratios(perf, variant, "fwd", impl) or ratios(perf, variant, "fwd+bwd", impl):
+                    key = (impl, variant)
+                    if key not in newest or rows_date(perf, variant) > rows_date(newest[key], variant):
+                        newest[key] = perf
+        for variant in perf.get("accuracy", {}):
+            key = ("accuracy", variant)
+            if key not in newest or rows_date(perf, variant) > rows_date(newest[key], variant):
+                newest[key] = perf
     lines = ["| measure | result | where, when |", "|---|---|---|"]
     for perf in res["perf"]:
         for impl in tiers(perf):
             tier = impl.split("-", 1)[1]
             for variant in sorted({x["variant"] for x in perf["rows"]}):
+                if newest.get((impl, variant)) is not perf:
+                    continue
                 where = (f"{gpu_short(perf['gpu'])}, {rows_date(perf, variant)}, FLA {perf.get('fla', '?')} in the "
                          f"same run; {call_of(perf, variant)}")
                 parts = []
@@ -154,6 +170,8 @@ def readme_table(res):
                      f" | {cp_config(r)}; {r.get('date', '?')} |")
     for perf in res["perf"]:
         for variant, by_impl in sorted(perf.get("accuracy", {}).items()):
+            if newest.get(("accuracy", variant)) is not perf:
+                continue
             cells = []
             for impl in tiers(perf) + ["fla"]:
                 errs = by_impl.get(impl)
@@ -292,12 +310,15 @@ def perf_md(res, plots):
             lines += [f"### Forward + backward kernel by kernel, {sb['variant'].upper()} ({sb['backend']})", "",
                       f"Measured {sb['date']}; {sb['source']}. B0..B4 are the tiled backward's stages "
                       "(`cuda/tiled/tiled_bwd.cu`); the recompute rebuilds the chunk-start states and W, U.", "",
-                      "| (B, T, H, D) | kernels ms | " + " | ".join(names) + " |",
-                      "|---|---|" + "---|" * len(names)]
+                      "| (B, T, H, D) | elapsed ms | kernels ms | " + " | ".join(names) + " |",
+                      "|---|---|---|" + "---|" * len(names)]
             for shape, x in sb["shapes"].items():
-                lines.append(f"| {fmt_shape(tuple(int(v) for v in shape.split(',')))} | {x['total_ms']:.3f} | " +
-                             " | ".join(f"{x['kernels_ms'][n]:.3f}" for n in names) + " |")
+                elapsed = f"{x['elapsed_ms']:.3f}" if "elapsed_ms" in x else "-"
+                lines.append(f"| {fmt_shape(tuple(int(v) for v in shape.split(',')))} | {elapsed} | "
+                             f"{x['total_ms']:.3f} | " + " | ".join(f"{x['kernels_ms'][n]:.3f}" for n in names) + " |")
             lines.append("")
+            if sb.get("note"):
+                lines += [f"Note: {sb['note']}.", ""]
         png = plots / f"perf-{g.lower()}.png"
         if plot_perf(perf, impls, png):
             lines += [f"![time per shape on {perf['gpu']}](plots/{png.name})", ""]
