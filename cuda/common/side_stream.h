@@ -1,13 +1,14 @@
-// cuda/common/side_stream.h — a second stream for work that runs beside the caller's, and the capture test that
-// decides whether forking onto it is allowed.
+// cuda/common/side_stream.h — a second stream for work that runs beside the caller's.
 //
 //   side_stream()          the current device's stream of the highest priority (non-blocking; created once per
 //                          device, kept for the process). Its CTAs are placed before those queued at a lower
 //                          priority, so the serial chain given to it takes its SMs first and the token-parallel
 //                          work beside it fills the rest (the fused forward's windows, the tiled backward's dh
 //                          scan beside the recompute's state scan).
-//   capturing(stream)      whether stream is being captured into a CUDA graph: the callers keep their work on
-//                          the caller's stream then, so that a captured graph holds no fork they did not ask for.
+// One per device for the process: callers on several threads share it (correct, by events; their work on it
+// is ordered, so two callers' side work does not overlap). The callers keep their work on the caller's stream
+// while it is captured into a CUDA graph (tiled/chunk_table.cuh stream_capturing), so that a captured graph
+// holds no fork they did not ask for.
 // Host-only.
 #pragma once
 
@@ -33,12 +34,6 @@ inline cudaStream_t side_stream() {
     DELTACP_CUDA_CHECK(cudaStreamCreateWithPriority(&streams[static_cast<size_t>(dev)], cudaStreamNonBlocking, hi));
   }
   return streams[static_cast<size_t>(dev)];
-}
-
-inline bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  DELTACP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  return capture != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace deltacp::cuda

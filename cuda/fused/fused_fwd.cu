@@ -328,7 +328,7 @@ bool windows_overlap(cudaStream_t stream) {
                   "expected 0 or 1, got '", env, "'");
     return std::string(env) == "1";
   }
-  return !capturing(stream);
+  return !tiled::stream_capturing(stream);
 }
 
 // Windows of a fixed-length batch with the next window's token-parallel stage beside this window's chain. The

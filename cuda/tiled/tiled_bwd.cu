@@ -460,23 +460,27 @@ void launch_states(BwdState& s, cudaStream_t stream) {
 // a sequence's chunks whose grids leave SMs idle where few sequences x heads run, and they share no buffer
 // once U and dh have their own bytes (256 bytes per token and value head more). The gradients are bitwise
 // the same either way (the same kernels on the same data; only their order changes).
-// DELTACP_TILED_BWD_BESIDE (common/kernel_switch.h): unset = where B1's whole-sequence grid (V / 64 CTAs per
-// sequence and head, one per SM) takes at most half the SMs and B1 is not cut into pieces; 0 = never;
-// 1 = wherever there is a state scan. Measured (NVIDIA H100, bf16 gdn, fused forward + this backward,
-// elapsed per call, stage_times.py): (2,16384,16,128), 64 CTAs of B1: 4.48 -> 4.22 ms, the two kernels
-// each slower beside the other (B1 0.73 -> 1.18 ms, the scan 0.54 -> 0.71) but together shorter;
-// (1,8192,96,128), 192 CTAs: 5.10 -> 5.52 ms, so not there.
+// DELTACP_TILED_BWD_BESIDE (common/kernel_switch.h): unset = for 16-bit gdn / delta (where it was measured)
+// where B1's whole-sequence grid (V / 64 CTAs per sequence and head, one per SM) takes at most half the SMs
+// and B1 is not cut into pieces; 0 = never; 1 = wherever there is a state scan (a dh0-only backward has none
+// and runs as with 0; a stream being captured into a CUDA graph is an error: the captured graph would hold a
+// fork the caller did not ask for). Measured (NVIDIA H100, bf16 gdn, fused forward + this backward, elapsed
+// per call, stage_times.py, two runs): (2,16384,16,128), 64 CTAs of B1: 4.18 -> 4.03 ms and 4.48 -> 4.22 ms,
+// the two kernels each slower beside the other (B1 0.73 -> 1.18 ms, the scan 0.54 -> 0.71) but together
+// shorter; (1,8192,96,128), 192 CTAs: 5.10 -> 5.52 ms, so not there.
 enum class Beside { never, where_narrow, always };
 Beside beside_b1_switch(const Params& p) {
+  if (p.dh0_only()) return Beside::never;
   const bool on = kernel_switch("DELTACP_TILED_BWD_BESIDE", "the state scan beside B1", [&]() -> const char* {
-    if (p.dh0_only()) return "a dh0-only backward has no state scan";
-    if (capturing(static_cast<cudaStream_t>(p.stream)))
+    if (stream_capturing(static_cast<cudaStream_t>(p.stream)))
       return "the stream is being captured into a CUDA graph (the backward then runs on the caller's stream)";
     return nullptr;
   });
   if (!on) return Beside::never;
   const char* env = std::getenv("DELTACP_TILED_BWD_BESIDE");
-  return env != nullptr && std::string(env) == "1" ? Beside::always : Beside::where_narrow;
+  if (env != nullptr && std::string(env) == "1") return Beside::always;
+  const bool measured = (p.dtype == DType::bf16 || p.dtype == DType::f16) && p.variant != Variant::kda;
+  return measured ? Beside::where_narrow : Beside::never;
 }
 
 ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs);  // below, with B1 in pieces
@@ -610,7 +614,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
 // own outputs contribute (B1's dh0-only mode over the piece from a zero dS'). For a sequence of pieces
 // 0 .. P-1 and dS'_{P-1} = dht:
 //   maps   M_j of pieces P-1 .. 1 (the forward's pass 1, launch_pass1: [H_j | M_j] from [0 | I]; M_j reads
-//          W, K and G only, so U's bytes, which B1 then takes for dh, are still the forward's)
+//          W, K and G only, not U, whose bytes B1 takes for dh unless the state scan runs beside B1)
 //   dH     dH_j of the same pieces, side by side (B1 dh0-only from zero)
 //   fold   dS'_{j-1} = M_j^T dS'_j + dH_j for j = P-1 .. 1: the forward's fold (launch_fold_starts) over the
 //          pieces in reverse order with the maps [dH_j | M_j^T] (build_reverse_maps_kernel)
@@ -741,20 +745,46 @@ void with_config(const Params& p, F&& f) {
   });
 }
 
-// Two events for a fork onto another stream and the join back, destroyed at the end of the scope (a pending
-// event may be destroyed: its resources go once it completes).
-struct ForkJoin {
-  cudaEvent_t fork = nullptr, join = nullptr;
-  ForkJoin() {
-    DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
-    DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+// A fork of `side` from `main` (side waits for everything queued on main so far) and the join back (main waits
+// for everything queued on side): join() checks the two calls; the destructor joins when join() did not run or
+// failed (an exception between the two), so that whatever main frees afterwards, stream-ordered, outlives the
+// side stream's use of it. A pending event may be destroyed: its resources go once it completes.
+class ForkJoin {
+ public:
+  ForkJoin(cudaStream_t main, cudaStream_t side) : main_(main), side_(side) {
+    DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    const cudaError_t err = cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      (void)cudaEventDestroy(fork_);
+      DELTACP_CUDA_CHECK(err);
+    }
+    const cudaError_t rec = cudaEventRecord(fork_, main_);
+    const cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(side_, fork_, 0) : rec;
+    if (wait != cudaSuccess) {
+      destroy();
+      DELTACP_CUDA_CHECK(wait);
+    }
+  }
+  void join() {
+    DELTACP_CUDA_CHECK(cudaEventRecord(join_, side_));
+    DELTACP_CUDA_CHECK(cudaStreamWaitEvent(main_, join_, 0));
+    joined_ = true;
   }
   ~ForkJoin() {
-    (void)cudaEventDestroy(fork);
-    (void)cudaEventDestroy(join);
+    if (!joined_ && cudaEventRecord(join_, side_) == cudaSuccess) (void)cudaStreamWaitEvent(main_, join_, 0);
+    destroy();
   }
   ForkJoin(const ForkJoin&) = delete;
   ForkJoin& operator=(const ForkJoin&) = delete;
+
+ private:
+  void destroy() {
+    (void)cudaEventDestroy(fork_);
+    (void)cudaEventDestroy(join_);
+  }
+  cudaStream_t main_, side_;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  bool joined_ = false;
 };
 
 // B0 and B1 as `which` says, then (all, after_b0) B2..B5 slice after slice, on the prepared stream. With
@@ -783,19 +813,10 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
       launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, which);
     } else if (beside_b1) {
       const cudaStream_t side = side_stream();
-      ForkJoin ev;
-      DELTACP_CUDA_CHECK(cudaEventRecord(ev.fork, stream));
-      DELTACP_CUDA_CHECK(cudaStreamWaitEvent(side, ev.fork, 0));
-      try {
-        b1(side);
-        beside_b1();
-      } catch (...) {  // the caller's stream still waits for whatever reached the side stream
-        (void)cudaEventRecord(ev.join, side);
-        (void)cudaStreamWaitEvent(stream, ev.join, 0);
-        throw;
-      }
-      DELTACP_CUDA_CHECK(cudaEventRecord(ev.join, side));
-      DELTACP_CUDA_CHECK(cudaStreamWaitEvent(stream, ev.join, 0));
+      ForkJoin fork(stream, side);  // on an exception, its destructor still joins
+      b1(side);
+      beside_b1();
+      fork.join();
     } else {
       b1(stream);
     }
