@@ -22,8 +22,8 @@
 # | **fused** (`cuda/fused/`, Hopper) | token-parallel $G$, $W, U$ and the decayed scores $P$; then one chain kernel per (sequence, head) with $S$ in wgmma accumulators | $S$ from the first chunk to the last, and each chunk's $V_{new}$ and output accumulator | $W, U, P$ once; no $h_c$, no $v_{new}$, no second read of q and k |
 #
 # This notebook counts the bytes each tier moves per token and value head (the same count the kernel
-# files' comments give), draws them against the FLOPs on a roofline with the times measured on an H200
-# (docs/results/perf-h200.json), and, on a machine with a CUDA GPU, runs one shape through every tier
+# files' comments give), draws them against the FLOPs on a roofline with the times of the newest results
+# file (docs/results/perf-*.json), and, on a machine with a CUDA GPU, runs one shape through every tier
 # and asserts that all of them agree with the fp64 reference.
 
 # %%
@@ -91,6 +91,42 @@ print(f"the fused tier moves {sum(BYTES['fused'].values()) / minimum:.1f}x the m
       f"{sum(BYTES['tiled'].values()) / minimum:.1f}x")
 
 # %% [markdown]
+# ## The backward's bytes
+#
+# The backward (the tiled tier's, after either forward; on Hopper for 16-bit gdn and delta at
+# K = V = 128) saves nothing from the forward but its inputs: it recomputes $G$, the WY
+# representation and the chunk-start states, then runs the reverse chain of state gradients (B1) and the
+# chunk-local gradients (B2-B4 as one kernel). fp32 where the kernels keep fp32: $T$, the value
+# gradients $dV_{new}$ that B0 starts and B1 completes. One value head per key head (grouped value
+# heads add fp32 parts of dq and dk and the kernel that sums them).
+
+# %%
+def backward_bytes():
+    f32 = 4
+    state = es * K * V / C  # one chunk-start state (h) or state gradient (dh) per chunk, 16-bit
+    return {
+        "cumsum: g in, G out": 4 + 4,
+        "WY + B0: q, k, v, beta, G, dO in; W, U, T, dVn_local out": es * (K + K + V) + es + 4 + es * V
+        + es * (K + V) + f32 * C + f32 * V,
+        "state scan: W, U, k, G in; h, v_new out": es * (K + V + K) + 4 + state + es * V,
+        "B1 dh scan: q, k, W, dO, dVn_local, G in; dh, dVn out": es * (K + K + K + V) + f32 * V + 4 + state
+        + f32 * V,
+        "B2-B4: dO, h, v_new, dh, v, q, k, dVn, T, G, beta in; dq, dk, dv, dg, dbeta out": es * V + state + es * V
+        + state + es * (V + K + K) + f32 * V + f32 * C + 4 + es + es * (K + K + V) + 4 + es,
+    }
+
+
+BWD = backward_bytes()
+print(f"backward {sum(BWD.values()):7.0f} B per token-head")
+for what, b in BWD.items():
+    print(f"         {b:7.0f}  {what}")
+fwd_bwd = sum(BYTES["fused"].values()) + sum(BWD.values())
+least = sum(BYTES["naive"].values()) + es * (K + K + V) + 4 + es + es * V  # + read do, write dq dk dv dg dbeta
+print(f"forward (fused) + backward: {fwd_bwd:.0f} B per token-head, {fwd_bwd / least:.1f}x the least a "
+      f"training step must move ({least:.0f}: the inputs and do in, o and the gradients out)")
+assert BWD["B2-B4: dO, h, v_new, dh, v, q, k, dVn, T, G, beta in; dq, dk, dv, dg, dbeta out"] == max(BWD.values())
+
+# %% [markdown]
 # ## FLOPs per token and value head
 #
 # The chunked algorithm's tensor-core work per chunk: $QK^\top$, $KK^\top$ ($2C^2K$ each), the inverse
@@ -107,7 +143,7 @@ for tier, parts in BYTES.items():
     print(f"{tier:6} arithmetic intensity {f / sum(parts.values()):6.1f} FLOP/B")
 
 # %% [markdown]
-# ## Measured: the tiers beside FLA on an H200
+# ## Measured: the tiers beside FLA
 #
 # From the harness's results file (`bench/gpu/bench_gpu.py`, written by `bench/gpu/run_device.sh`):
 # each tier's forward time at FLA's benchmark shapes, its attained rate, and the roofline
@@ -117,10 +153,12 @@ for tier, parts in BYTES.items():
 # %%
 root = repo_root()
 results = None
-if root is not None and (root / "docs" / "results" / "perf-h200.json").exists():
-    results = json.loads((root / "docs" / "results" / "perf-h200.json").read_text())
+if root is not None:  # the newest results file (one per GPU)
+    found = [json.loads(f.read_text()) for f in sorted((root / "docs" / "results").glob("perf-*.json"))]
+    if found:
+        results = max(found, key=lambda r: r.get("date", ""))
 if results is None:
-    print("no results file here (docs/results/perf-h200.json): the measured part is skipped")
+    print("no results file here (docs/results/perf-*.json): the measured part is skipped")
 else:
     bw, peak = results["copy_TBps"] * 1e12, results["bf16_matmul_TFLOPs"] * 1e12
     print(f"{results['gpu']}, {results['date']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")

@@ -218,6 +218,10 @@ def perf_md(res, plots):
                       "its kernels, `notebooks/06_kernel_tiers.py`): " +
                       ", ".join(f"{k.replace('deltacp-', '')} {v}" for k, v in bpt.items() if k.startswith("deltacp")) +
                       (f". {bpt['note']}" if "note" in bpt else "") + ".", ""]
+            if "backward" in bpt:
+                lines += [f"The backward (the tiled tier's, on Hopper for 16-bit gdn at K = V = 128) moves "
+                          f"{bpt['backward']} bytes per token and value head, counted the same way: "
+                          f"{bpt.get('backward_note', '')}.", ""]
         for variant in sorted({x["variant"] for x in perf["rows"]}):
             for d in ("fwd", "fwd+bwd"):
                 rows = [x for x in perf["rows"] if x["variant"] == variant and x["direction"] == d]

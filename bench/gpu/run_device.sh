@@ -10,7 +10,8 @@
 #            DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log; with DELTACP_STAGE_FUSED="0 4096 ..."
 #            the fused gdn forward's kernels instead, once per piece length (DELTACP_FUSED_PIECE; 0 = whole);
 #            with DELTACP_STAGE_ENVS="A=0 A=1,B=1 ..." the gdn forward (fused) + backward once per setting (the
-#            comma-joined variables set for that run), e.g. a kernel switch off and on
+#            comma-joined variables set for that run), e.g. a kernel switch off and on (DELTACP_STAGE_FWD=1: the
+#            forward alone, e.g. DELTACP_STAGE_ENVS="DELTACP_FUSED_WINDOW=512 DELTACP_FUSED_WINDOW=0")
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
 #   dplr     bench/gpu/bench_dplr.py: the tiled DPLR forward and forward + backward beside FLA's chunk_dplr
 #            (DELTACP_DPLR_ARGS, e.g. "--impls deltacp_tiled,fla_chunk16 --shapes 4,4096,32,64") -> bench_dplr.json,
@@ -19,7 +20,8 @@
 #            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
 #            of the GPU and cProfile of the host in $OUT/trace, tarred into cp_detail.tar.gz)
-# DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_CP_BENCH_ARGS are added to
+# DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_BENCH_ARGS are added to bench_gpu.py's
+# arguments and DELTACP_BENCH_TIMEOUT bounds it (seconds, default 420); DELTACP_CP_BENCH_ARGS are added to
 # bench_cp.py's arguments (e.g. "--pieces 8192 --scan 0:0,64:2").
 # FLA's Triton source, when carried in fla_src/ (ignored by git), is put on PYTHONPATH for the
 # side-by-side benchmark. Files written to $OUT (at most 8 come back): summary.txt, build.log,
@@ -129,7 +131,8 @@ if has stages; then  # where the tiled forward + backward spends its time, kerne
   t0=$(date +%s)
   if [ -n "${DELTACP_STAGE_ENVS:-}" ]; then  # forward + backward once per setting of the variables listed
     for setting in ${DELTACP_STAGE_ENVS}; do
-      env ${setting//,/ } timeout 120 python3 bench/gpu/stage_times.py --variant gdn --backward --backend fused \
+      env ${setting//,/ } timeout 120 python3 bench/gpu/stage_times.py --variant gdn \
+        $([ "${DELTACP_STAGE_FWD:-0}" = 1 ] || echo --backward) --backend fused \
         --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" 2>&1 | sed "s/^/[$setting] /" >>"$OUT/stages.log"
     done
   elif [ -n "${DELTACP_STAGE_FUSED:-}" ]; then  # the fused forward, whole sequences and each piece length listed
@@ -149,10 +152,16 @@ fi
 
 if has bench; then
   restore_fla_autotune
+  touch /tmp/bench_start
   t0=$(date +%s)
-  PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout 420 python3 bench/gpu/bench_gpu.py --out "$OUT/bench_gpu.json" \
-    ${DELTACP_BENCH_ARGS:-} >"$OUT/bench_gpu.log" 2>&1
+  PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout ${DELTACP_BENCH_TIMEOUT:-420} python3 bench/gpu/bench_gpu.py \
+    --out "$OUT/bench_gpu.json" ${DELTACP_BENCH_ARGS:-} >"$OUT/bench_gpu.log" 2>&1
   say "bench: rc=$? in $(( $(date +%s) - t0 )) s"
+  # The configs FLA tuned in this run (a GPU, FLA option or shape the archives here do not cover), to keep
+  # beside the harness so that the next run restores them (bench/gpu/fla_autotune/README.md).
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -newer /tmp/bench_start |
+    tar -czf "$OUT/fla_autotune_bench_new.tar.gz" -T -) 2>/dev/null
+  say "   FLA autotune files written in this run: $(tar -tzf "$OUT/fla_autotune_bench_new.tar.gz" 2>/dev/null | grep -c autotune)"
   tail -20 "$OUT/bench_gpu.log"
 fi
 
