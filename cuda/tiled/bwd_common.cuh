@@ -74,7 +74,10 @@ struct Args {
   // from dW on hold the slice's rows only, their pointers offset so that the global row indexes them.
   void* dh = nullptr;      // input dtype [num_chunks, HV, K, V]: dL/d(end state of chunk c); B2 reads it
                            // only as the 16-bit operand (and for dGs), so B1 stores it rounded
-  float* dvnew = nullptr;  // [R, HV, V]: dL/dVn
+  float* dvnew = nullptr;  // [R, HV, V]: dL/dVn (B0's part, then B1's sum over it)
+  // B1 (the Hopper dh scan) writes dVn in the input dtype over the bytes of its fp32 input, and the chunk-local
+  // kernel reads it so (tiled_bwd.cu, dvn_16bit): dvn16_at(r, c) below. Only with both of those kernels.
+  bool dvn16 = false;
   void* dW = nullptr;      // input dtype [R, HV, K]: B3 reads it only as a tensor-core operand
   float* dP = nullptr;     // [num_chunks, HV, 64, 64]: scale * dO Vn^T, masked to i >= j
   float* dA = nullptr;     // [num_chunks, HV, 64, 64]: dL/dA, masked to i > j
@@ -85,6 +88,14 @@ struct Args {
                            // a scalar gate needs only the row sums, a K-times smaller stream than dGw
   float* dbw = nullptr;    // [R, HV]: dbeta from the WY stage (the decay stage adds the rest)
 };
+
+// With Args::dvn16: the byte offset of dVn's 16-bit element (token row `row`, value head hv, column c) inside
+// the fp32 [R, HV, V] buffer dvnew: row (row, hv)'s 16-bit values sit in its own 4 V bytes, the 64 columns of
+// block c / 64 at 256 (c / 64) + 2 (c % 64), i.e. inside the bytes of the fp32 columns the same block's writer
+// read (B1's warpgroup of those 64 columns), so B1 may overwrite its input row by row in place.
+__host__ __device__ inline int64_t dvn16_at(int64_t row, int64_t hv, int64_t HV, int64_t V, int64_t c) {
+  return (row * HV + hv) * V * 4 + (c / 64) * 256 + (c % 64) * 2;
+}
 
 // ---- indexing ---------------------------------------------------------------------------------
 // Element offset of (b, t, head, 0) in a [B, T, heads, D] view.

@@ -339,14 +339,20 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
         stmatrix_x4_trans(dhs + d * 128 + ((p ^ (d & 7)) << 4), sa[kk]);
       }
       warpgroup_bar(wg);  // the staged tiles are complete
-      {  // dVn: thread -> piece (wtid % 16) of token rows wtid / 16 + 8 j
+      {  // dVn: thread -> piece (wtid % 16) of token rows wtid / 16 + 8 j (Args::dvn16: rounded to 16 bits, over
+         // the row's own fp32 bytes, which this warpgroup read for this chunk before (1))
         const int pc = wtid & 15;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const int i = (wtid >> 4) + 8 * j;
-          if (i < len)
-            *reinterpret_cast<float4*>(a.dvnew + ((row0 + i) * HV + hv) * a.V + vw + 4 * pc) =
-                *reinterpret_cast<const float4*>(dvl + i * kDhPF + 4 * pc);
+          if (i >= len) continue;
+          const float4 x = *reinterpret_cast<const float4*>(dvl + i * kDhPF + 4 * pc);
+          if (a.dvn16) {
+            *reinterpret_cast<uint2*>(reinterpret_cast<char*>(a.dvnew) + dvn16_at(row0 + i, hv, HV, a.V, vw + 4 * pc)) =
+                make_uint2(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w));
+          } else {
+            *reinterpret_cast<float4*>(a.dvnew + ((row0 + i) * HV + hv) * a.V + vw + 4 * pc) = x;
+          }
         }
       }
       // dh: thread -> piece (wtid % 8) of key rows wtid / 8 + 16 j

@@ -35,7 +35,7 @@
 //   loads     by TMA on three mbarriers, in the order of first use: dO and S (h[c], 128 x 128), then Vn and dS'
 //             (dh[c]), then v, q, k (64 tokens x 128, 64 x 64 boxes, 128-byte swizzle; rows past a short chunk
 //             zeroed in shared memory); dU (fp32) and T (fp32) by 16-byte loads, rounded to the input dtype into
-//             the same swizzled layout
+//             the same swizzled layout (dU as B1 rounded it, with Args::dvn16: the same bits, half the bytes)
 //   V side    dO S^T, dU S^T, Vn dS'^T (K = 128), dO Vn^T, dU V^T (n32), T^T dU (K = 64): 160 accumulator
 //             registers a thread; meanwhile <dS', S> from shared memory
 //   epilogue  dW, dP o E to shared memory (over S); dv = beta Y staged (over dU) and stored as 16-byte pieces
@@ -231,7 +231,10 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
     for (int it = 0; it < 4; ++it) {
       const int r = ru + 16 * it;
       du[it][0] = du[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < len) {
+      if (r < len && a.dvn16) {  // B1 wrote dVn in 16 bits (Args::dvn16): the piece's 8 values as raw bits
+        du[it][0] = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const char*>(a.dvnew) +
+                                                         dvn16_at(ch.row0 + r, hv, HV, kLocalKeys, 8 * pu)));
+      } else if (r < len) {
         const float4* src = reinterpret_cast<const float4*>(a.dvnew + ((ch.row0 + r) * HV + hv) * kLocalKeys + 8 * pu);
         du[it][0] = __ldg(src);
         du[it][1] = __ldg(src + 1);
@@ -261,8 +264,10 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
       const int r = ru + 16 * it;
+      const float4 x = du[it][0];
       *reinterpret_cast<uint4*>(smem + L::dU + (pu >> 3) * kBox + r * 128 + (((pu & 7) ^ (r & 7)) << 4)) =
-          pack8(du[it][0], du[it][1]);
+          a.dvn16 ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
+                  : pack8(x, du[it][1]);
     }
 #pragma unroll
     for (int it = 0; it < 2; ++it) {

@@ -59,7 +59,8 @@
 //   Tinv       fp32    WY -> B3                 256   256
 //   h          bf16    state scan -> B2         512   512
 //   v_new      bf16    state scan -> B2         256   256
-//   dVn        fp32    B0 -> B3                 512   512
+//   dVn        fp32    B0 -> B3                 512   512   (16-bit over the same bytes from B1 on with
+//                                                               DELTACP_TILED_BWD_DVN16=1: dvn_16bit)
 //   U | dh     bf16    WY -> state scan | B1 -> B2  512   512   U 256 + dh (fp32) 1024, apart; apart again
 //                                                               (768) where the scan runs beside B1
 //   region 2, W, Kd, Q e^G until B1, then the buffers of one slice of the chunks for B2..B5
@@ -242,6 +243,7 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
         return;
       }
     }
+    DELTACP_CHECK(!a.dvn16, "DELTACP_TILED_BWD_DVN16", "expected the Hopper dh scan for dVn in 16 bits (chosen with it)");
     launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
   }
 }
@@ -485,6 +487,21 @@ Beside beside_b1_switch(const Params& p) {
 
 ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs);  // below, with B1 in pieces
 
+// DELTACP_TILED_BWD_DVN16 (common/kernel_switch.h; opt-in until its GPU test has run): B1 writes dVn in the
+// input dtype over the bytes of its fp32 input (Args::dvn16, bwd_common.cuh dvn16_at) and the chunk-local
+// kernel reads it so: B1's store and the local kernel's load of dVn halve (512 of the backward's 10,274 bytes
+// per token-head) and the gradients are the same bits (the local kernel rounds dVn to the input dtype for its
+// products anyway, as B1 now does before the store). Needs B1 on the Hopper dh scan and the chunk-local kernel.
+bool dvn_16bit(const Params& p, const Args& a, bool local) {
+  if (p.dh0_only()) return false;  // B1 writes no dVn
+  return kernel_switch("DELTACP_TILED_BWD_DVN16", "dVn in 16 bits", [&]() -> const char* {
+    if (!local) return "it needs the chunk-local kernel (bwd_local_wgmma.cuh), which does not run these inputs";
+    if (!use_dh_scan_wgmma(a, p.dtype == DType::bf16 || p.dtype == DType::f16, p.variant == Variant::kda))
+      return "it needs the Hopper dh scan (bwd_dh_scan_wgmma.cuh), which does not run these inputs";
+    return nullptr;
+  }, /*unset_on=*/false);
+}
+
 bool b1_grid_narrow(const Params& p, const ChunkTable& table) {
   const int64_t ctas = table.num_seqs() * p.HV * ((p.V + 63) / 64);
   return 2 * ctas <= sm_count() && !dh_piece_plan(p, table.host_seqs()).cut();
@@ -599,6 +616,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   a.dh0_only = dh0_only;
   a.dvnew = dvnew;
   a.dv_local_done = dv_local_done;
+  a.dvn16 = dvn_16bit(p, a, state->local);
   // dW .. dbw: per slice (slice_args).
 
   if (dh0_only) state->states_done = true;  // nothing reads h
