@@ -76,8 +76,11 @@ struct Args {
                            // only as the 16-bit operand (and for dGs), so B1 stores it rounded
   float* dvnew = nullptr;  // [R, HV, V]: dL/dVn (B0's part, then B1's sum over it)
   // B1 (the Hopper dh scan) writes dVn in the input dtype over the bytes of its fp32 input, and the chunk-local
-  // kernel reads it so (tiled_bwd.cu, dvn_16bit): dvn16_at(r, c) below. Only with both of those kernels.
+  // kernel reads it so (tiled_bwd.cu, local_inputs_16bit): dvn16_at(r, c) below. Only with both of those kernels.
   bool dvn16 = false;
+  // The WY stage (wy_wgmma.cuh) wrote T in the input dtype, in the first 128 bytes of each 256-byte row of Tinv,
+  // which the chunk-local kernel reads (local_inputs_16bit).
+  bool t16 = false;
   void* dW = nullptr;      // input dtype [R, HV, K]: B3 reads it only as a tensor-core operand
   float* dP = nullptr;     // [num_chunks, HV, 64, 64]: scale * dO Vn^T, masked to i >= j
   float* dA = nullptr;     // [num_chunks, HV, 64, 64]: dL/dA, masked to i > j

@@ -35,7 +35,8 @@
 //   loads     by TMA on three mbarriers, in the order of first use: dO and S (h[c], 128 x 128), then Vn and dS'
 //             (dh[c]), then v, q, k (64 tokens x 128, 64 x 64 boxes, 128-byte swizzle; rows past a short chunk
 //             zeroed in shared memory); dU (fp32) and T (fp32) by 16-byte loads, rounded to the input dtype into
-//             the same swizzled layout (dU as B1 rounded it, with Args::dvn16: the same bits, half the bytes)
+//             the same swizzled layout (or, with Args::dvn16 / t16, as B1 / the WY stage rounded them: the same
+//             bits, half the bytes)
 //   V side    dO S^T, dU S^T, Vn dS'^T (K = 128), dO Vn^T, dU V^T (n32), T^T dU (K = 64): 160 accumulator
 //             registers a thread; meanwhile <dS', S> from shared memory
 //   epilogue  dW, dP o E to shared memory (over S); dv = beta Y staged (over dU) and stored as 16-byte pieces
@@ -244,7 +245,10 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
     for (int it = 0; it < 2; ++it) {
       const int r = rt + 32 * it;
       tv[it][0] = tv[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < len) {
+      if (r < len && a.t16) {  // the WY stage wrote T in 16 bits (Args::t16): the piece's 8 values as raw bits
+        tv[it][0] = __ldg(reinterpret_cast<const float4*>(
+            reinterpret_cast<const char*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64) + 16 * pt));
+      } else if (r < len) {
         const float4* src = reinterpret_cast<const float4*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64 + 8 * pt);
         tv[it][0] = __ldg(src);
         tv[it][1] = __ldg(src + 1);
@@ -272,7 +276,10 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
 #pragma unroll
     for (int it = 0; it < 2; ++it) {
       const int r = rt + 32 * it;
-      *reinterpret_cast<uint4*>(smem + L::T + r * 128 + ((pt ^ (r & 7)) << 4)) = pack8(tv[it][0], tv[it][1]);
+      const float4 x = tv[it][0];
+      *reinterpret_cast<uint4*>(smem + L::T + r * 128 + ((pt ^ (r & 7)) << 4)) =
+          a.t16 ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
+                : pack8(x, tv[it][1]);
     }
     fence_proxy_async();
   }

@@ -74,10 +74,16 @@ void check_tiled_supported(const Params& p);
 void launch_chunk_cumsum(const Params& p, const ChunkTable& table, float* G, cudaStream_t stream);
 
 // The WY stage: W, U (Kd for kda) and, where Tinv is given, T. dv_local (the backward's recompute): where the
-// Hopper WY stage runs (DELTACP_TILED_WY_WGMMA=1) and can read p.dout, it also writes stage B0's scale P^T dO
-// there ([R, HV, 128] fp32) and the call returns true; false: B0 is still to run.
-bool launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
-                     float* Tinv, cudaStream_t stream, float* dv_local = nullptr);
+// Hopper WY stage runs (wy_wgmma.cuh) and can read p.dout, it also writes stage B0's scale P^T dO there
+// ([R, HV, 128] fp32): dv_local in the result; otherwise B0 is still to run. t16: where the Hopper WY stage
+// runs, T goes out rounded to the input dtype in the first half of each fp32 row (the chunk-local backward
+// kernel's operand): t16 in the result; otherwise T is fp32.
+struct WyDone {
+  bool dv_local = false;
+  bool t16 = false;
+};
+WyDone launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
+                       float* Tinv, cudaStream_t stream, float* dv_local = nullptr, bool t16 = false);
 
 // Where a state scan reads its per-row intermediates when they were made for another problem: the
 // staged forward's pieces (api.h StagedForward) scan rows [row0, row0 + p.T) of the prepared problem's

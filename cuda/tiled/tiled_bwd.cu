@@ -60,7 +60,8 @@
 //   h          bf16    state scan -> B2         512   512
 //   v_new      bf16    state scan -> B2         256   256
 //   dVn        fp32    B0 -> B3                 512   512   (16-bit over the same bytes from B1 on with
-//                                                               DELTACP_TILED_BWD_DVN16=1: dvn_16bit)
+//                                                               DELTACP_TILED_BWD_LOCAL16=1, and T from the
+//                                                               WY stage on: local_inputs_16bit)
 //   U | dh     bf16    WY -> state scan | B1 -> B2  512   512   U 256 + dh (fp32) 1024, apart; apart again
 //                                                               (768) where the scan runs beside B1
 //   region 2, W, Kd, Q e^G until B1, then the buffers of one slice of the chunks for B2..B5
@@ -243,7 +244,7 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
         return;
       }
     }
-    DELTACP_CHECK(!a.dvn16, "DELTACP_TILED_BWD_DVN16", "expected the Hopper dh scan for dVn in 16 bits (chosen with it)");
+    DELTACP_CHECK(!a.dvn16, "DELTACP_TILED_BWD_LOCAL16", "expected the Hopper dh scan for dVn in 16 bits (chosen with it)");
     launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
   }
 }
@@ -487,19 +488,21 @@ Beside beside_b1_switch(const Params& p) {
 
 ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs);  // below, with B1 in pieces
 
-// DELTACP_TILED_BWD_DVN16 (common/kernel_switch.h; opt-in until its GPU test has run): B1 writes dVn in the
-// input dtype over the bytes of its fp32 input (Args::dvn16, bwd_common.cuh dvn16_at) and the chunk-local
-// kernel reads it so: B1's store and the local kernel's load of dVn halve (512 of the backward's 10,274 bytes
-// per token-head) and the gradients are the same bits (the local kernel rounds dVn to the input dtype for its
-// products anyway, as B1 now does before the store). Needs B1 on the Hopper dh scan and the chunk-local kernel.
-bool dvn_16bit(const Params& p, const Args& a, bool local) {
-  if (p.dh0_only()) return false;  // B1 writes no dVn
-  return kernel_switch("DELTACP_TILED_BWD_DVN16", "dVn in 16 bits", [&]() -> const char* {
-    if (!local) return "it needs the chunk-local kernel (bwd_local_wgmma.cuh), which does not run these inputs";
-    if (!use_dh_scan_wgmma(a, p.dtype == DType::bf16 || p.dtype == DType::f16, p.variant == Variant::kda))
-      return "it needs the Hopper dh scan (bwd_dh_scan_wgmma.cuh), which does not run these inputs";
-    return nullptr;
-  }, /*unset_on=*/false);
+// DELTACP_TILED_BWD_LOCAL16 (common/kernel_switch.h; opt-in until its GPU test has run): the chunk-local
+// kernel's two fp32 inputs handed to it in the input dtype, each written over the bytes of its fp32 form by a
+// Hopper kernel: dVn by B1 (Args::dvn16, bwd_common.cuh dvn16_at) and T by the WY stage (Args::t16, the first
+// half of each row). The local kernel rounds both to the input dtype for its products anyway, so the gradients
+// are the same bits, and the hand-offs' traffic halves: 512 (dVn: B1's store, the local load) + 256 (T: the WY
+// store, the local load) of the backward's 10,274 bytes per token-head. Each applies where its writer is the
+// Hopper kernel (the dh scan, the WY stage); "1" needs the chunk-local kernel.
+bool local_inputs_16bit(const Params& p, bool local) {
+  if (p.dh0_only()) return false;  // no chunk-local stage
+  return kernel_switch("DELTACP_TILED_BWD_LOCAL16", "the chunk-local kernel's inputs in 16 bits",
+                       [&]() -> const char* {
+                         return local ? nullptr : "it needs the chunk-local kernel (bwd_local_wgmma.cuh), which does "
+                                                  "not run these inputs";
+                       },
+                       /*unset_on=*/false);
 }
 
 bool b1_grid_narrow(const Params& p, const ChunkTable& table) {
@@ -576,7 +579,8 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
 
   float* dvnew = ws.at<float>(odvn, bdvn);
   launch_chunk_cumsum(p, table, G, stream);
-  const bool dv_local_done = launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream, dvnew);
+  const bool local16 = local_inputs_16bit(p, state->local);
+  const WyDone wy = launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream, dvnew, local16);
   state->U = U;
   state->h = h;
   state->vnew = vnew;
@@ -615,8 +619,10 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   a.dh = ws.at<void>(odh, bdh);  // null in the dh0-only mode (bdh = 0)
   a.dh0_only = dh0_only;
   a.dvnew = dvnew;
-  a.dv_local_done = dv_local_done;
-  a.dvn16 = dvn_16bit(p, a, state->local);
+  a.dv_local_done = wy.dv_local;
+  a.t16 = wy.t16;
+  a.dvn16 = local16 && use_dh_scan_wgmma(a, p.dtype == DType::bf16 || p.dtype == DType::f16,
+                                         p.variant == Variant::kda);
   // dW .. dbw: per slice (slice_args).
 
   if (dh0_only) state->states_done = true;  // nothing reads h

@@ -894,9 +894,9 @@ bool use_wy_wgmma(const Params& p) {
 }
 }  // namespace
 
-bool launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
-                     float* Tinv, cudaStream_t stream, float* dv_local) {
-  if (table.num_chunks() == 0) return false;
+WyDone launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
+                       float* Tinv, cudaStream_t stream, float* dv_local, bool t16) {
+  if (table.num_chunks() == 0) return {};
   if (use_wy_wgmma(p)) {  // 16-bit gdn / delta at K = V = 128 on Hopper (as the fused forward's stage: 0.45 -> 0.26
                           // ms at (2,16384,16,128), H200)
     float* dvl = dv_local != nullptr && wy_wgmma_takes_dout(p) ? dv_local : nullptr;
@@ -904,9 +904,10 @@ bool launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, v
       using T = typename decltype(tag)::type;
       if constexpr (kIs16Bit<T>)
         launch_wy_wgmma<T>(p, table, p.variant == Variant::delta ? nullptr : G, static_cast<T*>(W),
-                           static_cast<T*>(U), /*P=*/nullptr, Tinv, /*rq=*/nullptr, /*rk=*/nullptr, stream, dvl);
+                           static_cast<T*>(U), /*P=*/nullptr, Tinv, /*rq=*/nullptr, /*rk=*/nullptr, stream, dvl,
+                           t16 && Tinv != nullptr);
     });
-    return dvl != nullptr;
+    return {dvl != nullptr, t16 && Tinv != nullptr};
   }
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -922,7 +923,7 @@ bool launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, v
       DELTACP_CUDA_CHECK_LAUNCH();
     });
   });
-  return false;
+  return {};
 }
 
 // ---- the Hopper state scan's choice (scan_wgmma.cuh) -------------------------------------------

@@ -71,6 +71,8 @@ struct WyWgmmaArgs {
   T* U = nullptr;            // [R, HV, 128]
   T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P (nullptr: not stored)
   float* Tinv = nullptr;     // [R, HV, 64] fp32: row i of its chunk's T (nullptr: not stored)
+  bool t16 = false;          // T rounded to T's type instead, in the first 128 bytes of each 256-byte row
+                             // (the chunk-local backward kernel's operand, the bits it rounded T to itself)
   // qk_l2norm (params.h): rq, rk [R, HV] fp32 receive each row's 1 / sqrt(|x|^2 + eps) (nullptr: no l2 norm);
   float* rq = nullptr;
   float* rk = nullptr;
@@ -312,7 +314,17 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
       fw[kk][2 * h] = pack2<T>(t0.x * s0 * e0, t0.y * s1 * e1);
       fw[kk][2 * h + 1] = pack2<T>(t1.x * s0 * e0, t1.y * s1 * e1);
     }
-  if (a.Tinv != nullptr)  // T's rows < len, 16 bytes a thread (rows of 68 floats: 16-byte aligned)
+  if (a.Tinv != nullptr && a.t16) {  // T's rows < len rounded, 8 values (16 bytes) a thread
+    for (int idx = tid; idx < 64 * 8; idx += 128) {
+      const int r = idx >> 3, c8 = idx & 7;
+      if (r < len) {
+        const float4 x = *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 8 * c8);
+        const float4 y = *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 8 * c8 + 4);
+        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64) + 16 * c8) =
+            make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+      }
+    }
+  } else if (a.Tinv != nullptr)  // T's rows < len, 16 bytes a thread (rows of 68 floats: 16-byte aligned)
     for (int idx = tid; idx < 64 * 16; idx += 128) {
       const int r = idx >> 4, c4 = idx & 15;
       if (r < len)
@@ -390,7 +402,7 @@ inline bool wy_wgmma_takes_dout(const Params& p) {
 // dvl (the backward's recompute, wy_wgmma_takes_dout(p)), it also writes stage B0's scale P^T dO there.
 template <class T>
 void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T* W, T* U, T* P, float* Tinv,
-                     float* rq, float* rk, cudaStream_t stream, float* dvl = nullptr) {
+                     float* rq, float* rk, cudaStream_t stream, float* dvl = nullptr, bool t16 = false) {
   if (table.num_chunks() == 0) return;
   WyWgmmaArgs<T> a;
   a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
@@ -403,6 +415,7 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
   a.U = U;
   a.P = P;
   a.Tinv = Tinv;
+  a.t16 = t16;
   a.rq = rq;
   a.rk = rk;
   a.HV = p.HV;

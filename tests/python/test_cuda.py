@@ -1060,10 +1060,11 @@ def test_fused_local_backward_matches_the_three_stages(variant, dtype, heads, mo
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("piece", ["0", "128"], ids=["whole_b1", "b1_in_pieces"])
-def test_dvn_in_16_bits_gives_the_same_bits(variant, dtype, piece, monkeypatch):
-    """B1 handing dVn to the chunk-local kernel in 16 bits over its own fp32 bytes (DELTACP_TILED_BWD_DVN16=1,
-    tiled_bwd.cu dvn_16bit): o, ht, every gradient and dh0 bit for bit those of the fp32 hand-off (=0), since the
-    local kernel rounds dVn to the input dtype for its products either way; B1 whole and in pieces of 128 tokens,
+def test_local_inputs_in_16_bits_give_the_same_bits(variant, dtype, piece, monkeypatch):
+    """dVn (from B1) and T (from the WY stage) handed to the chunk-local kernel in 16 bits over their own fp32
+    bytes (DELTACP_TILED_BWD_LOCAL16=1, tiled_bwd.cu local_inputs_16bit): o, ht, every gradient and dh0 bit for
+    bit those of the fp32 hand-offs (=0), since the local kernel rounds both to the input dtype for its products
+    either way; B1 whole and in pieces of 128 tokens,
     the local stage whole and in slices of two chunks, packed sequences of 1, 63, 64, 65 and 207 tokens, grouped
     value heads. fp32 inputs (no local kernel there) with =1 raise naming the switch."""
     _require_cuda_build()
@@ -1071,11 +1072,11 @@ def test_dvn_in_16_bits_gives_the_same_bits(variant, dtype, piece, monkeypatch):
         pytest.skip("the Hopper dh scan and chunk-local kernel run on compute capability 9.0 only")
     monkeypatch.setenv("DELTACP_TILED_DH_PIECE", piece)
     s = _Switched(variant, dtype, [0, 1, 64, 128, 193, 400], seed=95, rng_seed=23)
-    env = "DELTACP_TILED_BWD_DVN16"
+    env = "DELTACP_TILED_BWD_LOCAL16"
     half, full = s.run(monkeypatch, env, "1"), s.run(monkeypatch, env, "0")
     for name, x in half.items():
-        assert torch.equal(x, full[name]), f"{name}: dVn in 16 bits differs"
-    _assert_close(half, full, s.reference(), 1e-12, TOL[torch.bfloat16], "16-bit vs fp32 dVn")
+        assert torch.equal(x, full[name]), f"{name}: the 16-bit hand-offs differ"
+    _assert_close(half, full, s.reference(), 1e-12, TOL[torch.bfloat16], "16-bit vs fp32 hand-offs")
     monkeypatch.setenv("DELTACP_BWD_SLICE_CHUNKS", "2")
     sliced = s.run(monkeypatch, env, "1")
     for name, x in half.items():
