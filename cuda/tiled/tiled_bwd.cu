@@ -244,7 +244,8 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
         return;
       }
     }
-    DELTACP_CHECK(!a.dvn16, "DELTACP_TILED_BWD_LOCAL16", "expected the Hopper dh scan for dVn in 16 bits (chosen with it)");
+    DELTACP_CHECK(!a.dvn16 || a.dh0_only, "DELTACP_TILED_BWD_LOCAL16",
+                  "expected the Hopper dh scan for dVn in 16 bits (chosen with it)");
     launch_dh_scan<Op, KP, PERKEY>(a, num_seqs, stream);
   }
 }

@@ -565,10 +565,10 @@ def test_compose_state_maps_any_shape(P, HV, K, V):
             assert torch.isfinite(out).all() and err < 1e-6, (width, err)
 
 
-def _cuda_problem(variant, dtype, cu_seqlens=(0, 1, 64, 130, 200)):
+def _cuda_problem(variant, dtype, cu_seqlens=(0, 1, 64, 130, 200), K=64, V=48):
     from deltacp._describe import torch_desc
 
-    p = make_problem(variant, cu_seqlens=list(cu_seqlens), H=2, HV=4, K=64, V=48, seed=11)
+    p = make_problem(variant, cu_seqlens=list(cu_seqlens), H=2, HV=4, K=K, V=V, seed=11)
     t = {n: torch.as_tensor(np.ascontiguousarray(p[n])).to("cuda") for n in ("q", "k", "v", "g", "beta", "a", "b")
          if p.get(n) is not None}
     t = {n: (x.to(dtype) if n != "g" else x.float()) for n, x in t.items()}
@@ -736,19 +736,29 @@ def test_staged_forward_equals_the_one_shot_forward(variant, dtype):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("handoff", ["fp32", "local16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
-def test_staged_backward_equals_the_one_shot_backward(variant, dtype):
+def test_staged_backward_equals_the_one_shot_backward(variant, dtype, handoff, monkeypatch):
     """deltacp/cuda/api.h StagedBackward (tiled): prepare (no dht) -> dh0 of pieces -> the states on another
     stream -> finish (with dht) gives the one-shot backward's gradients bit for bit; the pieces' dh0 equal a dh0-only run over the same
     pieces bit for bit; pieces off the prepared chunks, a second finish and another problem raise naming
-    the argument."""
+    the argument. local16: K = V = 128 on the Hopper kernels with the chunk-local kernel's inputs in 16 bits
+    (DELTACP_TILED_BWD_LOCAL16=1), where the dh0 pieces read B0's fp32 dVn before finish overwrites it."""
     _require_cuda_build()
     from deltacp import _core
 
     if not _core.cuda_supports(variant, "tiled", True):
         pytest.skip(f"tiled has no {variant} backward")
-    t, h0, d, desc = _cuda_problem(variant, dtype)  # sequences [0,1) [1,64) [64,130) [130,200), chunk 64
+    K, V = 64, 48
+    if handoff == "local16":
+        if dtype != torch.bfloat16 or variant == "kda" or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the 16-bit hand-offs run with the Hopper kernels: 16-bit gdn / delta on compute capability 9.0")
+        for env in ("DELTACP_TILED_BWD_LOCAL16", "DELTACP_TILED_DH_WGMMA", "DELTACP_TILED_WY_WGMMA",
+                    "DELTACP_TILED_BWD_LOCAL_WGMMA"):
+            monkeypatch.setenv(env, "1")
+        K = V = 128
+    t, h0, d, desc = _cuda_problem(variant, dtype, K=K, V=V)  # sequences [0,1) [1,64) [64,130) [130,200), chunk 64
     N, HV, K, V = h0.shape
     stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -1060,17 +1070,22 @@ def test_fused_local_backward_matches_the_three_stages(variant, dtype, heads, mo
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("piece", ["0", "128"], ids=["whole_b1", "b1_in_pieces"])
-def test_local_inputs_in_16_bits_give_the_same_bits(variant, dtype, piece, monkeypatch):
+@pytest.mark.parametrize("wg", ["1", "2"], ids=["b1_one_warpgroup", "b1_two_warpgroups"])
+def test_local_inputs_in_16_bits_give_the_same_bits(variant, dtype, piece, wg, monkeypatch):
     """dVn (from B1) and T (from the WY stage) handed to the chunk-local kernel in 16 bits over their own fp32
     bytes (DELTACP_TILED_BWD_LOCAL16=1, tiled_bwd.cu local_inputs_16bit): o, ht, every gradient and dh0 bit for
     bit those of the fp32 hand-offs (=0), since the local kernel rounds both to the input dtype for its products
-    either way; B1 whole and in pieces of 128 tokens,
+    either way; the Hopper dh scan, WY stage and chunk-local kernel required (=1: a fallback fails), B1 with one
+    and two warpgroups per CTA (DELTACP_TILED_DH_WG), whole and in pieces of 128 tokens,
     the local stage whole and in slices of two chunks, packed sequences of 1, 63, 64, 65 and 207 tokens, grouped
     value heads. fp32 inputs (no local kernel there) with =1 raise naming the switch."""
     _require_cuda_build()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper dh scan and chunk-local kernel run on compute capability 9.0 only")
     monkeypatch.setenv("DELTACP_TILED_DH_PIECE", piece)
+    monkeypatch.setenv("DELTACP_TILED_DH_WG", wg)
+    for required in ("DELTACP_TILED_DH_WGMMA", "DELTACP_TILED_WY_WGMMA", "DELTACP_TILED_BWD_LOCAL_WGMMA"):
+        monkeypatch.setenv(required, "1")
     s = _Switched(variant, dtype, [0, 1, 64, 128, 193, 400], seed=95, rng_seed=23)
     env = "DELTACP_TILED_BWD_LOCAL16"
     half, full = s.run(monkeypatch, env, "1"), s.run(monkeypatch, env, "0")
@@ -1083,6 +1098,8 @@ def test_local_inputs_in_16_bits_give_the_same_bits(variant, dtype, piece, monke
         assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
     with pytest.raises(ValueError, match=env):
         s.run(monkeypatch, env, "half")
+    for required in ("DELTACP_TILED_DH_WGMMA", "DELTACP_TILED_WY_WGMMA", "DELTACP_TILED_BWD_LOCAL_WGMMA"):
+        monkeypatch.delenv(required)
     monkeypatch.setenv(env, "1")
     with pytest.raises(ValueError, match=env):
         _call(variant, {n: v.float().requires_grad_(True) for n, v in s.t.items()}, cu_seqlens=s.cu,
