@@ -262,24 +262,22 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
       eks[tid] = exp_t<T>(gn - gi);
       bs[tid] = tid < len ? ld<T>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
     }
-    auto pack8 = [](float4 x, float4 y) {
-      return make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+    // An 8-column piece in 16 bits: x's raw bits where the writer already rounded it (Args::dvn16 / t16), else
+    // the 8 floats x, y rounded here.
+    auto piece16 = [](bool rounded, float4 x, float4 y) {
+      return rounded ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
+                     : make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
     };
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
       const int r = ru + 16 * it;
-      const float4 x = du[it][0];
       *reinterpret_cast<uint4*>(smem + L::dU + (pu >> 3) * kBox + r * 128 + (((pu & 7) ^ (r & 7)) << 4)) =
-          a.dvn16 ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
-                  : pack8(x, du[it][1]);
+          piece16(a.dvn16, du[it][0], du[it][1]);
     }
 #pragma unroll
     for (int it = 0; it < 2; ++it) {
       const int r = rt + 32 * it;
-      const float4 x = tv[it][0];
-      *reinterpret_cast<uint4*>(smem + L::T + r * 128 + ((pt ^ (r & 7)) << 4)) =
-          a.t16 ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
-                : pack8(x, tv[it][1]);
+      *reinterpret_cast<uint4*>(smem + L::T + r * 128 + ((pt ^ (r & 7)) << 4)) = piece16(a.t16, tv[it][0], tv[it][1]);
     }
     fence_proxy_async();
   }
