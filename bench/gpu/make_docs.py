@@ -238,6 +238,8 @@ def perf_md(res, plots):
                     lines += ["The fused chain's step: its kernel time per call (`bench_gpu.py` chain_profile, "
                               "torch.profiler) over the waves of CTAs (one per SM) times the chunks each CTA walks; "
                               "bytes per token-head as counted above.", ""]
+                    if variant != "gdn" and "note" in bpt.get(variant, {}):
+                        lines += [f"HBM bytes per token-head of {variant}'s fused forward: {bpt[variant]['note']}.", ""]
                 lines += ["| (B, T, H, D) | " + " | ".join(f"{n} ms" for n in impls) + " | " +
                           " | ".join(f"{n.split('-', 1)[1]} / FLA" for n in ours) +
                           " | best tier TFLOP/s | TB/s | roofline |" + "".join(f" {c} |" for c in fcols),
@@ -254,7 +256,8 @@ def perf_md(res, plots):
                              if best and "TFLOPs" in best else ["-"] * 3)
                     if fused:
                         fr = by.get("deltacp-fused", {})
-                        extra.append(str(bpt.get("deltacp-fused", "-")))
+                        counted = bpt.get(variant, bpt if variant == "gdn" else {})  # gdn's at the top level
+                        extra.append(str(counted.get("deltacp-fused", "-")))
                         extra.append(f"{fr['chain_us_per_chunk']:.2f} ({fr['chain_ctas']} CTAs, {fr['chain_waves']} "
                                      f"wave(s), {fr['chain_chunks_per_cta']} chunks each)" if "chain_us_per_chunk" in fr
                                      else "-")

@@ -30,6 +30,11 @@
 //         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major), same group
 //     (4) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as 16-byte
 //         pieces of whole rows while the next chunk's first products run
+//   kda (a decay per key, kKda): the same steps on the operands the tiled tier's WY and output stages make
+//   (kda_chain_operands_kernel in cuda/tiled/tiled_fwd.cu): Q e^G and K e^(G_n - G) come in place of Q and
+//   K (as [R, HV, 128] rows, 16-bit), P is kda's decayed score matrix, and the per-token factors of (2) are
+//   already in them; (3) scales S^T's key columns by e^(G_n) of each key (the chunk's last row of G, 128
+//   floats by cp.async). So a kda chunk brings in W, U, P, Q e^G, K e^(G_n - G) and that row of G.
 //   So per chunk q, k, W, U, P, g come in and o goes out; no per-chunk state (h) and no v_new. Why P is made
 //   outside the chain: ptxas waits for every outstanding wgmma group before reading any register a wgmma
 //   wrote, so a Q K^T issued beside the state's products could not overlap them; computed in the chain it
@@ -72,7 +77,7 @@ struct ChainArgs {
   TileMap16 tm_k, tm_q;        // [B, T, H, 128] as the caller strides them: boxes of 64 keys x 64 tokens
   DevRows<T> o;
   const tiled::SeqEntry* seqs = nullptr;
-  const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
+  const float* G = nullptr;  // [R, HV] fp32 (gdn), [R, HV, 128] (kda), nullptr for delta
   const float* rq = nullptr; // [R, HV] fp32: qk_l2norm's row scales of q and k (the wgmma WY stage), or nullptr
   const float* rk = nullptr;
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
@@ -104,8 +109,8 @@ __host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map
   L.u = (map ? 4 : 7) * kBlock;
   L.blocks = (map ? 4 : 7) + nwg;
   int o = L.blocks * kBlock;
-  L.g = o;
-  o += 64 * 4;
+  L.g = o;  // gdn: G of the chunk's 64 rows; kda: G of its last row (128 keys)
+  o += 128 * 4;
   L.rq = o;
   o += 64 * 4;
   L.rk = o;
@@ -154,8 +159,9 @@ __device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const u
 // start state is made in registers and [H | M] goes to ht, rows V + K apart.
 //
 // KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of the wgmma WY stage
-// beside the chain's, which the windows' overlap in fused_fwd.cu needs).
-template <class T, int NWG, bool kMap, int KS>
+// beside the chain's, which the windows' overlap in fused_fwd.cu needs). kKda: tm_q and tm_k are the rows of
+// Q e^G and K e^(G_n - G) ([R, HV, 128]), and the decay is per key (the file comment).
+template <class T, int NWG, bool kMap, int KS, bool kKda>
 __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using namespace tiled;
@@ -223,19 +229,30 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
       mbar_expect_tx(bars + s, bytes);
       tma_load_3d(st + L.w, &args.tm_w.map, bars + s, 0, h, r);
       tma_load_3d(st + L.w + 8192, &args.tm_w.map, bars + s, 64, h, r);
-      tma_load_4d(st + L.k, &args.tm_k.map, bars + s, 0, hk, tt, b);
-      tma_load_4d(st + L.k + 8192, &args.tm_k.map, bars + s, 64, hk, tt, b);
-      if constexpr (!kMap) {
-        tma_load_4d(st + L.q, &args.tm_q.map, bars + s, 0, hk, tt, b);
-        tma_load_4d(st + L.q + 8192, &args.tm_q.map, bars + s, 64, hk, tt, b);
-        tma_load_3d(st + L.p, &args.tm_p.map, bars + s, 0, h, r);
+      if constexpr (kKda) {  // K e^(G_n - G) and Q e^G: rows of the value head
+        tma_load_3d(st + L.k, &args.tm_k.map, bars + s, 0, h, r);
+        tma_load_3d(st + L.k + 8192, &args.tm_k.map, bars + s, 64, h, r);
+        if constexpr (!kMap) {
+          tma_load_3d(st + L.q, &args.tm_q.map, bars + s, 0, h, r);
+          tma_load_3d(st + L.q + 8192, &args.tm_q.map, bars + s, 64, h, r);
+        }
+      } else {
+        tma_load_4d(st + L.k, &args.tm_k.map, bars + s, 0, hk, tt, b);
+        tma_load_4d(st + L.k + 8192, &args.tm_k.map, bars + s, 64, hk, tt, b);
+        if constexpr (!kMap) {
+          tma_load_4d(st + L.q, &args.tm_q.map, bars + s, 0, hk, tt, b);
+          tma_load_4d(st + L.q + 8192, &args.tm_q.map, bars + s, 64, hk, tt, b);
+        }
       }
+      if constexpr (!kMap) tma_load_3d(st + L.p, &args.tm_p.map, bars + s, 0, h, r);
       if (!u_zero)
 #pragma unroll
         for (int u = 0; u < NWG; ++u) tma_load_3d(st + L.u + u * 8192, &args.tm_u.map, bars + s, v0 + 64 * u, h, r);
     }
     float* gbuf = reinterpret_cast<float*>(st + L.g);
-    if (tid < 64) {
+    if constexpr (kKda) {  // G of the chunk's last row: e^(G_n) per key (qk_l2norm is applied before kda's stages)
+      if (tid < 32) cp_async_16(gbuf + 4 * tid, args.G + ((row0 + len - 1) * HV + hv) * kKeys + 4 * tid);
+    } else if (tid < 64) {
       if (has_gate) {
         cp_async_4(gbuf + tid, args.G + (row0 + min(tid, len - 1)) * HV + hv);
       } else {
@@ -344,41 +361,60 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     } else {
       u_minus_acc_trans_sw128<T>(Va, st + L.u + wg * 8192, srow, scol);
     }
-    const float glast = gbuf[len - 1];
     uint32_t va[4][4], vo[4][4];  // Vns^T (state update) and Vn^T (output) as A fragments
+    if constexpr (kKda) {  // the per-token factors are in Q e^G and K e^(G_n - G): Vns = Vn
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
-      const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
-      const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
-      const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);  // K's rows: k_n = rk k
-      const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
-      const float2 qa = *reinterpret_cast<const float2*>(rqb + 16 * kk + 2 * t);  // Q's rows: q_n = rq q
-      const float2 qb = *reinterpret_cast<const float2*>(rqb + 16 * kk + 8 + 2 * t);
-      const float f0 = exp_t<T>(glast - ga.x) * ka.x, f1 = exp_t<T>(glast - ga.y) * ka.y;
-      const float f2 = exp_t<T>(glast - gb.x) * kb.x, f3 = exp_t<T>(glast - gb.y) * kb.y;
-      va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
-      va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
-      va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
-      va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
+      for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
-      const float e0 = exp_t<T>(ga.x) * qa.x, e1 = exp_t<T>(ga.y) * qa.y;
-      const float e2 = exp_t<T>(gb.x) * qb.x, e3 = exp_t<T>(gb.y) * qb.y;
-      Oa[8 * kk] *= e0;
-      Oa[8 * kk + 1] *= e1;
-      Oa[8 * kk + 2] *= e0;
-      Oa[8 * kk + 3] *= e1;
-      Oa[8 * kk + 4] *= e2;
-      Oa[8 * kk + 5] *= e3;
-      Oa[8 * kk + 6] *= e2;
-      Oa[8 * kk + 7] *= e3;
+        for (int r = 0; r < 4; ++r) va[kk][r] = vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
+    } else {
+      const float glast = gbuf[len - 1];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
+        const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
+        const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
+        const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);  // K's rows: k_n = rk k
+        const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
+        const float2 qa = *reinterpret_cast<const float2*>(rqb + 16 * kk + 2 * t);  // Q's rows: q_n = rq q
+        const float2 qb = *reinterpret_cast<const float2*>(rqb + 16 * kk + 8 + 2 * t);
+        const float f0 = exp_t<T>(glast - ga.x) * ka.x, f1 = exp_t<T>(glast - ga.y) * ka.y;
+        const float f2 = exp_t<T>(glast - gb.x) * kb.x, f3 = exp_t<T>(glast - gb.y) * kb.y;
+        va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
+        va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
+        va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
+        va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
+        const float e0 = exp_t<T>(ga.x) * qa.x, e1 = exp_t<T>(ga.y) * qa.y;
+        const float e2 = exp_t<T>(gb.x) * qb.x, e3 = exp_t<T>(gb.y) * qb.y;
+        Oa[8 * kk] *= e0;
+        Oa[8 * kk + 1] *= e1;
+        Oa[8 * kk + 2] *= e0;
+        Oa[8 * kk + 3] *= e1;
+        Oa[8 * kk + 4] *= e2;
+        Oa[8 * kk + 5] *= e3;
+        Oa[8 * kk + 6] *= e2;
+        Oa[8 * kk + 7] *= e3;
+      }
     }
 
-    // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.
-    const float eg = exp_t<T>(glast);
+    // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.  kda: S^T's key column d times e^(G_n,d), K e^(G_n - G).
+    if constexpr (kKda) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) S[i] *= eg;
+      for (int nb = 0; nb < 16; ++nb) {  // keys 8 nb + 2 t and 8 nb + 2 t + 1
+        const float2 gl = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
+        const float d0 = exp_t<T>(gl.x), d1 = exp_t<T>(gl.y);
+        S[4 * nb] *= d0;
+        S[4 * nb + 1] *= d1;
+        S[4 * nb + 2] *= d0;
+        S[4 * nb + 3] *= d1;
+      }
+    } else {
+      const float eg = exp_t<T>(gbuf[len - 1]);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) S[i] *= eg;
+    }
     wg_fence();
     reg_fence(S);
     if constexpr (!kMap) reg_fence(Oa);
@@ -445,30 +481,44 @@ inline int chain_warpgroups(int64_t seqs_x_heads, int sms) {
   return 2 * seqs_x_heads >= sms ? 2 : 1;
 }
 
-// The chain kernel over the table's sequences (or pieces): W, U, P from the wgmma WY stage ([R, HV, 128 / 128 /
-// 64]), G ([R, HV] fp32, ignored for delta), rq / rk (qk_l2norm's row scales, or nullptr), h0 / ht per table
-// entry (the map mode: h0 unused, ht = the maps [N, HV, K, V + K]).
-template <class T, bool kMap>
-void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W,
-                         const void* U, const void* P, const float* rq, const float* rk, const float* h0, float* ht,
-                         int nwg, int stages, cudaStream_t stream) {
+// The token-parallel operands of the chain, [R, HV, width] rows (16-bit) unless said otherwise: W, U (128
+// wide), P (64) from the WY stage (gdn, delta: wgmma_wy.cuh; kda: chunk_wy_kernel and
+// kda_chain_operands_kernel); G ([R, HV] fp32 for gdn, [R, HV, 128] for kda, ignored for delta); kda only:
+// Kd = K e^(G_n - G) and Qg = Q e^G (128 wide; the other variants read k and q themselves); rq / rk:
+// qk_l2norm's row scales (gdn, delta), or nullptr.
+struct ChainOperands {
+  const float* G = nullptr;
+  const void* W = nullptr;
+  const void* U = nullptr;
+  const void* P = nullptr;
+  const void* Kd = nullptr;
+  const void* Qg = nullptr;
+  const float* rq = nullptr;
+  const float* rk = nullptr;
+};
+
+// The chain kernel over the table's sequences (or pieces), h0 / ht per table entry (the map mode: h0 unused,
+// ht = the maps [N, HV, K, V + K]).
+template <class T, bool kMap, bool kKda>
+void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const ChainOperands& in, const float* h0,
+                         float* ht, int nwg, int stages, cudaStream_t stream) {
   if (table.num_seqs() == 0) return;
   const int64_t R = p.B * p.T, HV = p.HV;
   ChainArgs<T> a;
   if (R > 0) {  // else no sequence has a chunk: the kernel only carries h0 to ht and never reads a map
-    a.tm_w = workspace_rows_map(W, R, HV, kKeys, "W");
-    a.tm_u = workspace_rows_map(U, R, HV, kKeys, "U");
-    a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, kKeys, "k");
+    a.tm_w = workspace_rows_map(in.W, R, HV, kKeys, "W");
+    a.tm_u = workspace_rows_map(in.U, R, HV, kKeys, "U");
+    a.tm_k = kKda ? workspace_rows_map(in.Kd, R, HV, kKeys, "Kd") : token_rows_map(p.k, p.B, p.T, p.H, kKeys, "k");
     if (!kMap) {
-      a.tm_p = workspace_rows_map(P, R, HV, 64, "P");
-      a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, kKeys, "q");
+      a.tm_p = workspace_rows_map(in.P, R, HV, 64, "P");
+      a.tm_q = kKda ? workspace_rows_map(in.Qg, R, HV, kKeys, "Qg") : token_rows_map(p.q, p.B, p.T, p.H, kKeys, "q");
     }
   }
   if (!kMap) a.o = dev_rows<T>(p.o);
   a.seqs = table.seqs();
-  a.G = p.variant == Variant::delta ? nullptr : G;
-  a.rq = rq;
-  a.rk = rk;
+  a.G = p.variant == Variant::delta ? nullptr : in.G;
+  a.rq = kKda ? nullptr : in.rq;
+  a.rk = kKda ? nullptr : in.rk;
   a.h0 = h0;
   a.ht = ht;
   a.Tlen = p.T;
@@ -480,8 +530,8 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   DELTACP_CHECK(stages == chain_stages(nwg, kMap) || (!kMap && nwg == 1 && stages == 2), "stages",
                 "expected ", chain_stages(nwg, kMap), kMap || nwg == 2 ? "" : " or 2", " load stages, got ", stages);
   const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages);
-  auto kernel = nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap)>
-                         : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2> : fused_chain_kernel<T, 1, kMap, 3>);
+  auto kernel = nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap), kKda>
+                         : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2, kKda> : fused_chain_kernel<T, 1, kMap, 3, kKda>);
   opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");
   const int64_t cols = kMap ? 2 * kKeys : kKeys;
   const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
@@ -493,19 +543,29 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
 // The chain with the output (warpgroups per CTA: chain_warpgroups).
 // stages: 0 = chain_stages; 2 with one warpgroup per CTA to share the SM with the WY kernel.
 template <class T>
-void launch_chain(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W, const void* U,
-                  const void* P, const float* rq, const float* rk, const float* h0, float* ht, cudaStream_t stream,
-                  int stages = 0) {
+void launch_chain(const Params& p, const tiled::ChunkTable& table, const ChainOperands& in, const float* h0,
+                  float* ht, cudaStream_t stream, int stages = 0) {
   const int nwg = chain_warpgroups(table.num_seqs() * p.HV, sm_count());
-  launch_chain_kernel<T, false>(p, table, G, W, U, P, rq, rk, h0, ht, nwg, nwg == 1 ? stages : 0, stream);
+  if (p.variant == Variant::kda) {
+    launch_chain_kernel<T, false, true>(p, table, in, h0, ht, nwg, nwg == 1 ? stages : 0, stream);
+  } else {
+    launch_chain_kernel<T, false, false>(p, table, in, h0, ht, nwg, nwg == 1 ? stages : 0, stream);
+  }
 }
 
 // The map mode over the pieces of `table`: maps [pieces, HV, K, V + K] = [H | M] of each (two warpgroups per
 // CTA, two CTAs per piece and head: one shared copy of each chunk's W and K per 128 columns).
 template <class T>
-void launch_chain_maps(const Params& p, const tiled::ChunkTable& table, const float* G, const void* W, const void* U,
-                       const float* rk, float* maps, cudaStream_t stream) {
-  launch_chain_kernel<T, true>(p, table, G, W, U, nullptr, nullptr, rk, nullptr, maps, 2, 0, stream);
+void launch_chain_maps(const Params& p, const tiled::ChunkTable& table, const ChainOperands& in, float* maps,
+                       cudaStream_t stream) {
+  ChainOperands m = in;
+  m.P = m.Qg = nullptr;  // no output
+  m.rq = nullptr;
+  if (p.variant == Variant::kda) {
+    launch_chain_kernel<T, true, true>(p, table, m, nullptr, maps, 2, 0, stream);
+  } else {
+    launch_chain_kernel<T, true, false>(p, table, m, nullptr, maps, 2, 0, stream);
+  }
 }
 
 }  // namespace deltacp::cuda::fused

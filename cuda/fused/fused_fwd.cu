@@ -25,18 +25,22 @@
 // the start states are exact up to rounding. fused_piece_chunks below picks the piece length from a time
 // model of the three kernels.
 //
-// Memory: the workspace (G, W, U, P: 652 bytes per token-head) grows with the tokens, so a call whose
-// workspace would pass 1 GiB runs in windows of whole chunks along time (forward below), each from the fp32
-// state the previous one left; fixed-length windows overlap the next window's WY stage with this window's
-// chain (forward_windows_overlapped).
+// Memory: the workspace (G, W, U, P: 652 bytes per token-head; kda 1,664 with its 128 gates per token and
+// K e^(G_n - G), Q e^G) grows with the tokens, so a call whose workspace would pass 1 GiB runs in windows of
+// whole chunks along time (forward below), each from the fp32 state the previous one left; fixed-length
+// windows overlap the next window's WY stage with this window's chain (forward_windows_overlapped).
 //
 // Numerics: the tiled tier's roundings (S, Vn, P to 16 bits for the products, fp32 accumulation, fp32
 // state), so the fused forward agrees with the tiled one to bf16 rounding and with fp64 within 1e-2.
 //
-// Applies to: gdn and delta; bf16 / fp16 inputs; K = V = 128; q, k, v, o 16-byte aligned rows with positive
-// strides (TMA); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal says why
-// not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name, raises
-// an error with the reason).
+// kda (a decay per key): the token-parallel stage is the tiled tier's cumsum and WY stage (W, U and K e^(G_n - G),
+// mma.sync) and kda_chain_operands_kernel (P and Q e^G, the output stage's operands); the chain runs its kda
+// mode on them (fused_chain.cuh). qk_l2norm is applied before (cuda/dispatch.cu normalises q and k).
+//
+// Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128; q, k, v, o 16-byte aligned rows with positive
+// strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
+// says why not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name,
+// raises an error with the reason).
 //
 // Measured (NVIDIA H200, 2026-11-25, bf16 gdn, both sides with use_qk_l2norm_in_kernel=True, which this tier
 // folds into its kernels; docs/perf.md has the table beside FLA). Kernels per forward (bench/gpu/
@@ -50,6 +54,11 @@
 // 88 KB per chunk and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back:
 // a kernel that keeps W, U and P on chip (the WY work of the next chunk done by a warpgroup of the chain's
 // CTA) is what would remove those bytes.
+// kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 4.17 ms = the WY stage 1.97 +
+// kda_chain_operands_kernel 1.56 + chain 0.41 + cumsum 0.22, against the tiled tier's 4.55 (its output stage
+// 1.85 and state scan 0.50 in place of the last two); FLA 2.28 ms in the same run (docs/perf.md). The chain is
+// as fast as gdn's; the two token-parallel kernels, on mma.sync with kda_scores' per-block rescaling, are what
+// is left to move to wgmma.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -115,7 +124,17 @@ double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t
 
 const char* forward_refusal(const Params& p) {
   // The token-parallel stage's needs (q, k, v, the GPU), then the chain's: it writes o in 16-byte pieces.
-  if (const char* why = tiled::wy_wgmma_refusal(p)) return why;
+  if (p.variant == Variant::kda) {
+    // kda's token-parallel stages are the tiled tier's (any strides) and the chain reads only their rows: the
+    // wgmma state scan's needs (an sm_90a build, 16-bit inputs, K = 128, the GPU) and the chain's shape.
+    if (const char* why = tiled::wgmma_scan_refusal(p, /*h_and_vnew_agree=*/true)) return why;
+    if (p.V != 128) return "it takes K = V = 128";
+    if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
+    if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
+    if (p.B * p.T >= (int64_t{1} << 31)) return "it addresses token rows by TMA's 32-bit coordinates (B * T < 2^31)";
+  } else if (const char* why = tiled::wy_wgmma_refusal(p)) {
+    return why;
+  }
   if (p.final_state_only()) return "it computes the output (a final-state-only call runs on the tiled tier)";
   if (!rows_aligned16(p.o, dtype_size(p.dtype)))
     return "it writes o in 16-byte pieces (o's pointer or strides are not 16-byte aligned)";
@@ -149,7 +168,8 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
 }  // namespace
 
 namespace {
-// The token-parallel stage's workspace over a call's B * T rows: G (gdn), W, U, P, and qk_l2norm's row scales.
+// The token-parallel stage's workspace over a call's B * T rows: G (gdn, kda), W, U, P, qk_l2norm's row scales
+// (gdn, delta) and kda's Q e^G and K e^(G_n - G).
 struct WindowBuffers {
   float* G = nullptr;
   void* W = nullptr;
@@ -157,13 +177,19 @@ struct WindowBuffers {
   void* P = nullptr;
   float* rq = nullptr;
   float* rk = nullptr;
+  void* Kd = nullptr;
+  void* Qg = nullptr;
+  ChainOperands operands() const { return {G, W, U, P, Kd, Qg, rq, rk}; }
 };
-// Bytes of each buffer over R token rows, in carve order: G (gdn), W, U, P, then qk_l2norm's rq and rk. The one
-// place that knows the layout: the workspace size, the carve and the window budget all read it.
-std::array<int64_t, 6> window_buffer_sizes(const Params& p, int64_t R) {
-  const int64_t es = dtype_size(p.dtype), rows = R * p.HV, scales = p.qk_l2norm ? rows * 4 : 0;
-  return {p.variant == Variant::gdn ? rows * 4 : 0, rows * kKeys * es, rows * kKeys * es, rows * 64 * es, scales,
-          scales};
+constexpr int kWindowParts = 8;
+// Bytes of each buffer over R token rows, in carve order: G, W, U, P, qk_l2norm's rq and rk, kda's Kd and Qg.
+// The one place that knows the layout: the workspace size, the carve and the window budget all read it.
+std::array<int64_t, kWindowParts> window_buffer_sizes(const Params& p, int64_t R) {
+  const bool kda = p.variant == Variant::kda;
+  const int64_t es = dtype_size(p.dtype), rows = R * p.HV, scales = p.qk_l2norm && !kda ? rows * 4 : 0;
+  const int64_t G = p.variant == Variant::gdn ? rows * 4 : (kda ? rows * kKeys * 4 : 0);
+  const int64_t tile = rows * kKeys * es, kda_tile = kda ? tile : 0;
+  return {G, tile, tile, rows * 64 * es, scales, scales, kda_tile, kda_tile};
 }
 int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
 int64_t window_buffers_bytes(const Params& p) {
@@ -173,8 +199,8 @@ int64_t window_buffers_bytes(const Params& p) {
 }
 WindowBuffers carve_window_buffers(char* at, const Params& p) {
   const auto sizes = window_buffer_sizes(p, p.B * p.T);
-  char* part[6] = {};
-  for (int i = 0; i < 6; ++i) {
+  char* part[kWindowParts] = {};
+  for (int i = 0; i < kWindowParts; ++i) {
     part[i] = sizes[i] > 0 ? at : nullptr;
     at += align256(sizes[i]);
   }
@@ -185,17 +211,26 @@ WindowBuffers carve_window_buffers(char* at, const Params& p) {
   b.P = part[3];
   b.rq = reinterpret_cast<float*>(part[4]);
   b.rk = reinterpret_cast<float*>(part[5]);
+  b.Kd = part[6];
+  b.Qg = part[7];
   return b;
 }
 
-// The token-parallel stage of a window: G = cumsum g, then W, U, P (and the row scales) by the wgmma WY stage.
+// The token-parallel stage of a window: G = cumsum g, then W, U, P (and the row scales) by the wgmma WY stage;
+// kda: W, U and K e^(G_n - G) by the tiled tier's WY stage, P and Q e^G by kda_chain_operands_kernel (both
+// read the gates per key, which the wgmma WY stage does not implement).
 void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffers& b, cudaStream_t stream) {
   tiled::launch_chunk_cumsum(p, table, b.G, stream);
+  if (p.variant == Variant::kda) {
+    tiled::launch_chunk_wy(p, table, b.G, b.W, b.U, b.Kd, /*Tinv=*/nullptr, stream);
+    tiled::launch_kda_chain_operands(p, table, b.G, b.P, b.Qg, stream);
+    return;
+  }
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (tiled::kIs16Bit<T>)
-      tiled::launch_wy_wgmma<T>(p, table, b.G, static_cast<T*>(b.W), static_cast<T*>(b.U), static_cast<T*>(b.P), nullptr, b.rq, b.rk,
-                         stream);
+      tiled::launch_wy_wgmma<T>(p, table, b.G, static_cast<T*>(b.W), static_cast<T*>(b.U), static_cast<T*>(b.P),
+                                nullptr, b.rq, b.rk, stream);
   });
 }
 
@@ -210,8 +245,8 @@ void chain_window(const Params& p, const ChunkTable& table, const WindowBuffers&
     using T = typename decltype(tag)::type;
     if constexpr (tiled::kIs16Bit<T>) {
       if (!plan.cut()) {
-        launch_chain<T>(p, table, b.G, b.W, b.U, b.P, b.rq, b.rk, static_cast<const float*>(p.h0),
-                        static_cast<float*>(p.ht), stream, chain_stages);
+        launch_chain<T>(p, table, b.operands(), static_cast<const float*>(p.h0), static_cast<float*>(p.ht), stream,
+                        chain_stages);
         return;
       }
       const int64_t N = table.num_seqs(), KV = p.K * p.V;
@@ -238,10 +273,10 @@ void chain_window(const Params& p, const ChunkTable& table, const WindowBuffers&
         mapped.reserve(pass1.size());
         for (int64_t i : pass1) mapped.push_back(plan.pieces[static_cast<size_t>(i)]);
         const tiled::ChunkTable map_table(std::move(mapped), p.chunk_size, stream);
-        launch_chain_maps<T>(p, map_table, b.G, b.W, b.U, b.rk, maps, stream);
+        launch_chain_maps<T>(p, map_table, b.operands(), maps, stream);
         const tiled::PieceTables tables(p, plan, seq_maps, stream);
         tiled::launch_fold_starts(p, tables, N, static_cast<const float*>(p.h0), starts, stream);
-        launch_chain<T>(p, tables.pieces(), b.G, b.W, b.U, b.P, b.rq, b.rk, starts, piece_ht, stream, chain_stages);
+        launch_chain<T>(p, tables.pieces(), b.operands(), starts, piece_ht, stream, chain_stages);
         if (p.ht != nullptr)
           tiled::launch_gather_final_states(p, tables, N, piece_ht, static_cast<float*>(p.ht), stream);
       } catch (...) {

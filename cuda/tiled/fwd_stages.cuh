@@ -197,4 +197,9 @@ void launch_compose_maps(const float* maps, int64_t P, int64_t HV, int64_t K, in
 void launch_chunk_output(const Params& p, const ChunkTable& table, const float* G, const void* h,
                          const void* v_new, cudaStream_t stream);
 
+// The fused forward's kda operands: P ([R, HV, 64], the output stage's decayed scores, zero above the diagonal)
+// and Q e^G ([R, HV, 128]), 16-bit, from G ([R, HV, K], stage 1). kda, 16-bit inputs, K = 128.
+void launch_kda_chain_operands(const Params& p, const ChunkTable& table, const float* G, void* P, void* Qg,
+                               cudaStream_t stream);
+
 }  // namespace deltacp::cuda::tiled

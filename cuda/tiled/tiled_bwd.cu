@@ -59,9 +59,9 @@
 //   Tinv       fp32    WY -> B3                 256   256
 //   h          bf16    state scan -> B2         512   512
 //   v_new      bf16    state scan -> B2         256   256
-//   dVn        fp32    B0 -> B3                 512   512   (16-bit over the same bytes from B1 on with
-//                                                               DELTACP_TILED_BWD_LOCAL16=1, and T from the
-//                                                               WY stage on: local_inputs_16bit)
+//   dVn        fp32    B0 -> B3                 512   512   (16-bit over the same bytes from B1 on, and T
+//                                                               from the WY stage on, where the chunk-local
+//                                                               kernel runs: local_inputs_16bit)
 //   U | dh     bf16    WY -> state scan | B1 -> B2  512   512   U 256 + dh (fp32) 1024, apart; apart again
 //                                                               (768) where the scan runs beside B1
 //   region 2, W, Kd, Q e^G until B1, then the buffers of one slice of the chunks for B2..B5
@@ -489,13 +489,16 @@ Beside beside_b1_switch(const Params& p) {
 
 ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs);  // below, with B1 in pieces
 
-// DELTACP_TILED_BWD_LOCAL16 (common/kernel_switch.h; opt-in until its GPU test has run): the chunk-local
-// kernel's two fp32 inputs handed to it in the input dtype, each written over the bytes of its fp32 form by a
-// Hopper kernel: dVn by B1 (Args::dvn16, bwd_common.cuh dvn16_at) and T by the WY stage (Args::t16, the first
-// half of each row). The local kernel rounds both to the input dtype for its products anyway, so the gradients
-// are the same bits, and the hand-offs' traffic halves: 512 (dVn: B1's store, the local load) + 256 (T: the WY
-// store, the local load) of the backward's 10,274 bytes per token-head. Each applies where its writer is the
-// Hopper kernel (the dh scan, the WY stage); "1" needs the chunk-local kernel.
+// DELTACP_TILED_BWD_LOCAL16 (common/kernel_switch.h: unset = wherever the chunk-local kernel runs, 0 = never,
+// 1 = required): the chunk-local kernel's two fp32 inputs handed to it in the input dtype, each written over the
+// bytes of its fp32 form by a Hopper kernel: dVn by B1 (Args::dvn16, bwd_common.cuh dvn16_at) and T by the WY
+// stage (Args::t16, the first half of each row). The local kernel rounds both to the input dtype for its
+// products anyway, so the gradients are the same bits (test_local_inputs_in_16_bits_give_the_same_bits), and
+// the hand-offs' traffic halves: 512 (dVn: B1's store, the local load) + 256 (T: the WY store, the local load)
+// of the backward's 10,274 bytes per token-head. Each applies where its writer is the Hopper kernel (the dh
+// scan, the WY stage). Measured (H100, bf16 gdn, fused forward + backward kernels per call): (1,8192,96,128)
+// 4.64 -> 4.48 ms (elapsed 4.98 -> 4.71); (2,16384,16,128) 4.24 -> 4.24 (the local kernel overlaps the state
+// scan there; elapsed within noise).
 bool local_inputs_16bit(const Params& p, bool local) {
   if (p.dh0_only()) return false;  // no chunk-local stage
   return kernel_switch("DELTACP_TILED_BWD_LOCAL16", "the chunk-local kernel's inputs in 16 bits",
@@ -503,7 +506,7 @@ bool local_inputs_16bit(const Params& p, bool local) {
                          return local ? nullptr : "it needs the chunk-local kernel (bwd_local_wgmma.cuh), which does "
                                                   "not run these inputs";
                        },
-                       /*unset_on=*/false);
+                       /*unset_on=*/true);
 }
 
 bool b1_grid_narrow(const Params& p, const ChunkTable& table) {

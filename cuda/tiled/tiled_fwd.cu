@@ -641,6 +641,24 @@ __global__ void __launch_bounds__(32 * NW, NW == 4 ? 4 : 2)
 namespace deltacp::cuda::tiled {
 namespace {
 
+// kda's output operands of one chunk in shared memory, from its Q, K tiles and gates Gk (landed and visible):
+// Pb = P = tril((Q e^G)(K e^-G)^T) (diagonal included; kda_scores) in 16 bits, then Q <- Q e^G in place (e^G
+// alone is at most 1 for g <= 0). after_scores() runs once the scores' scratch (Xr, Yr) is free. Called by
+// all kThreads threads; contains __syncthreads. The output stage and the fused forward's kda operands
+// (kda_chain_operands_kernel) share it, so the fused chain multiplies the same bits.
+template <class T, class AfterScores>
+__device__ void kda_output_operands(T* Qs, const T* Ks, const float* Gk, T* Pb, T* Xr, T* Yr, const OutLayout& L,
+                                    int Kp, int len, AfterScores after_scores) {
+  kda_scores<T, kThreads>(Qs, Ks, L.ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/true,
+                          [&](int i, int j, float x) { Pb[i * L.ldp + j] = from_f<T>(x); });
+  after_scores();
+  __syncthreads();  // the scores' diagonal blocks read Q until here
+  for (int idx = threadIdx.x; idx < kBT * Kp; idx += kThreads) {
+    const int i = idx / Kp, d = idx - i * Kp;
+    Qs[i * L.ldk + d] = from_f<T>(to_f(Qs[i * L.ldk + d]) * exp_t<T>(Gk[i * L.ldg + d]));
+  }
+}
+
 // ============================================================================================
 // Stage 4: O = scale ((Q e^G) h_c + P Vn),  P = tril((Q e^G)(K e^-G)^T) (diagonal included).
 // One CTA per (chunk, value head); warp w owns output rows 16 w .. 16 w + 15. The value columns go
@@ -696,17 +714,11 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
 
   // P (16-bit operand); row block w is written in columns < 16 (w + 1)
   if constexpr (kKda) {
-    kda_scores<T, kThreads>(Qs, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/true,
-                  [&](int i, int j, float x) { Pb[i * ldp + j] = from_f<T>(x); });
-    // The scratch (Xr, Yr) is free after kda_scores' last __syncthreads: slab 0 may land there.
-    issue_slab(0);
-    cp_async_commit();
-    __syncthreads();
-    // Q <- Q e^G in place (e^G alone is at most 1 for g <= 0)
-    for (int idx = tid; idx < kBT * Kp; idx += kThreads) {
-      const int i = idx / Kp, d = idx - i * Kp;
-      Qs[i * ldk + d] = from_f<T>(to_f(Qs[i * ldk + d]) * exp_t<T>(Gk[i * L.ldg + d]));
-    }
+    // The scratch (Xr, Yr) is free after the scores: slab 0 may land there.
+    kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [&] {
+      issue_slab(0);
+      cp_async_commit();
+    });
   } else {
     float acc[1][8][4];
     zero_acc(acc);
@@ -764,6 +776,57 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
           }
         }
       }
+    }
+  }
+}
+
+// ============================================================================================
+// The fused forward's kda operands (cuda/fused/fused_chain.cuh reads them by TMA): per (chunk, value head)
+// the output stage's P ([R, HV, 64] rows, 16-bit, zero above the diagonal) and Q e^G ([R, HV, Kp] rows,
+// 16-bit), the bits the output stage multiplies (kda_output_operands). 16-bit inputs, Kp = 128.
+// ============================================================================================
+template <class T>
+__global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T> args, const float* __restrict__ G,
+                                                                      T* __restrict__ P, T* __restrict__ Qg) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int Kp = args.Kp;
+  const OutLayout L = out_layout(Kp, sizeof(T), /*kda=*/true);
+  T* Qs = reinterpret_cast<T*>(smem + L.q);
+  T* Ks = reinterpret_cast<T*>(smem + L.k);
+  T* Pb = reinterpret_cast<T*>(smem + L.p);
+  float* Gk = reinterpret_cast<float*>(smem + L.gk);
+  T* Xr = reinterpret_cast<T*>(smem + L.xr);
+  T* Yr = reinterpret_cast<T*>(smem + L.yr);
+  const int tid = threadIdx.x;
+  const ChunkEntry ce = args.chunks[blockIdx.x];
+  const int64_t hv = blockIdx.y, hk = hv / args.group, HV = args.HV;
+  const int len = static_cast<int>(ce.len);
+  {
+    const T* qsrc = args.q.at(ce.batch, ce.t0, hk);
+    const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
+    load_tile(Qs, L.ldk, qsrc, args.q.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(qsrc, args.q.st));
+    load_tile(Ks, L.ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
+    load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {});
+  __syncthreads();
+  // The chunk's rows out as 16-byte pieces (8 elements): P's 8, Q e^G's Kp / 8 per row. Row block a of P holds
+  // the scores in columns < 16 (a + 1), zeros past them.
+  const int qp = Kp / 8, per_row = 8 + qp;
+  for (int idx = tid; idx < len * per_row; idx += kThreads) {
+    const int i = idx / per_row, piece = idx - i * per_row;
+    const int64_t row = (ce.row0 + i) * HV + hv;
+    if (piece < 8) {
+      const int j0 = 8 * piece;
+      const uint4 x = j0 < 16 * (i / 16 + 1) ? *reinterpret_cast<const uint4*>(Pb + i * L.ldp + j0)
+                                             : make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(P + row * kBT + j0) = x;
+    } else {
+      const int d0 = 8 * (piece - 8);
+      *reinterpret_cast<uint4*>(Qg + row * Kp + d0) = *reinterpret_cast<const uint4*>(Qs + i * L.ldk + d0);
     }
   }
 }
@@ -1079,6 +1142,28 @@ void launch_chunk_output(const Params& p, const ChunkTable& table, const float* 
       kernel<<<grid, kThreads, L.bytes, stream>>>(args, G, static_cast<const T*>(h), static_cast<const T*>(v_new));
       DELTACP_CUDA_CHECK_LAUNCH();
     });
+  });
+}
+
+void launch_kda_chain_operands(const Params& p, const ChunkTable& table, const float* G, void* P, void* Qg,
+                               cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  DELTACP_CHECK(p.variant == Variant::kda && padded_dim(p.K) == 128, "variant",
+                "expected kda with K = 128 for the fused forward's kda operands, got ", to_string(p.variant),
+                " with K = ", p.K);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (kIs16Bit<T>) {
+      const FwdArgs<T> args = make_args<T>(p, table);
+      const OutLayout L = out_layout(args.Kp, sizeof(T), /*kda=*/true);
+      auto kernel = kda_chain_operands_kernel<T>;
+      prepare_smem(kernel, L.bytes, p, "kda operands of the fused chain");
+      const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+      kernel<<<grid, kThreads, L.bytes, stream>>>(args, G, static_cast<T*>(P), static_cast<T*>(Qg));
+      DELTACP_CUDA_CHECK_LAUNCH();
+    } else {
+      throw_error("dtype", "expected bf16 or fp16 for the fused forward's kda operands, got ", to_string(p.dtype));
+    }
   });
 }
 

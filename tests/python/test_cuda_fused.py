@@ -40,12 +40,14 @@ def _tensors(p, variant, dtype, grad=False):
 
 
 def _op(variant):
-    return deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_delta_rule
+    return {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule}[variant]
 
 
-def _run(variant, t, h0, cu, backend):
-    args = [t["q"], t["k"], t["v"]] + ([t["g"]] if variant == "gdn" else []) + [t["beta"]]
-    return _op(variant)(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+def _run(variant, t, h0, cu, backend, q=None, k=None, **kw):
+    """The variant's op on t (q and k replaced where given), with h0 and the final state."""
+    args = [t["q"] if q is None else q, t["k"] if k is None else k, t["v"]]
+    args += ([t["g"]] if variant != "delta" else []) + [t["beta"]]
+    return _op(variant)(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend, **kw)
 
 
 def _reference(variant, p, t, h0):
@@ -71,7 +73,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("variant", ["gdn", "delta"])
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_against_reference_and_tiled(variant, dtype, case, monkeypatch):
@@ -94,21 +96,22 @@ def test_fused_against_reference_and_tiled(variant, dtype, case, monkeypatch):
     assert rel_err(ht.double().cpu().numpy(), ht_t.double().cpu().numpy()) < 5e-3
 
 
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
 @pytest.mark.parametrize("piece", [64, 100, 256])
-def test_fused_intra_card_pieces_are_exact(piece, monkeypatch):
+def test_fused_intra_card_pieces_are_exact(variant, piece, monkeypatch):
     """Sequences cut into pieces (DELTACP_FUSED_PIECE tokens, rounded up to whole chunks), each run from the
     start state the fold of the pieces' maps gives it: the same answer as whole sequences to rounding, at
     packed-sequence boundaries, with sequences shorter than a piece and last pieces shorter than a chunk."""
     _need_fused()
     cu = [0, 1, 65, 300, 301, 1000, 1100]
-    p = make_problem("gdn", B=1, H=2, HV=4, K=128, V=128, cu_seqlens=cu, seed=11)
-    t, h0, cu_t = _tensors(p, "gdn", torch.bfloat16)
-    o_ref, ht_ref = _reference("gdn", p, t, h0)
+    p = make_problem(variant, B=1, H=2, HV=4, K=128, V=128, cu_seqlens=cu, seed=11)
+    t, h0, cu_t = _tensors(p, variant, torch.bfloat16)
+    o_ref, ht_ref = _reference(variant, p, t, h0)
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
-    o_whole, ht_whole = _run("gdn", t, h0, cu_t, "fused")
+    o_whole, ht_whole = _run(variant, t, h0, cu_t, "fused")
     monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
     _poison()
-    o, ht = _run("gdn", t, h0, cu_t, "fused")
+    o, ht = _run(variant, t, h0, cu_t, "fused")
     torch.cuda.synchronize()
     assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
     assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
@@ -131,11 +134,12 @@ def test_fused_long_sequence_few_heads_default_plan():
 
 def test_fused_default_dispatch_says_which_tier_ran_and_why():
     _need_fused()
-    p = make_problem("gdn", B=1, T=100, H=2, K=128, V=128, seed=3)
-    t, h0, cu = _tensors(p, "gdn", torch.bfloat16)
-    _run("gdn", t, h0, cu, None)
-    tier, why = deltacp.last_cuda_tier()
-    assert tier == "fused", why
+    for variant in ("gdn", "kda"):
+        p = make_problem(variant, B=1, T=100, H=2, K=128, V=128, seed=3)
+        t, h0, cu = _tensors(p, variant, torch.bfloat16)
+        _run(variant, t, h0, cu, None)
+        tier, why = deltacp.last_cuda_tier()
+        assert tier == "fused", (variant, why)
     p = make_problem("gdn", B=1, T=100, H=2, K=64, V=64, seed=3)
     t, h0, cu = _tensors(p, "gdn", torch.bfloat16)
     _run("gdn", t, h0, cu, None)
@@ -147,19 +151,19 @@ def test_fused_default_dispatch_says_which_tier_ran_and_why():
     assert tier == "tiled" and "bf16 or fp16" in why
 
 
-@pytest.mark.parametrize("what", ["K64", "fp32", "kda", "unaligned_q"])
+@pytest.mark.parametrize("what", ["K64", "fp32", "kda_V64", "unaligned_q"])
 def test_fused_by_name_refuses_with_the_reason(what):
     _need_fused()
-    variant = "kda" if what == "kda" else "gdn"
+    variant = "kda" if what.startswith("kda") else "gdn"
     K = 64 if what == "K64" else 128
-    p = make_problem(variant, B=1, T=80, H=1, K=K, V=K, seed=5)
+    p = make_problem(variant, B=1, T=80, H=1, K=K, V=64 if what == "kda_V64" else K, seed=5)
     t, h0, cu = _tensors(p, variant, torch.float32 if what == "fp32" else torch.bfloat16)
     if what == "unaligned_q":  # rows of q 8 bytes off a 16-byte boundary
         buf = torch.empty(t["q"].numel() + 4, dtype=t["q"].dtype, device="cuda")
         q = buf[4:].view_as(t["q"])
         q.copy_(t["q"])
         t["q"] = q
-    expect = {"K64": "K = V = 128", "fp32": "bf16 or fp16", "kda": "'kda'", "unaligned_q": "q's pointer"}[what]
+    expect = {"K64": "K = V = 128", "fp32": "bf16 or fp16", "kda_V64": "K = V = 128", "unaligned_q": "q's pointer"}[what]
     args = [t["q"], t["k"], t["v"], t["g"], t["beta"]]
     op = deltacp.chunk_kda if variant == "kda" else deltacp.chunk_gated_delta_rule
     with pytest.raises(ValueError, match="fused") as info:
@@ -167,15 +171,16 @@ def test_fused_by_name_refuses_with_the_reason(what):
     assert expect in str(info.value)
 
 
-def test_fused_forward_with_gradients_through_the_tiled_backward():
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_fused_forward_with_gradients_through_the_tiled_backward(variant):
     """backend="fused" with grad: the forward runs fused, the gradients on the tiled backward; both equal
     the all-tiled call's to bf16 rounding."""
     _need_fused()
-    p = make_problem("gdn", B=2, T=150, H=2, K=128, V=128, seed=9)
+    p = make_problem(variant, B=2, T=150, H=2, K=128, V=128, seed=9)
     grads = {}
     for backend in ("fused", "tiled"):
-        t, h0, cu = _tensors(p, "gdn", torch.bfloat16, grad=True)
-        o, ht = _run("gdn", t, h0, cu, backend)
+        t, h0, cu = _tensors(p, variant, torch.bfloat16, grad=True)
+        o, ht = _run(variant, t, h0, cu, backend)
         rng = np.random.default_rng(2)
         do = torch.tensor(rng.standard_normal(o.shape), dtype=o.dtype, device="cuda")
         (o.float() * do.float()).sum().backward()
@@ -275,7 +280,8 @@ def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
 @pytest.mark.parametrize("window", [64, 128, 192])
 @pytest.mark.parametrize("l2", [False, True])
 @pytest.mark.parametrize("overlap", ["0", "1"])
-def test_fused_windows_along_time_equal_one_window(window, l2, overlap, monkeypatch):
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_fused_windows_along_time_equal_one_window(variant, window, l2, overlap, monkeypatch):
     """A fixed-length batch run as windows of whole chunks (DELTACP_FUSED_WINDOW tokens), each from the fp32
     state the last one left: over whole sequences the same kernels see the same chunks and states, so o and
     ht equal the one-window call bit for bit (T = 300: a short last window); also with the next window's WY
@@ -283,16 +289,16 @@ def test_fused_windows_along_time_equal_one_window(window, l2, overlap, monkeypa
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
     monkeypatch.setenv("DELTACP_FUSED_OVERLAP", overlap)
-    p = make_problem("gdn", B=2, T=300, H=2, HV=4, K=128, V=128, h0=True, seed=23)
-    t, h0, _ = _tensors(p, "gdn", torch.bfloat16)
+    p = make_problem(variant, B=2, T=300, H=2, HV=4, K=128, V=128, h0=True, seed=23)
+    t, h0, _ = _tensors(p, variant, torch.bfloat16)
     raw = _raw_qk(t) if l2 else {"q": t["q"], "k": t["k"]}
     kw = dict(use_qk_l2norm_in_kernel=True) if l2 else {}
     with torch.no_grad():
         monkeypatch.setenv("DELTACP_FUSED_WINDOW", "0")
-        o_one, ht_one = _gdn_call(t, raw["q"], raw["k"], h0, None, backend="fused", **kw)
+        o_one, ht_one = _run(variant, t, h0, None, "fused", q=raw["q"], k=raw["k"], **kw)
         monkeypatch.setenv("DELTACP_FUSED_WINDOW", str(window))
         _poison()
-        o, ht = _gdn_call(t, raw["q"], raw["k"], h0, None, backend="fused", **kw)
+        o, ht = _run(variant, t, h0, None, "fused", q=raw["q"], k=raw["k"], **kw)
     torch.cuda.synchronize()
     assert torch.equal(o, o_one)
     assert torch.equal(ht, ht_one)
@@ -324,21 +330,22 @@ def test_fused_inference_workspace_does_not_grow_with_the_chunks(monkeypatch):
 
 
 @pytest.mark.parametrize("window", [64, 150, 320])
-def test_fused_varlen_windows_equal_one_window(window, monkeypatch):
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_fused_varlen_windows_equal_one_window(variant, window, monkeypatch):
     """A packed batch run as windows of its packed axis (fused_windows.h): sequences cut at their own chunk
     starts carry their fp32 state to the next window; empty, one-token and long sequences; bit for bit the
     one-window call over whole sequences."""
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
     cu = [0, 1, 65, 300, 300, 301, 1000, 1100]
-    p = make_problem("gdn", B=1, H=2, HV=4, K=128, V=128, cu_seqlens=cu, h0=True, seed=31)
-    t, h0, cu_t = _tensors(p, "gdn", torch.bfloat16)
+    p = make_problem(variant, B=1, H=2, HV=4, K=128, V=128, cu_seqlens=cu, h0=True, seed=31)
+    t, h0, cu_t = _tensors(p, variant, torch.bfloat16)
     with torch.no_grad():
         monkeypatch.setenv("DELTACP_FUSED_WINDOW", "0")
-        o_one, ht_one = _gdn_call(t, t["q"], t["k"], h0, cu_t, backend="fused")
+        o_one, ht_one = _run(variant, t, h0, cu_t, "fused")
         monkeypatch.setenv("DELTACP_FUSED_WINDOW", str(window))
         _poison()
-        o, ht = _gdn_call(t, t["q"], t["k"], h0, cu_t, backend="fused")
+        o, ht = _run(variant, t, h0, cu_t, "fused")
     torch.cuda.synchronize()
     assert torch.equal(o, o_one)
     assert torch.equal(ht, ht_one)

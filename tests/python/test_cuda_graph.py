@@ -1,7 +1,7 @@
 """CUDA graphs: the CUDA forward captured with torch.cuda.graph and replayed after the inputs' contents were
 replaced in place (copy_) gives what an eager call on those contents gives, bit for bit (the same kernels on
 the same tables): the fused tier over whole sequences and in pieces, the tiled tier with its state scan whole
-and in pieces, kda on the tiled tier, the default dispatch, with and without the in-kernel l2 norm, always
+and in pieces, kda on the fused and tiled tiers, the default dispatch, with and without the in-kernel l2 norm, always
 with an initial and a final state; varlen calls that pass cu_seqlens_cpu; both workspace allocators (torch's,
 deltacp's pool). The calls that cannot be captured (a varlen call without a host copy of the offsets,
 DELTACP_CHECK=1, safe_gate's range check) raise an error naming the argument and leave the device usable.
@@ -116,14 +116,15 @@ SHAPE = (2, 300, 2, 4)
 LONG = (1, 1000, 1, 2)
 
 
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
 @pytest.mark.parametrize("l2", [False, True], ids=["plain", "l2norm"])
 @pytest.mark.parametrize("piece", [0, 128], ids=["whole", "pieces"])
-def test_fused_forward_replays_in_cuda_graph(l2, piece, monkeypatch):
-    """The fused tier, whole sequences and cut into pieces of 128 tokens (pass 1's maps, the fold's table
-    of map pointers into the graph's workspace, the pieces' chunk table)."""
+def test_fused_forward_replays_in_cuda_graph(variant, l2, piece, monkeypatch):
+    """The fused tier (gdn and kda), whole sequences and cut into pieces of 128 tokens (pass 1's maps, the
+    fold's table of map pointers into the graph's workspace, the pieces' chunk table)."""
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
-    assert _check_replays_like_eager("gdn", LONG if piece else SHAPE, "fused", l2) == "fused"
+    assert _check_replays_like_eager(variant, LONG if piece else SHAPE, "fused", l2) == "fused"
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
