@@ -54,11 +54,11 @@
 // 88 KB per chunk and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back:
 // a kernel that keeps W, U and P on chip (the WY work of the next chunk done by a warpgroup of the chain's
 // CTA) is what would remove those bytes.
-// kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 4.17 ms = the WY stage 1.97 +
-// kda_chain_operands_kernel 1.56 + chain 0.41 + cumsum 0.22, against the tiled tier's 4.55 (its output stage
-// 1.85 and state scan 0.50 in place of the last two); FLA 2.28 ms in the same run (docs/perf.md). The chain is
-// as fast as gdn's; the two token-parallel kernels, on mma.sync with kda_scores' per-block rescaling, are what
-// is left to move to wgmma.
+// kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.33 ms = the WY stage 0.96 +
+// kda_chain_operands_kernel 0.74 + chain 0.41 + cumsum 0.22, against the tiled tier's 2.66 (its output stage
+// 0.98 and state scan 0.50 in place of the operands and the chain); end to end 2.94 ms with the in-kernel l2
+// norm against FLA's 2.27 (docs/perf.md). The chain is as fast as gdn's; the two token-parallel kernels, on
+// mma.sync, are what is left to move to wgmma.
 #include <cuda_runtime.h>
 
 #include <algorithm>

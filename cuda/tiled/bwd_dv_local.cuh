@@ -41,7 +41,7 @@ struct DvLocalSmem {
     dO = s.take(sizeof(Op) * 2 * kRows * PV);  // two stages
     Carve x = c;
     xr = PERKEY ? x.take(sizeof(Op) * 16 * PK) : 0;
-    yr = PERKEY ? x.take(sizeof(Op) * 48 * PK) : 0;
+    yr = PERKEY ? x.take(sizeof(Op) * kda_scores_y_rows(sizeof(Op)) * PK) : 0;
     total = s.off > x.off ? s.off : x.off;
   }
 };

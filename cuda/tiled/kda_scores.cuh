@@ -7,6 +7,15 @@
 // r = 16 a (both exponents <= 0 since G decreases along the chunk: one tensor-core product per block row),
 // and the 4 diagonal blocks are summed element by element with e^(G_id - G_jd), j <= i (a quarter of the
 // exponentials of the element-by-element sum over the whole triangle).
+// bf16: a diagonal block (a, a) goes through the same reference row r = 16 a on the tensor cores, as
+// (X_a e^(G - G_r)) (Y_a e^(G_r - G))^T: the Y factor's exponent is now >= 0 (at most the block's decay over
+// 15 tokens), so the block takes that path only where every scaled Y element stays below 1e30 and every
+// exponent below kDiagExpMax (checked per chunk and block, __syncthreads_or); elsewhere, and for fp16 (whose
+// range is too narrow) and fp32 (tf32 products would miss its 1e-5 tolerance), element by element. The
+// products then round X and Y times their decays to bf16, as the off-diagonal blocks already do. With the
+// rescaling eight keys per thread, that took the kda WY stage from 1.97 to 0.96 ms and the output stage from
+// 1.85 to 0.98 ms (H100, bf16 kda (2,16384,16,128), kernel time); the worst bf16 error against fp64 in
+// bench_gpu.py's accuracy check went from 3.6e-3 to 4.0e-3 (FLA 3.7e-3).
 #pragma once
 
 #include <cstdint>
@@ -15,6 +24,12 @@
 #include "fwd_mma.cuh"
 
 namespace deltacp::cuda::tiled {
+
+// Rows of kda_scores' Yr scratch (esize: bytes of T): 64 for 16-bit inputs (the diagonal blocks' scaled Y rows
+// after the off-diagonal ones), 48 for fp32.
+__host__ __device__ constexpr int kda_scores_y_rows(int esize) { return esize == 2 ? 64 : 48; }
+// The largest decay exponent G_r - G_j a diagonal block takes on the tensor cores (e^64 ~ 6e27).
+constexpr float kDiagExpMax = 64.f;
 
 // ---- small device helpers -------------------------------------------------------------------
 // Eight consecutive elements of a shared-memory row (16-byte aligned for T, 32 for float) as floats.
@@ -35,6 +50,21 @@ __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p);
   const float4 b = *reinterpret_cast<const float4*>(p + 4);
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+// Eight floats stored as eight consecutive elements of T (shared or global; 16-byte aligned for 16-bit T,
+// 32 for float).
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
+  if constexpr (std::is_same<T, float>::value) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
+  } else {
+    uint4 u;
+    T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = from_f<T>(x[i]);
+    *reinterpret_cast<uint4*>(p) = u;
+  }
 }
 
 // kda: Gk[i][d] (64 rows) = G[row min(i, len - 1)][d] for d < K, zero for K <= d < Kp, by cp.async in 16-byte pieces
@@ -64,30 +94,54 @@ __device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G
 //   P(i, j) = sum_d X[i][d] Y[j][d] e^(G[i][d] - G[j][d])   for j < i (j <= i when `inclusive`)
 // handed to write(i, j, value) for every (i, j) of the 16 x 16 blocks on or below the block
 // diagonal (value 0 above the diagonal inside diagonal blocks, and for row blocks at or past len).
-// X, Y: 64 x Kp tiles (ld), zero past len. Gk: 64 x Kp fp32 (ldg). Xr (16 x ld), Yr (48 x ld):
-// scratch. Called by all NThreads threads of the block (4 warps or more: warps 0..3 own the diagonal
+// X, Y: 64 x Kp tiles (ld), zero past len. Gk: 64 x Kp fp32 (ldg). Xr (16 x ld), Yr (kda_scores_y_rows x ld):
+// scratch. Rows of X, Y, Xr, Yr and Gk 16-byte aligned (8 keys per thread). Called by all NThreads threads of the block (4 warps or more: warps 0..3 own the diagonal
 // blocks); contains __syncthreads.
 template <class T, int NThreads, class Write>
 __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
                            bool inclusive, Write write) {
+  constexpr bool kTensorDiag = std::is_same<T, __nv_bfloat16>::value;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Off-diagonal blocks (a, b < a) through the reference row r = 16 a.
-  for (int a = 1; a < 4; ++a) {
+  unsigned diag_done = 0;  // bit a: block (a, a) done on the tensor cores (uniform over the block)
+  // Off-diagonal blocks (a, b < a) through the reference row r = 16 a; bf16: block (a, a) too where it may.
+  for (int a = kTensorDiag ? 0 : 1; a < 4; ++a) {
     const int r = 16 * a;
     const bool active = r < len;  // uniform over the block
+    // Yr: rows [0, r) (and the diagonal block's rows [r, r + 16)); Xr: rows [r, r + 16)
+    bool too_wide = false;  // a scaled Y row of the diagonal block leaves the safe range
     if (active) {
+      // Eight keys per thread (16-byte rows): the element-by-element loop, with an integer division per
+      // element, took half the mma.sync WY stage's time (Nsight Compute, H100, kda (2,16384,16,128)).
       const float* Gr = Gk + r * ldg;
-      const int rows = r + 16;  // Yr: rows [0, r); Xr: rows [r, r + 16)
-      for (int idx = tid; idx < rows * Kp; idx += NThreads) {
-        const int i = idx / Kp, d = idx - i * Kp;
-        if (i < r) {
-          Yr[i * ld + d] = from_f<T>(to_f(Y[i * ld + d]) * exp_t<T>(Gr[d] - Gk[i * ldg + d]));
+      const int yrows = kTensorDiag ? r + 16 : r, rows = yrows + 16, pieces = Kp / 8;
+      for (int idx = tid; idx < rows * pieces; idx += NThreads) {
+        const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+        float x[8], g[8], gr[8];
+        load8f(Gr + d0, gr);
+        if (i < yrows) {
+          load8(Y + i * ld + d0, x);
+          load8f(Gk + i * ldg + d0, g);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const float ex = gr[e] - g[e];
+            x[e] *= exp_t<T>(ex);
+            if (i >= r) too_wide |= !(ex <= kDiagExpMax && fabsf(x[e]) <= 1e30f);
+          }
+          store8(Yr + i * ld + d0, x);
         } else {
-          Xr[(i - r) * ld + d] = from_f<T>(to_f(X[i * ld + d]) * exp_t<T>(Gk[i * ldg + d] - Gr[d]));
+          const int xi = r + i - yrows;
+          load8(X + xi * ld + d0, x);
+          load8f(Gk + xi * ldg + d0, g);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) x[e] *= exp_t<T>(g[e] - gr[e]);
+          store8(Xr + (xi - r) * ld + d0, x);
         }
       }
     }
-    __syncthreads();
+    // The barrier after the scaling (every thread, every iteration), and whether block (a, a) may run on the
+    // tensor cores.
+    const bool any_wide = __syncthreads_or(too_wide);
+    const bool tensor_diag = kTensorDiag && active && !any_wide;
     if (warp < a) {  // warp w: block (a, w)
       float acc[1][2][4];
       zero_acc(acc);
@@ -96,11 +150,24 @@ __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int 
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) write(r + acc_row(0, e), 16 * warp + acc_col(nt, e), acc[0][nt][e]);
+    } else if (warp == a && tensor_diag) {  // warp a: block (a, a), masked to its lower triangle
+      float acc[1][2][4];
+      zero_acc(acc);
+      warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xr, ld, 0, Yr, ld, r, 0, Kp);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int il = acc_row(0, e), jl = acc_col(nt, e);
+          const bool lower = inclusive ? (jl <= il) : (jl < il);
+          write(r + il, r + jl, lower ? acc[0][nt][e] : 0.f);
+        }
     }
+    if (tensor_diag) diag_done |= 1u << a;
     __syncthreads();
   }
-  // Diagonal blocks: warp a < 4 owns block (a, a). Lane: row i = 16 a + (lane % 16), half the d range.
-  if (warp < 4) {
+  // Diagonal blocks left: warp a < 4 owns block (a, a). Lane: row i = 16 a + (lane % 16), half the d range.
+  if (warp < 4 && !((diag_done >> warp) & 1u)) {
     const int a = warp, il = lane & 15, half = lane >> 4;
     const int i = 16 * a + il;
     const bool active = 16 * a < len;  // uniform over the warp

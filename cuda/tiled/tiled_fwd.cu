@@ -80,8 +80,11 @@
 // pass 1 in prepare, a fold, pass 2; H200): (1,32768,16,128) 1.541 ms (FLA 1.286; 1.971 unsplit),
 // (1,65536,16,128) 2.782 ms (FLA 2.513; 3.765 unsplit).
 // kda's G tile loads by cp.async (load_key_gate, kda_scores.cuh), not element by element (H100, kda
-// (2,16384,16,128)): wy 2.90 -> 2.01 ms, output 2.69 -> 1.87 ms; the kda forward is 4.51 ms on H200 (FLA
-// 1.96), kda_scores' diagonal blocks (both triangles summed, then masked) being what is left.
+// (2,16384,16,128)): wy 2.90 -> 2.01 ms, output 2.69 -> 1.87 ms. Then eight keys per thread in the decay
+// scalings (kda_scores' rescaled rows, Kd and K e^G here, Q e^G in kda_output_operands), whose per-element
+// loops with an integer division each had half of the wy stage's warp samples (Nsight Compute), and bf16's
+// diagonal 16 x 16 blocks on the tensor cores: wy 1.97 -> 0.96 ms, output 1.85 -> 0.98 ms (H100, kernel time);
+// the kda forward 4.55 -> 2.66 ms of kernels.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -201,7 +204,7 @@ __host__ __device__ inline WyLayout wy_layout(int Kp, int Vp, int esize, bool kd
   const int scratch = o;
   int s1 = scratch;  // phase 1 (kda only)
   L.xr = kda ? carve(s1, 16 * L.ldk * esize) : 0;
-  L.yr = kda ? carve(s1, 48 * L.ldk * esize) : 0;
+  L.yr = kda ? carve(s1, kda_scores_y_rows(esize) * L.ldk * esize) : 0;
   int s2 = scratch;  // phases 2-4
   L.t = carve(s2, kBT * L.lda * 4);
   L.scr = carve(s2, 4 * 16 * 16 * 4);
@@ -262,7 +265,7 @@ __host__ __device__ inline OutLayout out_layout(int Kp, int esize, bool kda) {
   L.vn = carve(s1, kBT * L.lds * esize);
   int s2 = region;
   L.xr = kda ? carve(s2, 16 * L.ldk * esize) : 0;
-  L.yr = kda ? carve(s2, 48 * L.ldk * esize) : 0;
+  L.yr = kda ? carve(s2, kda_scores_y_rows(esize) * L.ldk * esize) : 0;
   L.bytes = s1 > s2 ? s1 : s2;
   return L;
 }
@@ -395,14 +398,23 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
     if constexpr (!kKda) Tb2[i * ldt + j] = from_f<T>(t * eg_s[j]);
   }
   if constexpr (kKda) {
-    // Kd = K e^(G_last - G) for stage 3 (exponent <= 0), then K <- K e^G in place for W.
+    // Kd = K e^(G_last - G) for stage 3 (exponent <= 0), then K <- K e^G in place for W; eight keys per
+    // thread (16-byte rows and stores).
     const float* Glast = Gk + (len - 1) * L.ldg;
-    for (int idx = tid; idx < kBT * Kp; idx += kThreads) {
-      const int i = idx / Kp, d = idx - i * Kp;
-      const float kv = to_f(Ks[i * ldk + d]);
-      const float gi = Gk[i * L.ldg + d];
-      if (i < len) Kd[((ce.row0 + i) * HV + hv) * Kp + d] = from_f<T>(kv * exp_t<T>(Glast[d] - gi));
-      Ks[i * ldk + d] = from_f<T>(kv * exp_t<T>(gi));
+    const int pieces = Kp / 8;
+    for (int idx = tid; idx < kBT * pieces; idx += kThreads) {
+      const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+      float kv[8], g[8], gl[8], kd[8];
+      load8(Ks + i * ldk + d0, kv);
+      load8f(Gk + i * L.ldg + d0, g);
+      load8f(Glast + d0, gl);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        kd[e] = kv[e] * exp_t<T>(gl[e] - g[e]);
+        kv[e] *= exp_t<T>(g[e]);
+      }
+      if (i < len) store8(Kd + ((ce.row0 + i) * HV + hv) * Kp + d0, kd);
+      store8(Ks + i * ldk + d0, kv);
     }
   }
   cp_async_wait<0>();  // the V tile
@@ -653,9 +665,15 @@ __device__ void kda_output_operands(T* Qs, const T* Ks, const float* Gk, T* Pb, 
                           [&](int i, int j, float x) { Pb[i * L.ldp + j] = from_f<T>(x); });
   after_scores();
   __syncthreads();  // the scores' diagonal blocks read Q until here
-  for (int idx = threadIdx.x; idx < kBT * Kp; idx += kThreads) {
-    const int i = idx / Kp, d = idx - i * Kp;
-    Qs[i * L.ldk + d] = from_f<T>(to_f(Qs[i * L.ldk + d]) * exp_t<T>(Gk[i * L.ldg + d]));
+  const int pieces = Kp / 8;  // eight keys per thread (16-byte rows)
+  for (int idx = threadIdx.x; idx < kBT * pieces; idx += kThreads) {
+    const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+    float x[8], g[8];
+    load8(Qs + i * L.ldk + d0, x);
+    load8f(Gk + i * L.ldg + d0, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] *= exp_t<T>(g[e]);
+    store8(Qs + i * L.ldk + d0, x);
   }
 }
 

@@ -1014,6 +1014,38 @@ def _assert_close(got, other, want, tol_other, tol_want, what):
         assert err < tol_want, f"{name}: vs the fp64 reference {err:.2e}"
 
 
+@pytest.mark.parametrize("tier", ["tiled", "fused"])
+def test_kda_scores_diagonal_blocks_on_both_paths(tier, monkeypatch):
+    """bf16 kda's decayed scores (cuda/tiled/kda_scores.cuh): a diagonal 16 x 16 block goes through the tensor
+    cores where its decay over 15 tokens keeps the scaled keys in range, element by element where it does not.
+    Gates that put both kinds of block in one call (make_problem's mild ones, and every third block of 16 tokens
+    decaying by 8 per token: 120 over the block): o, ht and every gradient (the backward's stage B0 shares the
+    scores) against the fp64 reference, finite."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    if tier == "fused" and (not _core.cuda_supports("kda", "fused", False)
+                            or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("the fused tier runs on compute capability 9.0")
+    s = _Switched("kda", torch.bfloat16, [0, 1, 100, 300], seed=41, rng_seed=5)
+    tokens = s.t["g"].shape[1]
+    steep = (torch.arange(tokens, device="cuda") // 16) % 3 == 1
+    s.t["g"][:, steep] = -8.0
+    s.p["g"] = s.t["g"].double().cpu().numpy()
+    _poison_cache(64 << 20)
+    x = {n: v.clone().requires_grad_(True) for n, v in s.t.items()}
+    h = s.h0.clone().requires_grad_(True)
+    o, ht = _call("kda", x, initial_state=h, output_final_state=True, cu_seqlens=s.cu, backend=tier)
+    ((o.float() * s.do.float()).sum() + (ht * s.dht).sum()).backward()
+    torch.cuda.synchronize()
+    got = {"o": o.detach(), "ht": ht.detach(), "dh0": h.grad, **{"d" + n: x[n].grad for n in s.names}}
+    want = s.reference()
+    for name, value in got.items():
+        assert torch.isfinite(value).all(), name
+        err = rel_err(value.double().cpu().numpy(), np.asarray(want[name]))
+        assert err < TOL[torch.bfloat16], f"{name}: {err:.2e} against the fp64 reference"
+
+
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_wgmma_wy_stage_matches_the_mma_sync_one(variant, dtype, monkeypatch):
