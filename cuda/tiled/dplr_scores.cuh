@@ -7,8 +7,8 @@
 //   A_ab(i, j) = sum_d a_id b_jd e^(Gp_id - G_jd)    j < i        A_ak: the same with k for b
 //   P_qk(i, j) = sum_d q_id k_jd e^(G_id  - G_jd)    j <= i       P_qb: the same with b for k
 //
-// i.e. P(i, j) = sum_d X_id Y_jd e^(Gl_id - Gr_jd) with a "left" and a "right" cumulative gate. As in
-// kda_scores.cuh (whose scheme this is, with Gl and Gr separate), the decay cannot leave the dot product
+// i.e. P(i, j) = sum_d X_id Y_jd e^(Gl_id - Gr_jd) with a "left" and a "right" cumulative gate, which
+// kda_scores.cuh's decayed_scores computes (kda is the case Gl = Gr). The decay cannot leave the dot product
 // and e^-G overflows, so the 64 x 64 lower triangle is cut into 16 x 16 blocks:
 //
 //   off-diagonal block (a, b < a), reference row r = 16 a:
@@ -40,75 +40,12 @@ namespace deltacp::cuda::tiled {
 // are not written. X, Y: 64 x Kp tiles (ld), zero past len. Gl, Gr: 64 rows of Kp fp32 (ldg; they may be
 // the same array or one row apart). Xr (16 x ld), Yr (48 x ld): scratch, contiguous or not. Called by all
 // NThreads threads of the block (4 warps or more: warps 0..3 own the diagonal blocks); contains
-// __syncthreads, and ends with one.
+// __syncthreads, and ends with one. kda_scores.cuh's decayed_scores does it (with 48 rows of Yr the diagonal
+// blocks go element by element).
 template <class T, int NThreads, class Write>
 __device__ void dplr_scores(const T* X, const T* Y, int ld, const float* Gl, const float* Gr, int ldg, T* Xr, T* Yr,
                             int Kp, int len, bool inclusive, Write write) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  for (int a = 1; a < 4; ++a) {
-    const int r = 16 * a;
-    const bool active = r < len;  // uniform over the block
-    if (active) {
-      const float* Glr = Gl + r * ldg;
-      const int rows = r + 16;  // Yr: rows [0, r); Xr: rows [r, r + 16)
-      for (int idx = tid; idx < rows * Kp; idx += NThreads) {
-        const int i = idx / Kp, d = idx - i * Kp;
-        if (i < r) {
-          Yr[i * ld + d] = from_f<T>(to_f(Y[i * ld + d]) * exp_t<T>(Glr[d] - Gr[i * ldg + d]));
-        } else {
-          Xr[(i - r) * ld + d] = from_f<T>(to_f(X[i * ld + d]) * exp_t<T>(Gl[i * ldg + d] - Glr[d]));
-        }
-      }
-    }
-    __syncthreads();
-    if (warp < a) {  // warp w: block (a, w)
-      float acc[1][2][4];
-      zero_acc(acc);
-      if (active) warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xr, ld, 0, Yr, ld, 16 * warp, 0, Kp);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) write(r + acc_row(0, e), 16 * warp + acc_col(nt, e), acc[0][nt][e]);
-    }
-    __syncthreads();
-  }
-  // Diagonal blocks: warp a < 4 owns block (a, a). Lane: row i = 16 a + (lane % 16), half the d range.
-  if (warp < 4) {
-    const int a = warp, il = lane & 15, half = lane >> 4;
-    const int i = 16 * a + il;
-    const bool active = 16 * a < len;  // uniform over the warp
-    float part[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) part[j] = 0.f;
-    if (active) {
-      const int dh = Kp / 2;  // a multiple of 8
-      for (int d0 = half * dh; d0 < (half + 1) * dh; d0 += 8) {
-        float xi[8], gi[8];
-        load8(X + i * ld + d0, xi);
-        load8f(Gl + i * ldg + d0, gi);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int jj = 16 * a + j;
-          const bool lower = inclusive ? (j <= il) : (j < il);
-          float yj[8], gj[8];
-          load8(Y + jj * ld + d0, yj);
-          load8f(Gr + jj * ldg + d0, gj);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) part[j] = fmaf(xi[e] * yj[e], exp_t<T>(lower ? gi[e] - gj[e] : 0.f), part[j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 16; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], 16);
-    if (half == 0) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const bool lower = inclusive ? (j <= il) : (j < il);
-        write(i, 16 * a + j, (active && lower) ? part[j] : 0.f);
-      }
-    }
-  }
-  __syncthreads();
+  decayed_scores<T, NThreads>(X, Y, ld, Gl, Gr, ldg, Xr, Yr, /*y_rows=*/48, Kp, len, inclusive, write);
 }
 
 }  // namespace deltacp::cuda::tiled

@@ -1,5 +1,6 @@
-// cuda/tiled/kda_scores.cuh — kda's decay-masked chunk scores on the tensor cores, shared by the forward's
-// wy and output stages (tiled_fwd.cu) and the backward's stage B0 (bwd_dv_local.cuh).
+// cuda/tiled/kda_scores.cuh — decay-masked chunk scores on the tensor cores: kda's, shared by the forward's
+// wy and output stages (tiled_fwd.cu) and the backward's stage B0 (bwd_dv_local.cuh), and DPLR's
+// (dplr_scores.cuh: a left and a right gate, decayed_scores below).
 //
 // With a decay per key column, P_ij = sum_d X_id Y_jd e^(G_id - G_jd) cannot pull the decay out of the dot
 // product, and e^-G overflows. kda_scores cuts the 64 x 64 lower triangle into 16 x 16 blocks: an
@@ -90,21 +91,24 @@ __device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G
   }
 }
 
-// kda decayed scores of one chunk (see the file comment):
-//   P(i, j) = sum_d X[i][d] Y[j][d] e^(G[i][d] - G[j][d])   for j < i (j <= i when `inclusive`)
-// handed to write(i, j, value) for every (i, j) of the 16 x 16 blocks on or below the block
-// diagonal (value 0 above the diagonal inside diagonal blocks, and for row blocks at or past len).
-// X, Y: 64 x Kp tiles (ld), zero past len. Gk: 64 x Kp fp32 (ldg). Xr (16 x ld), Yr (kda_scores_y_rows x ld):
-// scratch. Rows of X, Y, Xr, Yr and Gk 16-byte aligned (8 keys per thread). Called by all NThreads threads of the block (4 warps or more: warps 0..3 own the diagonal
-// blocks); contains __syncthreads.
+// The decayed scores of one chunk (see the file comment), with a "left" and a "right" cumulative gate:
+//   P(i, j) = sum_d X[i][d] Y[j][d] e^(Gl[i][d] - Gr[j][d])   for j < i (j <= i when `inclusive`)
+// (kda: Gl = Gr = G; dplr_scores.cuh: Gl = G or its row before), handed to write(i, j, value) for every (i, j)
+// of the 16 x 16 blocks on or below the block diagonal (value 0 above the diagonal inside diagonal blocks, and
+// for row blocks at or past len); blocks above the block diagonal are not written. X, Y: 64 x Kp tiles (ld),
+// zero past len. Gl, Gr: 64 rows of Kp fp32 (ldg; the same array or one row apart; rows past len repeat the
+// last valid one), non-increasing down the chunk and Gl_r <= Gr_j for j < r. Xr (16 x ld), Yr (y_rows x ld):
+// scratch; the diagonal blocks use the tensor cores only with y_rows >= 64 (bf16). Rows of X, Y, Xr, Yr, Gl and
+// Gr 16-byte aligned (8 keys per thread). Called by all NThreads threads of the block (4 warps or more: warps
+// 0..3 own the diagonal blocks); contains __syncthreads, and ends with one.
 template <class T, int NThreads, class Write>
-__device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
-                           bool inclusive, Write write) {
-  constexpr bool kTensorDiag = std::is_same<T, __nv_bfloat16>::value;
+__device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, const float* Gr, int ldg, T* Xr,
+                               T* Yr, int y_rows, int Kp, int len, bool inclusive, Write write) {
+  const bool diag_tc = std::is_same<T, __nv_bfloat16>::value && y_rows >= 64;  // uniform
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   unsigned diag_done = 0;  // bit a: block (a, a) done on the tensor cores (uniform over the block)
   // Off-diagonal blocks (a, b < a) through the reference row r = 16 a; bf16: block (a, a) too where it may.
-  for (int a = kTensorDiag ? 0 : 1; a < 4; ++a) {
+  for (int a = diag_tc ? 0 : 1; a < 4; ++a) {
     const int r = 16 * a;
     const bool active = r < len;  // uniform over the block
     // Yr: rows [0, r) (and the diagonal block's rows [r, r + 16)); Xr: rows [r, r + 16)
@@ -112,15 +116,15 @@ __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int 
     if (active) {
       // Eight keys per thread (16-byte rows): the element-by-element loop, with an integer division per
       // element, took half the mma.sync WY stage's time (Nsight Compute, H100, kda (2,16384,16,128)).
-      const float* Gr = Gk + r * ldg;
-      const int yrows = kTensorDiag ? r + 16 : r, rows = yrows + 16, pieces = Kp / 8;
+      const float* Glr = Gl + r * ldg;
+      const int yrows = diag_tc ? r + 16 : r, rows = yrows + 16, pieces = Kp / 8;
       for (int idx = tid; idx < rows * pieces; idx += NThreads) {
         const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
         float x[8], g[8], gr[8];
-        load8f(Gr + d0, gr);
+        load8f(Glr + d0, gr);
         if (i < yrows) {
           load8(Y + i * ld + d0, x);
-          load8f(Gk + i * ldg + d0, g);
+          load8f(Gr + i * ldg + d0, g);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const float ex = gr[e] - g[e];
@@ -131,7 +135,7 @@ __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int 
         } else {
           const int xi = r + i - yrows;
           load8(X + xi * ld + d0, x);
-          load8f(Gk + xi * ldg + d0, g);
+          load8f(Gl + xi * ldg + d0, g);
 #pragma unroll
           for (int e = 0; e < 8; ++e) x[e] *= exp_t<T>(g[e] - gr[e]);
           store8(Xr + (xi - r) * ld + d0, x);
@@ -141,7 +145,7 @@ __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int 
     // The barrier after the scaling (every thread, every iteration), and whether block (a, a) may run on the
     // tensor cores.
     const bool any_wide = __syncthreads_or(too_wide);
-    const bool tensor_diag = kTensorDiag && active && !any_wide;
+    const bool tensor_diag = diag_tc && active && !any_wide;
     if (warp < a) {  // warp w: block (a, w)
       float acc[1][2][4];
       zero_acc(acc);
@@ -179,14 +183,14 @@ __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int 
       for (int d0 = half * dh; d0 < (half + 1) * dh; d0 += 8) {
         float xi[8], gi[8];
         load8(X + i * ld + d0, xi);
-        load8f(Gk + i * ldg + d0, gi);
+        load8f(Gl + i * ldg + d0, gi);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const int jj = 16 * a + j;
           const bool lower = inclusive ? (j <= il) : (j < il);
           float yj[8], gj[8];
           load8(Y + jj * ld + d0, yj);
-          load8f(Gk + jj * ldg + d0, gj);
+          load8f(Gr + jj * ldg + d0, gj);
 #pragma unroll
           for (int e = 0; e < 8; ++e) part[j] = fmaf(xi[e] * yj[e], exp_t<T>(lower ? gi[e] - gj[e] : 0.f), part[j]);
         }
@@ -202,6 +206,14 @@ __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int 
       }
     }
   }
+  __syncthreads();
+}
+
+// kda's scores: the decay the same on both sides (Gl = Gr = Gk), Yr kda_scores_y_rows(sizeof(T)) rows.
+template <class T, int NThreads, class Write>
+__device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
+                           bool inclusive, Write write) {
+  decayed_scores<T, NThreads>(X, Y, ld, Gk, Gk, ldg, Xr, Yr, kda_scores_y_rows(sizeof(T)), Kp, len, inclusive, write);
 }
 
 }  // namespace deltacp::cuda::tiled
