@@ -191,9 +191,9 @@ bool supports(Variant v, Method tier, bool backward) {
 
 static void run_forward(const Params& p, Method tier);
 
-// qk_l2norm on a tier that does not fold it into its kernels (naive, tiled; the fused tier's kda, whose
-// token-parallel stages are the tiled tier's): q and k normalised into workspace (one pass each,
-// cuda/common/l2norm.cu, FLA's eps), then the tier runs on them.
+// qk_l2norm on a tier that does not fold it into its kernels (naive, tiled): q and k normalised into workspace
+// (one pass each, cuda/common/l2norm.cu, FLA's eps), then the tier runs on them. The fused tier normalises the
+// rows where it loads them (gdn, delta: the wgmma WY stage's row scales; kda: its two token-parallel kernels).
 static void run_forward_on_normalised(const Params& p, Method tier) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const int64_t rows = p.B * p.T * p.H;
@@ -218,7 +218,7 @@ static void run_forward(const Params& p, Method tier) {
   check_tier(tier, false);
   validate_on_gpu(p, tier, false, /*by_name=*/true);
   g_last_choice = TierChoice{tier, std::string("asked for by name")};
-  if (p.qk_l2norm && (tier != Method::fused || p.variant == Variant::kda)) return run_forward_on_normalised(p, tier);
+  if (p.qk_l2norm && tier != Method::fused) return run_forward_on_normalised(p, tier);
   switch (tier) {
     case Method::naive: naive_forward(p); return;
 #ifdef DELTACP_HAVE_TILED_FWD

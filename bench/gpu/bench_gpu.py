@@ -292,7 +292,7 @@ def main():
     ap.add_argument("--skip-naive-backward-above", type=int, default=4 * 2048 * 16,
                     help="skip the naive tier's fwd+bwd when B*T*H exceeds this (it is a token loop)")
     ap.add_argument("--shapes", default=None,
-                    help="B,T,H,D shapes to time, ';'-separated (default: anchors.md's four)")
+                    help="B,T,H,D shapes to time, ';'-separated (default: the four shapes of SHAPES below the imports)")
     ap.add_argument("--plain-call", action="store_true",
                     help="time both sides without FLA's benchmark keywords (FLA_BENCH_KWARGS: in-kernel l2 norm, "
                          "KDA's safe gate)")

@@ -33,9 +33,10 @@
 // Numerics: the tiled tier's roundings (S, Vn, P to 16 bits for the products, fp32 accumulation, fp32
 // state), so the fused forward agrees with the tiled one to bf16 rounding and with fp64 within 1e-2.
 //
-// kda (a decay per key): the token-parallel stage is the tiled tier's cumsum and WY stage (W, U and K e^(G_n - G),
-// mma.sync) and kda_chain_operands_kernel (P and Q e^G, the output stage's operands); the chain runs its kda
-// mode on them (fused_chain.cuh). qk_l2norm is applied before (cuda/dispatch.cu normalises q and k).
+// kda (a decay per key): the token-parallel stage is the tiled tier's WY stage (W, U and K e^(G_n - G),
+// mma.sync) and kda_chain_operands_kernel (P and Q e^G, the output stage's operands), each summing the gate
+// within the chunk and l2-normalising q, k in shared memory (launch_kda_fused_prepare); the chain runs its kda
+// mode on them (fused_chain.cuh).
 //
 // Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128; q, k, v, o 16-byte aligned rows with positive
 // strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
@@ -54,11 +55,12 @@
 // 88 KB per chunk and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back:
 // a kernel that keeps W, U and P on chip (the WY work of the next chunk done by a warpgroup of the chain's
 // CTA) is what would remove those bytes.
-// kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.33 ms = the WY stage 0.96 +
-// kda_chain_operands_kernel 0.74 + chain 0.41 + cumsum 0.22, against the tiled tier's 2.66 (its output stage
-// 0.98 and state scan 0.50 in place of the operands and the chain); end to end 2.94 ms with the in-kernel l2
-// norm against FLA's 2.27 (docs/perf.md). The chain is as fast as gdn's; the two token-parallel kernels, on
-// mma.sync, are what is left to move to wgmma.
+// kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.17 ms = the WY stage 0.99 +
+// kda_chain_operands_kernel 0.76 + chain 0.41 (the gate summed and q, k normalised inside the first two: the
+// cumsum kernel's 0.22 ms and the l2 norm's pass over q and k are gone), against the tiled tier's 2.66 (its
+// output stage 0.98 and state scan 0.50 in place of the operands and the chain); end to end 2.36 ms with the
+// in-kernel l2 norm (2.18 without), against FLA's 2.27 (docs/perf.md). The chain is as fast as gdn's; the two
+// token-parallel kernels, on mma.sync, are what is left to move to wgmma.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -218,14 +220,14 @@ WindowBuffers carve_window_buffers(char* at, const Params& p) {
 
 // The token-parallel stage of a window: G = cumsum g, then W, U, P (and the row scales) by the wgmma WY stage;
 // kda: W, U and K e^(G_n - G) by the tiled tier's WY stage, P and Q e^G by kda_chain_operands_kernel (both
-// read the gates per key, which the wgmma WY stage does not implement).
+// read the gates per key, which the wgmma WY stage does not implement), each summing the gate within the chunk
+// and normalising q, k itself (no cumsum or l2-norm pass; only G's last rows are written).
 void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffers& b, cudaStream_t stream) {
-  tiled::launch_chunk_cumsum(p, table, b.G, stream);
   if (p.variant == Variant::kda) {
-    tiled::launch_chunk_wy(p, table, b.G, b.W, b.U, b.Kd, /*Tinv=*/nullptr, stream);
-    tiled::launch_kda_chain_operands(p, table, b.G, b.P, b.Qg, stream);
+    tiled::launch_kda_fused_prepare(p, table, b.G, b.W, b.U, b.Kd, b.P, b.Qg, stream);
     return;
   }
+  tiled::launch_chunk_cumsum(p, table, b.G, stream);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (tiled::kIs16Bit<T>)

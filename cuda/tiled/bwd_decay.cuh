@@ -30,7 +30,9 @@
 // Earlier (H100, bf16, (2, 16384, 16, 128), torch.profiler, 2026-11-23): gdn 1.08 ms (1.64 when
 // dG travelled as an [R, HV, K] workspace and one CTA of 96 accumulator registers a thread filled an SM; 3.44
 // ms on H200 with four block GEMMs each with a read-modify-write epilogue); kda 2.98 ms (8.35 element
-// by element).
+// by element). kda, H100, (2, 16384, 16, 128), 2026-11-27: 3.08 -> 1.82 ms with the operands scaled eight keys
+// per thread, dP and dA converted four at a time, and B2's / B3's parts read before the diagonal sums (each
+// read had waited for the previous row's stores: 48 memory latencies per (block, key column) task).
 #pragma once
 
 #include "bwd_common.cuh"
@@ -275,32 +277,61 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
   if (tid < kRows) betas[tid] = tid < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
   cp_async_wait<0>();
   __syncthreads();
-  // The 16-bit operands dP, dA, diag(beta) dA, and the diagonal blocks of dP and dA in fp32.
-  for (int e = tid; e < kRows * kRows; e += kThreads) {
-    const int i = e / kRows, j = e % kRows;
-    const float dp = dPs[i * PA + j], da = dAs[i * PA + j];
-    Mp[i * P64 + j] = from_f<Op>(dp);
-    Ma[i * P64 + j] = from_f<Op>(da);
-    Mb[i * P64 + j] = from_f<Op>(betas[i] * da);
-    if ((i >> 4) == (j >> 4)) {
-      dPd[(i >> 4) * 16 * PD + (i & 15) * PD + (j & 15)] = dp;
-      dAd[(i >> 4) * 16 * PD + (i & 15) * PD + (j & 15)] = da;
+  // The 16-bit operands dP, dA, diag(beta) dA, and the diagonal blocks of dP and dA in fp32: four elements per
+  // thread (float4 rows of the staging; a quad never straddles a 16-column block).
+  for (int e = tid; e < kRows * kRows / 4; e += kThreads) {
+    const int i = e / (kRows / 4), j0 = 4 * (e % (kRows / 4));
+    const float4 p4 = *reinterpret_cast<const float4*>(dPs + i * PA + j0);
+    const float4 a4 = *reinterpret_cast<const float4*>(dAs + i * PA + j0);
+    const float dp[4] = {p4.x, p4.y, p4.z, p4.w}, da[4] = {a4.x, a4.y, a4.z, a4.w}, b = betas[i];
+#pragma unroll
+    for (int h = 0; h < 4; h += 2) {
+      store_pair(Mp + i * P64 + j0 + h, dp[h], dp[h + 1]);
+      store_pair(Ma + i * P64 + j0 + h, da[h], da[h + 1]);
+      store_pair(Mb + i * P64 + j0 + h, b * da[h], b * da[h + 1]);
+    }
+    if ((i >> 4) == (j0 >> 4)) {
+      float* pd = dPd + (i >> 4) * 16 * PD + (i & 15) * PD + (j0 & 15);
+      float* ad = dAd + (i >> 4) * 16 * PD + (i & 15) * PD + (j0 & 15);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) pd[h] = dp[h], ad[h] = da[h];
     }
   }
   __syncthreads();  // the staging of dP and dA is free for the operands
-  // Kr of row blocks 1..3 and Qs, Ks of column blocks 0..2 (operand row o; blocks wholly past len skipped).
-  for (int e = tid; e < L.kOperandRows * KP; e += kThreads) {
-    const int o = e / KP, d = e % KP;
+  // Kr of row blocks 1..3 and Qs, Ks of column blocks 0..2 (operand row o; blocks wholly past len skipped), eight
+  // keys per thread (16-byte rows): element by element this loop held a fifth of the stage's warp samples
+  // (Nsight Compute, H100, kda (2,16384,16,128)).
+  constexpr int kPieces = KP / 8;
+  for (int e = tid; e < L.kOperandRows * kPieces; e += kThreads) {
+    const int o = e / kPieces, d0 = 8 * (e % kPieces);
     {  // Kr: o = 8 a (a - 1) + j, j < r = 16 a
       const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - L.kr_row0(blk), r = 16 * blk;
-      if (r < len) Kr[o * PK + d] = from_f<Op>(to_f(ks[j * PK + d]) * exp_t<Op>(Gs[r * PG + d] - Gs[j * PG + d]));
+      if (r < len) {
+        float x[8], gj[8], gr[8];
+        load8(ks + j * PK + d0, x);
+        load8f(Gs + j * PG + d0, gj);
+        load8f(Gs + r * PG + d0, gr);
+#pragma unroll
+        for (int h = 0; h < 8; ++h) x[h] *= exp_t<Op>(gr[h] - gj[h]);
+        store8(Kr + o * PK + d0, x);
+      }
     }
     {  // Qs, Ks: o = 48 b - 8 b (b - 1) + (i - s), i >= s = 16 (b + 1)
       const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), s = 16 * (blk + 1), i = s + o - L.qs_row0(blk);
       if (s < len) {
-        const float E = exp_t<Op>(Gs[i * PG + d] - Gs[s * PG + d]);
-        Qs[o * PK + d] = from_f<Op>(to_f(qs[i * PK + d]) * E);
-        Ks[o * PK + d] = from_f<Op>(to_f(ks[i * PK + d]) * E);
+        float xq[8], xk[8], gi[8], gs[8];
+        load8(qs + i * PK + d0, xq);
+        load8(ks + i * PK + d0, xk);
+        load8f(Gs + i * PG + d0, gi);
+        load8f(Gs + s * PG + d0, gs);
+#pragma unroll
+        for (int h = 0; h < 8; ++h) {
+          const float E = exp_t<Op>(gi[h] - gs[h]);
+          xq[h] *= E;
+          xk[h] *= E;
+        }
+        store8(Qs + o * PK + d0, xq);
+        store8(Ks + o * PK + d0, xk);
       }
     }
   }
@@ -362,6 +393,20 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
       gv[i] = Gs[(m0 + i) * PG + d];
       yq[i] = yr[i] = yc[i] = 0.f;
     }
+    // B2's and B3's parts of dq, dk and dG for the block's 16 rows, read before the sums so that their latency
+    // passes under them: read in the epilogue, each waited for the previous row's stores (the compiler cannot
+    // tell the addresses apart), 48 memory latencies per task.
+    float wq[16], wk[16], wg[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      wq[i] = wk[i] = wg[i] = 0.f;
+      if (m0 + i < len && col) {
+        const int64_t o = ws_row(ch, m0 + i, a.HV, hv, a.K) + d;
+        wq[i] = a.dqw[o];
+        wk[i] = a.dkw[o];
+        wg[i] = a.dGw[o];
+      }
+    }
     const float* dPb = dPd + blk * 16 * PD;
     const float* dAb = dAd + blk * 16 * PD;
 #pragma unroll
@@ -385,8 +430,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
       float kyr = 0.f;
       if (row && col) {
         const int64_t o = ws_row(ch, r, a.HV, hv, a.K) + d;
-        const float nq = a.dqw[o] + Yq, nk = a.dkw[o] + (b * Yr + Yc);
-        dGs[r * PG + d] = a.dGw[o] + (qv[i] * Yq + b * kv[i] * Yr - kv[i] * Yc);
+        const float nq = wq[i] + Yq, nk = wk[i] + (b * Yr + Yc);
+        dGs[r * PG + d] = wg[i] + (qv[i] * Yq + b * kv[i] * Yr - kv[i] * Yc);
         kyr = kv[i] * Yr;
         if (final_out) {
           st<Op>(a.dq, off(a.dq, ch.batch, ch.t0 + r, hk) + d, nq);

@@ -21,7 +21,9 @@
 // Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 1.02 ms at (2, 16384, 16, 128), 1.58 at
 // (1, 8192, 96, 128); 1.15 and 1.80 when the epilogue read each of B2's dk pairs just before storing it (the
 // compiler kept every read behind the previous store). Earlier, with dT in fp32 shared memory and element-wise
-// loads and epilogues, 2.89 ms at (1, 32768, 16, 128) (H200).
+// loads and epilogues, 2.89 ms at (1, 32768, 16, 128) (H200). kda (H100, bf16, (2, 16384, 16, 128), 2026-11-27):
+// 2.40 -> 1.54 ms with dW and beta K e^G built eight keys per thread and kda's dk and dG pairs read before the
+// epilogue's stores (two passes of half the n-tiles), as gdn's dk already was.
 #pragma once
 
 #include "bwd_common.cuh"
@@ -200,16 +202,37 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
     if constexpr (PERKEY) return Gs[i * PG + d];
     return Gs[i];
   };
-  for (int e = tid; e < kRows * KP; e += kThreads) {  // consecutive threads, consecutive columns
-    const int i = e / KP, d = e % KP;
-    const bool ok = i < len && d < K;
-    dWop[i * PK + d] = ok ? static_cast<const Op*>(a.dW)[ws_row(ch, i, a.HV, hv, a.K) + d] : from_f<Op>(0.f);
-    float bx = 0.f;
-    if (ok) {
-      bx = betas[i] * to_f(ks[i * PK + d]);
-      if (a.gated) bx *= exp_t<Op>(G_of(i, d));
+  // Eight keys per thread (16-byte pieces of dW's rows where K and its pointer allow them): element by element,
+  // each a 2-byte global load and an exponential apart, this loop was a long serial stretch of kda's stage.
+  {
+    constexpr int kPieces = KP / 8;
+    const Op* dWg = static_cast<const Op*>(a.dW);
+    const bool dw_vec = K % 8 == 0 && reinterpret_cast<uintptr_t>(dWg) % 16 == 0;
+    for (int e = tid; e < kRows * kPieces; e += kThreads) {  // consecutive threads, consecutive pieces
+      const int i = e / kPieces, d0 = 8 * (e % kPieces);
+      float w[8], kx[8], gv[8];
+      const Op* src = dWg + ws_row(ch, i, a.HV, hv, a.K) + d0;
+      if (i < len && dw_vec && d0 + 8 <= K) {
+        load8(src, w);
+      } else {
+#pragma unroll
+        for (int h = 0; h < 8; ++h) w[h] = i < len && d0 + h < K ? to_f(src[h]) : 0.f;
+      }
+      store8(dWop + i * PK + d0, w);
+      load8(ks + i * PK + d0, kx);
+      if constexpr (PERKEY) {
+        load8f(Gs + i * PG + d0, gv);
+      } else {
+#pragma unroll
+        for (int h = 0; h < 8; ++h) gv[h] = G_of(i, d0 + h);
+      }
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const bool ok = i < len && d0 + h < K;
+        kx[h] = ok ? betas[i] * kx[h] * (a.gated ? exp_t<Op>(gv[h]) : 1.f) : 0.f;
+      }
+      store8(Bx + i * PK + d0, kx);
     }
-    Bx[i * PK + d] = from_f<Op>(bx);
   }
   __syncthreads();
   // dT += dW (beta X)^T; Z = T^T dW.
@@ -222,57 +245,63 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
   {
     const bool pairs = (K % 2) == 0;  // rows of the [R, HV, K] workspaces stay 8-byte aligned
     float s[2] = {0.f, 0.f}, gs[2] = {0.f, 0.f};  // per row: Z . X; gdn: dG summed over this lane's columns
-    // B2's dk (gdn, delta: K even), read all at once before any store: in the loop below each read waited for
-    // the previous element's store (the compiler cannot tell the addresses apart), one memory latency each.
-    float2 wk[NTK][2];
-    if constexpr (!PERKEY) {
+    // B2's dk (and kda's dG) pairs (K even), read before any store of their pass: in the loop below each read
+    // waited for the previous element's store (the compiler cannot tell the addresses apart), one memory
+    // latency each. kda reads two workspaces, so it goes in two passes of half the n-tiles (register budget).
+    constexpr int kPasses = PERKEY ? 2 : 1, NQ = NTK / kPasses;
 #pragma unroll
-      for (int nt = 0; nt < NTK; ++nt)
+    for (int pass = 0; pass < kPasses; ++pass) {
+      float2 wk[NQ][2], wg[NQ][2];
+#pragma unroll
+      for (int q = 0; q < NQ; ++q)
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = m0 + acc_row(0, 2 * h2), d = half * (KP / 2) + acc_col(pass * NQ + q, 0);
+          wk[q][h2] = wg[q][h2] = make_float2(0.f, 0.f);
+          if (pairs && i < len && d < K) {
+            const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
+            wk[q][h2] = *reinterpret_cast<const float2*>(a.dkw + o);
+            if constexpr (PERKEY) wg[q][h2] = *reinterpret_cast<const float2*>(a.dGw + o);
+          }
+        }
+#pragma unroll
+      for (int q = 0; q < NQ; ++q)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int nt = pass * NQ + q;
           const int i = m0 + acc_row(0, 2 * h2), d = half * (KP / 2) + acc_col(nt, 0);
-          wk[nt][h2] = pairs && i < len && d < K ? *reinterpret_cast<const float2*>(a.dkw + ws_row(ch, i, a.HV, hv, a.K) + d)
-                                                 : make_float2(0.f, 0.f);
+          if (i >= len || d >= K) continue;
+          const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
+          float dk[2], dg[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float zz = z[0][nt][2 * h2 + j];
+            const float gam = (a.gated && d + j < K) ? exp_t<Op>(G_of(i, d + j)) : 1.f;
+            const float x = d + j < K ? to_f(ks[i * PK + d + j]) * gam : 0.f;
+            dk[j] = betas[i] * zz * gam;
+            dg[j] = betas[i] * zz * x;
+            s[h2] += zz * x;
+          }
+          if (pairs) {
+            const float2 w = wk[q][h2];
+            *reinterpret_cast<float2*>(a.dkw + o) = make_float2(w.x + dk[0], w.y + dk[1]);
+            if constexpr (PERKEY) {
+              const float2 u = wg[q][h2];
+              *reinterpret_cast<float2*>(a.dGw + o) = make_float2(u.x + dg[0], u.y + dg[1]);
+            } else {
+              gs[h2] += dg[0] + dg[1];
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+              if (d + j < K) {
+                a.dkw[o + j] += dk[j];
+                if constexpr (PERKEY) a.dGw[o + j] += dg[j];
+                else gs[h2] += dg[j];
+              }
+          }
         }
     }
-#pragma unroll
-    for (int nt = 0; nt < NTK; ++nt)
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int i = m0 + acc_row(0, 2 * h2), d = half * (KP / 2) + acc_col(nt, 0);
-        if (i >= len || d >= K) continue;
-        const int64_t o = ws_row(ch, i, a.HV, hv, a.K) + d;
-        float dk[2], dg[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float zz = z[0][nt][2 * h2 + j];
-          const float gam = (a.gated && d + j < K) ? exp_t<Op>(G_of(i, d + j)) : 1.f;
-          const float x = d + j < K ? to_f(ks[i * PK + d + j]) * gam : 0.f;
-          dk[j] = betas[i] * zz * gam;
-          dg[j] = betas[i] * zz * x;
-          s[h2] += zz * x;
-        }
-        if (pairs) {
-          float2* pk = reinterpret_cast<float2*>(a.dkw + o);
-          const float2 w = PERKEY ? *pk : wk[nt][h2];
-          *pk = make_float2(w.x + dk[0], w.y + dk[1]);
-          if constexpr (PERKEY) {
-            float2* pg = reinterpret_cast<float2*>(a.dGw + o);
-            float2 u = *pg;
-            *pg = make_float2(u.x + dg[0], u.y + dg[1]);
-          } else {
-            gs[h2] += dg[0] + dg[1];
-          }
-        } else {
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            if (d + j < K) {
-              a.dkw[o + j] += dk[j];
-              if constexpr (PERKEY) a.dGw[o + j] += dg[j];
-              else gs[h2] += dg[j];
-            }
-        }
-      }
     add_rows(s[0], s[1]);
     if constexpr (!PERKEY) {  // gdn: the four lanes of a row, then lane 4 g writes this half's sum
 #pragma unroll

@@ -60,9 +60,10 @@
 // Registers (nvcc 13 --resource-usage, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at
 // 16 bits, 207-214 at fp32; dk 128 / 128 at 16 bits, 250 / 236 at fp32. Kernels 1-4 as in dplr_fwd.cu.
 // Speed (NVIDIA H200, bf16, bench/gpu/bench_dplr.py, 2026-11-25): forward + backward 13.8 ms at (4,4096,32,64),
-// 14.2 at (2,8192,32,64): 0.40 and 0.42x the speed of FLA's faster configuration (5.53, 6.04 ms). Kernel time at
-// (2,8192,32,64): kernel 6 (dk) 5.53 ms, the two wy launches 4.72, the output stage 2.23, kernel 5 (dv) 0.56, the
-// reverse scan 0.47, the forward scan 0.75. This is the straightforward first version: kernel 5 passes over the
+// 14.2 at (2,8192,32,64): 0.40 and 0.42x the speed of FLA's faster configuration (5.53, 6.04 ms); NVIDIA H100,
+// 2026-11-27, with the shared decayed-scores function: 12.5 and 13.0 ms, 0.49 and 0.51x (FLA 6.19, 6.61). Kernel
+// time at (2,8192,32,64) (H200, before that): kernel 6 (dk) 5.53 ms, the two wy launches 4.72, the output stage
+// 2.23, kernel 5 (dv) 0.56, the reverse scan 0.47, the forward scan 0.75. This is the straightforward first version: kernel 5 passes over the
 // value blocks twice (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads
 // every value tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a chunk are
 // neighbours in the grid); the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T, A_ak,

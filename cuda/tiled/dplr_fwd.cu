@@ -91,7 +91,9 @@
 // KP 128 on sm_90a).
 // Speed (NVIDIA H200, bf16, bench/gpu/bench_dplr.py beside FLA's chunk_dplr_delta_rule, 2026-11-25): forward
 // 3.75 ms at (4,4096,32,64), 3.91 at (2,8192,32,64), 7.17 at (1,16384,16,128): 0.44, 0.47 and 0.36x the speed of
-// FLA's faster configuration (chunk 64 with safe_gate: 1.64, 1.83, 2.57 ms). Kernel time of one forward +
+// FLA's faster configuration (chunk 64 with safe_gate: 1.64, 1.83, 2.57 ms). With the scores' rescaling eight keys
+// per thread (decayed_scores, shared with kda; NVIDIA H100, same harness, 2026-11-27): 3.15, 3.25 and 5.67 ms,
+// 0.58, 0.63 and 0.49x (FLA 1.84, 2.04, 2.80). Kernel time of one forward +
 // backward at (2,8192,32,64) (torch.profiler, 14.27 ms in all): this file's wy stage 4.72 ms for its two launches
 // (the forward and the backward's recompute), 76 us per (chunk, head) CTA at two CTAs per SM; the output stage
 // 2.23; the scan 0.75. The wy stage is the first to redo: T's blocks are products of fp32 loops (not tensor

@@ -260,6 +260,41 @@ __device__ __forceinline__ void store_pair(T* p, float x0, float x1) {
   }
 }
 
+// Eight consecutive elements (shared or global; 16-byte aligned) as floats: the 16-byte pieces in which the
+// scaling loops of kda and DPLR go eight keys per thread.
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+  if constexpr (std::is_same<T, float>::value) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_f(e[i]);
+  }
+}
+__device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+// Eight floats stored as eight consecutive elements of T (shared or global; 16-byte aligned).
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
+  if constexpr (std::is_same<T, float>::value) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
+  } else {
+    uint4 u;
+    T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = from_f<T>(x[i]);
+    *reinterpret_cast<uint4*>(p) = u;
+  }
+}
+
 // ---- tile copies global <-> shared ------------------------------------------------------------
 // Copies a rows_total x cols_pad tile into shared memory (leading dimension lds): element (r, c)
 // = src[r * src_ld + c] for r < rows_valid and c < cols_valid, zero elsewhere. cols_pad must be a

@@ -197,9 +197,12 @@ void launch_compose_maps(const float* maps, int64_t P, int64_t HV, int64_t K, in
 void launch_chunk_output(const Params& p, const ChunkTable& table, const float* G, const void* h,
                          const void* v_new, cudaStream_t stream);
 
-// The fused forward's kda operands: P ([R, HV, 64], the output stage's decayed scores, zero above the diagonal)
-// and Q e^G ([R, HV, 128]), 16-bit, from G ([R, HV, K], stage 1). kda, 16-bit inputs, K = 128.
-void launch_kda_chain_operands(const Params& p, const ChunkTable& table, const float* G, void* P, void* Qg,
-                               cudaStream_t stream);
+// The fused forward's kda token-parallel stage, from the raw gate p.g (summed within each chunk in shared memory,
+// the bits of launch_chunk_cumsum: no G workspace pass) and q, k (l2-normalised in shared memory when
+// p.qk_l2norm): the WY stage's W, U and K e^(G_n - G) (chunk_wy_kernel), G's last row of every chunk into G_last
+// ([R, HV, K] fp32 rows: the only rows the chain and its pieces read), and P ([R, HV, 64], the output stage's
+// decayed scores, zero above the diagonal) and Q e^G ([R, HV, 128]), 16-bit. kda, 16-bit inputs, K = 128.
+void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
+                              void* P, void* Qg, cudaStream_t stream);
 
 }  // namespace deltacp::cuda::tiled

@@ -32,42 +32,6 @@ __host__ __device__ constexpr int kda_scores_y_rows(int esize) { return esize ==
 // The largest decay exponent G_r - G_j a diagonal block takes on the tensor cores (e^64 ~ 6e27).
 constexpr float kDiagExpMax = 64.f;
 
-// ---- small device helpers -------------------------------------------------------------------
-// Eight consecutive elements of a shared-memory row (16-byte aligned for T, 32 for float) as floats.
-template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
-  if constexpr (std::is_same<T, float>::value) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-  } else {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&u);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = to_f(e[i]);
-  }
-}
-__device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-}
-// Eight floats stored as eight consecutive elements of T (shared or global; 16-byte aligned for 16-bit T,
-// 32 for float).
-template <class T>
-__device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
-  if constexpr (std::is_same<T, float>::value) {
-    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
-    *reinterpret_cast<float4*>(p + 4) = make_float4(x[4], x[5], x[6], x[7]);
-  } else {
-    uint4 u;
-    T* e = reinterpret_cast<T*>(&u);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) e[i] = from_f<T>(x[i]);
-    *reinterpret_cast<uint4*>(p) = u;
-  }
-}
-
 // kda: Gk[i][d] (64 rows) = G[row min(i, len - 1)][d] for d < K, zero for K <= d < Kp, by cp.async in 16-byte pieces
 // where G's rows allow it (the caller commits and waits; ldg a multiple of 4). Element-by-element loads
 // here cost the kda wy and output stages a third of their time: each thread waited on 64 dependent global

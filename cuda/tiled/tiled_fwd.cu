@@ -50,13 +50,14 @@
 //          + 4 C^2 D (Q K^T, P Vn) = 10 C^2 D + 6 C D^2      D = 128: 11.5 MFLOP (180 kFLOP / token)
 //   bytes  stage 2: k, v in, W, U out (8 C D); stage 3: W, U, k in, Vn, h out (8 C D + 2 D^2);
 //          stage 4: q, k, Vn, h in, o out (8 C D + 2 D^2)  ->  24 C D + 4 D^2 = 262 kB (4.1 kB / token)
-//   At (1,8192,96,128) that is 3.2 GB: 0.76 ms at the 4.25 TB/s an H200 copies (anchors.md), 1.1 ms
-//   at ~3 TB/s on an H100; its 1.4e11 FLOPs are ~0.2-0.3 ms of mma.sync. So: memory-bound.
+//   At (1,8192,96,128) that is 3.2 GB: 0.76 ms at the 4.25 TB/s an H200 copies (bench_gpu.py's copy rate),
+//   1.1 ms at ~3 TB/s on an H100; its 1.4e11 FLOPs are ~0.2-0.3 ms of mma.sync. So: memory-bound.
 //
 // Kernels, dynamic shared memory (bf16, K = V = 128) and registers (nvcc 13.0 --resource-usage,
 // sm_90; the 16-bit paths spill at most a few bytes, up to ~100 B in the BV = 64 two-stage scan):
 //   chunk_cumsum_kernel       128 thr   0 KB                     32 regs
-//   chunk_wy_kernel           128 thr   74 KB (3 CTAs/SM)        72-80 regs   (kda 107 KB)
+//   chunk_wy_kernel           128 thr   74 KB (3 CTAs/SM)        72-80 regs   (kda 107 KB, 167 regs: the
+//                                       fused stage's row norms, 32 partial sums a thread)
 //   chunk_state_scan_kernel   256 thr   BV 32: 96 KB with two load stages (2 CTAs/SM); BV 64: 117 KB
 //                                       (1 CTA/SM); K <= 64 runs 128 threads       <= 128 regs
 //   chunk_output_kernel       128 thr   70.5 KB (3 CTAs/SM)      71-72 regs   (kda 103.5 KB)
@@ -84,7 +85,9 @@
 // scalings (kda_scores' rescaled rows, Kd and K e^G here, Q e^G in kda_output_operands), whose per-element
 // loops with an integer division each had half of the wy stage's warp samples (Nsight Compute), and bf16's
 // diagonal 16 x 16 blocks on the tensor cores: wy 1.97 -> 0.96 ms, output 1.85 -> 0.98 ms (H100, kernel time);
-// the kda forward 4.55 -> 2.66 ms of kernels.
+// the kda forward 4.55 -> 2.66 ms of kernels. As the fused forward's kda stage (launch_kda_fused_prepare) the wy
+// kernel and kda_chain_operands_kernel sum the gate themselves and normalise q, k where they load them: 0.99 and
+// 0.76 ms, against 0.96 + 0.74 + the cumsum's 0.22 (H100, (2,16384,16,128), kernel time, no l2 norm).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -136,6 +139,15 @@ struct FwdArgs {
   float scale = 1.f;
   bool has_gate = false;  // false for delta (G = 0)
   bool o_pairs = false;   // o rows allow 2-element stores (aligned base, even strides, V even)
+  // kda in the fused forward's token-parallel stage (launch_kda_fused_prepare): the gate read raw and summed
+  // within each chunk in shared memory (load_raw_gate, chunk_sum_gate) instead of from stage 1's G workspace:
+  // g in fp32 or in T (the one whose ptr is set), and G's last row of each chunk written to g_last ([R, HV, K]
+  // rows; the only rows the chain and its pieces read). qk_l2norm: q and k l2-normalised in shared memory.
+  DevRows<const float> g32;
+  DevRows<const T> g16;
+  float* g_last = nullptr;
+  bool qk_l2norm = false;
+  __host__ __device__ bool gate_in_kernel() const { return g32.ptr != nullptr || g16.ptr != nullptr; }
 };
 
 template <class T>
@@ -284,6 +296,97 @@ __device__ __forceinline__ void load_scalar_gate(float* g_s, float* eg_s, const 
   }
 }
 
+// kda with the gate summed in the kernel (FwdArgs::gate_in_kernel), in two steps around the barrier after the
+// chunk's loads. First the raw gate into Gk (fp32, zero past len and K): fp32 g by cp.async with the tiles (the
+// caller commits and waits), 16-bit g converted through registers, eight elements per 16-byte load.
+template <class T>
+__device__ __forceinline__ void load_raw_gate(float* Gk, int ldg, const FwdArgs<T>& args, const ChunkEntry& ce,
+                                              int64_t hv) {
+  const int len = static_cast<int>(ce.len), K = static_cast<int>(args.K), Kp = args.Kp;
+  if (args.g32.ptr != nullptr) {
+    const float* src = args.g32.at(ce.batch, ce.t0, hv);
+    load_tile(Gk, ldg, src, args.g32.st, len, kBT, K, Kp, vec_ok(src, args.g32.st));
+    return;
+  }
+  const T* src = args.g16.at(ce.batch, ce.t0, hv);
+  const bool vec = vec_ok(src, args.g16.st);
+  const int pieces = Kp / 8;
+  for (int idx = threadIdx.x; idx < kBT * pieces; idx += blockDim.x) {
+    const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+    const T* row = src + i * args.g16.st + d0;
+    float x[8];
+    if (i < len && vec && d0 + 8 <= K) {
+      load8(row, x);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = i < len && d0 + e < K ? to_f(row[e]) : 0.f;
+    }
+    store8(Gk + i * ldg + d0, x);
+  }
+}
+// Then, once it landed and a barrier made it visible, G in place: Gk[i][d] = g_0d + ... + g_id, summed in the
+// order chunk_cumsum_kernel sums (the same bits as stage 1's G); rows past len equal the last (their g is zero,
+// as load_key_gate repeats the last row). G's last row goes to args.g_last. One thread per key column, 16 rows
+// at a time. (Summing from global memory in registers cost the WY and operands kernels 0.12 ms each at
+// (2,16384,16,128) on an H100: four exposed load latencies a column.)
+template <class T>
+__device__ __forceinline__ void chunk_sum_gate(float* Gk, int ldg, const FwdArgs<T>& args, const ChunkEntry& ce,
+                                               int64_t hv) {
+  const int len = static_cast<int>(ce.len);
+  for (int d = threadIdx.x; d < args.Kp; d += blockDim.x) {
+    float acc = 0.f;
+#pragma unroll 1
+    for (int i0 = 0; i0 < kBT; i0 += 16) {
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = Gk[(i0 + i) * ldg + d];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        acc += x[i];
+        Gk[(i0 + i) * ldg + d] = acc;
+      }
+    }
+    if (d < args.K && args.g_last != nullptr) args.g_last[((ce.row0 + len - 1) * args.HV + hv) * args.K + d] = acc;
+  }
+}
+
+// qk_l2norm in shared memory for rows of 128 keys (the fused kda stage): each of the tile's 64 rows (ld apart)
+// times 1 / sqrt(|x|^2 + eps), rounded to T, with the arithmetic of cuda/common/l2norm.cu's kernel: there lane l
+// sums the squares of elements l, l + 32, l + 64, l + 96 in that order and a butterfly adds the 32 lane sums;
+// here one thread forms the same 32 sums from 16-byte pieces and adds them in the butterfly's tree, so the rows
+// get the bits that pass writes. Threads thread0 .. thread0 + 63 take a row each. (A warp per row, 16 rows a
+// warp in turn, cost 0.28 ms of the fused kda forward at (2,16384,16,128) on an H100.)
+template <class T>
+__device__ __forceinline__ void l2norm_rows_128(T* tile, int ld, int thread0) {
+  const int r = static_cast<int>(threadIdx.x) - thread0;
+  if (r < 0 || r >= kBT) return;
+  T* row = tile + r * ld;
+  float a[32];
+#pragma unroll
+  for (int l = 0; l < 32; ++l) a[l] = 0.f;
+#pragma unroll
+  for (int pc = 0; pc < 16; ++pc) {
+    float x[8];
+    load8(row + 8 * pc, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[(8 * pc + e) & 31] = fmaf(x[e], x[e], a[(8 * pc + e) & 31]);
+  }
+#pragma unroll
+  for (int step = 0; step < 5; ++step)  // o = 16, 8, 4, 2, 1 (constant trip counts: a[] stays in registers)
+#pragma unroll
+    for (int l = 0; l < 16; ++l)
+      if (l < (16 >> step)) a[l] += a[l + (16 >> step)];
+  const float rn = rsqrtf(a[0] + kQkL2normEps);
+#pragma unroll
+  for (int pc = 0; pc < 16; ++pc) {
+    float x[8];
+    load8(row + 8 * pc, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] *= rn;
+    store8(row + 8 * pc, x);
+  }
+}
+
 // ============================================================================================
 // Stage 1: G = within-chunk cumulative sum of g (fp32). One thread per (head, key dim) column,
 // sequential over the chunk's tokens; consecutive threads read consecutive columns.
@@ -343,7 +446,13 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   {
     const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
     load_tile(Ks, ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
-    if constexpr (kKda) load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);  // with K
+    if constexpr (kKda) {  // with K
+      if (args.gate_in_kernel()) {
+        load_raw_gate(Gk, L.ldg, args, ce, hv);
+      } else {
+        load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);
+      }
+    }
     cp_async_commit();
     const T* vsrc = args.v.at(ce.batch, ce.t0, hv);
     load_tile(Vs, ldv, vsrc, args.v.st, len, kBT, static_cast<int>(args.V), Vp, vec_ok(vsrc, args.v.st));
@@ -353,6 +462,12 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   if constexpr (!kKda) load_scalar_gate<T>(g_s, eg_s, G, ce.row0, HV, hv, len, args.has_gate);
   cp_async_wait<1>();  // the K tile and kda's gates (V may still be in flight)
   __syncthreads();
+  if constexpr (kKda) {  // the fused forward's kda stage (launch_kda_fused_prepare)
+    const bool sum_gate = args.gate_in_kernel();
+    if (sum_gate) chunk_sum_gate(Gk, L.ldg, args, ce, hv);
+    if (args.qk_l2norm) l2norm_rows_128(Ks, ldk, 0);  // Kp = 128 (launch_kda_fused_prepare)
+    if (sum_gate || args.qk_l2norm) __syncthreads();
+  }
 
   // ---- phase 1: A (strictly lower; row block a is written in columns < 16 (a + 1)) ----
   if constexpr (kKda) {
@@ -801,11 +916,12 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
 // ============================================================================================
 // The fused forward's kda operands (cuda/fused/fused_chain.cuh reads them by TMA): per (chunk, value head)
 // the output stage's P ([R, HV, 64] rows, 16-bit, zero above the diagonal) and Q e^G ([R, HV, Kp] rows,
-// 16-bit), the bits the output stage multiplies (kda_output_operands). 16-bit inputs, Kp = 128.
+// 16-bit), the bits the output stage multiplies (kda_output_operands). 16-bit inputs, Kp = 128. The gate is
+// summed here from g (args.gate_in_kernel()), and q, k l2-normalised here with args.qk_l2norm.
 // ============================================================================================
 template <class T>
-__global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T> args, const float* __restrict__ G,
-                                                                      T* __restrict__ P, T* __restrict__ Qg) {
+__global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T> args, T* __restrict__ P,
+                                                                      T* __restrict__ Qg) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int Kp = args.Kp;
   const OutLayout L = out_layout(Kp, sizeof(T), /*kda=*/true);
@@ -824,10 +940,16 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
     const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
     load_tile(Qs, L.ldk, qsrc, args.q.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(qsrc, args.q.st));
     load_tile(Ks, L.ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
-    load_key_gate(Gk, L.ldg, G, ce.row0, HV, hv, args.K, Kp, len);
+    load_raw_gate(Gk, L.ldg, args, ce, hv);
     cp_async_commit();
   }
   cp_async_wait<0>();
+  __syncthreads();
+  chunk_sum_gate(Gk, L.ldg, args, ce, hv);
+  if (args.qk_l2norm) {  // q's rows by threads 0..63, k's by 64..127
+    l2norm_rows_128(Qs, L.ldk, 0);
+    l2norm_rows_128(Ks, L.ldk, 64);
+  }
   __syncthreads();
   kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {});
   __syncthreads();
@@ -1163,24 +1285,42 @@ void launch_chunk_output(const Params& p, const ChunkTable& table, const float* 
   });
 }
 
-void launch_kda_chain_operands(const Params& p, const ChunkTable& table, const float* G, void* P, void* Qg,
-                               cudaStream_t stream) {
+void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
+                              void* P, void* Qg, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
   DELTACP_CHECK(p.variant == Variant::kda && padded_dim(p.K) == 128, "variant",
-                "expected kda with K = 128 for the fused forward's kda operands, got ", to_string(p.variant),
-                " with K = ", p.K);
+                "expected kda with K = 128 for the fused forward's kda stage, got ", to_string(p.variant), " with K = ",
+                p.K);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (kIs16Bit<T>) {
-      const FwdArgs<T> args = make_args<T>(p, table);
-      const OutLayout L = out_layout(args.Kp, sizeof(T), /*kda=*/true);
-      auto kernel = kda_chain_operands_kernel<T>;
-      prepare_smem(kernel, L.bytes, p, "kda operands of the fused chain");
+      FwdArgs<T> args = make_args<T>(p, table);
+      if (p.g_fp32) {
+        args.g32 = dev_rows<const float>(p.g);
+      } else {
+        args.g16 = dev_rows<const T>(p.g);
+      }
+      args.qk_l2norm = p.qk_l2norm;
       const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
-      kernel<<<grid, kThreads, L.bytes, stream>>>(args, G, static_cast<T*>(P), static_cast<T*>(Qg));
-      DELTACP_CUDA_CHECK_LAUNCH();
+      {  // W, U, K e^(G_n - G), and G's last rows
+        args.g_last = G_last;
+        const WyLayout L = wy_layout(args.Kp, args.Vp, sizeof(T), /*kda=*/true);
+        auto kernel = chunk_wy_kernel<T, true>;
+        prepare_smem(kernel, L.bytes, p, "A/T/W/U stage");
+        kernel<<<grid, kThreads, L.bytes, stream>>>(args, /*G=*/nullptr, static_cast<T*>(W), static_cast<T*>(U),
+                                                    static_cast<T*>(Kd), /*Tinv=*/nullptr);
+        DELTACP_CUDA_CHECK_LAUNCH();
+      }
+      {  // P, Q e^G
+        args.g_last = nullptr;
+        const OutLayout L = out_layout(args.Kp, sizeof(T), /*kda=*/true);
+        auto kernel = kda_chain_operands_kernel<T>;
+        prepare_smem(kernel, L.bytes, p, "kda operands of the fused chain");
+        kernel<<<grid, kThreads, L.bytes, stream>>>(args, static_cast<T*>(P), static_cast<T*>(Qg));
+        DELTACP_CUDA_CHECK_LAUNCH();
+      }
     } else {
-      throw_error("dtype", "expected bf16 or fp16 for the fused forward's kda operands, got ", to_string(p.dtype));
+      throw_error("dtype", "expected bf16 or fp16 for the fused forward's kda stage, got ", to_string(p.dtype));
     }
   });
 }

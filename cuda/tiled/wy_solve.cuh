@@ -14,7 +14,7 @@
 // it becomes a tensor-core operand.
 #pragma once
 
-#include "kda_scores.cuh"  // load8f
+#include "fwd_mma.cuh"  // load8f
 
 namespace deltacp::cuda::tiled {
 

@@ -238,7 +238,7 @@ def test_fused_in_kernel_l2norm(case, piece, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
 def test_in_kernel_l2norm_on_the_tiled_tier_normalises_first(variant):
-    """Where the kernels do not fold the norm in (the tiled tier; kda), the CUDA core normalises q and k into
+    """Where the kernels do not fold the norm in (the tiled tier), the CUDA core normalises q and k into
     workspace with the same one-pass kernel the torch op uses, so the answer is bitwise the torch path's."""
     if not deltacp.built_with_cuda():
         pytest.fail("a CUDA device is present but this build has no CUDA tiers")
@@ -253,6 +253,38 @@ def test_in_kernel_l2norm_on_the_tiled_tier_normalises_first(variant):
         o_pre, ht_pre = op(qn, kn, t["v"], t["g"], t["beta"], initial_state=h0, output_final_state=True,
                            backend="tiled")
     assert torch.equal(o, o_pre) and torch.equal(ht, ht_pre)
+
+
+@pytest.mark.parametrize("case", ["fixed", "grouped", "varlen"])
+@pytest.mark.parametrize("piece", [0, 100])
+@pytest.mark.parametrize("gate", ["fp32", "bf16"])
+def test_fused_kda_normalises_and_sums_the_gate_in_its_kernels(case, piece, gate, monkeypatch):
+    """kda's two token-parallel kernels l2-normalise q and k where they load them, with the one-pass kernel's
+    arithmetic (bit for bit the fused call on q, k normalised first), and sum the gate within each chunk
+    themselves (g in fp32 or bf16; only G's last rows reach the chain and, with pieces, its map mode): against
+    the tiled tier and the fp64 reference on the normalised inputs."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
+    B, T, H, HV, cu, with_h0 = CASES[case]
+    p = make_problem("kda", B=B, T=T or 0, H=H, HV=HV, K=128, V=128, cu_seqlens=cu, h0=with_h0, seed=29)
+    t, h0, cu_t = _tensors(p, "kda", torch.bfloat16)
+    if gate == "bf16":
+        t["g"] = t["g"].to(torch.bfloat16)
+    raw = _raw_qk(t)
+    _poison()
+    with torch.no_grad():
+        o, ht = _run("kda", t, h0, cu_t, "fused", q=raw["q"], k=raw["k"], use_qk_l2norm_in_kernel=True)
+        qn, kn = fla_options.l2norm(raw["q"]), fla_options.l2norm(raw["k"])
+        o_pre, ht_pre = _run("kda", t, h0, cu_t, "fused", q=qn, k=kn)
+        o_tiled, ht_tiled = _run("kda", t, h0, cu_t, "tiled", q=qn, k=kn)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert torch.equal(o, o_pre) and torch.equal(ht, ht_pre)
+    assert rel_err(o.double().cpu().numpy(), o_tiled.double().cpu().numpy()) < 5e-3
+    assert rel_err(ht.double().cpu().numpy(), ht_tiled.double().cpu().numpy()) < 5e-3
+    o_ref, ht_ref = _reference("kda", p, dict(t, q=qn, k=kn), h0)
+    assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
+    assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
 
 
 def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
