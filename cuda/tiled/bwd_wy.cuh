@@ -211,13 +211,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_wy_kernel(const Args a) {
     for (int e = tid; e < kRows * kPieces; e += kThreads) {  // consecutive threads, consecutive pieces
       const int i = e / kPieces, d0 = 8 * (e % kPieces);
       float w[8], kx[8], gv[8];
-      const Op* src = dWg + ws_row(ch, i, a.HV, hv, a.K) + d0;
-      if (i < len && dw_vec && d0 + 8 <= K) {
-        load8(src, w);
-      } else {
-#pragma unroll
-        for (int h = 0; h < 8; ++h) w[h] = i < len && d0 + h < K ? to_f(src[h]) : 0.f;
-      }
+      load8_upto(dWg + ws_row(ch, i, a.HV, hv, a.K) + d0, i < len ? K - d0 : 0, dw_vec, w);
       store8(dWop + i * PK + d0, w);
       load8(ks + i * PK + d0, kx);
       if constexpr (PERKEY) {

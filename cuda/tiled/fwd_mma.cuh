@@ -280,6 +280,17 @@ __device__ __forceinline__ void load8f(const float* p, float (&x)[8]) {
   const float4 b = *reinterpret_cast<const float4*>(p + 4);
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
+// Eight consecutive elements as floats where the first n exist (n <= 0: none), zeros past them: one 16-byte
+// load when all eight exist and `vec` says the piece is 16-byte aligned, element by element otherwise.
+template <class T>
+__device__ __forceinline__ void load8_upto(const T* p, int n, bool vec, float (&x)[8]) {
+  if (vec && n >= 8) {
+    load8(p, x);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) x[e] = e < n ? to_f(p[e]) : 0.f;
+}
 // Eight floats stored as eight consecutive elements of T (shared or global; 16-byte aligned).
 template <class T>
 __device__ __forceinline__ void store8(T* p, const float (&x)[8]) {

@@ -313,14 +313,8 @@ __device__ __forceinline__ void load_raw_gate(float* Gk, int ldg, const FwdArgs<
   const int pieces = Kp / 8;
   for (int idx = threadIdx.x; idx < kBT * pieces; idx += blockDim.x) {
     const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
-    const T* row = src + i * args.g16.st + d0;
     float x[8];
-    if (i < len && vec && d0 + 8 <= K) {
-      load8(row, x);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = i < len && d0 + e < K ? to_f(row[e]) : 0.f;
-    }
+    load8_upto(src + i * args.g16.st + d0, i < len ? K - d0 : 0, vec, x);
     store8(Gk + i * ldg + d0, x);
   }
 }
