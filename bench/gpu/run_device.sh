@@ -6,10 +6,10 @@
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too); on one GPU the checks run as 2 ranks
 #            sharing it over gloo, without the examples and the bench
-#   stages   bench/gpu/stage_times.py: CUDA time of each kernel of the tiled forward + backward (gdn, kda) at
-#            DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log; with DELTACP_STAGE_FUSED="0 4096 ..."
-#            the fused gdn forward's kernels instead, once per piece length (DELTACP_FUSED_PIECE; 0 = whole);
-#            with DELTACP_STAGE_ENVS="A=0 A=1,B=1 ..." the gdn forward (fused) + backward once per setting (the
+#   stages   bench/gpu/stage_times.py: CUDA time of each kernel of the tiled forward + backward (gdn, kda) and
+#            of kda's fused forward at DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log; with
+#            DELTACP_STAGE_FUSED="0 4096 ..." the fused gdn forward's kernels instead, once per piece length
+#            (DELTACP_FUSED_PIECE; 0 = whole); with DELTACP_STAGE_ENVS="A=0 A=1,B=1 ..." the gdn forward (fused) + backward once per setting (the
 #            comma-joined variables set for that run), e.g. a kernel switch off and on (DELTACP_STAGE_FWD=1: the
 #            forward alone, e.g. DELTACP_STAGE_ENVS="DELTACP_FUSED_WINDOW=512 DELTACP_FUSED_WINDOW=0")
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
@@ -145,6 +145,9 @@ if has stages; then  # where the tiled forward + backward spends its time, kerne
       timeout 120 python3 bench/gpu/stage_times.py --variant $variant --backward \
         --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" >>"$OUT/stages.log" 2>&1
     done
+    # kda's fused forward on its own (its token-parallel kernels differ from the tiled forward's above)
+    timeout 120 python3 bench/gpu/stage_times.py --variant kda --backend fused \
+      --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" >>"$OUT/stages.log" 2>&1
   fi
   say "stages: rc=$? in $(( $(date +%s) - t0 )) s"
   cat "$OUT/stages.log"
