@@ -1,7 +1,9 @@
 // cuda/tiled/bwd_dh_scan_wgmma.cuh — backward stage B1 (the reverse state-gradient scan) on Hopper:
 // dS in wgmma accumulators, every tile brought in by TMA. Launched instead of bwd_dh_scan_kernel
-// (bwd_dh_scan.cuh, the same algebra on mma.sync) where it applies: gdn and delta, bf16 / fp16,
-// K = V = 128, compute capability 9.0 (dh_scan_wgmma_refusal says why not).
+// (bwd_dh_scan.cuh, the same algebra on mma.sync) where it applies: gdn, delta and kda, bf16 / fp16,
+// K = V = 128, compute capability 9.0 (dh_scan_wgmma_refusal says why not). kda reads its gated tiles as the
+// mma.sync scan does: Kr = Kd (the forward's K e^(Gn - G)) and Q*Gam = Qg (stage B0's Q e^G) come by TMA in
+// place of k and q, the per-token factors below are 1, and dS' decays by e^(Gn_d) per key row d.
 //
 // Walking the chunks of one sequence from last to first, with dS' = dL/d(end state of the chunk) (dht, or 0,
 // for the last chunk), G the chunk's cumulative log decay and Gn its last value:
@@ -43,6 +45,8 @@
 // (4,4096,64,128) 0.697 with two (one: 0.94); (1,65536,8,128) 3.01 (16 CTAs x 1024 chunks: the few-heads
 // case, which pieces would spread over the GPU as the forward does). Before dVn was staged and the loads moved
 // behind (1): 1.04 ms at (2,16384,16,128), of which the element-by-element dVn stores took 0.23.
+// bf16 kda (NVIDIA H100, 2026-11-27, same measure): (2,16384,16,128) 0.723 ms against 0.99 for the mma.sync
+// scan (the per-key decay of dS costs nothing visible beside gdn's scalar one).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -65,7 +69,8 @@ constexpr int kDhCols = 64;   // state columns per CTA
 constexpr int kDhPF = kDhCols + 4;  // dVn_local's padded row (floats): conflict-free accumulator-layout reads
 
 struct DhWgArgs {
-  TileMap16 tm_k, tm_q;  // [B, T, H, 128] as the caller strides them: boxes of 64 keys x 64 tokens
+  TileMap16 tm_k, tm_q;  // [B, T, H, 128] as the caller strides them (kda: the [R, HV, 128] workspaces Kd and
+                         // Qg): boxes of 64 keys x 64 tokens
   TileMap16 tm_w;        // [R, HV, 128] workspace
   TileMap16 tm_do;       // [B, T, HV, 128] dO: boxes of 64 columns x 64 tokens
   Args a;
@@ -82,7 +87,7 @@ struct DhWgLayout {
   static constexpr int k = 0, q = 2 * kBlock, w = 4 * kBlock, dO = 6 * kBlock, blocks = 6 + NWG;
   static constexpr int dvl = blocks * kBlock, dvl_bytes = 64 * kDhPF * 4;
   static constexpr int g = dvl + NWG * dvl_bytes;
-  static constexpr int stage = (g + 64 * 4 + 1023) / 1024 * 1024;
+  static constexpr int stage = (g + 128 * 4 + 1023) / 1024 * 1024;  // G: 64 rows (gdn) or 128 keys (kda)
   static constexpr int stages = dh_wg_stages(NWG);
   static constexpr int bar = stages * stage;
   static constexpr int bytes = bar + 8 * stages + 1024;  // + slack for the alignment
@@ -111,7 +116,9 @@ __device__ __forceinline__ void acc_from_box_trans_sw128(float (&X)[32], const u
 
 // One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns); the warpgroups of a CTA
 // share one copy of each chunk's K, Q and W tiles (the file comment gives the steps).
-template <class T, int NWG>
+// kKda: K and Q come as kda's Kd = K e^(Gn - G) and Qg = Q e^G (the forward's WY stage, stage B0), so the
+// per-token factors of (1)-(3) are 1, and dS' decays by e^(Gn) per key row (G's last row of the chunk, 128 floats).
+template <class T, int NWG, bool kKda>
 __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const __grid_constant__ DhWgArgs args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using L = DhWgLayout<NWG>;
@@ -171,10 +178,17 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
       const int h = static_cast<int>(hv);
       fence_proxy_async();  // generic writes of this stage's last use (zeroed rows, staged dh) before the copies
       mbar_expect_tx(bar, L::blocks * L::kBlock);
-      tma_load_4d(st + L::k, &args.tm_k.map, bar, 0, hk, tt, b);
-      tma_load_4d(st + L::k + L::kBlock, &args.tm_k.map, bar, 64, hk, tt, b);
-      tma_load_4d(st + L::q, &args.tm_q.map, bar, 0, hk, tt, b);
-      tma_load_4d(st + L::q + L::kBlock, &args.tm_q.map, bar, 64, hk, tt, b);
+      if constexpr (kKda) {  // the workspaces' rows of this value head
+        tma_load_3d(st + L::k, &args.tm_k.map, bar, 0, h, r);
+        tma_load_3d(st + L::k + L::kBlock, &args.tm_k.map, bar, 64, h, r);
+        tma_load_3d(st + L::q, &args.tm_q.map, bar, 0, h, r);
+        tma_load_3d(st + L::q + L::kBlock, &args.tm_q.map, bar, 64, h, r);
+      } else {
+        tma_load_4d(st + L::k, &args.tm_k.map, bar, 0, hk, tt, b);
+        tma_load_4d(st + L::k + L::kBlock, &args.tm_k.map, bar, 64, hk, tt, b);
+        tma_load_4d(st + L::q, &args.tm_q.map, bar, 0, hk, tt, b);
+        tma_load_4d(st + L::q + L::kBlock, &args.tm_q.map, bar, 64, hk, tt, b);
+      }
       tma_load_3d(st + L::w, &args.tm_w.map, bar, 0, h, r);
       tma_load_3d(st + L::w + L::kBlock, &args.tm_w.map, bar, 64, h, r);
 #pragma unroll
@@ -195,7 +209,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
       }
     }
     float* gbuf = reinterpret_cast<float*>(st + L::g);
-    if (tid < 64) {
+    if constexpr (kKda) {  // G of the chunk's last row, per key
+      if (tid < 32) cp_async_16(gbuf + 4 * tid, a.G + ((row0 + len - 1) * HV + hv) * kDhKeys + 4 * tid);
+    } else if (tid < 64) {
       if (a.gated) {
         cp_async_4(gbuf + tid, a.G + (row0 + min(tid, len - 1)) * HV + hv);
       } else {
@@ -261,15 +277,15 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
     }
     // ... B1^T = scale e^(G_i) dO^T as A fragments (token i = 8 nb + 2 t + (e & 1) of element 4 nb + e) and
     // the factors e^(Gn - G_i) of step (2).
-    const float glast = gbuf[len - 1];
+    const float glast = kKda ? 0.f : gbuf[len - 1];
     uint32_t b1[4][4];
     {
       float B[32];
       acc_from_box_trans_sw128<T>(B, st + L::dO + wg * L::kBlock, srow, scol);
 #pragma unroll
       for (int nb = 0; nb < 8; ++nb) {
-        const float2 gi = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
-        const float f0 = a.scale * exp_t<T>(gi.x), f1 = a.scale * exp_t<T>(gi.y);
+        const float2 gi = kKda ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
+        const float f0 = kKda ? a.scale : a.scale * exp_t<T>(gi.x), f1 = kKda ? a.scale : a.scale * exp_t<T>(gi.y);
         B[4 * nb] *= f0;
         B[4 * nb + 1] *= f1;
         B[4 * nb + 2] *= f0;
@@ -283,9 +299,13 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
     float fk[16];  // e^(Gn - G_i) for the tokens 8 nb + 2 t and 8 nb + 2 t + 1 of this thread's elements
 #pragma unroll
     for (int nb = 0; nb < 8; ++nb) {
-      const float2 gi = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
-      fk[2 * nb] = exp_t<T>(glast - gi.x);
-      fk[2 * nb + 1] = exp_t<T>(glast - gi.y);
+      if constexpr (kKda) {  // Kd carries its decay
+        fk[2 * nb] = fk[2 * nb + 1] = 1.f;
+      } else {
+        const float2 gi = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
+        fk[2 * nb] = exp_t<T>(glast - gi.x);
+        fk[2 * nb + 1] = exp_t<T>(glast - gi.y);
+      }
     }
     wg_wait_all();
     reg_fence(X);
@@ -310,10 +330,22 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
 #pragma unroll
       for (int r = 0; r < 4; ++r) b2[kk][r] = pack2<T>(X[8 * kk + 2 * r], X[8 * kk + 2 * r + 1]);
 
-    // (3) dS^T = e^Gn dS'^T + B1^T Q + B2^T W.
-    const float eg = exp_t<T>(glast);
+    // (3) dS^T = e^Gn dS'^T + B1^T Q + B2^T W (kda: e^(Gn_d) on key row d = 8 nb + 2 t + (e & 1) of D[4 nb + e]).
+    if constexpr (kKda) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) D[i] *= eg;
+      for (int nb = 0; nb < 16; ++nb) {
+        const float2 gl = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
+        const float e0 = exp_t<T>(gl.x), e1 = exp_t<T>(gl.y);
+        D[4 * nb] *= e0;
+        D[4 * nb + 1] *= e1;
+        D[4 * nb + 2] *= e0;
+        D[4 * nb + 3] *= e1;
+      }
+    } else {
+      const float eg = exp_t<T>(glast);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) D[i] *= eg;
+    }
     wg_fence();
     reg_fence(D);
 #pragma unroll
@@ -394,16 +426,18 @@ inline const char* dh_scan_wgmma_refusal(const Args& a, bool is16, bool perkey) 
   return "this build has no sm_90a code";
 #else
   if (!is16) return "it takes bf16 or fp16 inputs";
-  if (perkey) return "it takes a scalar gate (gdn, delta)";
   if (a.K != kDhKeys || a.V != kDhKeys || a.Kp != kDhKeys) return "it takes K = V = 128";
   if (a.B * a.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
+  // kda reads the workspaces Kd and Qg in place of k and q.
   for (const TensorRef* r : {&a.q, &a.k, &a.dout}) {
+    if (perkey && r != &a.dout) continue;
     if (!rows_aligned16(*r, 2)) return "TMA reads q, k and dO in 16-byte pieces (a pointer or stride is not 16-byte aligned)";
     if (!steps_forward(*r, a.B, a.T, r == &a.dout ? a.HV : a.H))
       return "TMA reads q, k and dO through tensor maps, which need positive strides";
   }
   if (reinterpret_cast<uintptr_t>(a.dvnew) % 16 != 0 ||
-      (a.dh != nullptr && reinterpret_cast<uintptr_t>(a.dh) % 16 != 0))
+      (a.dh != nullptr && reinterpret_cast<uintptr_t>(a.dh) % 16 != 0) ||
+      (perkey && (reinterpret_cast<uintptr_t>(a.Kd) % 16 != 0 || reinterpret_cast<uintptr_t>(a.Qg) % 16 != 0)))
     return "the workspaces are not 16-byte aligned";
   if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
       device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
@@ -434,21 +468,26 @@ inline int dh_scan_warpgroups(int64_t seqs_x_heads) {
   return 2 * seqs_x_heads >= sm_count() ? 2 : 1;
 }
 
-template <class T>
+template <class T, bool kKda>
 void launch_dh_scan_wgmma(const Args& a, int64_t num_seqs, cudaStream_t stream) {
   DhWgArgs w;
   w.a = a;
   const int64_t R = a.B * a.T;
   if (R > 0) {  // else no sequence has a chunk: the kernel only carries dht to dh0
-    w.tm_k = token_rows_map(a.k, a.B, a.T, a.H, kDhKeys, "k");
-    w.tm_q = token_rows_map(a.q, a.B, a.T, a.H, kDhKeys, "q");
+    if constexpr (kKda) {
+      w.tm_k = workspace_rows_map(a.Kd, R, a.HV, kDhKeys, "Kd");
+      w.tm_q = workspace_rows_map(a.Qg, R, a.HV, kDhKeys, "Qg");
+    } else {
+      w.tm_k = token_rows_map(a.k, a.B, a.T, a.H, kDhKeys, "k");
+      w.tm_q = token_rows_map(a.q, a.B, a.T, a.H, kDhKeys, "q");
+    }
     w.tm_do = token_rows_map(a.dout, a.B, a.T, a.HV, kDhKeys, "do");
     w.tm_w = workspace_rows_map(a.W, R, a.HV, kDhKeys, "W");
   }
   DELTACP_CHECK(a.HV <= 65535, "HV", "expected at most 65535 value heads, got ", a.HV);
   const int nwg = dh_scan_warpgroups(num_seqs * a.HV);
   const int bytes = nwg == 2 ? DhWgLayout<2>::bytes : DhWgLayout<1>::bytes;
-  auto kernel = nwg == 2 ? bwd_dh_scan_wgmma_kernel<T, 2> : bwd_dh_scan_wgmma_kernel<T, 1>;
+  auto kernel = nwg == 2 ? bwd_dh_scan_wgmma_kernel<T, 2, kKda> : bwd_dh_scan_wgmma_kernel<T, 1, kKda>;
   opt_in_smem(kernel, bytes, "K", "the wgmma dh scan needs ", bytes, " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(a.HV),
                   static_cast<unsigned>(kDhKeys / (kDhCols * nwg)));

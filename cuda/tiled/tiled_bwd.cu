@@ -23,7 +23,7 @@
 //             runs the state scan beside B1, B1 on a second stream (beside_b1_switch)
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
 //   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
-//                                                  16-bit gdn / delta at K = V = 128: bwd_dh_scan_wgmma.cuh)
+//                                                  16-bit gdn / delta / kda at K = V = 128: bwd_dh_scan_wgmma.cuh)
 //   B2 bwd_dqkg       per (chunk, head)            V contractions: dP, dq/dk/dG partials, dW
 //   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
 //   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
@@ -240,7 +240,7 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
   if (num_seqs * a.HV > 0 && a.V > 0) {
     if (use_dh_scan_wgmma(a, kIs16Bit<Op>, PERKEY)) {  // Hopper: dS in wgmma accumulators, tiles by TMA
       if constexpr (kIs16Bit<Op>) {
-        launch_dh_scan_wgmma<Op>(a, num_seqs, stream);
+        launch_dh_scan_wgmma<Op, PERKEY>(a, num_seqs, stream);
         return;
       }
     }

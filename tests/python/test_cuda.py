@@ -847,16 +847,17 @@ def _backward_grads(variant, t, h0, cu, do, dht, monkeypatch, switch):
     return {"dh0": h.grad, **{"d" + n: x[n].grad for n in t}}
 
 
-@pytest.mark.parametrize("variant", ["gdn", "delta"])
+@pytest.mark.parametrize("variant", ["gdn", "delta", "kda"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", ["varlen", "grouped"])
 def test_wgmma_dh_scan_matches_the_mma_sync_scan_and_the_reference(variant, dtype, case, monkeypatch):
-    """Stage B1 of the tiled backward on Hopper (wgmma, dS^T in registers, tiles by TMA) against the
-    mma.sync scan (DELTACP_TILED_DH_WGMMA=0) and the fp64 reference, every gradient including dh0, with a
-    non-zero dht: packed sequences of 1, 149, 150 and 400 tokens (short last chunks, whose rows past the
-    sequence the kernel zeroes), or grouped value heads (HV = 2 H) over a fixed-length batch. One and two
-    warpgroups per CTA (DELTACP_TILED_DH_WG) give the same bits, and so do two runs. Runs on compute capability 9.0 only (elsewhere the switch set to 1
-    must raise naming itself)."""
+    """Stage B1 of the tiled backward on Hopper (wgmma, dS^T in registers, tiles by TMA; kda: its Kd and Q e^G
+    workspaces in place of k and q, and the per-key decay of dS) against the mma.sync scan
+    (DELTACP_TILED_DH_WGMMA=0) and the fp64 reference, every gradient including dh0, with a non-zero dht: packed
+    sequences of 1, 149, 150 and 400 tokens (short last chunks, whose rows past the sequence the kernel zeroes),
+    or grouped value heads (HV = 2 H) over a fixed-length batch. One and two warpgroups per CTA
+    (DELTACP_TILED_DH_WG) give the same bits, and so do two runs. Runs on compute capability 9.0 only (elsewhere
+    the switch set to 1 must raise naming itself)."""
     _require_cuda_build()
     if case == "varlen":
         p = make_problem(variant, cu_seqlens=[0, 1, 150, 300, 700], H=2, HV=2, K=128, V=128, seed=41)
@@ -904,12 +905,13 @@ def test_wgmma_dh_scan_matches_the_mma_sync_scan_and_the_reference(variant, dtyp
 
 
 def test_wgmma_dh_scan_switch_names_what_it_cannot_run(monkeypatch):
-    """DELTACP_TILED_DH_WGMMA=1 requires the Hopper dh scan: fp32 inputs and kda's per-key gate (which it
-    does not take) raise a ValueError naming the variable and the reason; a value other than 0 or 1 is
-    rejected by name."""
+    """DELTACP_TILED_DH_WGMMA=1 requires the Hopper dh scan: fp32 inputs and K = V = 64 (which it does not
+    take) raise a ValueError naming the variable and the reason; a value other than 0 or 1 is rejected by
+    name."""
     _require_cuda_build()
-    for variant, dtype, why in (("gdn", torch.float32, "bf16 or fp16|sm_90a"), ("kda", torch.bfloat16, "scalar gate|sm_90a")):
-        p = make_problem(variant, B=1, T=70, H=1, K=128, V=128, seed=25)
+    for variant, dtype, D, why in (("gdn", torch.float32, 128, "bf16 or fp16|sm_90a"),
+                                   ("kda", torch.bfloat16, 64, "K = V = 128|sm_90a")):
+        p = make_problem(variant, B=1, T=70, H=1, K=D, V=D, seed=25)
         t = {n: torch.tensor(p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda").requires_grad_(True)
              for n in input_names(variant)}
         monkeypatch.setenv("DELTACP_TILED_DH_WGMMA", "1")
