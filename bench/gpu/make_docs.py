@@ -15,6 +15,9 @@ again. One results file per measurement kind and GPU, overwritten by the harness
                          or {"world", "config", "summary": {...}, "provenance"} where only a summary was kept;
                          both with "gpu", "date", optional "interconnect"
   allgather-<gpu>x<n>.json  bench/cp/bench_allgather.py
+  cpstep-<gpu>x<n>.json  bench/cp/bench_cp_step.py: {"kind": "cp_step", "gpu", "date", "world", "versions", "config",
+                         "fla": {"available", "reason", ...}, "variants": {variant: {"ms", "efficiency",
+                         "fla_over_deltacp", "exchange", "errors", "peak_MiB", ...}}} (deltacp's CP step beside FLA's)
   scan-<gpu>.json        bench/gpu/bench_scan.py
   dplr-<gpu>.json        bench/gpu/bench_dplr.py: {"gpu", "date", "gate", "rows": [{"shape", "direction",
                          "<impl>_ms", "speedup_vs_faster_fla"}], "errors_vs_fp64", "grad_errors_vs_fp64"}
@@ -33,12 +36,14 @@ GRADS = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
 def load(results):
-    out = {"perf": [], "cp": [], "allgather": [], "scan": [], "dplr": []}
+    out = {"perf": [], "cp": [], "allgather": [], "scan": [], "dplr": [], "cpstep": []}
     for path in sorted(results.glob("*.json")):
         kind = path.name.split("-")[0]
         if kind in out:
             data = json.load(open(path))
-            data["_file"] = path.relative_to(REPO).as_posix()
+            # Named from the repository's root; a results folder outside it (a trial rendering) by its full path.
+            full = path.resolve()
+            data["_file"] = (full.relative_to(REPO) if full.is_relative_to(REPO) else full).as_posix()
             out[kind].append(data)
     return out
 
@@ -168,6 +173,23 @@ def readme_table(res):
                          f"{s['exchange_fraction_of_local_fwd']:.1%} of the local forward")
         lines.append(f"| CP per-rank efficiency, {cp_label(r)} | " + "; ".join(cells) +
                      f" | {cp_config(r)}; {r.get('date', '?')} |")
+    for r in res["cpstep"]:  # the CP training step beside FLA's (bench/cp/bench_cp_step.py)
+        for variant, x in r["variants"].items():
+            ms, eff, ex = x.get("ms", {}), x.get("efficiency", {}), x.get("exchange", {})
+            if "deltacp_cp_fwd+bwd" not in ms:
+                continue
+            cells = []
+            for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward")):
+                fla = f" (FLA's CP {ms[f'fla_cp_{d}']:.2f})" if f"fla_cp_{d}" in ms else ""
+                effs = f", efficiency {eff[f'deltacp_{d}']:.1%}" if f"deltacp_{d}" in eff else ""
+                cells.append(f"{label} {ms[f'deltacp_cp_{d}']:.2f} ms{fla}{effs}")
+            if ex.get("exchange_fraction_of_local_fwd") is not None:
+                cells.append(f"pre-pass + exchange + merge {ex['exchange_fraction_of_local_fwd']:.1%} of the local forward")
+            c = r["config"]
+            lines.append(f"| CP step, {variant.upper()}, {r['world']} x {gpu_short(r.get('gpu', '?'))} | " +
+                         "; ".join(cells) + f" | {c['tokens']} tokens per rank, H = {c['heads']}, K = V = "
+                         f"{c['head_dim']}, {c['dtype']}, one sequence over every rank, FLA's benchmark keywords, "
+                         f"FLA {r.get('versions', {}).get('fla', '?')} in the same run; {r.get('date', '?')} |")
     for perf in res["perf"]:
         for variant, by_impl in sorted(perf.get("accuracy", {}).items()):
             if newest.get(("accuracy", variant)) is not perf:
@@ -446,6 +468,7 @@ def cp_md(res, plots):
         png = plots / f"cp-{gpu_short(r.get('gpu', '?')).lower()}x{r['world']}.png"
         if plot_cp(r, s, png):
             lines += [f"![CP step against one GPU]({'plots/' + png.name})", ""]
+    lines += cpstep_md(res)
     for ag in res["allgather"]:
         lines += [f"## All-gather, {ag['world']} x {gpu_short(ag['gpu'])}, {ag.get('interconnect', '')}, "
                   f"{ag.get('date', '?')}", "",
@@ -457,6 +480,78 @@ def cp_md(res, plots):
             lines.append(f"| {x['send_mib']:g} | {x['torch_s'] * 1e3:.3f} | {x['deltacp_s'] * 1e3:.3f} | "
                          f"{x['deltacp_nonblocking_s'] * 1e3:.3f} | {x['deltacp_busbw_GBs']:.1f} |")
         lines.append("")
+    return lines
+
+
+CPSTEP_IMPLS = (("deltacp_cp", "deltacp CP"), ("fla_cp", "FLA CP"), ("deltacp_one_gpu", "deltacp one GPU"),
+                ("fla_one_gpu", "FLA one GPU"))
+
+
+def cpstep_md(res):
+    """The sections of the cpstep-*.json files (bench/cp/bench_cp_step.py): deltacp's CP training step beside
+    FLA's, per variant; nothing when there is none."""
+    lines = []
+    for r in res["cpstep"]:
+        c, v = r["config"], r.get("versions", {})
+        vers = ", ".join(f"{label} {v[key]}" for label, key in (("torch", "torch"), ("Triton", "triton"),
+                                                               ("FLA", "fla"), ("deltacp", "deltacp_commit"))
+                         if v.get(key))
+        title = f"{r['world']} x {gpu_short(r.get('gpu', '?'))}, {r.get('date', '?')}"
+        lines += [f"## CP training step beside FLA, {title}", "",
+                  f"`{r['_file']}` (bench/cp/bench_cp_step.py): one sequence over every rank, {c['tokens']} tokens per "
+                  f"rank, H = {c['heads']}, K = V = {c['head_dim']}, {c['dtype']} q, k, v, beta and float32 gates; "
+                  "both libraries called with FLA's benchmark keywords, each rank on its own random inputs. The four "
+                  f"steps are timed in interleaved rounds, median of {c['repeat']} after {c['warmup']} warm-up rounds, "
+                  "ms of the slowest rank; per-rank efficiency = one GPU doing the rank's work alone / the CP step. "
+                  f"Versions: {vers or '-'}.", ""]
+        fla = r.get("fla", {})
+        if not fla.get("available"):
+            lines += [f"FLA was not measured: {fla.get('reason') or 'not available'}.", ""]
+        elif fla.get("hopper_triton_guard_bypassed"):
+            lines += ["FLA refuses its GDN backward on Hopper with Triton below 3.7.1 (a known wrong-result bug of its "
+                      "gated `chunk_bwd_dqkwg`); that guard was switched off to time it, so FLA's GDN gradients are "
+                      "compared as they came out.", ""]
+        for variant, x in r["variants"].items():
+            kw = ", ".join(f"{k}={val}" for k, val in x.get("call_kwargs", {}).items())
+            lines += [f"### {variant.upper()}" + (f" ({kw})" if kw else ""), ""]
+            for name, text in x.get("failed", {}).items():
+                lines += [f"Failed: {name}: {text}", ""]
+            ms, eff, ratio = x.get("ms", {}), x.get("efficiency", {}), x.get("fla_over_deltacp", {})
+            if ms:
+                lines += ["| direction | deltacp CP step, ms | FLA CP step, ms | FLA / deltacp time | "
+                          "deltacp one GPU, ms | per-rank efficiency | FLA efficiency |", "|---|---|---|---|---|---|---|"]
+                for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward")):
+                    cells = [f"{ms[key]:.2f}" if key in ms else "-"
+                             for key in (f"deltacp_cp_{d}", f"fla_cp_{d}")]
+                    cells.append(f"{ratio[d]:.2f}x" if d in ratio else "-")
+                    cells.append(f"{ms[f'deltacp_one_gpu_{d}']:.2f}" if f"deltacp_one_gpu_{d}" in ms else "-")
+                    cells += [f"{eff[key]:.1%}" if key in eff else "-" for key in (f"deltacp_{d}", f"fla_{d}")]
+                    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                lines.append("")
+            ex = x.get("exchange", {})
+            if "exchange_ms" in ex:
+                frac = ex.get("exchange_fraction_of_local_fwd")
+                lines += [f"Exchange of deltacp's CP forward, rank 0: pre-pass ({ex['prepass_what']}) "
+                          f"{ex['prepass_ms']:.3f} ms + all-gather and merge {ex['allgather_merge_ms']:.3f} ms = "
+                          f"{ex['exchange_ms']:.3f} ms" +
+                          (f" = {frac:.1%} of the local forward ({ex['local_forward_ms']:.3f} ms)." if frac is not None
+                           else "."), ""]
+            elif "error" in ex:
+                lines += [f"Exchange not measured: {ex['error']}", ""]
+            errs = x.get("errors", {})
+            labels = (("deltacp_cp_vs_fla_cp", "deltacp CP against FLA CP"),
+                      ("deltacp_cp_vs_whole_sequence", "deltacp CP against deltacp on one GPU over the whole sequence"),
+                      ("fla_cp_vs_whole_sequence", "FLA CP against that one-GPU run"))
+            parts = [f"{label}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs[key].items())
+                     for key, label in labels if isinstance(errs.get(key), dict)]
+            if parts:
+                lines += ["Largest relative error over the ranks, " + "; ".join(parts) + ".", ""]
+            peak = x.get("peak_MiB", {})
+            cells = [f"{label} {peak[f'{key}_fwd+bwd']['total']:.0f}" for key, label in CPSTEP_IMPLS
+                     if f"{key}_fwd+bwd" in peak]
+            if cells:
+                lines += ["Peak memory of one forward + backward step above its inputs, MiB (through torch + deltacp's "
+                          "workspaces outside torch; the largest rank): " + ", ".join(cells) + ".", ""]
     return lines
 
 

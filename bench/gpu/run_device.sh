@@ -2,7 +2,7 @@
 # One call on a GPU machine: build, validate, sanitize, benchmark; results under $OUT (default /tmp/deltacp-out).
 #
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
-#                                            cpbench, stages, scan, dplr, ncu (default build,test,sanitize,pytest,bench)
+#                                            cpbench, cpstep, stages, scan, dplr, ncu (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too); on one GPU the checks run as 2 ranks
 #            sharing it over gloo, without the examples and the bench
@@ -20,13 +20,18 @@
 #            ncu_source.csv (per SASS instruction: executions, warp stall samples, shared wavefronts)
 #   cpbench  bench/cp/bench_allgather.py and bench_cp.py --profile --trace --host-profile (chrome traces
 #            of the GPU and cProfile of the host in $OUT/trace, tarred into cp_detail.tar.gz)
+#   cpstep   bench/cp/bench_cp_step.py on every GPU (2 or more; skipped on one): deltacp's CP training step
+#            (GDN, KDA) beside FLA's own CP and one GPU's same per-rank work -> bench_cp_step.json, bench_cp_step.log,
+#            and the Triton autotune files FLA wrote in the run -> fla_autotune_cpstep_new.tar.gz
+#            (DELTACP_CP_STEP_ARGS, e.g. "--variants gdn --repeat 30"; DELTACP_CP_STEP_TIMEOUT, seconds, default 480)
 # DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_BENCH_ARGS are added to bench_gpu.py's
 # arguments and DELTACP_BENCH_TIMEOUT bounds it (seconds, default 420); DELTACP_CP_BENCH_ARGS are added to
 # bench_cp.py's arguments (e.g. "--pieces 8192 --scan 0:0,64:2").
 # FLA's Triton source, when carried in fla_src/ (ignored by git), is put on PYTHONPATH for the
 # side-by-side benchmark. Files written to $OUT (at most 8 come back): summary.txt, build.log,
 # ctest_gpu.log, sanitizer.log, pytest_gpu.log, bench_gpu.json, bench_gpu.log (bench step), or
-# cp_gpu.log, bench_cp.json, bench_cp.log, cp_results.tar.gz (cp step).
+# cp_gpu.log, bench_cp.json, bench_cp.log, cp_results.tar.gz (cp step), or bench_cp_step.json, bench_cp_step.log
+# (cpstep step).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/deltacp-out}
@@ -87,7 +92,7 @@ if has sanitize; then
 fi
 
 export PYTHONPATH="/tmp/dcp_site:${PYTHONPATH:-}"
-if has pytest || has bench || has cp; then
+if has pytest || has bench || has cp || has cpstep; then
   say "python package: $(cd /tmp && python3 -c 'import deltacp; print("built_with_cuda", deltacp.built_with_cuda(), "cuda_available", deltacp.cuda_available())' 2>&1 | tail -1)"
 fi
 
@@ -249,6 +254,25 @@ if has cpbench; then
   say "cp bench: rc=$? in $(( $(date +%s) - t0 )) s"
   grep -v "NCCL INFO" "$OUT/bench_allgather.log" | tail -10
   grep -v "profile rank" "$OUT/bench_cp.log" | tail -40
+fi
+if has cpstep; then  # deltacp's CP training step beside FLA's (its first calls compile and autotune: see the log)
+  if [ "$NGPU" -ge 2 ]; then
+    restore_fla_autotune
+    touch /tmp/cpstep_start
+    t0=$(date +%s)
+    PYTHONPATH="$PWD/fla_src:$PYTHONPATH" timeout ${DELTACP_CP_STEP_TIMEOUT:-480} python3 -m torch.distributed.run \
+      --standalone --nproc_per_node=$NGPU bench/cp/bench_cp_step.py --json "$OUT/bench_cp_step.json" \
+      ${DELTACP_CP_STEP_ARGS:-} >"$OUT/bench_cp_step.log" 2>&1
+    say "cp step bench: rc=$? in $(( $(date +%s) - t0 )) s ($NGPU GPUs)"
+    # The configs FLA tuned in this run (its CP calls are varlen: keys the archives here may not cover), to keep
+    # beside the harness so that the next run restores them (bench/gpu/fla_autotune/README.md).
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -newer /tmp/cpstep_start |
+      tar -czf "$OUT/fla_autotune_cpstep_new.tar.gz" -T -) 2>/dev/null
+    say "   FLA autotune files written in this run: $(tar -tzf "$OUT/fla_autotune_cpstep_new.tar.gz" 2>/dev/null | grep -c autotune)"
+    grep -v "NCCL INFO" "$OUT/bench_cp_step.log" | tail -40
+  else
+    say "cp step bench: needs 2 or more GPUs, found $NGPU: skipped"
+  fi
 fi
 # At most 8 files come back: the traces travel as one archive.
 if has cpbench; then

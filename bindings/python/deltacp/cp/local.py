@@ -118,6 +118,14 @@ def _transitions(cfg: _Cfg, q, k, v, g, beta, a, b, bounds, staged=None) -> torc
     return _final_states(cfg, (q, k, v, g, beta, a, b), cfg.K, False, None, None, bounds, staged)
 
 
+def _state_only_method(cfg: _Cfg) -> str:
+    """The method of a final-state-only forward (the pre-pass's maps, a head piece whose output is not wanted).
+    The fused tier computes the output and refuses calls without one: its chain kernel reads the chunk-local
+    stage's operands of the output, which a state-only run would make for nothing. So where the local forward
+    is fused, the state-only runs take the tiled tier, whose final-state-only scan skips the output stage."""
+    return "tiled" if cfg.fwd_method == "fused" else cfg.fwd_method
+
+
 def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, bounds,
                   staged=None) -> torch.Tensor:
     """Every piece's final state [P, HV, K, width] of a final-state-only forward, each piece from [0 | I].
@@ -149,7 +157,7 @@ def _final_states(cfg: _Cfg, xs, width: int, with_values: bool, start, method, b
         _staged_call(cfg, _core.staged_forward_step, handle, "state_pieces", cfg.variant, descs, row0=row0,
                      with_values=with_values)
     else:
-        _run(cfg, "forward", method or cfg.fwd_method, descs)
+        _run(cfg, "forward", method or _state_only_method(cfg), descs)
     if start is not None:
         _fold_start(ht, start, cfg.V)
     return ht
@@ -454,7 +462,7 @@ def _head_forward(cfg: _Cfg, head, start: torch.Tensor, o_view: Optional[torch.T
         descs["o"] = torch_desc(o_view, "o")
     ht = torch.empty((1, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
     descs["ht"] = torch_desc(ht, "ht")
-    _run(cfg, "forward", cfg.fwd_method, descs)
+    _run(cfg, "forward", cfg.fwd_method if o_view is not None else _state_only_method(cfg), descs)
     return ht[0]
 
 
@@ -493,7 +501,7 @@ def _prepass_route(cfg: _Cfg, direction: str, q, g) -> str:
     mode = _prepass_mode()
     if mode != "auto":
         return mode
-    method = cfg.fwd_method if direction == "forward" else cfg.bwd_method
+    method = _state_only_method(cfg) if direction == "forward" else cfg.bwd_method  # the forward's: state-only
     key = (direction, cfg.variant, str(q.dtype), None if g is None else str(g.dtype), cfg.K, cfg.V)
     # The tiled DPLR kernels take any state width (their scans run 32-column blocks of the state side by side).
     fits = cfg.variant == "dplr" or cfg.V + cfg.K <= _TILED_MAX_WIDTH

@@ -1,0 +1,166 @@
+"""Context parallelism with the fused tier as each rank's local forward (gdn and kda, bf16, K = V = 128 on a
+compute capability 9.0 GPU, the default tier choice: fused forward, tiled backward).
+
+The pre-pass's state-only runs (each piece's [H | M] map, the first segment's transitions that the backward
+pre-pass reads, a head piece without output) cannot run on the fused tier, which always computes the output:
+they take the tiled tier (deltacp.cp.local._state_only_method) while the local forward stays fused. Checked
+here: 2 and 3 ranks sharing GPU 0 over gloo (worker processes, launched as tests/python/test_cp_gloo.py
+launches them), deltacp.chunk_gated_delta_rule / chunk_kda with cp_context and FLA's benchmark keywords (the
+in-kernel l2 norm; kda's safe gate) against the same call in one process: o, every gradient, the summed final
+states and initial-state gradients within the bf16 CP tolerances of distributed/tests/gpu_cp_check.py (gdn 3e-3,
+kda 8e-3); a sequence over every rank (with gradients every rank after the first needs its first segment's
+transitions), cuts inside chunks, many short sequences; deltacp.cp.last_stats["local_tier"] names the fused
+forward and the tiled backward. Skipped without a CUDA device of compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from deltacp_testutil import launch_workers  # noqa: E402
+
+THIS = Path(__file__).resolve()
+TOL = {"gdn": 3e-3, "kda": 8e-3}
+KWARGS = {"gdn": dict(use_qk_l2norm_in_kernel=True),
+          "kda": dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)}
+
+
+def _rel(x, ref) -> float:
+    x = torch.as_tensor(x).detach().double().cpu()
+    ref = torch.as_tensor(ref).detach().double().cpu()
+    assert x.shape == ref.shape, (x.shape, ref.shape)
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def _cases(world):
+    T = 700 * world + 24  # rank cuts inside chunks; the head piece re-aligns each rank's chunk grid
+    span = [37, T - 48, 11]  # the middle sequence spans every rank (its middle ranks read M at world 3)
+    many = [7, 1, 64, 65, 3, 128, 17] * 3
+    many.append(T - sum(many))
+    return [dict(name=f"{variant}-{layout}", variant=variant, seqlens=seqlens, states=states)
+            for variant in ("gdn", "kda")
+            for layout, seqlens, states in (("span", span, True), ("span-nostates", span, False),
+                                            ("many", many, True))]
+
+
+def _inputs(variant, T, H, D, device):
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(11)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = {"q": rnd(1, T, H, D), "k": rnd(1, T, H, D), "v": rnd(1, T, H, D)}  # q, k raw: the call l2-normalises
+    x = {n: t.to(device=device, dtype=torch.bfloat16) for n, t in x.items()}
+    g = F.logsigmoid(rnd(1, T, H, D)) / 8 if variant == "kda" else F.logsigmoid(rnd(1, T, H) + 2.0)
+    x["g"] = g.to(device)  # fp32 gates, as FLA's benchmark passes them
+    x["beta"] = torch.rand(1, T, H, generator=gen).sigmoid().to(device=device, dtype=torch.bfloat16)
+    return x
+
+
+def _compare(case, rank, world):
+    import torch.distributed as dist
+
+    import deltacp
+    import deltacp.cp as cp
+
+    device = torch.device("cuda", 0)
+    variant = case["variant"]
+    cu = [0]
+    for s in case["seqlens"]:
+        cu.append(cu[-1] + s)
+    T, N, H, D = cu[-1], len(case["seqlens"]), 2, 128
+    x = _inputs(variant, T, H, D, device)
+    gen = torch.Generator().manual_seed(12)
+    h0 = (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device) if case["states"] else None
+    dht = (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device) if case["states"] else None
+    do = torch.randn(1, T, H, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+    ctx = cp.build_context(torch.tensor(cu), device=device, timeout=120, use_nccl=False)
+    op = deltacp.chunk_kda if variant == "kda" else deltacp.chunk_gated_delta_rule
+
+    def run(inputs, h, **kw):
+        return op(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], initial_state=h,
+                  output_final_state=case["states"], **KWARGS[variant], **kw)
+
+    def loss_of(o, ht, do_, dht_):
+        loss = (o.float() * do_.float()).sum()
+        return loss + (ht * dht_).sum() if ht is not None else loss
+
+    loc = {n: cp.split_even(t, ctx).detach().clone().requires_grad_() for n, t in x.items()}
+    h_loc = None if h0 is None else h0.clone().requires_grad_()
+    o, ht = run(loc, h_loc, cp_context=ctx)
+    tier = dict(cp.last_stats["local_tier"])
+    loss_of(o, ht, cp.split_even(do, ctx), dht).backward()
+    torch.cuda.synchronize(device)
+
+    full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    h_full = None if h0 is None else h0.clone().requires_grad_()
+    o_ref, ht_ref = run(full, h_full, cu_seqlens=torch.tensor(cu, device=device), cu_seqlens_cpu=torch.tensor(cu))
+    loss_of(o_ref, ht_ref, do, dht).backward()
+    err = {"o": _rel(o, cp.split_even(o_ref, ctx))}
+    for n in full:
+        err["d" + n] = _rel(loc[n].grad, cp.split_even(full[n].grad, ctx))
+    if ht is not None:  # each rank holds the rows of its own sequences: summed over the ranks (on the host)
+        ht_sum, dh0_sum = ht.detach().cpu(), h_loc.grad.detach().cpu()
+        dist.all_reduce(ht_sum)
+        dist.all_reduce(dh0_sum)
+        err["ht"] = _rel(ht_sum, ht_ref)
+        err["dh0"] = _rel(dh0_sum, h_full.grad)
+    return dict(err=err, tier=tier, plan=ctx.describe())
+
+
+def worker_main(argv):
+    """python test_cuda_fused_cp.py worker <out dir>; rank and world from the environment."""
+    import datetime
+
+    import torch.distributed as dist
+
+    out_dir = Path(argv[0])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    report = {}
+    for case in _cases(world):
+        try:
+            report[case["name"]] = _compare(case, rank, world)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it
+            import traceback
+
+            report[case["name"]] = dict(exception=f"{exc!r}\n{traceback.format_exc()}")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_cp_with_the_fused_local_forward_equals_one_process(world):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import deltacp
+
+    if not deltacp.built_with_cuda():
+        pytest.skip("deltacp built without the CUDA tiers")
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the fused tier runs on compute capability 9.0")
+    run = launch_workers(THIS, world, timeout=600)
+    assert len(run.reports) == world, "a worker did not report; logs:\n" + "\n".join(run.logs)
+    for case in _cases(world):
+        name, tol = case["name"], TOL[case["variant"]]
+        for rank in range(world):
+            r = run.reports[rank][name]
+            assert "exception" not in r, f"{name} rank {rank}: {r.get('exception')}"
+            print(f"[errors] CP fused local {name} world {world} rank {rank}: "
+                  + " ".join(f"{n} {e:.2e}" for n, e in r["err"].items()))
+            for n, e in r["err"].items():
+                assert e <= tol, f"{name} rank {rank}: {n} {e:.2e} > {tol} ({r['plan']})"
+            assert r["tier"]["forward"] == "fused" and r["tier"]["backward"] == "tiled", (name, rank, r["tier"])
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
+    worker_main(sys.argv[2:])
