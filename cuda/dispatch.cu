@@ -321,6 +321,11 @@ Method backward_auto(const Params& p) {
 
 TierChoice last_tier_choice() { return g_last_choice; }
 
+TierChoice forward_tier(const Params& p) {
+  check_gpu_params(p);
+  return choose_forward_tier(p);
+}
+
 namespace {
 // Every step of the staged (tiled) forward or backward checks what forward() / backward() check.
 void validate_staged(const Params& p, bool backward) { validate_on_gpu(p, Method::tiled, backward); }
@@ -328,7 +333,16 @@ void validate_staged(const Params& p, bool backward) { validate_on_gpu(p, Method
 
 std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
   check_tier(tier, false);
-  DELTACP_CHECK(tier == Method::tiled, "tier", "expected 'tiled' for the staged forward, got ", to_string(tier));
+  DELTACP_CHECK(tier == Method::tiled || tier == Method::fused, "tier",
+                "expected 'tiled' or 'fused' for the staged forward, got ", to_string(tier));
+  if (tier == Method::fused) {
+    validate_on_gpu(p, Method::fused, false, /*by_name=*/true);
+#ifdef DELTACP_HAVE_FUSED_FWD
+    return fused::forward_prepare(p);
+#else
+    throw_error("tier", "no CUDA forward for tier fused in this build");
+#endif
+  }
   validate_staged(p, false);
   // The tiled DPLR kernels (dplr_fwd.cu) have no staged form: refused here even once supports() lists them.
   DELTACP_CHECK(p.variant != Variant::dplr, "variant", "expected gdn, kda or delta for the staged tiled forward, "
@@ -341,6 +355,9 @@ std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
 }
 
 void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values) {
+  DELTACP_CHECK(s.tier() == Method::tiled, "state", "expected a forward prepared on the tiled tier for its "
+                "state-only pieces (the fused chain always makes the output), got one prepared on ",
+                to_string(s.tier()));
   validate_staged(pieces, false);
 #ifdef DELTACP_HAVE_TILED_FWD
   tiled_forward_state_pieces(s, pieces, row0, with_values);
@@ -350,7 +367,18 @@ void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, 
 #endif
 }
 
-std::vector<int64_t> scan_pieces(const Params& p, int64_t n) {
+std::vector<int64_t> scan_pieces(const Params& p, int64_t n, Method tier) {
+  DELTACP_CHECK(tier == Method::tiled || tier == Method::fused, "tier",
+                "expected 'tiled' or 'fused' for the forward's pieces, got ", to_string(tier));
+  if (tier == Method::fused) {
+    validate_on_gpu(p, Method::fused, false, /*by_name=*/true);
+#ifdef DELTACP_HAVE_FUSED_FWD
+    return fused::scan_pieces(p, n);
+#else
+    (void)n;
+    throw_error("tier", "no CUDA forward for tier fused in this build");
+#endif
+  }
   validate_staged(p, false);
 #ifdef DELTACP_HAVE_TILED_FWD
   return tiled_scan_pieces(p, n);
@@ -361,6 +389,9 @@ std::vector<int64_t> scan_pieces(const Params& p, int64_t n) {
 }
 
 void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel) {
+#ifdef DELTACP_HAVE_FUSED_FWD
+  if (s.tier() == Method::fused) return fused::forward_piece_maps(s, n, maps, numel);
+#endif
 #ifdef DELTACP_HAVE_TILED_FWD
   tiled_forward_piece_maps(s, n, maps, numel);
 #else
@@ -370,6 +401,9 @@ void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel)
 }
 
 void forward_composed_map(StagedForward& s, int64_t n, const float* init, float* out, int64_t width, int64_t numel) {
+#ifdef DELTACP_HAVE_FUSED_FWD
+  if (s.tier() == Method::fused) return fused::forward_composed_map(s, n, init, out, width, numel);
+#endif
 #ifdef DELTACP_HAVE_TILED_FWD
   tiled_forward_composed_map(s, n, init, out, width, numel);
 #else
@@ -389,6 +423,12 @@ void compose_state_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int
 }
 
 void forward_finish(StagedForward& s, const Params& p) {
+  if (s.tier() == Method::fused) {
+    validate_on_gpu(p, Method::fused, false, /*by_name=*/true);
+#ifdef DELTACP_HAVE_FUSED_FWD
+    return fused::forward_finish(s, p);
+#endif
+  }
   validate_staged(p, false);
 #ifdef DELTACP_HAVE_TILED_FWD
   tiled_forward_finish(s, p);

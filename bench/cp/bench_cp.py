@@ -238,7 +238,7 @@ def main():
             results["prepass_staged"] = time_it(prepass_staged, args.repeat, args.warmup)
             results["prepare_only"] = time_it(prepare_only, args.repeat, args.warmup)
             # How the local forward's state scan cuts the rank's sequence (cuda/tiled/scan_split.cu).
-            scan_cut = list(_core.tiled_scan_pieces("gdn", local_descs(), 0, chunk_size=64))
+            scan_cut = list(_core.scan_pieces("gdn", local_descs(), 0, chunk_size=64))
             errors["prepass_staged"] = float((prepass_staged() - prepass()[0]).norm() /
                                              prepass()[0].norm().clamp_min(1e-30))
         results["prepass_bwd_widened"] = time_it(prepass_bwd_widened, args.repeat, args.warmup)

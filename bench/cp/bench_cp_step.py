@@ -313,6 +313,7 @@ def exchange_parts(variant, x, ctx, device, dtype, args, ranks: Ranks) -> dict:
     cfg.H, cfg.K, cfg.HV, cfg.V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
     cfg.num_seqs, cfg.has_h0 = 1, False
     cfg.fwd_method, cfg.bwd_method = cp_ops._methods(variant, None, device, False)
+    cfg.fwd_named = False
     T_loc = q.shape[1]
     xs = (q, k, v, g, beta, None, None)
     pad = lo._grid_pad(cfg)  # the head piece before the body, as the CP forward cuts it (0 at multiples of 64)
@@ -323,6 +324,9 @@ def exchange_parts(variant, x, ctx, device, dtype, args, ranks: Ranks) -> dict:
 
     local_descs = lo._descs(cfg, q, k, v, g, beta, None, None)
     local_descs["o"] = torch_desc(o, "o")
+    from deltacp.cp.autograd import _settle_forward_tier
+
+    _settle_forward_tier(cfg, local_descs)  # the rank's local forward tier, as the CP op settles it
 
     def local_forward():
         _run(cfg, "forward", cfg.fwd_method, local_descs)
@@ -340,15 +344,15 @@ def exchange_parts(variant, x, ctx, device, dtype, args, ranks: Ranks) -> dict:
 
     def prepass_staged():
         descs, body = body_descs()
-        handle = lo._staged_call(cfg, _core.staged_forward_prepare, variant, "tiled", descs)
+        handle = lo._staged_call(cfg, _core.staged_forward_prepare, variant, cfg.fwd_method, descs)
         sent = ex._prepass_forward(cfg, q, k, v, g, beta, None, None, None, want_first_maps=False,
-                                   prepared=lo._PreparedForward(handle, pad), local_descs=descs)[0]
+                                   prepared=lo._PreparedForward(handle, pad, cfg.fwd_method), local_descs=descs)[0]
         torch.cuda.current_stream(device).synchronize()  # the handle's workspace must outlive its kernels
         return sent
 
     def prepare_only():
         descs, body = body_descs()
-        lo._staged_call(cfg, _core.staged_forward_prepare, variant, "tiled", descs)
+        lo._staged_call(cfg, _core.staged_forward_prepare, variant, cfg.fwd_method, descs)
         torch.cuda.current_stream(device).synchronize()
 
     # Every local part once on its own first: a rank that fails here must not leave the others in a collective.

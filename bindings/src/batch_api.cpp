@@ -266,16 +266,18 @@ void staged_forward_step(StagedForwardHandle& h, const std::string& step, const 
 #endif
 }
 
-// The tiled forward's state scan in pieces (deltacp/cuda/api.h scan_pieces): where it cuts sequence n of
-// the described problem, as offsets from the sequence's start.
-std::vector<int64_t> tiled_scan_pieces(const std::string& variant, const py::dict& tensors, int64_t n,
-                                       std::optional<double> scale, int chunk_size) {
+// Where the tiled forward's state scan, or the fused forward's chain (method), cuts sequence n of the described
+// problem into pieces (deltacp/cuda/api.h scan_pieces), as offsets from the sequence's start.
+std::vector<int64_t> scan_pieces(const std::string& variant, const py::dict& tensors, int64_t n,
+                                 std::optional<double> scale, int chunk_size, const std::string& method) {
 #ifdef DELTACP_WITH_CUDA
+  Method m = Method::chunked;
+  if (kind_of(method, &m) != Kind::cuda) throw Error("method", "expected a CUDA tier, got '" + method + "'");
   const Params p = staged_params(variant, tensors, scale, chunk_size, 0, "forward");
-  return cuda::scan_pieces(p, n);
+  return cuda::scan_pieces(p, n, m);
 #else
-  (void)variant, (void)tensors, (void)n, (void)scale, (void)chunk_size;
-  no_cuda("the tiled state scan's pieces");
+  (void)variant, (void)tensors, (void)n, (void)scale, (void)chunk_size, (void)method;
+  no_cuda("the forward's pieces");
 #endif
 }
 
@@ -368,6 +370,19 @@ py::tuple cuda_last_tier() {
 #endif
 }
 
+// (tier, why): the CUDA tier the default dispatch would run the described forward on; launches nothing.
+py::tuple cuda_forward_tier(const std::string& variant, const py::dict& tensors, std::optional<double> scale,
+                            int chunk_size) {
+#ifdef DELTACP_WITH_CUDA
+  const Params p = staged_params(variant, tensors, scale, chunk_size, 0, "forward");
+  const cuda::TierChoice c = cuda::forward_tier(p);
+  return py::make_tuple(std::string(to_string(c.tier)), c.why);
+#else
+  (void)variant, (void)tensors, (void)scale, (void)chunk_size;
+  no_cuda("the CUDA tier choice");
+#endif
+}
+
 bool cuda_supports(const std::string& variant, const std::string& tier, bool backward) {
 #ifdef DELTACP_WITH_CUDA
   return cuda::supports(variant_from_string(variant), method_from_string(tier), backward);
@@ -430,10 +445,11 @@ void register_batch_api(py::module_& m) {
         "final-state-only problem; its state may be wider than V: with_values gives its first V columns the "
         "prepared values, the rest zero values); 'finish': the state scan from h0 and the output (the same "
         "tensors as prepared).");
-  m.def("tiled_scan_pieces", &tiled_scan_pieces, py::arg("variant"), py::arg("tensors"), py::arg("n"),
-        py::arg("scale") = py::none(), py::arg("chunk_size") = 64,
-        "Where the tiled forward's state scan cuts sequence n of the described forward problem into pieces: "
-        "token offsets from the sequence's start, [0, ..., len] ([0, len]: not cut).");
+  m.def("scan_pieces", &scan_pieces, py::arg("variant"), py::arg("tensors"), py::arg("n"),
+        py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("method") = "tiled",
+        "Where the forward of `method` ('tiled': its state scan; 'fused': its chain) cuts sequence n of the "
+        "described forward problem into pieces: token offsets from the sequence's start, [0, ..., len] "
+        "([0, len]: not cut).");
   m.def("staged_forward_piece_maps", &staged_forward_piece_maps, py::arg("state"), py::arg("n"),
         py::arg("maps_ptr"), py::arg("numel"),
         "The state scan in pieces' maps of prepared sequence n: every piece's [H | M] from [0 | I] into the "
@@ -457,6 +473,9 @@ void register_batch_api(py::module_& m) {
         "dx = rstd (dy - y (y . dy)), y = x rstd, over rows of D contiguous elements (device pointers).");
   m.def("cuda_last_tier", &cuda_last_tier,
         "(tier, why): the CUDA tier the last forward or backward of this thread ran, and why that one.");
+  m.def("cuda_forward_tier", &cuda_forward_tier, py::arg("variant"), py::arg("tensors"), py::arg("scale") = py::none(),
+        py::arg("chunk_size") = 64,
+        "(tier, why): the CUDA tier the default dispatch would run the described forward on (launches nothing).");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),
         "Whether the CUDA tier implements (variant, direction) in this build.");
   m.def(

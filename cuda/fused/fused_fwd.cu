@@ -25,6 +25,10 @@
 // the start states are exact up to rounding. fused_piece_chunks below picks the piece length from a time
 // model of the three kernels.
 //
+// In stages (deltacp/cuda/api.h forward_prepare(p, Method::fused); the CP op's local forward): prepare runs the
+// token-parallel stage and pass 1 over every piece (the last one's map too: a CP rank's pre-pass is its last
+// sequence's maps composed), finish the fold from h0 and the chain; one window, the same o and ht as forward().
+//
 // Memory: the workspace (G, W, U, P: 652 bytes per token-head; kda 1,664 with its 128 gates per token and
 // K e^(G_n - G), Q e^G) grows with the tokens, so a call whose workspace would pass 1 GiB runs in windows of
 // whole chunks along time (forward below), each from the fp32 state the previous one left; fixed-length
@@ -472,6 +476,95 @@ void forward_varlen_windows(const Params& p, int64_t Tw, float* carry0, float* c
 }
 }  // namespace
 
+// ---- the staged forward (api.h): prepare before the initial state is known, finish from it ----------------
+// What the CP op runs around its exchange: prepare = the token-parallel stage and, where the chain cuts the
+// sequences into pieces, pass 1 over every piece of every cut sequence (the last one too: a CP rank's
+// pre-pass is its last sequence's maps composed, forward_composed_map, one launch); finish = the fold from h0
+// and the chain over the pieces (or the chain over whole sequences from h0). One window however long the call
+// (the workspace lives from prepare to finish, which the window budget cannot shorten); the same kernels and
+// the same piece plan as chain_window, so o and ht are bit for bit forward()'s for a call of one window.
+struct FusedFwdState final : StagedForward {
+  FusedFwdState(const Params& params, cudaStream_t s) : p(params), table(params, params.chunk_size, s), stream(s) {}
+  ~FusedFwdState() override { workspace_free(ws, stream); }  // stream-ordered, after the kernels
+  FusedFwdState(const FusedFwdState&) = delete;
+  FusedFwdState& operator=(const FusedFwdState&) = delete;
+  Method tier() const override { return Method::fused; }
+  Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
+  ChunkTable table;
+  cudaStream_t stream;
+  char* ws = nullptr;
+  WindowBuffers b;
+  tiled::ScanPlan plan;                        // the chain's pieces (chain_window's plan)
+  float* maps = nullptr;                       // pass 1's [H | M] of every piece of every cut sequence
+  float* starts = nullptr;                     // [pieces, HV, K, V]: the fold's start states
+  float* piece_ht = nullptr;                   // [pieces, HV, K, V]: each piece's final state
+  std::vector<const float*> seq_maps;          // per sequence: its first map in `maps`, or nullptr (not cut)
+  std::unique_ptr<tiled::PieceTables> tables;  // the pieces' chunk table and fold tables (cut plans)
+  bool finished = false;
+};
+
+// The plan chain_window makes for p's sequences.
+tiled::ScanPlan chain_plan(const Params& p, const std::vector<SeqEntry>& seqs) {
+  const int64_t Lc = fused_piece_chunks(p, seqs);
+  return Lc > 0 ? tiled::plan_pieces(p, seqs, Lc) : tiled::ScanPlan{};
+}
+
+std::unique_ptr<FusedFwdState> start_staged(const Params& p) {
+  if (const char* why = forward_refusal(p))
+    throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  auto s = std::make_unique<FusedFwdState>(p, stream);
+  if (s->table.num_seqs() == 0) return s;
+  s->plan = chain_plan(p, s->table.host_seqs());
+  const std::vector<int64_t> pass1 = tiled::pass1_pieces(s->plan);  // every piece of every cut sequence
+  const int64_t P = static_cast<int64_t>(s->plan.pieces.size()), KV = p.K * p.V;
+  const int64_t map_elems = p.HV * p.K * (p.V + p.K);
+  const int64_t bytes_b = window_buffers_bytes(p), bytes_maps = align256(static_cast<int64_t>(pass1.size()) * map_elems * 4);
+  const int64_t bytes_states = align256(P * p.HV * KV * 4);
+  s->ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(bytes_b + bytes_maps + 2 * bytes_states), stream));
+  s->b = carve_window_buffers(s->ws, p);
+  if (P > 0) {
+    s->maps = reinterpret_cast<float*>(s->ws + bytes_b);
+    s->starts = reinterpret_cast<float*>(s->ws + bytes_b + bytes_maps);
+    s->piece_ht = reinterpret_cast<float*>(s->ws + bytes_b + bytes_maps + bytes_states);
+  }
+  const int64_t N = s->table.num_seqs();
+  s->seq_maps.assign(static_cast<size_t>(N), nullptr);
+  for (int64_t n = 0, at = 0; s->plan.cut() && n < N; ++n) {
+    if (s->plan.pieces_of(n) < 2) continue;
+    s->seq_maps[static_cast<size_t>(n)] = s->maps + at * map_elems;
+    at += s->plan.pieces_of(n);
+  }
+  prepare_window(p, s->table, s->b, stream);
+  if (!pass1.empty()) {
+    dispatch_dtype(p.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if constexpr (tiled::kIs16Bit<T>) {
+        std::vector<SeqEntry> mapped;
+        mapped.reserve(pass1.size());
+        for (int64_t i : pass1) mapped.push_back(s->plan.pieces[static_cast<size_t>(i)]);
+        const ChunkTable map_table(std::move(mapped), p.chunk_size, stream);
+        launch_chain_maps<T>(p, map_table, s->b.operands(), s->maps, stream);
+      }
+    });
+  }
+  if (s->plan.cut()) s->tables = std::make_unique<tiled::PieceTables>(p, s->plan, s->seq_maps, stream);
+  return s;
+}
+
+FusedFwdState& prepared_state(StagedForward& staged) {
+  auto* s = dynamic_cast<FusedFwdState*>(&staged);
+  DELTACP_CHECK(s != nullptr, "state", "expected a forward prepared on the fused tier");
+  DELTACP_CHECK(!s->finished, "state", "expected a prepared forward that has not finished yet");
+  return *s;
+}
+
+// The prepared sequence n, which the chain cuts into pieces (else an error naming n).
+void check_cut(const FusedFwdState& s, int64_t n) {
+  DELTACP_CHECK(n >= 0 && n < s.table.num_seqs() && s.plan.pieces_of(n) > 1, "n",
+                "expected a prepared sequence that the fused chain cuts into pieces (scan_pieces), got ", n);
+}
+
 // The forward. A call whose workspace (W, U, P and G grow with the tokens) would pass kWindowBytes runs as
 // windows of whole chunks along time (fused_windows.h), one after another, each from the state the last left
 // (fp32, so a window boundary changes nothing over whole sequences: the chain carries the same fp32 state
@@ -513,6 +606,64 @@ void forward(const Params& p) {
     throw;
   }
   workspace_free(carry, stream);
+}
+
+std::unique_ptr<StagedForward> forward_prepare(const Params& p) { return start_staged(p); }
+
+void forward_finish(StagedForward& staged, const Params& p) {
+  FusedFwdState& s = prepared_state(staged);
+  DELTACP_CHECK(p.variant == s.p.variant && p.dtype == s.p.dtype && p.g_fp32 == s.p.g_fp32 && p.B == s.p.B &&
+                    p.T == s.p.T && p.H == s.p.H && p.HV == s.p.HV && p.K == s.p.K && p.V == s.p.V &&
+                    p.chunk_size == s.p.chunk_size && p.q.ptr == s.p.q.ptr && p.k.ptr == s.p.k.ptr &&
+                    p.v.ptr == s.p.v.ptr && p.o.ptr == s.p.o.ptr && p.num_seqs == s.p.num_seqs,
+                "params", "finish: expected the prepared problem (the same q, k, v, o tensors and sequences)");
+  s.finished = true;
+  if (s.table.num_seqs() == 0) return;
+  const float* h0 = static_cast<const float*>(p.h0);
+  float* ht = static_cast<float*>(p.ht);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (tiled::kIs16Bit<T>) {
+      if (!s.plan.cut()) {
+        launch_chain<T>(p, s.table, s.b.operands(), h0, ht, s.stream, 0);
+        return;
+      }
+      const int64_t N = s.table.num_seqs();
+      tiled::launch_fold_starts(p, *s.tables, N, h0, s.starts, s.stream);
+      launch_chain<T>(p, s.tables->pieces(), s.b.operands(), s.starts, ht != nullptr ? s.piece_ht : nullptr, s.stream,
+                      0);
+      if (ht != nullptr) tiled::launch_gather_final_states(p, *s.tables, N, s.piece_ht, ht, s.stream);
+    }
+  });
+}
+
+std::vector<int64_t> scan_pieces(const Params& p, int64_t n) {
+  std::vector<tiled::ChunkEntry> chunks;
+  std::vector<SeqEntry> seqs;
+  tiled::build_chunk_entries(p, p.chunk_size, chunks, seqs);
+  DELTACP_CHECK(n >= 0 && n < static_cast<int64_t>(seqs.size()), "n", "expected a sequence index in [0, ",
+                seqs.size(), "), got ", n);
+  return tiled::piece_bounds(chain_plan(p, seqs), seqs, n);
+}
+
+void forward_piece_maps(StagedForward& staged, int64_t n, float* maps, int64_t numel) {
+  FusedFwdState& s = prepared_state(staged);
+  check_cut(s, n);
+  const int64_t P = s.plan.pieces_of(n), map_elems = s.p.HV * s.p.K * (s.p.V + s.p.K);
+  DELTACP_CHECK(maps != nullptr && numel == P * map_elems, "maps", "expected ", P * map_elems, " fp32 elements ([",
+                P, ", ", s.p.HV, ", ", s.p.K, ", ", s.p.V + s.p.K, "]), got ", numel);
+  DELTACP_CUDA_CHECK(cudaMemcpyAsync(maps, s.seq_maps[static_cast<size_t>(n)], static_cast<size_t>(P * map_elems) * 4,
+                                     cudaMemcpyDeviceToDevice, s.stream));
+}
+
+void forward_composed_map(StagedForward& staged, int64_t n, const float* init, float* out, int64_t width,
+                          int64_t numel) {
+  FusedFwdState& s = prepared_state(staged);
+  check_cut(s, n);
+  DELTACP_CHECK(out != nullptr && numel == s.p.HV * s.p.K * width, "out", "expected ", s.p.HV * s.p.K * width,
+                " fp32 elements ([", s.p.HV, ", ", s.p.K, ", ", width, "]), got ", numel);
+  tiled::launch_compose_maps(s.seq_maps[static_cast<size_t>(n)], s.plan.pieces_of(n), s.p.HV, s.p.K, s.p.V, width,
+                             init, out, s.stream);
 }
 
 }  // namespace deltacp::cuda::fused

@@ -125,6 +125,10 @@ struct ScanPlan {
 // as DELTACP_TILED_SCAN_PIECE=<tokens> says (0: never). Never for a final-state-only problem. Host only.
 ScanPlan plan_scan(const Params& p, const std::vector<SeqEntry>& seqs);
 
+// Sequence n's piece boundaries under `plan` (seqs: the plan's sequences), as token offsets from the
+// sequence's start: [0, ..., len] ({0, len} where the plan does not cut it). Host only.
+std::vector<int64_t> piece_bounds(const ScanPlan& plan, const std::vector<SeqEntry>& seqs, int64_t n);
+
 // Pass 1 over pieces `which` (indices into plan.pieces): maps [which.size(), HV, K, V + K] fp32, piece i's
 // [H_i | M_i] from [0 | I]. Every launch picks its kernel from plan.ctas_two_wg, so a piece's map is the
 // same bits whichever call makes it.

@@ -1328,6 +1328,7 @@ struct FwdState final : StagedForward {
   ~FwdState() override { workspace_free(ws, stream); }  // stream-ordered, after the kernels
   FwdState(const FwdState&) = delete;
   FwdState& operator=(const FwdState&) = delete;
+  Method tier() const override { return Method::tiled; }
   Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
   ChunkTable table;
   cudaStream_t stream;
@@ -1443,7 +1444,10 @@ std::vector<int64_t> scan_pieces(const Params& p, int64_t n) {
   build_chunk_entries(p, p.chunk_size, chunks, seqs);
   DELTACP_CHECK(n >= 0 && n < static_cast<int64_t>(seqs.size()), "n", "expected a sequence index in [0, ",
                 seqs.size(), "), got ", n);
-  const ScanPlan plan = plan_scan(p, seqs);
+  return piece_bounds(plan_scan(p, seqs), seqs, n);
+}
+
+std::vector<int64_t> piece_bounds(const ScanPlan& plan, const std::vector<SeqEntry>& seqs, int64_t n) {
   std::vector<int64_t> bounds{0};
   for (int64_t i = plan.cut() ? plan.first_piece[n] : 0; plan.cut() && i < plan.first_piece[n + 1]; ++i)
     bounds.push_back(plan.pieces[i].bos + plan.pieces[i].len - seqs[n].bos);

@@ -181,3 +181,45 @@ def launch_workers(script, world, worker_args=(), timeout=240.0, wait_for=None) 
             if f.exists():
                 reports[rank] = json.loads(f.read_text())
         return WorkerRun(reports, logs, [p.returncode for p in procs], sorted(timed_out))
+
+
+def gloo_case_worker(argv, cases, compare, timeout_s=120):
+    """The body of a worker process of launch_workers that shares GPU 0 with the others over gloo: every case of
+    cases() through compare(case, rank, world) -> a JSON-able dict (or {"exception": text} where it raised, for
+    the test to fail naming it), written to <argv[0]>/rank{RANK}.json; then the process exits at once."""
+    import datetime
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    out_dir = Path(argv[0])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    report = {}
+    for case in cases(world):
+        try:
+            report[case["name"]] = compare(case, rank, world)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it
+            report[case["name"]] = dict(exception=f"{exc!r}\n{traceback.format_exc()}")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def require_fused_gpu():
+    """Skips the test unless a compute capability 9.0 GPU and a deltacp with the CUDA tiers are here (the fused
+    tier's kernels are sm_90a)."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import deltacp
+
+    if not deltacp.built_with_cuda():
+        pytest.skip("deltacp built without the CUDA tiers")
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the fused tier runs on compute capability 9.0")

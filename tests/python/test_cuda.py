@@ -375,7 +375,7 @@ def test_scan_in_pieces_matches_the_whole_scan(variant, dtype, K, V, monkeypatch
 
 
 def test_scan_pieces_says_where_it_cuts(monkeypatch):
-    """_core.tiled_scan_pieces (deltacp/cuda/api.h scan_pieces) gives the cut as offsets in a sequence;
+    """_core.scan_pieces (deltacp/cuda/api.h scan_pieces) gives the cut as offsets in a sequence;
     DELTACP_TILED_SCAN_PIECE rounds up to whole chunks, 0 never cuts, and a bad value, a sequence index
     out of range or a state too wide to carry [H | M] raise naming what is wrong."""
     _require_cuda_build()
@@ -396,24 +396,24 @@ def test_scan_pieces_says_where_it_cuts(monkeypatch):
 
     d, _alive = descs(64, 64)
     monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "100")  # rounds up to 128 tokens
-    assert list(_core.tiled_scan_pieces("gdn", d, 0)) == [0, 128, 256, 300]
-    assert list(_core.tiled_scan_pieces("gdn", d, 1)) == [0, 1]
-    assert list(_core.tiled_scan_pieces("gdn", d, 2)) == [0, 0]
-    assert list(_core.tiled_scan_pieces("gdn", d, 3)) == [0, 128, 256, 384, 399]
+    assert list(_core.scan_pieces("gdn", d, 0)) == [0, 128, 256, 300]
+    assert list(_core.scan_pieces("gdn", d, 1)) == [0, 1]
+    assert list(_core.scan_pieces("gdn", d, 2)) == [0, 0]
+    assert list(_core.scan_pieces("gdn", d, 3)) == [0, 128, 256, 384, 399]
     monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "0")
-    assert list(_core.tiled_scan_pieces("gdn", d, 3)) == [0, 399]
+    assert list(_core.scan_pieces("gdn", d, 3)) == [0, 399]
     with pytest.raises(ValueError, match="'n'"):
-        _core.tiled_scan_pieces("gdn", d, 4)
+        _core.scan_pieces("gdn", d, 4)
     monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "-5")
     with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_PIECE"):
-        _core.tiled_scan_pieces("gdn", d, 0)
+        _core.scan_pieces("gdn", d, 0)
     wide, _alive2 = descs(256, 256)
     monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "128")
     with pytest.raises(ValueError, match="DELTACP_TILED_SCAN_PIECE.*V \\+ K"):
-        _core.tiled_scan_pieces("gdn", wide, 0)
+        _core.scan_pieces("gdn", wide, 0)
     # No sequence longer than a piece: nothing is cut, so a state too wide for [H | M] is no error.
     monkeypatch.setenv("DELTACP_TILED_SCAN_PIECE", "512")
-    assert list(_core.tiled_scan_pieces("gdn", wide, 3)) == [0, 399]
+    assert list(_core.scan_pieces("gdn", wide, 3)) == [0, 399]
 
 
 def _forward_descs(t, d, desc, state_shape, with_h0):
@@ -449,7 +449,7 @@ def test_staged_forward_reuses_the_piece_maps(variant, dtype, monkeypatch):
         return _forward_descs(t, d, desc, h0.shape, with_h0)
 
     one, one_o, one_ht = forward_descs(True)
-    assert list(_core.tiled_scan_pieces(variant, one, 3)) == [0, 64, 70]
+    assert list(_core.scan_pieces(variant, one, 3)) == [0, 64, 70]
     _core.run("forward", variant, "tiled", "float32", one, None, 64, None, stream, False)
 
     staged, st_o, st_ht = forward_descs(False)
@@ -497,7 +497,7 @@ def test_composed_map_is_the_pieces_maps_folded(variant, monkeypatch):
     N, HV, K, V = h0.shape
     stream = torch.cuda.current_stream().cuda_stream
     descs, _o, _ht = _forward_descs(t, d, desc, h0.shape, False)
-    assert list(_core.tiled_scan_pieces(variant, descs, 1)) == [0, 64, 128, 192, 256, 300]
+    assert list(_core.scan_pieces(variant, descs, 1)) == [0, 64, 128, 192, 256, 300]
     state = _core.staged_forward_prepare(variant, "tiled", descs, None, 64, stream)
     maps = torch.empty((5, HV, K, V + K), device="cuda")
     _core.staged_forward_piece_maps(state, 1, maps.data_ptr(), maps.numel())

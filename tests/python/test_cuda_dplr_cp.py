@@ -22,8 +22,6 @@ Skipped without a CUDA device.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import zlib
 from pathlib import Path
@@ -33,7 +31,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from deltacp_testutil import launch_workers  # noqa: E402
+from deltacp_testutil import gloo_case_worker, launch_workers  # noqa: E402
 
 THIS = Path(__file__).resolve()
 
@@ -289,26 +287,7 @@ def _compare(case, rank, world):
 
 def worker_main(argv):
     """python test_cuda_dplr_cp.py worker <out dir>; rank and world from the environment."""
-    import datetime
-
-    import torch.distributed as dist
-
-    out_dir = Path(argv[0])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
-    report = {}
-    for case in _cases(world):
-        try:
-            report[case["name"]] = _compare(case, rank, world)
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it
-            import traceback
-
-            report[case["name"]] = dict(exception=f"{exc!r}\n{traceback.format_exc()}")
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)
+    gloo_case_worker(argv, _cases, _compare)
 
 
 def _launch(world, timeout=600):

@@ -1,22 +1,26 @@
 """Context parallelism with the fused tier as each rank's local forward (gdn and kda, bf16, K = V = 128 on a
 compute capability 9.0 GPU, the default tier choice: fused forward, tiled backward).
 
-The pre-pass's state-only runs (each piece's [H | M] map, the first segment's transitions that the backward
-pre-pass reads, a head piece without output) cannot run on the fused tier, which always computes the output:
-they take the tiled tier (deltacp.cp.local._state_only_method) while the local forward stays fused. Checked
-here: 2 and 3 ranks sharing GPU 0 over gloo (worker processes, launched as tests/python/test_cp_gloo.py
-launches them), deltacp.chunk_gated_delta_rule / chunk_kda with cp_context and FLA's benchmark keywords (the
-in-kernel l2 norm; kda's safe gate) against the same call in one process: o, every gradient, the summed final
-states and initial-state gradients within the bf16 CP tolerances of distributed/tests/gpu_cp_check.py (gdn 3e-3,
-kda 8e-3); a sequence over every rank (with gradients every rank after the first needs its first segment's
-transitions), cuts inside chunks, many short sequences; deltacp.cp.last_stats["local_tier"] names the fused
-forward and the tiled backward. Skipped without a CUDA device of compute capability 9.0.
+With DELTACP_CP_STAGED_FUSED=1 the local fused forward runs in stages (deltacp/cuda/api.h
+forward_prepare(p, Method::fused)): its token-parallel stage and its pieces' maps before the exchange, the
+last segment's pre-pass from those maps (composed), the chain after it. The state-only runs (the first
+segment's transitions that the backward pre-pass reads, a head piece without output) cannot run on the fused
+tier, which always computes the output: they take the tiled tier (deltacp.cp.local._state_only_method). In
+float32 the fused tier refuses the problem and each rank's local forward takes the tiled tier, saying why
+(deltacp.cp.autograd._settle_forward_tier).
+
+Checked here: 2 and 3 ranks sharing GPU 0 over gloo (worker processes, launched as tests/python/
+test_cp_gloo.py launches them), deltacp.chunk_gated_delta_rule / chunk_kda with cp_context and FLA's benchmark
+keywords (the in-kernel l2 norm; kda's safe gate) against the same call in one process, with the fused local
+forward one-shot and in stages: o, every gradient, the summed final states and initial-state gradients within
+the CP tolerances of distributed/tests/gpu_cp_check.py (bf16: gdn 3e-3, kda 8e-3; float32 1e-5); a sequence
+over every rank (with gradients every rank after the first needs its first segment's transitions), cuts inside
+chunks, many short sequences; deltacp.cp.last_stats["local_tier"] names each rank's tiers. Skipped without a
+CUDA device of compute capability 9.0.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +28,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from deltacp_testutil import launch_workers  # noqa: E402
+from deltacp_testutil import gloo_case_worker, launch_workers, rel_err, require_fused_gpu  # noqa: E402
 
 THIS = Path(__file__).resolve()
 TOL = {"gdn": 3e-3, "kda": 8e-3}
@@ -32,11 +36,8 @@ KWARGS = {"gdn": dict(use_qk_l2norm_in_kernel=True),
           "kda": dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)}
 
 
-def _rel(x, ref) -> float:
-    x = torch.as_tensor(x).detach().double().cpu()
-    ref = torch.as_tensor(ref).detach().double().cpu()
-    assert x.shape == ref.shape, (x.shape, ref.shape)
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+def _rel_t(x, ref) -> float:
+    return rel_err(torch.as_tensor(x).detach().double().cpu().numpy(), torch.as_tensor(ref).detach().double().cpu().numpy())
 
 
 def _cases(world):
@@ -44,22 +45,25 @@ def _cases(world):
     span = [37, T - 48, 11]  # the middle sequence spans every rank (its middle ranks read M at world 3)
     many = [7, 1, 64, 65, 3, 128, 17] * 3
     many.append(T - sum(many))
-    return [dict(name=f"{variant}-{layout}", variant=variant, seqlens=seqlens, states=states)
-            for variant in ("gdn", "kda")
-            for layout, seqlens, states in (("span", span, True), ("span-nostates", span, False),
-                                            ("many", many, True))]
+    cases = [dict(name=f"{variant}-{layout}", variant=variant, seqlens=seqlens, states=states, dtype="bfloat16")
+             for variant in ("gdn", "kda")
+             for layout, seqlens, states in (("span", span, True), ("span-nostates", span, False),
+                                             ("many", many, True))]
+    # float32: the fused tier refuses the problem, so every rank's local forward takes the tiled tier
+    return cases + [dict(name=f"{variant}-span-fp32", variant=variant, seqlens=span, states=True, dtype="float32")
+                    for variant in ("gdn", "kda")]
 
 
-def _inputs(variant, T, H, D, device):
+def _inputs(variant, T, H, D, device, dtype):
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(11)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     x = {"q": rnd(1, T, H, D), "k": rnd(1, T, H, D), "v": rnd(1, T, H, D)}  # q, k raw: the call l2-normalises
-    x = {n: t.to(device=device, dtype=torch.bfloat16) for n, t in x.items()}
+    x = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
     g = F.logsigmoid(rnd(1, T, H, D)) / 8 if variant == "kda" else F.logsigmoid(rnd(1, T, H) + 2.0)
     x["g"] = g.to(device)  # fp32 gates, as FLA's benchmark passes them
-    x["beta"] = torch.rand(1, T, H, generator=gen).sigmoid().to(device=device, dtype=torch.bfloat16)
+    x["beta"] = torch.rand(1, T, H, generator=gen).sigmoid().to(device=device, dtype=dtype)
     return x
 
 
@@ -75,11 +79,12 @@ def _compare(case, rank, world):
     for s in case["seqlens"]:
         cu.append(cu[-1] + s)
     T, N, H, D = cu[-1], len(case["seqlens"]), 2, 128
-    x = _inputs(variant, T, H, D, device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
+    x = _inputs(variant, T, H, D, device, dtype)
     gen = torch.Generator().manual_seed(12)
     h0 = (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device) if case["states"] else None
     dht = (torch.randn(N, H, D, D, generator=gen) * 0.5).to(device) if case["states"] else None
-    do = torch.randn(1, T, H, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+    do = torch.randn(1, T, H, D, generator=gen).to(device=device, dtype=dtype)
     ctx = cp.build_context(torch.tensor(cu), device=device, timeout=120, use_nccl=False)
     op = deltacp.chunk_kda if variant == "kda" else deltacp.chunk_gated_delta_rule
 
@@ -102,56 +107,33 @@ def _compare(case, rank, world):
     h_full = None if h0 is None else h0.clone().requires_grad_()
     o_ref, ht_ref = run(full, h_full, cu_seqlens=torch.tensor(cu, device=device), cu_seqlens_cpu=torch.tensor(cu))
     loss_of(o_ref, ht_ref, do, dht).backward()
-    err = {"o": _rel(o, cp.split_even(o_ref, ctx))}
+    err = {"o": _rel_t(o, cp.split_even(o_ref, ctx))}
     for n in full:
-        err["d" + n] = _rel(loc[n].grad, cp.split_even(full[n].grad, ctx))
+        err["d" + n] = _rel_t(loc[n].grad, cp.split_even(full[n].grad, ctx))
     if ht is not None:  # each rank holds the rows of its own sequences: summed over the ranks (on the host)
         ht_sum, dh0_sum = ht.detach().cpu(), h_loc.grad.detach().cpu()
         dist.all_reduce(ht_sum)
         dist.all_reduce(dh0_sum)
-        err["ht"] = _rel(ht_sum, ht_ref)
-        err["dh0"] = _rel(dh0_sum, h_full.grad)
+        err["ht"] = _rel_t(ht_sum, ht_ref)
+        err["dh0"] = _rel_t(dh0_sum, h_full.grad)
     return dict(err=err, tier=tier, plan=ctx.describe())
 
 
 def worker_main(argv):
     """python test_cuda_fused_cp.py worker <out dir>; rank and world from the environment."""
-    import datetime
-
-    import torch.distributed as dist
-
-    out_dir = Path(argv[0])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
-    report = {}
-    for case in _cases(world):
-        try:
-            report[case["name"]] = _compare(case, rank, world)
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it
-            import traceback
-
-            report[case["name"]] = dict(exception=f"{exc!r}\n{traceback.format_exc()}")
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
-    sys.stdout.flush()
-    os._exit(0)
+    gloo_case_worker(argv, _cases, _compare)
 
 
+@pytest.mark.parametrize("staged", ["0", "1"], ids=["one-shot", "staged"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_cuda_cp_with_the_fused_local_forward_equals_one_process(world):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    import deltacp
-
-    if not deltacp.built_with_cuda():
-        pytest.skip("deltacp built without the CUDA tiers")
-    if torch.cuda.get_device_capability(0) != (9, 0):
-        pytest.skip("the fused tier runs on compute capability 9.0")
+def test_cuda_cp_with_the_fused_local_forward_equals_one_process(world, staged, monkeypatch):
+    require_fused_gpu()
+    monkeypatch.setenv("DELTACP_CP_STAGED_FUSED", staged)  # the workers inherit it
     run = launch_workers(THIS, world, timeout=600)
     assert len(run.reports) == world, "a worker did not report; logs:\n" + "\n".join(run.logs)
     for case in _cases(world):
-        name, tol = case["name"], TOL[case["variant"]]
+        name = case["name"]
+        tol = TOL[case["variant"]] if case["dtype"] == "bfloat16" else 1e-5
         for rank in range(world):
             r = run.reports[rank][name]
             assert "exception" not in r, f"{name} rank {rank}: {r.get('exception')}"
@@ -159,7 +141,10 @@ def test_cuda_cp_with_the_fused_local_forward_equals_one_process(world):
                   + " ".join(f"{n} {e:.2e}" for n, e in r["err"].items()))
             for n, e in r["err"].items():
                 assert e <= tol, f"{name} rank {rank}: {n} {e:.2e} > {tol} ({r['plan']})"
-            assert r["tier"]["forward"] == "fused" and r["tier"]["backward"] == "tiled", (name, rank, r["tier"])
+            want = "fused" if case["dtype"] == "bfloat16" else "tiled"
+            assert r["tier"]["forward"] == want and r["tier"]["backward"] == "tiled", (name, rank, r["tier"])
+            if want == "tiled":  # the fused tier implements the variant but refused the problem, and says why
+                assert "fused tier does not apply" in r["tier"]["why"], r["tier"]
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":

@@ -17,6 +17,21 @@ from .local import (_body_cu_seqlens, _Cfg, _descs, _grid_pad, _head_forward, _P
                     _seg, _split, _staged_available, _staged_call)
 
 
+def _settle_forward_tier(cfg: _Cfg, descs: dict) -> None:
+    """The fused tier implements the variant (deltacp.cp.ops._methods) but may refuse this rank's problem
+    (dtype, K, V, alignment, a GPU other than compute capability 9.0): unless it was asked for by name, the
+    local forward then takes the tier the single-device dispatch picks for the same problem, and
+    last_stats["local_tier"] says which and why."""
+    if cfg.fwd_method != "fused" or cfg.fwd_named or cfg.device.type != "cuda" or \
+            not hasattr(_core, "cuda_forward_tier"):
+        return
+    with torch.cuda.device(cfg.device):
+        tier, why = _core.cuda_forward_tier(cfg.variant, descs, cfg.scale, cfg.chunk_size)
+    if tier != "fused":
+        cfg.fwd_method, cfg.tier_why = tier, why
+        last_stats["local_tier"] = {"forward": cfg.fwd_method, "backward": cfg.bwd_method, "why": cfg.tier_why}
+
+
 class _CPFunction(torch.autograd.Function):
     """o, ht = CP(q, k, v, g, beta, a, b, h0) on rank-local tensors; backward mirrored."""
 
@@ -41,10 +56,11 @@ class _CPFunction(torch.autograd.Function):
             ht_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
                                    device=q.device)
             descs["ht"] = torch_desc(ht_local, "ht")
+        _settle_forward_tier(cfg, descs)
         prepared = None
         if _staged_available(cfg, "forward", q, g):
-            handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, "tiled", descs)
-            prepared = _PreparedForward(handle, pad)
+            handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, cfg.fwd_method, descs)
+            prepared = _PreparedForward(handle, pad, cfg.fwd_method)
         # 1-3: the state entering this rank's first segment.
         # The backward pre-pass's transitions are made here, where the rank waits for the all-gather.
         want_maps = (ctx.first_continues and any(ctx_.needs_input_grad[1:])

@@ -30,7 +30,7 @@ class _Cfg:
 
     __slots__ = ("variant", "gate_name", "scale", "chunk_size", "output_final_state", "compute", "state_dtype",
                  "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0",
-                 "pending_check", "tier_why")
+                 "pending_check", "tier_why", "fwd_named")
 
 
 def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
@@ -171,18 +171,18 @@ def _fold_start(X: torch.Tensor, start: torch.Tensor, V: int) -> None:
 
 
 def _cut_bounds(cfg: _Cfg, local_descs, n: int, pad: int):
-    """Where the local tiled forward's state scan cuts the rank's local segment n (0: the first, -1: the
-    last) into pieces (deltacp/cuda/api.h scan_pieces), as segment-relative bounds for the pre-pass; None
-    when it does not cut it (or the local forward is not the tiled CUDA one). local_descs: the local
+    """Where the local forward cuts the rank's local segment n (0: the first, -1: the last) into pieces (the
+    tiled state scan's, or the fused chain's intra-card CP: deltacp/cuda/api.h scan_pieces), as
+    segment-relative bounds for the pre-pass; None when it does not cut it (or the local forward is neither). local_descs: the local
     forward's problem, the body [pad, T_local), whose sequence n is segment n (the first less the head
     piece [0, pad), which then is a piece of its own)."""
-    if local_descs is None or cfg.fwd_method != "tiled" or cfg.device.type != "cuda" or \
-            not hasattr(_core, "staged_forward_composed_map") or cfg.variant == "dplr":  # (the tiled DPLR never cuts)
+    if local_descs is None or cfg.fwd_method not in ("tiled", "fused") or cfg.device.type != "cuda" or \
+            not hasattr(_core, "scan_pieces") or cfg.variant == "dplr":  # (the tiled DPLR never cuts)
         return None
     ctx = cfg.ctx
     n = n % ctx.num_local_seqs
     with torch.cuda.device(cfg.device):  # the plan reads the device's SM count
-        body = list(_core.tiled_scan_pieces(cfg.variant, local_descs, n, chunk_size=cfg.chunk_size))
+        body = list(_core.scan_pieces(cfg.variant, local_descs, n, chunk_size=cfg.chunk_size, method=cfg.fwd_method))
     if len(body) <= 2:
         return None
     head = pad if n == 0 else 0
@@ -226,13 +226,16 @@ class _PreparedForward(NamedTuple):
     """A local forward prepared in stages (_core.StagedForward) over the body [pad, T_local) of the rank."""
     handle: object
     pad: int  # the body's first local token (_grid_pad)
+    tier: str = "tiled"  # which tier prepared it: only the tiled one runs state-only pieces from its stages
 
 
 def _pieces_of_segment(cfg: _Cfg, run, xs, s0: int, s1: int, bounds, prepared: Optional[_PreparedForward]):
     """run(span tensors, span-relative bounds, staged or None) -> [P, ...] over the local segment [s0, s1)
     cut at `bounds`. With a prepared forward the pieces come from its stages; a head piece before its
-    body (tokens [0, pad), a piece boundary by _piece_bounds) then runs on its own, like the local forward."""
-    if prepared is None:
+    body (tokens [0, pad), a piece boundary by _piece_bounds) then runs on its own, like the local forward.
+    A forward prepared on the fused tier has no state-only pieces (its chain always makes the output): the
+    pieces then run on their own (the tiled tier, _state_only_method)."""
+    if prepared is None or prepared.tier != "tiled":
         return run(_split(xs, s0, s1), bounds, None)
     pad = prepared.pad
     if s0 >= pad:
@@ -245,10 +248,11 @@ def _pieces_of_segment(cfg: _Cfg, run, xs, s0: int, s1: int, bounds, prepared: O
 
 
 def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
-    """The CP op runs the local tiled kernels in stages (deltacp/cuda/api.h StagedForward, StagedBackward):
-    the stages that need no exchanged state while the exchange is pending, and the pre-pass from those
-    same stages. DELTACP_CP_STAGED=0 switches it off (one-shot local kernels, separate pre-pass). The
-    forward stages only where the pre-pass takes the tiled route (q, g: its inputs)."""
+    """The CP op runs the local tiled (or, forward, fused) kernels in stages (deltacp/cuda/api.h StagedForward,
+    StagedBackward): the stages that need no exchanged state while the exchange is pending, and the pre-pass
+    from those same stages. DELTACP_CP_STAGED=0 switches it off (one-shot local kernels, separate pre-pass). The
+    forward stages only where the pre-pass takes the tiled route (q, g: its inputs); a fused local forward
+    only with DELTACP_CP_STAGED_FUSED=1 (its pre-pass is then its own pieces' maps, composed)."""
     flag = os.environ.get("DELTACP_CP_STAGED", "1").strip()
     if flag not in ("0", "1"):
         raise InvalidArgumentError(f"deltacp: environment variable 'DELTACP_CP_STAGED': expected 0 or 1, got {flag!r}")
@@ -258,8 +262,10 @@ def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
         return False
     if direction == "backward":
         return cfg.bwd_method == "tiled" and hasattr(_core, "staged_backward_prepare")
-    return (cfg.fwd_method == "tiled" and hasattr(_core, "staged_forward_prepare")
-            and _prepass_route(cfg, "forward", q, g) == "chunked")
+    if cfg.fwd_method == "fused" and os.environ.get("DELTACP_CP_STAGED_FUSED", "0").strip() != "1":
+        return False  # the staged fused forward is opt-in (DELTACP_CP_STAGED_FUSED=1) until it is measured on GPUs
+    return (cfg.fwd_method in ("tiled", "fused") and hasattr(_core, "staged_forward_prepare")
+            and hasattr(_core, "scan_pieces") and _prepass_route(cfg, "forward", q, g) == "chunked")
 
 
 def _staged_call(cfg: _Cfg, fn, *args, **kwargs):

@@ -234,6 +234,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cfg.fwd_method, cfg.bwd_method = _methods(variant, backend, q.device, needs_grad)
+    cfg.fwd_named = backend is not None  # else a fused forward the rank's problem refuses falls back (autograd)
     if q.device.type == "cpu":
         cfg.tier_why = "the chunked reference (CPU tensors)"
     elif backend is None:

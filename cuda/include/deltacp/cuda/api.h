@@ -47,6 +47,8 @@ struct TierChoice {
   std::string why;
 };
 TierChoice last_tier_choice();
+// The tier forward_auto would run p on, and why; launches nothing (the CP op picks each rank's local tier).
+TierChoice forward_tier(const Params& p);
 
 // x / sqrt(sum(x^2) + eps) over the last dimension of `rows` contiguous rows of D elements (D <= 256): fp32
 // math, y in x's dtype; rstd (fp32 [rows], optional) keeps 1 / norm for the backward, which writes
@@ -73,9 +75,17 @@ void l2norm_rows_backward(const void* x, const float* rstd, const void* dy, void
 // [H | M] from [h | I] (and M alone from I) without a widened [v | 0] input: a rank prepares its local
 // forward, takes its pre-pass from the prepared stages, and finishes after the exchange.
 // The tensors of p must stay alive until finish's kernels have run.
+//
+// The fused tier (Hopper) stages the same way: forward_prepare(p, Method::fused) runs its token-parallel stage
+// (W, U, P; kda's operands) and, where its chain cuts the sequences into pieces (exact intra-card CP), every
+// piece's map [H_j | M_j] by the chain's map mode, the last piece's too; forward_piece_maps and
+// forward_composed_map read those maps; finish folds them from h0 and runs the chain over the pieces (or over
+// whole sequences from h0). It has no forward_state_pieces (its chain always makes the output); the same o
+// and ht, bit for bit, as forward(p_with_h0, Method::fused) run as one window.
 class StagedForward {
  public:
   virtual ~StagedForward() = default;
+  virtual Method tier() const = 0;  // the tier that prepared it: its steps run there
 };
 std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier);
 void forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values);
@@ -86,9 +96,9 @@ void forward_finish(StagedForward& s, const Params& p);
 // [H_j | M_j] (pass 1: no h0 needed, so forward_prepare runs it), folds the maps into each piece's start
 // state and scans the pieces side by side (finish).
 //
-// scan_pieces(p, n): where the tiled forward of p cuts sequence n, as token offsets from the sequence's
-// start, [0, ..., len] ({0, len}: not cut). No GPU work; the same answer for the prepared problem, the
-// one-shot forward of it and its backward's recompute.
+// scan_pieces(p, n, tier): where the tiled (or the fused) forward of p cuts sequence n, as token offsets from
+// the sequence's start, [0, ..., len] ({0, len}: not cut). No GPU work; the same answer for the prepared
+// problem, the one-shot forward of it and (tiled) its backward's recompute.
 //
 // forward_piece_maps(s, n, maps, numel): every piece's [H_j | M_j] of prepared sequence n, from [0 | I],
 // into maps (fp32 device memory, [P, HV, K, V + K], numel = its elements, P = scan_pieces(p, n).size() - 1
@@ -101,7 +111,7 @@ void forward_finish(StagedForward& s, const Params& p);
 // = the state leaving sequence n when it is entered with init (the same shape; nullptr: [0 | I], the
 // identity in the columns from V on). width = V + K: the sequence's [H | M]; width = V: the offset alone.
 // The CP pre-pass of a cut last segment is this one launch.
-std::vector<int64_t> scan_pieces(const Params& p, int64_t n);
+std::vector<int64_t> scan_pieces(const Params& p, int64_t n, Method tier = Method::tiled);
 void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel);
 void forward_composed_map(StagedForward& s, int64_t n, const float* init, float* out, int64_t width, int64_t numel);
 // The same composition of any maps [P, HV, K, V + K] (fp32 device memory, P >= 1) on `stream`: the CP

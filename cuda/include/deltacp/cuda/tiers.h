@@ -27,6 +27,12 @@ namespace fused {                      // cuda/fused/fused_fwd.cu
 // Why the fused forward cannot run p (variant, dtype, shape, alignment, GPU), or nullptr when it can.
 const char* forward_refusal(const Params& p);
 void forward(const Params& p);         // throws deltacp::Error naming 'backend' with the refusal
+// The staged forward (api.h) on the fused tier.
+std::unique_ptr<StagedForward> forward_prepare(const Params& p);
+void forward_finish(StagedForward& s, const Params& p);
+std::vector<int64_t> scan_pieces(const Params& p, int64_t n);
+void forward_piece_maps(StagedForward& s, int64_t n, float* maps, int64_t numel);
+void forward_composed_map(StagedForward& s, int64_t n, const float* init, float* out, int64_t width, int64_t numel);
 }  // namespace fused
 // The staged forward (api.h), cuda/tiled/tiled_fwd.cu.
 std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p);
