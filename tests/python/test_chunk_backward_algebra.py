@@ -1,7 +1,9 @@
 """The chunk-local gradients as cuda/tiled/bwd_local_wgmma.cuh regroups them (stages B2, B3 and B4 of the tiled
 backward in one kernel: three accumulators dq, minus, plus per token row and key column, and Y = T^T dU), against
 torch autograd through one chunk of the WY forward in float64. The kernel's GPU test compares its output with the
-three mma.sync stages; this one ties the formulas in its opening comment to the chain rule, on the CPU."""
+three mma.sync stages; this one ties the formulas in its opening comment to the chain rule, on the CPU. The kda
+form of the same regrouping (per-key element scales, the decay products on 16-row blocks around a reference row, as
+a chunk-local kernel for kda computes them) is tied to autograd below in the same way."""
 
 from __future__ import annotations
 
@@ -87,3 +89,122 @@ def test_regrouped_chunk_gradients_equal_autograd(gated, n):
     for name in ("q", "k", "v", "beta") + (("g",) if gated else ()):
         err = ((got[name] - want[name]).norm() / want[name].norm()).item()
         assert err < 1e-12, f"d{name}: {err:.2e}"
+
+
+# ---- kda: a decay per key ----------------------------------------------------------------------------------------
+# The same regrouping with kda's per-key gates (G: [n, K], the cumulative log decay of each key), in the form a
+# chunk-local Hopper kernel for kda takes: the V and WY sides are gdn's products with element scales (Gam_id =
+# e^(G_id), e^(Gn_d - G_id)) in place of row scales, dT reads K o Gam as its operand, and the decay products, whose
+# per-key factors e^(G_id - G_jd) do not leave the sums over d, run on 16-row blocks around a reference row r (the
+# block's first row): for i in block I and j in an earlier block J, e^(G_id - G_jd) = e^(G_id - G_rd) e^(G_rd - G_jd)
+# with both exponents <= 0 (G falls along the chunk), so each off-diagonal 16 x 16 block is a plain product of two
+# scaled operands; the diagonal blocks are summed element by element (cuda/tiled/kda_scores.cuh's scheme).
+def _chunk_kda(n, K, V, seed):
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=f64)
+
+    x = {
+        "q": randn(n, K),
+        "k": torch.nn.functional.normalize(randn(n, K), dim=-1),
+        "v": randn(n, V),
+        "g": torch.nn.functional.logsigmoid(randn(n, K)).clamp_min(-5.0),  # FLA's safe_gate range: >= -5 a token
+        "beta": torch.rand(n, generator=gen, dtype=f64),
+        "S": randn(K, V) * 0.1,
+    }
+    x = {name: t.requires_grad_(True) for name, t in x.items()}
+    dO, dSp, scale = randn(n, V), randn(K, V), 0.3
+    q, k, v, beta, S = x["q"], x["k"], x["v"], x["beta"], x["S"]
+    G = torch.cumsum(x["g"], 0)
+    lower = torch.tril(torch.ones(n, n, dtype=f64))
+    decayed = torch.einsum("id,jd,ijd->ij", q, k, torch.exp(G[:, None, :] - G[None, :, :]) * lower[..., None])
+    kk = torch.einsum("id,jd,ijd->ij", k, k, torch.exp(G[:, None, :] - G[None, :, :]) * lower[..., None])
+    T = torch.linalg.inv(torch.eye(n, dtype=f64) + torch.tril(beta[:, None] * kk, -1))
+    W = T @ (beta[:, None] * k * torch.exp(G))
+    Vn = T @ (beta[:, None] * v) - W @ S
+    O = scale * ((q * torch.exp(G)) @ S + decayed @ Vn)
+    Kr = k * torch.exp(G[-1] - G)
+    Sp = torch.exp(G[-1])[:, None] * S + Kr.T @ Vn
+    ((O * dO).sum() + (Sp * dSp).sum()).backward()
+    with torch.no_grad():
+        plain = {name: t.detach() for name, t in x.items()}
+        inter = dict(G=G.detach(), T=T.detach(), Vn=Vn.detach(), P=decayed.detach(), Kr=Kr.detach(), dO=dO, dSp=dSp,
+                     scale=scale)
+    return plain, inter, {name: t.grad for name, t in x.items()}
+
+
+def _decay_products(dPm, dAm, q, k, beta, G, block=16):
+    """Yq = sum_{j <= i} dP_ij k_j e^(G_i - G_j), Yr = sum_{j < i} dA_ij k_j e^(G_i - G_j) and
+    Yc = sum_{i >= j} (dP_ij q_i + beta_i dA_ij k_i) e^(G_i - G_j) (each [n, K], per key), dP and dA masked, as
+    16-row blocks: off-diagonal blocks (I > J) as products of operands scaled around I's first row r (every
+    exponent <= 0), diagonal blocks element by element."""
+    n, K = k.shape
+    Yq, Yr, Yc = (torch.zeros(n, K, dtype=k.dtype) for _ in range(3))
+    X = beta[:, None] * k  # the rows dA meets on the Yc side
+    for i0 in range(0, n, block):
+        i1 = min(n, i0 + block)
+        Gr = G[i0]
+        up = torch.exp(G[i0:i1] - Gr)  # e^(G_i - G_r) <= 1 for the block's rows
+        for j0 in range(0, i0, block):  # earlier blocks: two scaled operands, one product each
+            j1 = j0 + block
+            down = torch.exp(Gr - G[j0:j1])  # e^(G_r - G_j) <= 1
+            Yq[i0:i1] += up * (dPm[i0:i1, j0:j1] @ (k[j0:j1] * down))
+            Yr[i0:i1] += up * (dAm[i0:i1, j0:j1] @ (k[j0:j1] * down))
+            Yc[j0:j1] += down * (dPm[i0:i1, j0:j1].T @ (q[i0:i1] * up) + dAm[i0:i1, j0:j1].T @ (X[i0:i1] * up))
+        for i in range(i0, i1):  # the diagonal block, element by element (j <= i inside it)
+            for j in range(i0, i + 1):
+                e = torch.exp(G[i] - G[j])
+                Yq[i] += dPm[i, j] * k[j] * e
+                Yr[i] += dAm[i, j] * k[j] * e
+                Yc[j] += (dPm[i, j] * q[i] + dAm[i, j] * X[i]) * e
+    return Yq, Yr, Yc
+
+
+def _regrouped_kda(x, m):
+    """dq, minus, plus and Y for kda (per-key scales; the decay products in reference-row blocks), from what a
+    chunk-local kernel reads: q, k, v, beta, G, S = h[c], dS' = dh[c], Vn, T, dO and dU = dL/dVn."""
+    q, k, v, beta, S = x["q"], x["k"], x["v"], x["beta"], x["S"]
+    G, T, Vn, dO, dSp, scale = m["G"], m["T"], m["Vn"], m["dO"], m["dSp"], m["scale"]
+    n = q.shape[0]
+    gam, ek = torch.exp(G), torch.exp(G[-1] - G)  # [n, K]: element scales
+    dU = scale * m["P"].T @ dO + m["Kr"] @ dSp
+    lower = torch.tril(torch.ones(n, n, dtype=q.dtype))
+    # the V side (gdn's products; their scales now per element)
+    dq = scale * gam * (dO @ S.T)
+    minus = ek * (Vn @ dSp.T)
+    kr_sum = (k * minus).sum(0)  # per key: the last row's share of dG from Gn in Kr
+    Y = T.T @ dU
+    dW = -(dU @ S.T)
+    dPm = scale * (dO @ Vn.T) * lower  # j <= i
+    # the WY side: K o Gam is dT's operand
+    plus = gam * (T.T @ dW)
+    dT = (dU @ v.T + dW @ (k * gam).T) * beta[None, :]
+    dAm = torch.tril(-(T.T @ dT) @ T.T, -1)
+    # the decay products
+    Yq, Yr, Yc = _decay_products(dPm, dAm, q, k, beta, G)
+    dq = dq + Yq
+    plus = plus + Yr
+    minus = minus + Yc
+    dG = q * dq + beta[:, None] * k * plus - k * minus  # per key
+    dG[n - 1] += torch.exp(G[-1]) * (dSp * S).sum(1) + kr_sum
+    return {
+        "q": dq,
+        "k": minus + beta[:, None] * plus,
+        "v": beta[:, None] * Y,
+        "beta": (Y * v).sum(1) + (k * plus).sum(1),
+        "g": torch.flip(torch.cumsum(torch.flip(dG, [0]), 0), [0]),
+    }
+
+
+@pytest.mark.parametrize("n", [64, 47, 17, 1])
+def test_regrouped_kda_chunk_gradients_equal_autograd(n):
+    """Every gradient of one kda chunk from the regrouped formulas (per-key scales, the decay products as 16-row
+    reference blocks) equals autograd's in float64, at full and short chunk lengths; gates down to -5 per token
+    (FLA's safe_gate bound), where a single reference row per chunk would overflow."""
+    x, m, want = _chunk_kda(n, 32, 24, seed=n + 3)
+    got = _regrouped_kda(x, m)
+    for name in ("q", "k", "v", "beta", "g"):
+        err = ((got[name] - want[name]).norm() / want[name].norm()).item()
+        assert err < 1e-11, f"d{name}: {err:.2e}"
