@@ -172,17 +172,19 @@ def _fold_start(X: torch.Tensor, start: torch.Tensor, V: int) -> None:
 
 def _cut_bounds(cfg: _Cfg, local_descs, n: int, pad: int):
     """Where the local forward cuts the rank's local segment n (0: the first, -1: the last) into pieces (the
-    tiled state scan's, or the fused chain's intra-card CP: deltacp/cuda/api.h scan_pieces), as
-    segment-relative bounds for the pre-pass; None when it does not cut it (or the local forward is neither). local_descs: the local
-    forward's problem, the body [pad, T_local), whose sequence n is segment n (the first less the head
-    piece [0, pad), which then is a piece of its own)."""
-    if local_descs is None or cfg.fwd_method not in ("tiled", "fused") or cfg.device.type != "cuda" or \
+    tiled state scan's, or the staged fused chain's intra-card CP: deltacp/cuda/api.h scan_pieces), as
+    segment-relative bounds for the pre-pass; None when it does not cut it (or the local forward is neither).
+    local_descs: the local forward's problem, the body [pad, T_local), whose sequence n is segment n (the
+    first less the head piece [0, pad), which then is a piece of its own)."""
+    cuts = ("tiled", "fused") if _fused_staged_enabled() else ("tiled",)
+    if local_descs is None or cfg.fwd_method not in cuts or cfg.device.type != "cuda" or \
             not hasattr(_core, "scan_pieces") or cfg.variant == "dplr":  # (the tiled DPLR never cuts)
         return None
     ctx = cfg.ctx
     n = n % ctx.num_local_seqs
     with torch.cuda.device(cfg.device):  # the plan reads the device's SM count
-        body = list(_core.scan_pieces(cfg.variant, local_descs, n, chunk_size=cfg.chunk_size, method=cfg.fwd_method))
+        body = list(_core.scan_pieces(cfg.variant, local_descs, n, chunk_size=cfg.chunk_size,
+                                      method=cfg.fwd_method))
     if len(body) <= 2:
         return None
     head = pad if n == 0 else 0
@@ -247,6 +249,17 @@ def _pieces_of_segment(cfg: _Cfg, run, xs, s0: int, s1: int, bounds, prepared: O
     return torch.cat([head, body])
 
 
+def _fused_staged_enabled() -> bool:
+    """DELTACP_CP_STAGED_FUSED=1: a fused local forward runs in stages, its pre-pass from its own pieces' maps.
+    Opt-in until it is measured on GPUs; off, the fused local forward runs one-shot after the exchange and the
+    pre-pass is a tiled state-only run of its own."""
+    flag = os.environ.get("DELTACP_CP_STAGED_FUSED", "0").strip()
+    if flag not in ("0", "1"):
+        raise InvalidArgumentError(f"deltacp: environment variable 'DELTACP_CP_STAGED_FUSED': expected 0 or 1, got "
+                                   f"{flag!r}")
+    return flag == "1"
+
+
 def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
     """The CP op runs the local tiled (or, forward, fused) kernels in stages (deltacp/cuda/api.h StagedForward,
     StagedBackward): the stages that need no exchanged state while the exchange is pending, and the pre-pass
@@ -262,8 +275,8 @@ def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
         return False
     if direction == "backward":
         return cfg.bwd_method == "tiled" and hasattr(_core, "staged_backward_prepare")
-    if cfg.fwd_method == "fused" and os.environ.get("DELTACP_CP_STAGED_FUSED", "0").strip() != "1":
-        return False  # the staged fused forward is opt-in (DELTACP_CP_STAGED_FUSED=1) until it is measured on GPUs
+    if cfg.fwd_method == "fused" and not _fused_staged_enabled():
+        return False
     return (cfg.fwd_method in ("tiled", "fused") and hasattr(_core, "staged_forward_prepare")
             and hasattr(_core, "scan_pieces") and _prepass_route(cfg, "forward", q, g) == "chunked")
 
