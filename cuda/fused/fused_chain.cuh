@@ -401,15 +401,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 
     // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.  kda: S^T's key column d times e^(G_n,d), K e^(G_n - G).
     if constexpr (kKda) {
-#pragma unroll
-      for (int nb = 0; nb < 16; ++nb) {  // keys 8 nb + 2 t and 8 nb + 2 t + 1
-        const float2 gl = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
-        const float d0 = exp_t<T>(gl.x), d1 = exp_t<T>(gl.y);
-        S[4 * nb] *= d0;
-        S[4 * nb + 1] *= d1;
-        S[4 * nb + 2] *= d0;
-        S[4 * nb + 3] *= d1;
-      }
+      tiled::scale_key_columns_exp<T>(S, gbuf);
     } else {
       const float eg = exp_t<T>(gbuf[len - 1]);
 #pragma unroll

@@ -332,15 +332,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
 
     // (3) dS^T = e^Gn dS'^T + B1^T Q + B2^T W (kda: e^(Gn_d) on key row d = 8 nb + 2 t + (e & 1) of D[4 nb + e]).
     if constexpr (kKda) {
-#pragma unroll
-      for (int nb = 0; nb < 16; ++nb) {
-        const float2 gl = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
-        const float e0 = exp_t<T>(gl.x), e1 = exp_t<T>(gl.y);
-        D[4 * nb] *= e0;
-        D[4 * nb + 1] *= e1;
-        D[4 * nb + 2] *= e0;
-        D[4 * nb + 3] *= e1;
-      }
+      scale_key_columns_exp<T>(D, gbuf);
     } else {
       const float eg = exp_t<T>(glast);
 #pragma unroll
