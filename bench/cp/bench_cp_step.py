@@ -12,6 +12,8 @@ Per variant, four steps are timed in interleaved rounds (each call after a barri
 median of --repeat after --warmup rounds), forward alone (grad disabled) and forward + backward:
 
   deltacp_cp       deltacp.chunk_gated_delta_rule / chunk_kda with cp_context (deltacp.cp.build_context)
+  deltacp_cp_staged  the same with DELTACP_CP_STAGED_FUSED=1 (the fused local forward in stages, its pre-pass
+                   from its own pieces' maps), timed in the same rounds (--staged-fused both, the default; GPUs)
   deltacp_one_gpu  the same call without cp_context on the rank's slice: the same per-rank work on one GPU
   fla_cp           FLA's op with its cp_context (fla.ops.cp.build_cp_context over the same global cu_seqlens)
   fla_one_gpu      FLA's op without cp_context on the rank's slice
@@ -52,7 +54,8 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ("gdn", "kda")
-IMPLS = ("deltacp_cp", "deltacp_one_gpu", "fla_cp", "fla_one_gpu")
+IMPLS = ("deltacp_cp", "deltacp_cp_staged", "deltacp_one_gpu", "fla_cp", "fla_one_gpu")
+STAGED_FUSED = "DELTACP_CP_STAGED_FUSED"  # deltacp.cp.local._fused_staged_enabled, read at each call
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 TARGETS = {"efficiency_fwd": 0.85, "efficiency_fwd+bwd": 0.90, "exchange_fraction": 0.10}
 
@@ -86,6 +89,10 @@ def parse():
     p.add_argument("--pg-timeout", type=float, default=900.0, help="seconds a torch.distributed collective may take "
                    "(FLA's first calls compile and autotune while the other ranks wait in a collective)")
     p.add_argument("--no-fla", action="store_true", help="skip FLA's steps even where FLA imports")
+    p.add_argument("--staged-fused", default="both", choices=("0", "1", "both"),
+                   help="deltacp's CP step with its fused local forward one-shot (0), in stages (1: "
+                        "DELTACP_CP_STAGED_FUSED=1, the pre-pass from the forward's own pieces' maps), or both, "
+                        "timed as deltacp_cp and deltacp_cp_staged in the same rounds (GPUs)")
     p.add_argument("--check-full-max-tokens", type=int, default=1 << 19,
                    help="the check against one GPU over the whole sequence runs when tokens x world is at most this")
     p.add_argument("--json", default=None, help="default: $OUT/bench_cp_step.json ($OUT default: .)")
@@ -230,6 +237,23 @@ def step_fns(op, x, do, kw, cp_context):
         return [o.detach()] + [g_.detach() for g_ in grads]
 
     return fwd, fwd_bwd, with_grads
+
+
+def with_env(fns, name: str, value: str):
+    """fns (step_fns' three callables) each run with the environment variable name = value, restored after."""
+    def wrap(fn):
+        def run():
+            old = os.environ.get(name)
+            os.environ[name] = value
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = old
+        return run
+    return tuple(wrap(f) for f in fns)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -414,7 +438,13 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
     kw = dict(bench_gpu.FLA_BENCH_KWARGS[variant])
     op = deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_kda
     x, do = make_rank_inputs(variant, args, ranks.rank, device, dtype)
-    fns = {"deltacp_cp": step_fns(op, x, do, kw, ctx), "deltacp_one_gpu": step_fns(op, x, do, kw, None)}
+    if args.staged_fused == "both" and device.type == "cuda":  # both routes of the fused local forward, same rounds
+        fns = {"deltacp_cp": with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED, "0"),
+               "deltacp_cp_staged": with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED, "1")}
+    else:
+        fns = {"deltacp_cp": with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED,
+                                      "1" if args.staged_fused == "1" else "0")}
+    fns["deltacp_one_gpu"] = step_fns(op, x, do, kw, None)
     fla_op = fla.ops[variant] if fla.ops else None
     if fla_op is not None:
         fns["fla_cp"] = step_fns(fla_op, x, do, kw, fla_ctx)
@@ -462,7 +492,7 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
         ranks.say(f"{variant}: deltacp on one GPU over the whole sequence ({ranks.world * args.tokens} tokens), "
                   "the reference of the check")
         ref = whole_sequence_reference(op, x, do, kw, ranks)
-        for name in ("deltacp_cp", "fla_cp"):
+        for name in ("deltacp_cp", "deltacp_cp_staged", "fla_cp"):
             if name in results:
                 errs[f"{name}_vs_whole_sequence"] = errors_of(results[name], ref)
         del ref
@@ -496,13 +526,17 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
     out["host_ms"] = {n[:-5]: max(r[n] for r in rows) * 1e3 for n in times if n.endswith("_host")}
     ms = out["ms"]
     out["efficiency"], out["fla_over_deltacp"] = {}, {}
+    out["fla_over_deltacp_staged"] = {}
     for d in ("fwd", "fwd+bwd"):
-        for side in ("deltacp", "fla"):
-            cp_t, one_t = ms.get(f"{side}_cp_{d}"), ms.get(f"{side}_one_gpu_{d}")
+        for side, cp_name, one_name in (("deltacp", "deltacp_cp", "deltacp_one_gpu"),
+                                        ("deltacp_staged", "deltacp_cp_staged", "deltacp_one_gpu"),
+                                        ("fla", "fla_cp", "fla_one_gpu")):
+            cp_t, one_t = ms.get(f"{cp_name}_{d}"), ms.get(f"{one_name}_{d}")
             if cp_t and one_t:
                 out["efficiency"][f"{side}_{d}"] = one_t / cp_t
-        if ms.get(f"fla_cp_{d}") and ms.get(f"deltacp_cp_{d}"):
-            out["fla_over_deltacp"][d] = ms[f"fla_cp_{d}"] / ms[f"deltacp_cp_{d}"]
+        for key, name in (("fla_over_deltacp", "deltacp_cp"), ("fla_over_deltacp_staged", "deltacp_cp_staged")):
+            if ms.get(f"fla_cp_{d}") and ms.get(f"{name}_{d}"):
+                out[key][d] = ms[f"fla_cp_{d}"] / ms[f"{name}_{d}"]
 
     # 4. Peak memory of one step of each (max over ranks).
     if device.type == "cuda":
@@ -518,13 +552,18 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
                                "total": max(r[n][0] + r[n][1] for r in rows) / 2**20} for n in mem}
 
     # 5. The exchange of deltacp's CP forward, part by part.
-    ranks.say(f"{variant}: the exchange, part by part (deltacp.cp internals)")
-    parts = exchange_parts(variant, x, ctx, device, dtype, args, ranks)
-    if "error" in parts:
-        out["exchange"] = {"error": parts["error"]}
-        ranks.say(f"{variant}: exchange parts not measured: {parts['error']}")
-    else:
-        out["exchange"] = exchange_summary(ranks.gather(parts))
+    routes = [("exchange", "0" if args.staged_fused != "1" else "1")]
+    if "deltacp_cp_staged" in fns:
+        routes.append(("exchange_staged", "1"))
+    for key, staged in routes:
+        ranks.say(f"{variant}: the exchange, part by part (deltacp.cp internals; {STAGED_FUSED}={staged})")
+        parts = with_env((lambda: exchange_parts(variant, x, ctx, device, dtype, args, ranks),), STAGED_FUSED,
+                         staged)[0]()
+        if "error" in parts:
+            out[key] = {"error": parts["error"]}
+            ranks.say(f"{variant}: exchange parts not measured: {parts['error']}")
+        else:
+            out[key] = exchange_summary(ranks.gather(parts))
     return out
 
 
@@ -568,41 +607,48 @@ def report(res: dict):
           f"{c['repeat']} after {c['warmup']} warm-up rounds, ms of the slowest rank", flush=True)
     if res["fla"]["reason"]:
         print(f"  FLA skipped: {res['fla']['reason']}")
-    head = (f"  {'variant':7} {'dir':8} {'deltacp CP':>10} {'FLA CP':>9} {'FLA/ours':>8} {'ours 1GPU':>9} "
+    head = (f"  {'variant':7} {'dir':15} {'deltacp CP':>10} {'FLA CP':>9} {'FLA/ours':>8} {'ours 1GPU':>9} "
             f"{'FLA 1GPU':>9} {'eff ours':>8} {'eff FLA':>8}")
     print(head)
     for variant, r in res["variants"].items():
         ms, eff = r.get("ms", {}), r.get("efficiency", {})
-        for d in ("fwd", "fwd+bwd"):
-            ratio = r.get("fla_over_deltacp", {}).get(d)
-            ratio = f"{ratio:.2f}x" if ratio else "-"
-            effs = [f"{eff[key]:.1%}" if key in eff else "-" for key in (f"deltacp_{d}", f"fla_{d}")]
-            cells = [fmt_ms(ms.get(f"{n}_{d}")) for n in ("deltacp_cp", "fla_cp", "deltacp_one_gpu", "fla_one_gpu")]
-            print(f"  {variant:7} {d:8} {cells[0]:>10} {cells[1]} {ratio:>8} {cells[2]} {cells[3]} "
-                  f"{effs[0]:>8} {effs[1]:>8}")
+        for route, cp_name, side, ratios in (("", "deltacp_cp", "deltacp", "fla_over_deltacp"),
+                                             (" staged", "deltacp_cp_staged", "deltacp_staged",
+                                              "fla_over_deltacp_staged")):
+            for d in ("fwd", "fwd+bwd"):
+                if f"{cp_name}_{d}" not in ms:
+                    continue
+                ratio = r.get(ratios, {}).get(d)
+                ratio = f"{ratio:.2f}x" if ratio else "-"
+                effs = [f"{eff[key]:.1%}" if key in eff else "-" for key in (f"{side}_{d}", f"fla_{d}")]
+                cells = [fmt_ms(ms.get(f"{n}_{d}")) for n in (cp_name, "fla_cp", "deltacp_one_gpu", "fla_one_gpu")]
+                print(f"  {variant:7} {(d + route):15} {cells[0]:>10} {cells[1]} {ratio:>8} {cells[2]} {cells[3]} "
+                      f"{effs[0]:>8} {effs[1]:>8}")
     for variant, r in res["variants"].items():
         print(f"  {variant}:")
         for name, text in r.get("failed", {}).items():
             print(f"    FAILED {name}: {text}")
         eff = r.get("efficiency", {})
-        marks = []
-        for d in ("fwd", "fwd+bwd"):
-            if f"deltacp_{d}" in eff:
-                goal = TARGETS[f"efficiency_{d}"]
-                e = eff[f"deltacp_{d}"]
-                marks.append(f"{d} {e:.1%} (target >= {goal:.0%}: {'met' if e >= goal else 'MISSED'})")
-        if marks:
-            print("    per-rank efficiency, deltacp: " + "; ".join(marks))
-        ex = r.get("exchange", {})
-        if "exchange_ms" in ex:
-            f = ex["exchange_fraction_of_local_fwd"]
-            goal = TARGETS["exchange_fraction"]
-            print(f"    exchange, rank 0: pre-pass ({ex['prepass_what']}) {ex['prepass_ms']:.3f} ms + all-gather "
-                  f"and merge {ex['allgather_merge_ms']:.3f} ms = {ex['exchange_ms']:.3f} ms = "
-                  + (f"{f:.1%} of the local forward ({ex['local_forward_ms']:.3f} ms; target <= {goal:.0%}: "
-                     f"{'met' if f <= goal else 'MISSED'})" if f is not None else "- (no local forward time)"))
-        elif "error" in ex:
-            print(f"    exchange not measured: {ex['error']}")
+        for side, label in (("deltacp", "deltacp"), ("deltacp_staged", "deltacp, fused forward staged")):
+            marks = []
+            for d in ("fwd", "fwd+bwd"):
+                if f"{side}_{d}" in eff:
+                    goal = TARGETS[f"efficiency_{d}"]
+                    e = eff[f"{side}_{d}"]
+                    marks.append(f"{d} {e:.1%} (target >= {goal:.0%}: {'met' if e >= goal else 'MISSED'})")
+            if marks:
+                print(f"    per-rank efficiency, {label}: " + "; ".join(marks))
+        for key, label in (("exchange", "exchange"), ("exchange_staged", "exchange, fused forward staged")):
+            ex = r.get(key, {})
+            if "exchange_ms" in ex:
+                f = ex["exchange_fraction_of_local_fwd"]
+                goal = TARGETS["exchange_fraction"]
+                print(f"    {label}, rank 0: pre-pass ({ex['prepass_what']}) {ex['prepass_ms']:.3f} ms + all-gather "
+                      f"and merge {ex['allgather_merge_ms']:.3f} ms = {ex['exchange_ms']:.3f} ms = "
+                      + (f"{f:.1%} of the local forward ({ex['local_forward_ms']:.3f} ms; target <= {goal:.0%}: "
+                         f"{'met' if f <= goal else 'MISSED'})" if f is not None else "- (no local forward time)"))
+            elif "error" in ex:
+                print(f"    {label} not measured: {ex['error']}")
         for key, val in r.get("errors", {}).items():
             if key.endswith("_per_rank"):
                 continue

@@ -185,6 +185,15 @@ def readme_table(res):
                 cells.append(f"{label} {ms[f'deltacp_cp_{d}']:.2f} ms{fla}{effs}")
             if ex.get("exchange_fraction_of_local_fwd") is not None:
                 cells.append(f"pre-pass + exchange + merge {ex['exchange_fraction_of_local_fwd']:.1%} of the local forward")
+            if "deltacp_cp_staged_fwd+bwd" in ms:  # the fused local forward in stages, measured beside
+                staged = [f"{label} {ms[f'deltacp_cp_staged_{d}']:.2f} ms"
+                          + (f", efficiency {eff[f'deltacp_staged_{d}']:.1%}" if f"deltacp_staged_{d}" in eff else "")
+                          for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward"))
+                          if f"deltacp_cp_staged_{d}" in ms]
+                exs = x.get("exchange_staged", {}).get("exchange_fraction_of_local_fwd")
+                if exs is not None:
+                    staged.append(f"pre-pass + exchange + merge {exs:.1%} of the local forward")
+                cells.append("with the fused forward staged: " + ", ".join(staged))
             c = r["config"]
             lines.append(f"| CP step, {variant.upper()}, {r['world']} x {gpu_short(r.get('gpu', '?'))} | " +
                          "; ".join(cells) + f" | {c['tokens']} tokens per rank, H = {c['heads']}, K = V = "
@@ -483,7 +492,7 @@ def cp_md(res, plots):
     return lines
 
 
-CPSTEP_IMPLS = (("deltacp_cp", "deltacp CP"), ("fla_cp", "FLA CP"), ("deltacp_one_gpu", "deltacp one GPU"),
+CPSTEP_IMPLS = (("deltacp_cp", "deltacp CP"), ("deltacp_cp_staged", "deltacp CP with the fused forward staged"), ("fla_cp", "FLA CP"), ("deltacp_one_gpu", "deltacp one GPU"),
                 ("fla_one_gpu", "FLA one GPU"))
 
 
@@ -520,27 +529,36 @@ def cpstep_md(res):
             if ms:
                 lines += ["| direction | deltacp CP step, ms | FLA CP step, ms | FLA / deltacp time | "
                           "deltacp one GPU, ms | per-rank efficiency | FLA efficiency |", "|---|---|---|---|---|---|---|"]
-                for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward")):
-                    cells = [f"{ms[key]:.2f}" if key in ms else "-"
-                             for key in (f"deltacp_cp_{d}", f"fla_cp_{d}")]
-                    cells.append(f"{ratio[d]:.2f}x" if d in ratio else "-")
-                    cells.append(f"{ms[f'deltacp_one_gpu_{d}']:.2f}" if f"deltacp_one_gpu_{d}" in ms else "-")
-                    cells += [f"{eff[key]:.1%}" if key in eff else "-" for key in (f"deltacp_{d}", f"fla_{d}")]
-                    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                routes = (("", "deltacp_cp", "deltacp", ratio),
+                          (", fused forward staged", "deltacp_cp_staged", "deltacp_staged",
+                           x.get("fla_over_deltacp_staged", {})))
+                for route, cp_key, side, ratios in routes:
+                    for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward")):
+                        if f"{cp_key}_{d}" not in ms:
+                            continue
+                        cells = [f"{ms[key]:.2f}" if key in ms else "-" for key in (f"{cp_key}_{d}", f"fla_cp_{d}")]
+                        cells.append(f"{ratios[d]:.2f}x" if d in ratios else "-")
+                        cells.append(f"{ms[f'deltacp_one_gpu_{d}']:.2f}" if f"deltacp_one_gpu_{d}" in ms else "-")
+                        cells += [f"{eff[key]:.1%}" if key in eff else "-" for key in (f"{side}_{d}", f"fla_{d}")]
+                        lines.append(f"| {label}{route} | " + " | ".join(cells) + " |")
                 lines.append("")
-            ex = x.get("exchange", {})
-            if "exchange_ms" in ex:
-                frac = ex.get("exchange_fraction_of_local_fwd")
-                lines += [f"Exchange of deltacp's CP forward, rank 0: pre-pass ({ex['prepass_what']}) "
-                          f"{ex['prepass_ms']:.3f} ms + all-gather and merge {ex['allgather_merge_ms']:.3f} ms = "
-                          f"{ex['exchange_ms']:.3f} ms" +
-                          (f" = {frac:.1%} of the local forward ({ex['local_forward_ms']:.3f} ms)." if frac is not None
-                           else "."), ""]
-            elif "error" in ex:
-                lines += [f"Exchange not measured: {ex['error']}", ""]
+            for key, what in (("exchange", "deltacp's CP forward"),
+                              ("exchange_staged", "deltacp's CP forward, fused forward staged")):
+                ex = x.get(key, {})
+                if "exchange_ms" in ex:
+                    frac = ex.get("exchange_fraction_of_local_fwd")
+                    lines += [f"Exchange of {what}, rank 0: pre-pass ({ex['prepass_what']}) "
+                              f"{ex['prepass_ms']:.3f} ms + all-gather and merge {ex['allgather_merge_ms']:.3f} ms = "
+                              f"{ex['exchange_ms']:.3f} ms" +
+                              (f" = {frac:.1%} of the local forward ({ex['local_forward_ms']:.3f} ms)."
+                               if frac is not None else "."), ""]
+                elif "error" in ex:
+                    lines += [f"Exchange of {what} not measured: {ex['error']}", ""]
             errs = x.get("errors", {})
             labels = (("deltacp_cp_vs_fla_cp", "deltacp CP against FLA CP"),
                       ("deltacp_cp_vs_whole_sequence", "deltacp CP against deltacp on one GPU over the whole sequence"),
+                      ("deltacp_cp_staged_vs_whole_sequence", "deltacp CP with the fused forward staged against that "
+                       "one-GPU run"),
                       ("fla_cp_vs_whole_sequence", "FLA CP against that one-GPU run"))
             parts = [f"{label}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs[key].items())
                      for key, label in labels if isinstance(errs.get(key), dict)]
