@@ -427,6 +427,8 @@ void forward_finish(StagedForward& s, const Params& p) {
     validate_on_gpu(p, Method::fused, false, /*by_name=*/true);
 #ifdef DELTACP_HAVE_FUSED_FWD
     return fused::forward_finish(s, p);
+#else
+    throw_error("tier", "no CUDA forward for tier fused in this build");  // unreachable: prepare throws first
 #endif
   }
   validate_staged(p, false);
