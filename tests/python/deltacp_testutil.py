@@ -223,3 +223,46 @@ def require_fused_gpu():
         pytest.skip("deltacp built without the CUDA tiers")
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("the fused tier runs on compute capability 9.0")
+
+
+def cp_against_one_process(run, x, h0, do, dht, cu, ctx, device):
+    """run(inputs, h0, **kw) -> (o, ht): one op, called on this rank's slice of the inputs x with cp_context=ctx and
+    over the whole packed batch in one process (cu_seqlens=cu), each followed by the backward of
+    sum(o do) + sum(ht dht). Returns (errors, local_tier, last_cuda_tier): the relative errors of o, every input's
+    gradient and, with states, of the final states and initial-state gradients summed over the ranks;
+    deltacp.cp.last_stats["local_tier"] and deltacp.last_cuda_tier()'s tier after the CP call's backward."""
+    import torch
+    import torch.distributed as dist
+
+    import deltacp
+    import deltacp.cp as cp
+
+    def rel(a, ref):
+        return rel_err(a.detach().double().cpu().numpy(), ref.detach().double().cpu().numpy())
+
+    def loss_of(o, ht, do_, dht_):
+        loss = (o.float() * do_.float()).sum()
+        return loss + (ht * dht_).sum() if ht is not None else loss
+
+    loc = {n: cp.split_even(t, ctx).detach().clone().requires_grad_() for n, t in x.items()}
+    h_loc = None if h0 is None else h0.clone().requires_grad_()
+    o, ht = run(loc, h_loc, cp_context=ctx)
+    tier = dict(cp.last_stats["local_tier"])
+    loss_of(o, ht, cp.split_even(do, ctx), dht).backward()
+    torch.cuda.synchronize(device)
+    last = deltacp.last_cuda_tier()[0]
+
+    full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
+    h_full = None if h0 is None else h0.clone().requires_grad_()
+    o_ref, ht_ref = run(full, h_full, cu_seqlens=torch.tensor(cu, device=device), cu_seqlens_cpu=torch.tensor(cu))
+    loss_of(o_ref, ht_ref, do, dht).backward()
+    err = {"o": rel(o, cp.split_even(o_ref, ctx))}
+    for n in full:
+        err["d" + n] = rel(loc[n].grad, cp.split_even(full[n].grad, ctx))
+    if ht is not None:  # each rank holds the rows of its own sequences: summed over the ranks (on the host)
+        ht_sum, dh0_sum = ht.detach().cpu(), h_loc.grad.detach().cpu()
+        dist.all_reduce(ht_sum)
+        dist.all_reduce(dh0_sum)
+        err["ht"] = rel(ht_sum, ht_ref)
+        err["dh0"] = rel(dh0_sum, h_full.grad)
+    return err, tier, last

@@ -28,16 +28,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from deltacp_testutil import gloo_case_worker, launch_workers, rel_err, require_fused_gpu  # noqa: E402
+from deltacp_testutil import (cp_against_one_process, gloo_case_worker, launch_workers,  # noqa: E402
+                              require_fused_gpu)
 
 THIS = Path(__file__).resolve()
 TOL = {"gdn": 3e-3, "kda": 8e-3}
 KWARGS = {"gdn": dict(use_qk_l2norm_in_kernel=True),
           "kda": dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)}
-
-
-def _rel_t(x, ref) -> float:
-    return rel_err(torch.as_tensor(x).detach().double().cpu().numpy(), torch.as_tensor(ref).detach().double().cpu().numpy())
 
 
 def _cases(world):
@@ -68,8 +65,6 @@ def _inputs(variant, T, H, D, device, dtype):
 
 
 def _compare(case, rank, world):
-    import torch.distributed as dist
-
     import deltacp
     import deltacp.cp as cp
 
@@ -92,30 +87,7 @@ def _compare(case, rank, world):
         return op(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], initial_state=h,
                   output_final_state=case["states"], **KWARGS[variant], **kw)
 
-    def loss_of(o, ht, do_, dht_):
-        loss = (o.float() * do_.float()).sum()
-        return loss + (ht * dht_).sum() if ht is not None else loss
-
-    loc = {n: cp.split_even(t, ctx).detach().clone().requires_grad_() for n, t in x.items()}
-    h_loc = None if h0 is None else h0.clone().requires_grad_()
-    o, ht = run(loc, h_loc, cp_context=ctx)
-    tier = dict(cp.last_stats["local_tier"])
-    loss_of(o, ht, cp.split_even(do, ctx), dht).backward()
-    torch.cuda.synchronize(device)
-
-    full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-    h_full = None if h0 is None else h0.clone().requires_grad_()
-    o_ref, ht_ref = run(full, h_full, cu_seqlens=torch.tensor(cu, device=device), cu_seqlens_cpu=torch.tensor(cu))
-    loss_of(o_ref, ht_ref, do, dht).backward()
-    err = {"o": _rel_t(o, cp.split_even(o_ref, ctx))}
-    for n in full:
-        err["d" + n] = _rel_t(loc[n].grad, cp.split_even(full[n].grad, ctx))
-    if ht is not None:  # each rank holds the rows of its own sequences: summed over the ranks (on the host)
-        ht_sum, dh0_sum = ht.detach().cpu(), h_loc.grad.detach().cpu()
-        dist.all_reduce(ht_sum)
-        dist.all_reduce(dh0_sum)
-        err["ht"] = _rel_t(ht_sum, ht_ref)
-        err["dh0"] = _rel_t(dh0_sum, h_full.grad)
+    err, tier, _ = cp_against_one_process(run, x, h0, do, dht, cu, ctx, device)
     return dict(err=err, tier=tier, plan=ctx.describe())
 
 
