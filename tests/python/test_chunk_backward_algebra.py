@@ -12,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-def _chunk(n, K, V, gated, seed):
-    """One chunk of n tokens from a start state S: its output O and end state S' with autograd on every input."""
+def _inputs(n, K, V, gate, seed):
+    """Random float64 leaves of one chunk (q, k unit rows, v, the log decays g from gate(randn), beta, the start
+    state S) and the upstream gradients dO, dS' with the output scale."""
     gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
 
@@ -24,12 +25,20 @@ def _chunk(n, K, V, gated, seed):
         "q": randn(n, K),
         "k": torch.nn.functional.normalize(randn(n, K), dim=-1),
         "v": randn(n, V),
-        "g": torch.nn.functional.logsigmoid(randn(n)) if gated else torch.zeros(n, dtype=f64),
+        "g": gate(randn),
         "beta": torch.rand(n, generator=gen, dtype=f64),
         "S": randn(K, V) * 0.1,
     }
     x = {name: t.requires_grad_(True) for name, t in x.items()}
-    dO, dSp, scale = randn(n, V), randn(K, V), 0.3
+    return x, randn(n, V), randn(K, V), 0.3
+
+
+def _chunk(n, K, V, gated, seed):
+    """One chunk of n tokens from a start state S: its output O and end state S' with autograd on every input."""
+    f64 = torch.float64
+    gate = (lambda randn: torch.nn.functional.logsigmoid(randn(n))) if gated else \
+        (lambda randn: torch.zeros(n, dtype=f64))
+    x, dO, dSp, scale = _inputs(n, K, V, gate, seed)
     q, k, v, beta, S = x["q"], x["k"], x["v"], x["beta"], x["S"]
     G = torch.cumsum(x["g"], 0)
     E = torch.exp(G[:, None] - G[None, :]) * torch.tril(torch.ones(n, n, dtype=f64))
@@ -100,22 +109,10 @@ def test_regrouped_chunk_gradients_equal_autograd(gated, n):
 # with both exponents <= 0 (G falls along the chunk), so each off-diagonal 16 x 16 block is a plain product of two
 # scaled operands; the diagonal blocks are summed element by element (cuda/tiled/kda_scores.cuh's scheme).
 def _chunk_kda(n, K, V, seed):
-    gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=f64)
-
-    x = {
-        "q": randn(n, K),
-        "k": torch.nn.functional.normalize(randn(n, K), dim=-1),
-        "v": randn(n, V),
-        "g": torch.nn.functional.logsigmoid(randn(n, K)).clamp_min(-5.0),  # FLA's safe_gate range: >= -5 a token
-        "beta": torch.rand(n, generator=gen, dtype=f64),
-        "S": randn(K, V) * 0.1,
-    }
-    x = {name: t.requires_grad_(True) for name, t in x.items()}
-    dO, dSp, scale = randn(n, V), randn(K, V), 0.3
+    # FLA's safe_gate range: at least -5 a token and key
+    x, dO, dSp, scale = _inputs(n, K, V, lambda randn: torch.nn.functional.logsigmoid(randn(n, K)).clamp_min(-5.0),
+                                seed)
     q, k, v, beta, S = x["q"], x["k"], x["v"], x["beta"], x["S"]
     G = torch.cumsum(x["g"], 0)
     lower = torch.tril(torch.ones(n, n, dtype=f64))
