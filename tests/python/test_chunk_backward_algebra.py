@@ -56,6 +56,18 @@ def _chunk(n, K, V, gated, seed):
     return plain, inter, {name: t.grad for name, t in x.items()}
 
 
+def _gradients(dq, minus, plus, Y, dG, k, v, beta):
+    """Every input's gradient from the three accumulators, Y and the rows' dG (gdn: a scalar per row; kda: per
+    key): dk = minus + beta plus, dv = beta Y, dbeta = Y . v + k . plus, dg = the reverse cumulative sum of dG."""
+    return {
+        "q": dq,
+        "k": minus + beta[:, None] * plus,
+        "v": beta[:, None] * Y,
+        "beta": (Y * v).sum(1) + (k * plus).sum(1),
+        "g": torch.flip(torch.cumsum(torch.flip(dG, [0]), 0), [0]),
+    }
+
+
 def _regrouped(x, m):
     """The kernel's formulas (bwd_local_wgmma.cuh's opening comment), from what it reads: q, k, v, beta, G, S = h[c],
     dS' = dh[c], Vn, T, dO and dU = dL/dVn (stages B0 and B1)."""
@@ -81,13 +93,7 @@ def _regrouped(x, m):
     minus = minus + dPE.T @ q + (beta[:, None] * dAE).T @ k
     dG = (q * dq).sum(1) + beta * (k * plus).sum(1) - (k * minus).sum(1)
     dG[n - 1] += torch.exp(G[-1]) * (dSp * S).sum() + kr_sum
-    return {
-        "q": dq,
-        "k": minus + beta[:, None] * plus,
-        "v": beta[:, None] * Y,
-        "beta": (Y * v).sum(1) + (k * plus).sum(1),
-        "g": torch.flip(torch.cumsum(torch.flip(dG, [0]), 0), [0]),
-    }
+    return _gradients(dq, minus, plus, Y, dG, k, v, beta)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gdn", "delta"])
@@ -186,13 +192,7 @@ def _regrouped_kda(x, m):
     minus = minus + Yc
     dG = q * dq + beta[:, None] * k * plus - k * minus  # per key
     dG[n - 1] += torch.exp(G[-1]) * (dSp * S).sum(1) + kr_sum
-    return {
-        "q": dq,
-        "k": minus + beta[:, None] * plus,
-        "v": beta[:, None] * Y,
-        "beta": (Y * v).sum(1) + (k * plus).sum(1),
-        "g": torch.flip(torch.cumsum(torch.flip(dG, [0]), 0), [0]),
-    }
+    return _gradients(dq, minus, plus, Y, dG, k, v, beta)
 
 
 @pytest.mark.parametrize("n", [64, 47, 17, 1])
