@@ -11,9 +11,11 @@ benchmark keywords (bench_gpu.py FLA_BENCH_KWARGS: the in-kernel l2 norm; KDA's 
 Per variant, four steps are timed in interleaved rounds (each call after a barrier and a synchronisation,
 median of --repeat after --warmup rounds), forward alone (grad disabled) and forward + backward:
 
-  deltacp_cp       deltacp.chunk_gated_delta_rule / chunk_kda with cp_context (deltacp.cp.build_context)
-  deltacp_cp_staged  the same with DELTACP_CP_STAGED_FUSED=1 (the fused local forward in stages, its pre-pass
-                   from its own pieces' maps), timed in the same rounds (--staged-fused both, the default; GPUs)
+  deltacp_cp       deltacp.chunk_gated_delta_rule / chunk_kda with cp_context (deltacp.cp.build_context), its
+                   default route: a fused local forward in stages, the pre-pass from its own pieces' maps
+  deltacp_cp_oneshot  the same with DELTACP_CP_STAGED_FUSED=0 (the fused local forward one-shot after the
+                   exchange, the pre-pass a tiled state-only run of its own), timed in the same rounds (GPUs;
+                   --no-oneshot skips it)
   deltacp_one_gpu  the same call without cp_context on the rank's slice: the same per-rank work on one GPU
   fla_cp           FLA's op with its cp_context (fla.ops.cp.build_cp_context over the same global cu_seqlens)
   fla_one_gpu      FLA's op without cp_context on the rank's slice
@@ -54,7 +56,7 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ("gdn", "kda")
-IMPLS = ("deltacp_cp", "deltacp_cp_staged", "deltacp_one_gpu", "fla_cp", "fla_one_gpu")
+IMPLS = ("deltacp_cp", "deltacp_cp_oneshot", "deltacp_one_gpu", "fla_cp", "fla_one_gpu")
 STAGED_FUSED = "DELTACP_CP_STAGED_FUSED"  # deltacp.cp.local._fused_staged_enabled, read at each call
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 TARGETS = {"efficiency_fwd": 0.85, "efficiency_fwd+bwd": 0.90, "exchange_fraction": 0.10}
@@ -89,10 +91,9 @@ def parse():
     p.add_argument("--pg-timeout", type=float, default=900.0, help="seconds a torch.distributed collective may take "
                    "(FLA's first calls compile and autotune while the other ranks wait in a collective)")
     p.add_argument("--no-fla", action="store_true", help="skip FLA's steps even where FLA imports")
-    p.add_argument("--staged-fused", default="both", choices=("0", "1", "both"),
-                   help="deltacp's CP step with its fused local forward one-shot (0), in stages (1: "
-                        "DELTACP_CP_STAGED_FUSED=1, the pre-pass from the forward's own pieces' maps), or both, "
-                        "timed as deltacp_cp and deltacp_cp_staged in the same rounds (GPUs)")
+    p.add_argument("--no-oneshot", action="store_true",
+                   help="skip deltacp_cp_oneshot, the CP step with its fused local forward one-shot "
+                        "(DELTACP_CP_STAGED_FUSED=0) timed beside the default staged route (GPUs)")
     p.add_argument("--check-full-max-tokens", type=int, default=1 << 19,
                    help="the check against one GPU over the whole sequence runs when tokens x world is at most this")
     p.add_argument("--json", default=None, help="default: $OUT/bench_cp_step.json ($OUT default: .)")
@@ -312,7 +313,7 @@ def exchange_parts(variant, x, ctx, device, dtype, args, ranks: Ranks) -> dict:
     The inputs are those the CP op hands its autograd function: q, k l2-normalised by the op's pre-pass
     (deltacp.fla_options.preprocess for use_qk_l2norm_in_kernel), the gate in float32. Parts:
       prepass          the forward pre-pass alone: [H | M] of the rank's last segment (a separate run)
-      prepass_staged   (the staged tiled forward) the local forward's prepare stages + the pre-pass from them
+      prepass_staged   (a staged local forward, tiled or fused) the local forward's prepare stages + the pre-pass from them
       prepare_only     those prepare stages alone; prepass_staged - prepare_only is what the pre-pass adds
       allgather_merge  the all-gather of what the pre-pass sends + the merge of the earlier ranks' maps
       local_forward    the rank's local forward from a zero state (the op's method), the yardstick
@@ -438,12 +439,9 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
     kw = dict(bench_gpu.FLA_BENCH_KWARGS[variant])
     op = deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_kda
     x, do = make_rank_inputs(variant, args, ranks.rank, device, dtype)
-    if args.staged_fused == "both" and device.type == "cuda":  # both routes of the fused local forward, same rounds
-        fns = {"deltacp_cp": with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED, "0"),
-               "deltacp_cp_staged": with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED, "1")}
-    else:
-        fns = {"deltacp_cp": with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED,
-                                      "1" if args.staged_fused == "1" else "0")}
+    fns = {"deltacp_cp": with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED, "1")}
+    if not args.no_oneshot and device.type == "cuda":  # the fused local forward's other route, same rounds
+        fns["deltacp_cp_oneshot"] = with_env(step_fns(op, x, do, kw, ctx), STAGED_FUSED, "0")
     fns["deltacp_one_gpu"] = step_fns(op, x, do, kw, None)
     fla_op = fla.ops[variant] if fla.ops else None
     if fla_op is not None:
@@ -492,7 +490,7 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
         ranks.say(f"{variant}: deltacp on one GPU over the whole sequence ({ranks.world * args.tokens} tokens), "
                   "the reference of the check")
         ref = whole_sequence_reference(op, x, do, kw, ranks)
-        for name in ("deltacp_cp", "deltacp_cp_staged", "fla_cp"):
+        for name in ("deltacp_cp", "deltacp_cp_oneshot", "fla_cp"):
             if name in results:
                 errs[f"{name}_vs_whole_sequence"] = errors_of(results[name], ref)
         del ref
@@ -526,15 +524,15 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
     out["host_ms"] = {n[:-5]: max(r[n] for r in rows) * 1e3 for n in times if n.endswith("_host")}
     ms = out["ms"]
     out["efficiency"], out["fla_over_deltacp"] = {}, {}
-    out["fla_over_deltacp_staged"] = {}
+    out["fla_over_deltacp_oneshot"] = {}
     for d in ("fwd", "fwd+bwd"):
         for side, cp_name, one_name in (("deltacp", "deltacp_cp", "deltacp_one_gpu"),
-                                        ("deltacp_staged", "deltacp_cp_staged", "deltacp_one_gpu"),
+                                        ("deltacp_oneshot", "deltacp_cp_oneshot", "deltacp_one_gpu"),
                                         ("fla", "fla_cp", "fla_one_gpu")):
             cp_t, one_t = ms.get(f"{cp_name}_{d}"), ms.get(f"{one_name}_{d}")
             if cp_t and one_t:
                 out["efficiency"][f"{side}_{d}"] = one_t / cp_t
-        for key, name in (("fla_over_deltacp", "deltacp_cp"), ("fla_over_deltacp_staged", "deltacp_cp_staged")):
+        for key, name in (("fla_over_deltacp", "deltacp_cp"), ("fla_over_deltacp_oneshot", "deltacp_cp_oneshot")):
             if ms.get(f"fla_cp_{d}") and ms.get(f"{name}_{d}"):
                 out[key][d] = ms[f"fla_cp_{d}"] / ms[f"{name}_{d}"]
 
@@ -552,9 +550,9 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
                                "total": max(r[n][0] + r[n][1] for r in rows) / 2**20} for n in mem}
 
     # 5. The exchange of deltacp's CP forward, part by part.
-    routes = [("exchange", "0" if args.staged_fused != "1" else "1")]
-    if "deltacp_cp_staged" in fns:
-        routes.append(("exchange_staged", "1"))
+    routes = [("exchange", "1")]
+    if "deltacp_cp_oneshot" in fns:
+        routes.append(("exchange_oneshot", "0"))
     for key, staged in routes:
         ranks.say(f"{variant}: the exchange, part by part (deltacp.cp internals; {STAGED_FUSED}={staged})")
         parts = with_env((lambda: exchange_parts(variant, x, ctx, device, dtype, args, ranks),), STAGED_FUSED,
@@ -613,8 +611,8 @@ def report(res: dict):
     for variant, r in res["variants"].items():
         ms, eff = r.get("ms", {}), r.get("efficiency", {})
         for route, cp_name, side, ratios in (("", "deltacp_cp", "deltacp", "fla_over_deltacp"),
-                                             (" staged", "deltacp_cp_staged", "deltacp_staged",
-                                              "fla_over_deltacp_staged")):
+                                             (" one-shot", "deltacp_cp_oneshot", "deltacp_oneshot",
+                                              "fla_over_deltacp_oneshot")):
             for d in ("fwd", "fwd+bwd"):
                 if f"{cp_name}_{d}" not in ms:
                     continue
@@ -629,7 +627,7 @@ def report(res: dict):
         for name, text in r.get("failed", {}).items():
             print(f"    FAILED {name}: {text}")
         eff = r.get("efficiency", {})
-        for side, label in (("deltacp", "deltacp"), ("deltacp_staged", "deltacp, fused forward staged")):
+        for side, label in (("deltacp", "deltacp"), ("deltacp_oneshot", "deltacp, fused forward one-shot")):
             marks = []
             for d in ("fwd", "fwd+bwd"):
                 if f"{side}_{d}" in eff:
@@ -638,7 +636,7 @@ def report(res: dict):
                     marks.append(f"{d} {e:.1%} (target >= {goal:.0%}: {'met' if e >= goal else 'MISSED'})")
             if marks:
                 print(f"    per-rank efficiency, {label}: " + "; ".join(marks))
-        for key, label in (("exchange", "exchange"), ("exchange_staged", "exchange, fused forward staged")):
+        for key, label in (("exchange", "exchange"), ("exchange_oneshot", "exchange, fused forward one-shot")):
             ex = r.get(key, {})
             if "exchange_ms" in ex:
                 f = ex["exchange_fraction_of_local_fwd"]

@@ -185,15 +185,16 @@ def readme_table(res):
                 cells.append(f"{label} {ms[f'deltacp_cp_{d}']:.2f} ms{fla}{effs}")
             if ex.get("exchange_fraction_of_local_fwd") is not None:
                 cells.append(f"pre-pass + exchange + merge {ex['exchange_fraction_of_local_fwd']:.1%} of the local forward")
-            if "deltacp_cp_staged_fwd+bwd" in ms:  # the fused local forward in stages, measured beside
-                staged = [f"{label} {ms[f'deltacp_cp_staged_{d}']:.2f} ms"
-                          + (f", efficiency {eff[f'deltacp_staged_{d}']:.1%}" if f"deltacp_staged_{d}" in eff else "")
-                          for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward"))
-                          if f"deltacp_cp_staged_{d}" in ms]
-                exs = x.get("exchange_staged", {}).get("exchange_fraction_of_local_fwd")
+            if "deltacp_cp_oneshot_fwd+bwd" in ms:  # the fused local forward one-shot, measured beside
+                oneshot = [f"{label} {ms[f'deltacp_cp_oneshot_{d}']:.2f} ms"
+                           + (f", efficiency {eff[f'deltacp_oneshot_{d}']:.1%}" if f"deltacp_oneshot_{d}" in eff
+                              else "")
+                           for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward"))
+                           if f"deltacp_cp_oneshot_{d}" in ms]
+                exs = x.get("exchange_oneshot", {}).get("exchange_fraction_of_local_fwd")
                 if exs is not None:
-                    staged.append(f"pre-pass + exchange + merge {exs:.1%} of the local forward")
-                cells.append("with the fused forward staged: " + ", ".join(staged))
+                    oneshot.append(f"pre-pass + exchange + merge {exs:.1%} of the local forward")
+                cells.append("with the fused forward one-shot instead of staged: " + ", ".join(oneshot))
             c = r["config"]
             lines.append(f"| CP step, {variant.upper()}, {r['world']} x {gpu_short(r.get('gpu', '?'))} | " +
                          "; ".join(cells) + f" | {c['tokens']} tokens per rank, H = {c['heads']}, K = V = "
@@ -492,8 +493,8 @@ def cp_md(res, plots):
     return lines
 
 
-CPSTEP_IMPLS = (("deltacp_cp", "deltacp CP"), ("deltacp_cp_staged", "deltacp CP with the fused forward staged"), ("fla_cp", "FLA CP"), ("deltacp_one_gpu", "deltacp one GPU"),
-                ("fla_one_gpu", "FLA one GPU"))
+CPSTEP_IMPLS = (("deltacp_cp", "deltacp CP"), ("deltacp_cp_oneshot", "deltacp CP with the fused forward one-shot"),
+                ("fla_cp", "FLA CP"), ("deltacp_one_gpu", "deltacp one GPU"), ("fla_one_gpu", "FLA one GPU"))
 
 
 def cpstep_md(res):
@@ -509,7 +510,7 @@ def cpstep_md(res):
         lines += [f"## CP training step beside FLA, {title}", "",
                   f"`{r['_file']}` (bench/cp/bench_cp_step.py): one sequence over every rank, {c['tokens']} tokens per "
                   f"rank, H = {c['heads']}, K = V = {c['head_dim']}, {c['dtype']} q, k, v, beta and float32 gates; "
-                  "both libraries called with FLA's benchmark keywords, each rank on its own random inputs. The four "
+                  "both libraries called with FLA's benchmark keywords, each rank on its own random inputs. The "
                   f"steps are timed in interleaved rounds, median of {c['repeat']} after {c['warmup']} warm-up rounds, "
                   "ms of the slowest rank; per-rank efficiency = one GPU doing the rank's work alone / the CP step. "
                   f"Versions: {vers or '-'}.", ""]
@@ -530,8 +531,8 @@ def cpstep_md(res):
                 lines += ["| direction | deltacp CP step, ms | FLA CP step, ms | FLA / deltacp time | "
                           "deltacp one GPU, ms | per-rank efficiency | FLA efficiency |", "|---|---|---|---|---|---|---|"]
                 routes = (("", "deltacp_cp", "deltacp", ratio),
-                          (", fused forward staged", "deltacp_cp_staged", "deltacp_staged",
-                           x.get("fla_over_deltacp_staged", {})))
+                          (", fused forward one-shot", "deltacp_cp_oneshot", "deltacp_oneshot",
+                           x.get("fla_over_deltacp_oneshot", {})))
                 for route, cp_key, side, ratios in routes:
                     for d, label in (("fwd", "forward"), ("fwd+bwd", "forward + backward")):
                         if f"{cp_key}_{d}" not in ms:
@@ -543,7 +544,7 @@ def cpstep_md(res):
                         lines.append(f"| {label}{route} | " + " | ".join(cells) + " |")
                 lines.append("")
             for key, what in (("exchange", "deltacp's CP forward"),
-                              ("exchange_staged", "deltacp's CP forward, fused forward staged")):
+                              ("exchange_oneshot", "deltacp's CP forward, fused forward one-shot")):
                 ex = x.get(key, {})
                 if "exchange_ms" in ex:
                     frac = ex.get("exchange_fraction_of_local_fwd")
@@ -557,8 +558,8 @@ def cpstep_md(res):
             errs = x.get("errors", {})
             labels = (("deltacp_cp_vs_fla_cp", "deltacp CP against FLA CP"),
                       ("deltacp_cp_vs_whole_sequence", "deltacp CP against deltacp on one GPU over the whole sequence"),
-                      ("deltacp_cp_staged_vs_whole_sequence", "deltacp CP with the fused forward staged against that "
-                       "one-GPU run"),
+                      ("deltacp_cp_oneshot_vs_whole_sequence", "deltacp CP with the fused forward one-shot against "
+                       "that one-GPU run"),
                       ("fla_cp_vs_whole_sequence", "FLA CP against that one-GPU run"))
             parts = [f"{label}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs[key].items())
                      for key, label in labels if isinstance(errs.get(key), dict)]

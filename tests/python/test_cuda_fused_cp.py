@@ -1,7 +1,7 @@
 """Context parallelism with the fused tier as each rank's local forward (gdn and kda, bf16, K = V = 128 on a
 compute capability 9.0 GPU, the default tier choice: fused forward, tiled backward).
 
-With DELTACP_CP_STAGED_FUSED=1 the local fused forward runs in stages (deltacp/cuda/api.h
+By default (DELTACP_CP_STAGED_FUSED=1) the local fused forward runs in stages (deltacp/cuda/api.h
 forward_prepare(p, Method::fused)): its token-parallel stage and its pieces' maps before the exchange, the
 last segment's pre-pass from those maps (composed), the chain after it. The state-only runs (the first
 segment's transitions that the backward pre-pass reads, a head piece without output) cannot run on the fused
