@@ -26,12 +26,16 @@
 // backward to 1e-15.
 //
 // The score gradients go back through the scores' 16 x 16 blocks (dplr_scores.cuh) with the same reference rows,
-// so every exponent stays <= 0 for gk <= 0 (deltacp.dplr routes other gates to the naive tier): with reference
-// row r = 16 a (a = 1..3), Ys_j = Y_j e^(Gl_r - Gr_j) for j < r and Xs_i = X_i e^(Gl_i - Gl_r) for i >= r (one
-// scratch tile, the two row ranges apart), then
-//   gram_X over block row a (i in [r, r + 16), j < r):      e^(Gl_i - Gl_r) (dM[i, :r] Ys)
-//   gram_Y over block column a - 1 (j in [r - 16, r), i >= r): e^(Gl_r - Gr_j) (dM[r:, j]^T Xs)
-// one tensor-core product each; the diagonal blocks element by element, masked before the exponential.
+// so every exponent stays <= 0 for gk <= 0 (deltacp.dplr routes other gates to the naive tier). The scores come in
+// pairs that share X and the gates (P_qk, P_qb: X = q, Gl = Gr = G; A_ab, A_ak: X = a, Gl = Gp, Gr = G), and each
+// pair goes back together (dplr_gram_backward_pair): with reference row r = 16 a (a = 1..3),
+// Ys_j = Y_j e^(Gl_r - Gr_j) for j < r, for both Y's, and Xs_i = X_i e^(Gl_i - Gl_r) for i >= r, then
+//   gram_X over block row a (i in [r, r + 16), j < r):      e^(Gl_i - Gl_r) (dM1[i, :r] Y1s + dM2[i, :r] Y2s)
+//   gram_Y over block column a - 1 (j in [r - 16, r), i >= r): e^(Gl_r - Gr_j) (dMk[r:, j]^T Xs), k = 1, 2
+// on the tensor cores; a diagonal block (warp a, a lane per key column) forms each pair (i, j) inside the mask once,
+// with one exponential e^(Gl_id - Gr_jd) for the four sums it enters (dX_i for both scores, dY1_j, dY2_j): a
+// quarter of the exponentials of summing gram_X and gram_Y of each score on its own, element by element (at
+// K = 64: 256 a thread, against about 1,024 in the first version's serial loops of dependent shared-memory loads).
 //
 // Kernels (128 threads each; the forward's stages first, then the reverse scan, then two chunk-parallel ones):
 //   1 dplr_wy_kernel        (dplr_stages.cuh) as in the forward, also keeping T and A_ak
@@ -41,9 +45,12 @@
 //                           chunk's end (dh_c) and dUt; dh0
 //   5 dplr_bwd_dv_kernel    grid (chunks, H): per 32 value columns dUt' (kept), dv; the four score gradients
 //                           (two passes over the value blocks, two 64 x 64 accumulators each)
-//   6 dplr_bwd_dk_kernel    grid (chunks * KP / 32, H): per 32 key columns, the four [n, 32] products over the
-//                           value axis (one pass, four 16 x 32 accumulators per warp), then the gram gradients,
-//                           dG, dgk; writes dq, dk, da, db, dgk
+//   6 dplr_bwd_dk_kernel    grid (chunks * KP / 32, H): per 32 key columns, G (the gates 16 rows a thread at a
+//                           time, dplr_gate_cumsum), the four [n, 32] products over the value axis (one pass, four
+//                           16 x 32 accumulators per warp), then the gram gradients by pairs (the first pair's
+//                           score gradients copied in during the first terms and dL/dG_{n-1}), dG, dgk (the
+//                           reverse sum down the chunk by four warps of 16 rows, not one thread's 64 steps);
+//                           writes dq, dk, da, db, dgk
 // Intermediates (workspace, beyond the forward's): T, A_ak, P_qk, P_qb p.dtype [chunks, H, 64, 64]; q e^G
 // p.dtype [R, H, KP]; Ut, dUt, dUt' p.dtype [R, H, VP]; h_c, dh_c p.dtype [chunks, H, KP, VP]; the score
 // gradients p.dtype [chunks, H, 4, 64, 64] (tensor-core operands of kernel 6 anyway).
@@ -51,24 +58,27 @@
 // Dynamic shared memory (bytes, BdvSmem / BdkSmem in dplr_stages.cuh; kernels 1-4 as in dplr_fwd.cu):
 //                 bf16/fp16 K <= 64   K <= 128     fp32 K <= 64   K <= 128
 //   dv            67,584              80,896       124,928        150,528
-//   dk            92,304              92,304       129,168        129,168
+//   dk            94,096              94,096       134,032        134,032     (first version: 92,304 / 129,168)
 //   dk holds its q, k, a, b columns, G and the fp32 dq, dk, da, db columns, and one region for the value phase's
-//   tiles, then two of the four score gradients at a time with a scratch tile (all four at once would take
-//   108,688 bytes at 16 bits, past sm_86 / sm_89's 99 KB). So, as for the forward, 16-bit K <= 64 fits every
-//   sm_80+ GPU, 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90, fp32 K <= 128 Hopper only (kernel 1's
-//   224 KB); tests/cuda/test_smem_fit.cu checks these layouts on the host.
-// Registers (nvcc 13 --resource-usage, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at
-// 16 bits, 207-214 at fp32; dk 128 / 128 at 16 bits, 250 / 236 at fp32. Kernels 1-4 as in dplr_fwd.cu.
-// Speed (NVIDIA H200, bf16, bench/gpu/bench_dplr.py, 2026-11-25): forward + backward 13.8 ms at (4,4096,32,64),
-// 14.2 at (2,8192,32,64): 0.40 and 0.42x the speed of FLA's faster configuration (5.53, 6.04 ms); NVIDIA H100,
-// 2026-11-27, with the shared decayed-scores function: 12.5 and 13.0 ms, 0.49 and 0.51x (FLA 6.19, 6.61). Kernel
-// time at (2,8192,32,64) (H200, before that): kernel 6 (dk) 5.53 ms, the two wy launches 4.72, the output stage
-// 2.23, kernel 5 (dv) 0.56, the reverse scan 0.47, the forward scan 0.75. This is the straightforward first version: kernel 5 passes over the
-// value blocks twice (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads
-// every value tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a chunk are
-// neighbours in the grid); the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T, A_ak,
-// P_qk, dh_c, dUt, dUt' and the score gradients); the reverse scan's grid is N * H * VP / 32 CTAs, as the
-// forward scan's.
+//   tiles, then two of the four score gradients at a time with a scratch tile and the second score's 48 scaled
+//   rows (all four gradients at once would take 108,688 bytes at 16 bits, past sm_86 / sm_89's 99 KB). So, as for
+//   the forward, 16-bit K <= 64 fits every sm_80+ GPU, 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90, fp32
+//   K <= 128 Hopper only; tests/cuda/test_smem_fit.cu checks these layouts on the host.
+// Registers (nvcc 13 -Xptxas -v, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at 16 bits,
+// 207-214 at fp32 (unchanged); dk 128 / 128 at 16 bits, 250 / 234 at fp32 (first version: 128 / 128, 250 / 236).
+// Kernels 1-4 as in dplr_fwd.cu.
+// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-27): forward + backward 7.10 ms at
+// (4,4096,32,64), 7.30 at (2,8192,32,64), 9.41 at (1,16384,16,128): 0.87, 0.90 and 0.89x the speed of FLA's faster
+// configuration (6.21, 6.59, 8.41 ms); the first version (kernel 6 with one score at a time, its diagonal blocks
+// element by element, its gates one dependent load at a time) took 12.5, 13.0 and 18.3 ms on the same GPU. Kernel
+// time per forward + backward (bench/gpu/stage_times.py --variant dplr --backward): (2,8192,32,64) 7.40 ms: kernel
+// 6 (dk) 3.55, the wy stage's two launches 1.28, the output stage 0.90, kernel 5 (dv) 0.68, the scan 0.60, the
+// reverse scan 0.37; (1,16384,16,128) 9.76 ms: dk 3.61, the scan 1.85, wy 1.50, output 1.15, the reverse scan 1.09,
+// dv 0.54. Kernel 6 is what is left to attack first. Still as in the first version: kernel 5 passes over the value
+// blocks twice (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads every value
+// tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a chunk are neighbours in the
+// grid) and holds two CTAs per SM; the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T,
+// A_ak, P_qk, dh_c, dUt, dUt' and the score gradients); both scans' grids are N * H * VP / 32 CTAs.
 #include "dplr_stages.cuh"
 
 namespace deltacp::cuda::tiled {
@@ -204,33 +214,65 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dv_kernel(const DplrArgs<T
 }
 
 // ---- stage 6: dq, dk, da, db, dgk for 32 key columns -----------------------------------------------------------
-// gram_X / gram_Y of one score M(i, j) = sum_d X_id Y_jd e^(Gl_id - Gr_jd) (j < i, or j <= i when inclusive) for
-// this CTA's key columns, added to dX and dY (fp32, ldf). dM: the score gradient (64 x 64, ld64, zero outside
-// the triangle and past len). X, Y: 64 x kDKB tiles (ldx, zero past len); Gl, Gr: 64 rows (ldg). scr: a
-// 64 x kDKB scratch tile. All 128 threads; ends with __syncthreads.
-template <class T>
-__device__ void dplr_gram_backward(const T* dM, const T* X, const T* Y, const float* Gl, const float* Gr,
-                                   bool inclusive, float* dX, float* dY, T* scr, int len) {
+// gram_X / gram_Y of two scores that share X and the gates, M1(i, j) = sum_d X_id Y1_jd e^(Gl_id - Gr_jd) and M2
+// the same with Y2 (P_qk, P_qb: X = q, Gl = Gr = G; A_ab, A_ak: X = a, Gl = Gp, Gr = G), for this CTA's key
+// columns (j < i, or j <= i when kIncl), added to dX, dY1 and dY2 (fp32, ldf; three distinct arrays). dM1, dM2:
+// the score gradients (64 x 64, ld64, zero outside the triangle and past len). X, Y1, Y2: 64 x kDKB tiles (ldx,
+// zero past len); Gl, Gr: 64 rows (ldg). scr: a 64 x kDKB scratch tile, scr2: 48 rows. All 128 threads; ends
+// with __syncthreads.
+//
+// Off-diagonal blocks, reference row r = 16 a (a = 1..3), every exponent <= 0: scr rows j < r hold
+// Y1_j e^(Gl_r - Gr_j) (scr2: Y2's, the same factor), rows i >= r hold X_i e^(Gl_i - Gl_r) (shared by both
+// scores); then warps 0, 1 form gram_X of block row a, e^(Gl_i - Gl_r) (dM1[i, :r] Y1s + dM2[i, :r] Y2s), and
+// warps 2, 3 gram_Y of block column a - 1 for both scores, e^(Gl_r - Gr_j) (dMk[r:, j]^T Xs).
+// Diagonal blocks (warp a: block (a, a), lane: key column): each pair (i, j) of the block takes its factor
+// E = e^(Gl_id - Gr_jd) (<= 0 in the exponent: only pairs inside the mask are formed) once for the four sums it
+// enters: dX_i += (dM1_ij Y1_j + dM2_ij Y2_j) E, dY1_j += dM1_ij X_i E, dY2_j += dM2_ij X_i E. That is a quarter
+// of the exponentials of summing gram_X and gram_Y of each score on its own.
+template <class T, bool kIncl>
+__device__ void dplr_gram_backward_pair(const T* dM1, const T* dM2, const T* X, const T* Y1, const T* Y2,
+                                        const float* Gl, const float* Gr, float* dX, float* dY1, float* dY2, T* scr,
+                                        T* scr2, int len) {
   using L = BdkSmem<T>;
   constexpr int ldm = L::ld64, ldx = L::ldx, ldg = L::ldg, ldf = L::ldf;
-  const int tid = threadIdx.x, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 #pragma unroll 1
   for (int a = 1; a < 4; ++a) {
     const int r = 16 * a;
     if (r >= len) break;  // uniform: rows and columns from r on are zero
     const float* Glr = Gl + r * ldg;
-    for (int idx = tid; idx < kDRows * kDKB; idx += kDThreads) {
-      const int i = idx / kDKB, d = idx - i * kDKB;
-      scr[i * ldx + d] = i < r ? from_f<T>(to_f(Y[i * ldx + d]) * exp_t<T>(Glr[d] - Gr[i * ldg + d]))
-                               : from_f<T>(to_f(X[i * ldx + d]) * exp_t<T>(Gl[i * ldg + d] - Glr[d]));
+    for (int idx = tid; idx < kDRows * (kDKB / 8); idx += kDThreads) {  // eight keys per thread
+      const int i = idx / (kDKB / 8), d0 = 8 * (idx - i * (kDKB / 8));
+      float gr[8], g[8], v[8];
+      load8f(Glr + d0, gr);
+      if (i < r) {
+        float v2[8];
+        load8f(Gr + i * ldg + d0, g);
+        load8(Y1 + i * ldx + d0, v);
+        load8(Y2 + i * ldx + d0, v2);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float f = exp_t<T>(gr[e] - g[e]);
+          v[e] *= f;
+          v2[e] *= f;
+        }
+        store8(scr + i * ldx + d0, v);
+        store8(scr2 + i * ldx + d0, v2);
+      } else {
+        load8f(Gl + i * ldg + d0, g);
+        load8(X + i * ldx + d0, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] *= exp_t<T>(g[e] - gr[e]);
+        store8(scr + i * ldx + d0, v);
+      }
     }
     __syncthreads();
-    // warps 0, 1: gram_X of block row a (16 columns each); warps 2, 3: gram_Y of block column a - 1.
-    float acc[1][2][4];
-    zero_acc(acc);
     const int n0 = 16 * (warp & 1);
     if (warp < 2) {
-      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM, ldm, r, scr, ldx, n0, 0, r);
+      float acc[1][2][4];
+      zero_acc(acc);
+      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM1, ldm, r, scr, ldx, n0, 0, r);
+      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM2, ldm, r, scr2, ldx, n0, 0, r);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -239,31 +281,53 @@ __device__ void dplr_gram_backward(const T* dM, const T* X, const T* Y, const fl
           dX[i * ldf + d] += acc[0][nt][e] * exp_t<T>(Gl[i * ldg + d] - Glr[d]);
         }
     } else {  // dM read as [j, i]: column-major
-      warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc, dM, ldm, r - 16, scr, ldx, n0, r, kDRows);
+      float acc1[1][2][4], acc2[1][2][4];
+      zero_acc(acc1);
+      zero_acc(acc2);
+      warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc1, dM1, ldm, r - 16, scr, ldx, n0, r, kDRows);
+      warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc2, dM2, ldm, r - 16, scr, ldx, n0, r, kDRows);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = r - 16 + acc_row(0, e), d = n0 + acc_col(nt, e);
-          dY[j * ldf + d] += acc[0][nt][e] * exp_t<T>(Glr[d] - Gr[j * ldg + d]);
+          const float f = exp_t<T>(Glr[d] - Gr[j * ldg + d]);
+          dY1[j * ldf + d] += acc1[0][nt][e] * f;
+          dY2[j * ldf + d] += acc2[0][nt][e] * f;
         }
     }
     __syncthreads();  // the next reference row rewrites the scratch
   }
-  // Diagonal blocks: thread (i, d) sums gram_X over j of i's block (j <= i or j < i), and gram_Y with i as the
-  // column over the block's rows from i (or i + 1) on.
-  for (int idx = tid; idx < kDRows * kDKB; idx += kDThreads) {
-    const int i = idx / kDKB, d = idx - i * kDKB, blk0 = i & ~15;
-    if (blk0 >= len) continue;
-    const float gli = Gl[i * ldg + d], gri = Gr[i * ldg + d];
-    float sx = 0.f, sy = 0.f;
-    const int jend = inclusive ? i : i - 1;
-    for (int j = blk0; j <= jend; ++j)
-      sx = fmaf(to_f(dM[i * ldm + j]) * to_f(Y[j * ldx + d]), exp_t<T>(gli - Gr[j * ldg + d]), sx);
-    for (int i2 = inclusive ? i : i + 1; i2 < blk0 + 16; ++i2)
-      sy = fmaf(to_f(dM[i2 * ldm + i]) * to_f(X[i2 * ldx + d]), exp_t<T>(Gl[i2 * ldg + d] - gri), sy);
-    dX[i * ldf + d] += sx;
-    dY[i * ldf + d] += sy;
+  // Diagonal blocks.
+  static_assert(kDKB == 32, "a lane per key column");
+  if (16 * warp < len) {  // uniform over the warp
+    const int r = 16 * warp, d = lane;
+    float xv[16], gl[16], sx[16];
+#pragma unroll
+    for (int il = 0; il < 16; ++il) {
+      xv[il] = to_f(X[(r + il) * ldx + d]);
+      gl[il] = Gl[(r + il) * ldg + d];
+      sx[il] = 0.f;
+    }
+#pragma unroll
+    for (int jl = 0; jl < 16; ++jl) {
+      const int j = r + jl;
+      const float y1 = to_f(Y1[j * ldx + d]), y2 = to_f(Y2[j * ldx + d]), gr = Gr[j * ldg + d];
+      float sy1 = 0.f, sy2 = 0.f;
+#pragma unroll
+      for (int il = kIncl ? jl : jl + 1; il < 16; ++il) {
+        const float m1 = to_f(dM1[(r + il) * ldm + j]), m2 = to_f(dM2[(r + il) * ldm + j]);
+        const float ef = exp_t<T>(gl[il] - gr);
+        sx[il] = fmaf(fmaf(m1, y1, m2 * y2), ef, sx[il]);
+        const float xe = xv[il] * ef;
+        sy1 = fmaf(m1, xe, sy1);
+        sy2 = fmaf(m2, xe, sy2);
+      }
+      dY1[j * ldf + d] += sy1;
+      dY2[j * ldf + d] += sy2;
+    }
+#pragma unroll
+    for (int il = 0; il < 16; ++il) dX[(r + il) * ldf + d] += sx[il];
   }
   __syncthreads();
 }
@@ -290,6 +354,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
   T* sdS = smem_at<T>(smem, L::dS);
   T* sM = smem_at<T>(smem, L::dM);
   T* scr = smem_at<T>(smem, L::scr);
+  T* scr2 = smem_at<T>(smem, L::scr2);
 
   const int tid = threadIdx.x, warp = tid >> 5;
   // blockIdx.x = chunk * (KP / 32) + key block: the key blocks of one (chunk, head) run side by side and read
@@ -318,20 +383,8 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
     load_tile<T, kDThreads>(sa, L::ldx, pa, x.a.st, len, kDRows, Kleft, KB, vec_ok(pa, x.a.st));
     load_tile<T, kDThreads>(sb, L::ldx, pb, x.b.st, len, kDRows, Kleft, KB, vec_ok(pb, x.b.st));
     cp_async_commit();
-    for (int idx = tid; idx < (kDRows + 1) * KB; idx += kDThreads) {
-      const int i = idx / KB, d = idx - i * KB;
-      sG[i * L::ldg + d] =
-          (i >= 1 && i - 1 < len && d < Kleft) ? load_gate(x, ch.batch, ch.t0 + i - 1, h, kb0 + d) : 0.f;
-    }
-    __syncthreads();
-    if (tid < KB) {
-      float run = 0.f;
-      for (int i = 1; i <= kDRows; ++i) {
-        run += sG[i * L::ldg + tid];
-        sG[i * L::ldg + tid] = run;
-      }
-    }
-    // the first value block's wait and __syncthreads cover the tiles and the sums
+    dplr_gate_cumsum<T, KB>(x, ch, h, kb0, Kleft, sG, L::ldg, len);
+    // the first value block's wait and __syncthreads cover the tiles
   }
 
   // The four products over the value axis for these key columns (warp w: rows [16 w, 16 w + 16)):
@@ -371,6 +424,24 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
       __syncthreads();  // the next block's loads overwrite the tiles
     }
   }
+  // The score gradients, two at a time over the value tiles (free now): slots 0, 1 (dM_qk, dM_qb), then 2, 3
+  // (dA_ab, dA_ak). The first pair's copies are in flight during the first terms and dL/dG_{n-1} below;
+  // dplr_gram_backward_pair ends with __syncthreads, so the second pair's copies follow the first pair's use.
+  const T* pM = x.dM + (c * x.H + h) * 4 * kDRows * kDRows;
+  const int64_t mstride = L::tileM / int64_t(sizeof(T));
+  auto issue_pair = [&](int slot) {
+    for (int m = 0; m < 2; ++m) {
+      const T* src = pM + (slot + m) * kDRows * kDRows;
+      load_tile<T, kDThreads>(sM + m * mstride, L::ld64, src, kDRows, kDRows, kDRows, kDRows, kDRows,
+                              vec_ok(src, kDRows));
+    }
+    cp_async_commit();
+  };
+  auto wait_pair = [&]() {
+    cp_async_wait<0>();
+    __syncthreads();
+  };
+  issue_pair(0);  // P_qk, P_qb
   // The gradients' first terms, with their gate factors: dq = scale (dO S^T) e^G, da = (dUt' S^T) e^Gp,
   // dk = (V dS^T) e^(G_n - G), db = (Ut dS^T) e^(G_n - G).
   const float* Gn = sG + len * L::ldg;  // G_{len-1}
@@ -391,33 +462,19 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
   float gn = 0.f;
   if (tid < KB) {
     gn = exp_t<T>(Gn[tid]) * rs;
+#pragma unroll 4
     for (int i = 0; i < len; ++i)
       gn += to_f(sk[i * L::ldx + tid]) * sdk[i * L::ldf + tid] + to_f(sb[i * L::ldx + tid]) * sdb[i * L::ldf + tid];
   }
-  // The score gradients, two at a time over the value tiles (free now): slots 0, 1 (dM_qk, dM_qb), then 2, 3
-  // (dA_ab, dA_ak); each dplr_gram_backward ends with __syncthreads, so the second load follows the first pair.
-  const T* pM = x.dM + (c * x.H + h) * 4 * kDRows * kDRows;
-  const int64_t mstride = L::tileM / int64_t(sizeof(T));
-  auto load_pair = [&](int slot) {
-    for (int m = 0; m < 2; ++m) {
-      const T* src = pM + (slot + m) * kDRows * kDRows;
-      load_tile<T, kDThreads>(sM + m * mstride, L::ld64, src, kDRows, kDRows, kDRows, kDRows, kDRows,
-                              vec_ok(src, kDRows));
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-  };
   const float* Gc = sG + L::ldg;  // row i: G_i
   const float* Gpv = sG;          // row i: Gp_i = G_{i-1}
-  load_pair(0);
-  dplr_gram_backward<T>(sM, sq, sk, Gc, Gc, true, sdq, sdk, scr, len);             // P_qk
-  dplr_gram_backward<T>(sM + mstride, sq, sb, Gc, Gc, true, sdq, sdb, scr, len);   // P_qb
-  load_pair(2);
-  dplr_gram_backward<T>(sM, sa, sb, Gpv, Gc, false, sda, sdb, scr, len);           // A_ab
-  dplr_gram_backward<T>(sM + mstride, sa, sk, Gpv, Gc, false, sda, sdk, scr, len); // A_ak
+  wait_pair();
+  dplr_gram_backward_pair<T, true>(sM, sM + mstride, sq, sk, sb, Gc, Gc, sdq, sdk, sdb, scr, scr2, len);
+  issue_pair(2);  // A_ab, A_ak
+  wait_pair();
+  dplr_gram_backward_pair<T, false>(sM, sM + mstride, sa, sb, sk, Gpv, Gc, sda, sdb, sdk, scr, scr2, len);
 
-  // Out: dq, dk, da, db; then dgk by a reverse sum down each column.
+  // Out: dq, dk, da, db.
   for (int idx = tid; idx < len * KB; idx += kDThreads) {
     const int i = idx / KB, d = idx - i * KB;
     if (d >= Kleft) continue;
@@ -427,16 +484,35 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
     store_f(x.da.at(ch.batch, t, h) + kb0 + d, sda[i * L::ldf + d]);
     store_f(x.db.at(ch.batch, t, h) + kb0 + d, sdb[i * L::ldf + d]);
   }
-  if (tid < KB && tid < Kleft) {
-    const int d = tid;
-    float run = 0.f;
-    for (int i = len - 1; i >= 0; --i) {
-      const float dgp = to_f(sa[i * L::ldx + d]) * sda[i * L::ldf + d];
-      float dg = to_f(sq[i * L::ldx + d]) * sdq[i * L::ldf + d] - to_f(sk[i * L::ldx + d]) * sdk[i * L::ldf + d] -
-                 to_f(sb[i * L::ldx + d]) * sdb[i * L::ldf + d] + dgp;
-      if (i == len - 1) dg += gn;
-      run += dg;
-      store_gate_grad(x, ch.batch, ch.t0 + i, h, kb0 + d, run - dgp);
+  // dgk: dG_i = q dq - k dk - b db + dGp (plus dL/dG_{n-1} at row len - 1), summed from the chunk's end up each
+  // column. Warp w takes rows [16 w, 16 w + 16) (lane: key column); the warps' sums and dL/dG_{n-1} meet in the
+  // scratch tile (free after the gram gradients). Rows past len hold zeros (their q, k, a, b rows are zero).
+  float* red = reinterpret_cast<float*>(scr);  // [4][KB] the warps' sums, then [KB] dL/dG_{n-1}
+  const int lane = tid & 31;
+  float dg[16], dgp[16];
+  {
+    float sum = 0.f;
+#pragma unroll
+    for (int il = 0; il < 16; ++il) {
+      const int i = 16 * warp + il;
+      dgp[il] = to_f(sa[i * L::ldx + lane]) * sda[i * L::ldf + lane];
+      dg[il] = to_f(sq[i * L::ldx + lane]) * sdq[i * L::ldf + lane] -
+               to_f(sk[i * L::ldx + lane]) * sdk[i * L::ldf + lane] -
+               to_f(sb[i * L::ldx + lane]) * sdb[i * L::ldf + lane] + dgp[il];
+      sum += dg[il];
+    }
+    red[warp * KB + lane] = sum;
+    if (tid < KB) red[4 * KB + tid] = gn;
+  }
+  __syncthreads();
+  if (lane < Kleft && 16 * warp < len) {
+    float run = red[4 * KB + lane];
+    for (int w = warp + 1; w < 4; ++w) run += red[w * KB + lane];
+#pragma unroll
+    for (int il = 15; il >= 0; --il) {
+      const int i = 16 * warp + il;
+      run += dg[il];
+      if (i < len) store_gate_grad(x, ch.batch, ch.t0 + i, h, kb0 + lane, run - dgp[il]);
     }
   }
 }

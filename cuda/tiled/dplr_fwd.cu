@@ -14,7 +14,8 @@
 //   O    = scale ((q e^G) S + tril_incl(P_qk) V + tril_incl(P_qb) Ut)
 //
 // The decay-masked products A_ab, A_ak, P_qk, P_qb go through dplr_scores.cuh (16 x 16 sub-blocks around
-// reference rows, every exponent <= 0 for gk <= 0). Every other exponential here is <= 0 too: e^Gp,
+// reference rows, every exponent <= 0 for gk <= 0, except the one factor of a bf16 diagonal block on the tensor
+// cores, which is taken only where it stays below e^64). Every other exponential here is <= 0 too: e^Gp,
 // e^G, e^(G_n - G), e^G_n. The kernels assume gk <= 0 (deltacp.dplr routes other gates to the naive tier).
 //
 // The state maps (context parallelism's pre-pass, docs/design.md sections 3.2 and 4). Putting Ut = U + W S
@@ -49,20 +50,32 @@
 // accumulation for bf16 / fp16, FFMA for fp32, through fwd_mma.cuh's warp_mma; KP = 64 for K <= 64, 128
 // for K <= 128; VP = V rounded up to 32):
 //
-//   1 dplr_wy_kernel      grid (chunks, H)          G (cumsum), A_ab, A_ak (scores), T (fp32, by 16 x 16
-//                                                   blocks: diagonal ones by substitution), W, U,
-//                                                   Kd = k e^(G_n - G), Bd = b e^(G_n - G), D_n
+//   1 dplr_wy_kernel      grid (chunks, H)          G (cumsum: each thread loads 16 gates of its column at a
+//                                                   time into registers and sums them there), Kd, Bd, D_n;
+//                                                   A_ab, A_ak (scores; bf16's diagonal blocks on the tensor
+//                                                   cores too where their decay allows, dplr_scores.cuh);
+//                                                   T = (I - A_ab)^-1 (wy_solve.cuh: diagonal blocks by
+//                                                   substitution, the blocks below by sub-diagonal level, their
+//                                                   products on mma.sync in tf32 for 16-bit inputs, FFMA for
+//                                                   fp32); W, T A_ak, U on the tensor cores, each row block over
+//                                                   T's nonzero columns only
 //   2 dplr_scan_kernel    grid (N * H, VP / 32)     sequential over a sequence's chunks; the state's 32
 //                                                   columns stay in fp32 registers (warp w: rows
 //                                                   [w KP/4, (w+1) KP/4)); writes h_c (chunk-start state)
-//                                                   and Ut; ht
-//   3 dplr_output_kernel  grid (chunks, H)          P_qk, P_qb (scores), then O over 32-column blocks
+//                                                   and Ut; ht. Two stages of the per-chunk tiles (W, Kd, Bd,
+//                                                   U, V, D_n) where they fit the configuration's budget (all
+//                                                   but fp32 K > 64): the next chunk's copies are in flight
+//                                                   during this chunk's products
+//   3 dplr_output_kernel  grid (chunks, H)          G by cp.async; P_qk, P_qb (scores; only the blocks above the
+//                                                   block diagonal zeroed first), then O over 32-column blocks
+//                                                   (P's row blocks over their nonzero columns only)
 //
 // The dh0-only backward (Params::dh0_only: the CP backward pre-pass; also the reverse scan of the full backward,
 // dplr_bwd.cu), from the reference's chunk backward: with dS = dL/dS at a chunk's end (dht at the sequence's end),
 //   dUt = P_qb^T (scale dO) + Bd dS,   dS <- D_n dS + (q e^G)^T (scale dO) + W^T dUt,   dh0 = the last dS.
 //   kernels 1 (W, Bd, D_n), 3 without o (storing q e^G and P_qb instead), then
-//   4 dplr_dh0_scan_kernel  grid (N * H, VP / 32)   the mirror of kernel 2, from the last chunk back
+//   4 dplr_dh0_scan_kernel  grid (N * H, VP / 32)   the mirror of kernel 2, from the last chunk back (two stages
+//                                                   where they fit: 16-bit inputs)
 // For the full backward kernel 1 also keeps T and A_ak, kernel 3 also P_qk, kernel 4 also dS at each chunk's end
 // and dUt (DplrArgs' backward fields; null here, so the forward and the dh0-only backward store none of them).
 //
@@ -72,33 +85,50 @@
 //   p.dtype for what feeds 16-bit tensor-core operands anyway (the state itself is carried in fp32 registers
 //   through stage 2, as in the gdn / kda path of tiled_fwd.cu).
 //
+// Why the stages look as they do. The first version's wy stage took 76 us per (chunk, head) CTA: each thread
+// loaded its 33 gates one dependent global load after another (the loop stored each into shared memory before the
+// next load), T's 16 x 16 block products were fp32 loops over shared memory, each score's four diagonal blocks
+// took 512 exponentials a lane (K = 64) element by element, and its 100 KB held two CTAs per SM. The output stage
+// loaded G the same way (32 dependent loads a thread), and the scans waited on every chunk's copies. Now: the
+// gates in batches of 16 independent loads, T on wy_solve.cuh's tf32 solve (the kda tier's), bf16's diagonal
+// score blocks on the tensor cores, and layouts in which what dies early hands its space on: the wy stage copies
+// the k tile over b once A_ab is made (Bd out first; the copy in flight during the inverse) and keeps T and A_ak
+// as operands over the fp32 A, so that 16-bit inputs take 72 KB at K <= 64 (three CTAs per H100 / H200 SM, two
+// before) and 109 KB at K <= 128 (two, one before); the output stage at K = 128 shares one tile between k and b
+// (two CTAs per SM, one before); G comes by cp.async in the output stage, and the scans keep the next chunk's
+// copies in flight.
+//
 // Dynamic shared memory (bytes, from the layout structs WySmem / ScanSmem / OutSmem / Dh0Smem; each launch checks
 // it against the GPU's opt-in limit and throws an Error naming K when it does not fit):
 //                 bf16/fp16 K <= 64   K <= 128     fp32 K <= 64   K <= 128
-//   wy            100,112             142,096      141,840        224,016
-//   scan          48,384              78,336       89,344         147,968
-//   output        72,704              121,856      121,856        203,776
-//   dh0 scan      52,480              82,432       97,536         156,160
-//   wy: a, b, k tiles 64 x (KP+pad); G 65 x (KP+4) fp32; scratch (the scores' reference-row tiles, then T in
-//   fp32, then a V tile); A_ab 64 x 65 fp32; A_ak and T as 64 x (64+pad) tiles; 3 x 16 x 16 fp32 for T's
-//   blocks. scan: W, Kd, Bd tiles; U, V, Ut 64 x (32+pad); S as a KP x (32+pad) operand; D_n. output: q, k, b
-//   tiles; G fp32; scratch; P_qk, P_qb (the per-block h, V, Ut tiles reuse k and b). So 16-bit K <= 64 fits
-//   every sm_80+ GPU (sm_86 / sm_89: 99 KB), 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90's 163 / 227
-//   KB, fp32 K <= 128 Hopper only.
-// Registers (nvcc 13 --resource-usage; sm_80 / sm_90a, 16-bit inputs): wy 80 / 72-79 (KP 64), 128 / 72 (KP
-// 128); scan 122 / 91, 96 / 80; output 80 / 77, 80-86 / 74-75; dh0 scan 122 / 96, 128 / 96. Spills: none
-// except 4-16 bytes in some wy kernels (fp16 KP 64 and fp32 KP 64 on sm_80; fp16 KP 128, bf16 KP 64 and fp32
-// KP 128 on sm_90a).
-// Speed (NVIDIA H200, bf16, bench/gpu/bench_dplr.py beside FLA's chunk_dplr_delta_rule, 2026-11-25): forward
-// 3.75 ms at (4,4096,32,64), 3.91 at (2,8192,32,64), 7.17 at (1,16384,16,128): 0.44, 0.47 and 0.36x the speed of
-// FLA's faster configuration (chunk 64 with safe_gate: 1.64, 1.83, 2.57 ms). With the scores' rescaling eight keys
-// per thread (decayed_scores, shared with kda; NVIDIA H100, same harness, 2026-11-27): 3.15, 3.25 and 5.67 ms,
-// 0.58, 0.63 and 0.49x (FLA 1.84, 2.04, 2.80). Kernel time of one forward +
-// backward at (2,8192,32,64) (torch.profiler, 14.27 ms in all): this file's wy stage 4.72 ms for its two launches
-// (the forward and the backward's recompute), 76 us per (chunk, head) CTA at two CTAs per SM; the output stage
-// 2.23; the scan 0.75. The wy stage is the first to redo: T's blocks are products of fp32 loops (not tensor
-// cores), and the scores' sub-blocks go element by element; at K = 128 it runs one 142 KB CTA per SM. The
-// scan's grid is N * H * VP / 32 CTAs.
+//   wy            71,952              109,328      108,816        170,512
+//   scan          86,528              141,312      160,256        147,968 (one stage)
+//   output        75,008              108,800      121,856        169,984
+//   dh0 scan      94,720              149,504      97,536 (one)   156,160 (one stage)
+//   (the first version: wy 100,112 / 142,096 / 141,840 / 224,016; scan 48,384 / 78,336 / 89,344 / 147,968;
+//   output 72,704 / 121,856 / 121,856 / 203,776; dh0 scan 52,480 / 82,432 / 97,536 / 156,160.)
+//   wy: see WySmem. scan: per stage W, Kd, Bd tiles, U, V 64 x (32+pad), D_n; then Ut and S as a KP x (32+pad)
+//   operand. output: see OutSmem (q, k, b tiles, k and b one tile at K = 128; scratch; G; P_qk, P_qb; the
+//   per-block h, V, Ut tiles over k, b and the scratch). dh0 scan: per stage W, Bd, q e^G, P_qb, dO, D_n; then
+//   dUt and dS. A scan
+//   takes its second stage only within its configuration's budget (dplr_smem_budget): 16-bit K <= 64 fits every
+//   sm_80+ GPU (sm_86 / sm_89: 99 KB), 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90's 163 / 227 KB, fp32
+//   K <= 128 Hopper only. The scans' grids are small (N * H * VP / 32 CTAs), so their larger stages cost
+//   occupancy only where N * H * VP / 32 passes about two CTAs per SM.
+// Registers (nvcc 13 -Xptxas -v; sm_80 / sm_90a; bf16, fp16, fp32): wy 92 / 77, 72 / 77, 80 / 78 (KP 64), 80 / 72,
+// 80 / 75, 80 / 79 (KP 128); scan 128 / 126 (16-bit KP 64), 127 / 116 (16-bit KP 128), 128 / 123-128 (fp32);
+// output 75-80 / 64-72; dh0 scan 128 / 128. Spills: wy bf16 KP 128 sm_90a 12 bytes stored / 36 loaded; output
+// 16-bit KP 128 sm_90a 40-48 bytes (ptxas holds it to 64 registers there); dh0 scan fp32 KP 128 sm_90a 4 bytes;
+// none elsewhere. (The first version: wy 72-80 / 63-79, scan 94-127 / 80-123, output 80 / 66-72, dh0 scan
+// 122-128 / 80-96, with 4-8 byte spills in some wy and output kernels.)
+// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2's chunk_dplr_delta_rule, 2026-11-27): forward
+// 1.38 ms at (4,4096,32,64), 1.40 at (2,8192,32,64), 2.23 at (1,16384,16,128): 1.32, 1.43 and 1.26x the speed of
+// FLA's faster configuration (chunk 64 with safe_gate: 1.83, 2.00, 2.81 ms). The first version took 3.15, 3.25
+// and 5.67 ms on the same GPU. Kernel time of one forward + backward (bench/gpu/stage_times.py --variant dplr
+// --backward; each of these stages runs in the forward and again in the backward's recompute): (2,8192,32,64) the
+// wy stage 1.28 ms (the first version 4.72 on an H200), the output stage 0.90, the scan 0.60; (1,16384,16,128) the
+// scan 1.85 ms (N * H * VP / 32 = 64 CTAs, one chunk after another: the narrow grid of one long sequence), the wy
+// stage 1.50, the output stage 1.15.
 #include "dplr_stages.cuh"
 
 namespace deltacp::cuda::tiled {

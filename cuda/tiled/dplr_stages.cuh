@@ -21,6 +21,7 @@
 #include "deltacp/params.h"
 #include "dplr_scores.cuh"
 #include "fwd_mma.cuh"
+#include "wy_solve.cuh"
 
 namespace deltacp::cuda::tiled {
 namespace {
@@ -82,11 +83,6 @@ struct DplrArgs {
 };
 
 template <class T>
-__device__ __forceinline__ float load_gate(const DplrArgs<T>& x, int64_t b, int64_t t, int64_t h, int64_t d) {
-  const int64_t off = b * x.gk_sb + t * x.gk_st + h * x.gk_sh + d;
-  return x.gk_fp32 ? static_cast<const float*>(x.gk)[off] : to_f(static_cast<const T*>(x.gk)[off]);
-}
-template <class T>
 __device__ __forceinline__ void store_gate_grad(const DplrArgs<T>& x, int64_t b, int64_t t, int64_t h, int64_t d,
                                                 float val) {
   const int64_t off = b * x.dgk_sb + t * x.dgk_st + h * x.dgk_sh + d;
@@ -98,56 +94,134 @@ __device__ __forceinline__ void store_gate_grad(const DplrArgs<T>& x, int64_t b,
 }
 
 // ---- shared-memory layouts (element offsets in bytes, 16-byte aligned) ------------------------------------
+// The wy stage, laid out so that what dies early hands its space on (16-bit inputs: 71,952 bytes at K <= 64,
+// three CTAs per H100 / H200 SM; 109,328 at K <= 128, two):
+//   a            the a tile (64 x KP)
+//   bk           the b tile, then (copied in once A_ab is made and Bd is out) the k tile
+//   G            65 rows fp32: row 0 = 0, row i + 1 = G_i (so row i = Gp_i)
+//   A            -A_ab in fp32 (lda = 4 mod 32: wy_solve.cuh's fragment loads are conflict-free); after the
+//                inverse, T as an operand tile, then A_ak (later T A_ak) as a second one
+//   scratch      the scores' reference-row tiles (16 X rows, dplr_scores_y_rows Y rows); between the two scores
+//                T in fp32 (and the fp32 solve's 4 x 256 scratch); after them a V tile
 template <class T, int KP>
 struct WySmem {
   static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV), ldg = gate_ld(KP);
-  static constexpr int ldf = 65;  // fp32 64 x 64 matrices: column walks hit distinct banks
+  static constexpr int lda = 68;  // fp32 64 x 64 matrices (A, T)
+  static constexpr int kYRows = dplr_scores_y_rows<T>();
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
-  static constexpr int64_t a = 0, b = a + tileK, k = b + tileK;
-  static constexpr int64_t G = k + tileK;  // 65 rows: row 0 = 0, row i + 1 = G_i (so row i = Gp_i)
-  static constexpr int64_t scratch = G + align16(int64_t(kDRows + 1) * ldg * 4);
-  static constexpr int64_t scratch_bytes =
-      align16(std::max<int64_t>(std::max<int64_t>(tileK, int64_t(kDRows) * ldf * 4),
-                                int64_t(kDRows) * ldv * sizeof(T)));
-  static constexpr int64_t Aab = scratch + scratch_bytes;
-  static constexpr int64_t Ak = Aab + align16(int64_t(kDRows) * ldf * 4);
-  static constexpr int64_t Tt = Ak + align16(int64_t(kDRows) * ld64 * sizeof(T));
-  static constexpr int64_t Xb = Tt + align16(int64_t(kDRows) * ld64 * sizeof(T));  // 3 blocks of 16 x 16 fp32
-  static constexpr int64_t bytes = Xb + 3 * 256 * 4;
+  static constexpr int64_t tileF = align16(int64_t(kDRows) * lda * 4);
+  static constexpr int64_t tile64 = align16(int64_t(kDRows) * ld64 * sizeof(T));
+  static constexpr int64_t a = 0, bk = a + tileK;
+  static constexpr int64_t G = bk + tileK;
+  static constexpr int64_t A = G + align16(int64_t(kDRows + 1) * ldg * 4), Tt = A, Ak = A + tile64;
+  static constexpr int64_t scratch = A + std::max<int64_t>(tileF, 2 * tile64), Tf = scratch, Vt = scratch;
+  static constexpr int64_t scratch_bytes = std::max<int64_t>(
+      std::max<int64_t>(align16(int64_t(16 + kYRows) * ldk * sizeof(T)), tileF + (kIs16Bit<T> ? 0 : 4 * 256 * 4)),
+      align16(int64_t(kDRows) * ldv * sizeof(T)));
+  static constexpr int64_t bytes = scratch + scratch_bytes;
 };
 
+// The shared-memory budget a layout of this tier keeps to, by configuration: 16-bit K <= 64 every sm_80+ GPU
+// (sm_86 / sm_89: 99 KB), 16-bit K <= 128 and fp32 K <= 64 sm_80 (163 KB), fp32 K <= 128 sm_90 (227 KB). The
+// scans take a second stage of their per-chunk tiles (the next chunk's copies in flight during this chunk's
+// products) where it fits that budget.
+template <class T, int KP>
+constexpr int64_t dplr_smem_budget() {
+  return (kIs16Bit<T> && KP == 64) ? 99 * 1024 : (kIs16Bit<T> || KP == 64) ? 163 * 1024 : 227 * 1024;
+}
+
+// The forward scan: per stage the W, Kd, Bd tiles, the U and V tiles (32 columns) and D_n; then Ut and S.
 template <class T, int KP>
 struct ScanSmem {
   static constexpr int ldk = tile_ld<T>(KP), ldv = tile_ld<T>(kDBV);
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
   static constexpr int64_t tileV = align16(int64_t(kDRows) * ldv * sizeof(T));
-  static constexpr int64_t W = 0, Kd = W + tileK, Bd = Kd + tileK;
-  static constexpr int64_t U = Bd + tileK, V = U + tileV, Ut = V + tileV;
-  static constexpr int64_t S = Ut + tileV;
-  static constexpr int64_t Dn = S + align16(int64_t(KP) * ldv * sizeof(T));
-  static constexpr int64_t bytes = Dn + align16(int64_t(KP) * 4);
+  static constexpr int64_t W = 0, Kd = W + tileK, Bd = Kd + tileK;  // offsets within a stage
+  static constexpr int64_t U = Bd + tileK, V = U + tileV, Dn = V + tileV;
+  static constexpr int64_t stage = Dn + align16(int64_t(KP) * 4);
+  static constexpr int64_t tail = tileV + align16(int64_t(KP) * ldv * sizeof(T));  // Ut, S
+  static constexpr int kStages = 2 * stage + tail <= dplr_smem_budget<T, KP>() ? 2 : 1;
+  static constexpr int64_t Ut = kStages * stage, S = Ut + tileV;
+  static constexpr int64_t bytes = S + align16(int64_t(KP) * ldv * sizeof(T));
 };
 
+// The output stage: the q, k, b tiles, the scores' scratch (16 X rows, dplr_scores_y_rows Y rows), G, P_qk and
+// P_qb; per value block the h, V and Ut tiles over k, b and the scratch (free once the scores are made). At
+// KP = 128 k and b share one tile, b copied in once P_qk is made (kShareKB: 108,800 bytes at 16 bits, two CTAs
+// per H100 / H200 SM instead of one, for one more exposed copy per CTA; at KP = 64 three CTAs fit either way).
 template <class T, int KP>
 struct OutSmem {
   static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV), ldg = gate_ld(KP);
+  static constexpr bool kShareKB = KP > 64;
+  static constexpr int kYRows = dplr_scores_y_rows<T>();
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
-  static constexpr int64_t q = 0, k = q + tileK, b = k + tileK;
-  static constexpr int64_t G = b + tileK;
-  static constexpr int64_t scratch = G + align16(int64_t(kDRows) * ldg * 4);
-  static constexpr int64_t Pk = scratch + tileK;
+  static constexpr int64_t q = 0, k = q + tileK, b = kShareKB ? k : k + tileK;
+  static constexpr int64_t scratch = b + tileK;
+  static constexpr int64_t G = scratch + align16(int64_t(16 + kYRows) * ldk * sizeof(T));
+  static constexpr int64_t Pk = G + align16(int64_t(kDRows) * ldg * 4);
   static constexpr int64_t Pb = Pk + align16(int64_t(kDRows) * ld64 * sizeof(T));
   static constexpr int64_t bytes = Pb + align16(int64_t(kDRows) * ld64 * sizeof(T));
-  // per value block, over the k and b tiles (free once the scores are made)
+  // per value block, from the k tile on
   static constexpr int64_t hS = k;
   static constexpr int64_t vS = hS + align16(int64_t(KP) * ldv * sizeof(T));
   static constexpr int64_t utS = vS + align16(int64_t(kDRows) * ldv * sizeof(T));
-  static_assert(utS + int64_t(kDRows) * ldv * sizeof(T) <= G, "the value-block tiles must fit over k and b");
+  static_assert(utS + int64_t(kDRows) * ldv * sizeof(T) <= G, "the value-block tiles must fit over k, b, scratch");
 };
 
 template <class P>
 __device__ __forceinline__ P* smem_at(unsigned char* base, int64_t off) {
   return reinterpret_cast<P*>(base + off);
+}
+
+// ---- the gates: sG row 0 = 0, row i + 1 = G_i (i < 64) for NC columns from d0 ----------------------------------
+// G_i = sum_{t <= i} gk_t within the chunk; rows past len repeat G_{len-1} (finite exponents on the zero rows),
+// columns from ncols on are zero. kDThreads / NC threads per column, each over a run of rows: 16 gates loaded at a
+// time into registers (independent global loads in flight together, not one load's latency per gate), summed
+// there, and the runs joined by adding the sums of the runs above. Ends with __syncthreads.
+template <class T, int NC>
+__device__ __forceinline__ void dplr_gate_cumsum(const DplrArgs<T>& x, const ChunkEntry& ch, int64_t h, int d0,
+                                                 int ncols, float* sG, int ldg, int len) {
+  constexpr int kSeg = kDThreads / NC, kRows = kDRows / kSeg, kBatch = 16;
+  static_assert(kSeg * NC == kDThreads && kRows % kBatch == 0, "threads per column");
+  const int tid = threadIdx.x, d = tid % NC, seg = tid / NC, i0 = seg * kRows;
+  const bool col_ok = d < ncols;
+  const int64_t base = ch.batch * x.gk_sb + ch.t0 * x.gk_st + h * x.gk_sh + d0 + d;
+  float run = 0.f;
+#pragma unroll 1
+  for (int b0 = 0; b0 < kRows; b0 += kBatch) {
+    float g[kBatch];
+    if (x.gk_fp32) {
+      const float* p = static_cast<const float*>(x.gk) + base;
+#pragma unroll
+      for (int e = 0; e < kBatch; ++e) {
+        const int i = i0 + b0 + e;
+        g[e] = (col_ok && i < len) ? p[int64_t(i) * x.gk_st] : 0.f;
+      }
+    } else {
+      const T* p = static_cast<const T*>(x.gk) + base;
+#pragma unroll
+      for (int e = 0; e < kBatch; ++e) {
+        const int i = i0 + b0 + e;
+        g[e] = (col_ok && i < len) ? to_f(p[int64_t(i) * x.gk_st]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kBatch; ++e) {
+      run += g[e];
+      sG[(i0 + b0 + e + 1) * ldg + d] = run;
+    }
+  }
+  if (seg == 0) sG[d] = 0.f;
+  __syncthreads();
+  if constexpr (kSeg > 1) {
+    float off = 0.f;  // the sums of the runs above (their last rows, before any run is shifted)
+    for (int s = 0; s < seg; ++s) off += sG[(s * kRows + kRows) * ldg + d];
+    __syncthreads();
+    if (seg > 0)
+#pragma unroll 4
+      for (int i = 1; i <= kRows; ++i) sG[(i0 + i) * ldg + d] += off;
+    __syncthreads();
+  }
 }
 
 // ---- stage 1: G, the scores, T, W, U, Kd, Bd, D_n ------------------------------------------------------------
@@ -156,187 +230,197 @@ __global__ void __launch_bounds__(kDThreads) dplr_wy_kernel(const DplrArgs<T> x)
   using L = WySmem<T, KP>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sa = smem_at<T>(smem, L::a);
-  T* sb = smem_at<T>(smem, L::b);
-  T* sk = smem_at<T>(smem, L::k);
+  T* sb = smem_at<T>(smem, L::bk);               // b, then k
+  T* sk = smem_at<T>(smem, L::bk);
   float* sG = smem_at<float>(smem, L::G);
-  T* Xr = smem_at<T>(smem, L::scratch);
-  T* Yr = Xr + 16 * L::ldk;
-  float* Tm = smem_at<float>(smem, L::scratch);  // after the scores
-  T* Vt = smem_at<T>(smem, L::scratch);          // after T is converted
-  float* Aab = smem_at<float>(smem, L::Aab);
+  float* As = smem_at<float>(smem, L::A);        // -A_ab (fp32) until the inverse
+  T* Tt = smem_at<T>(smem, L::Tt);               // then T and A_ak as operands
   T* Ak = smem_at<T>(smem, L::Ak);
-  T* Tt = smem_at<T>(smem, L::Tt);
-  float* Xb = smem_at<float>(smem, L::Xb);
+  T* Xr = smem_at<T>(smem, L::scratch);          // the scores' reference-row tiles
+  T* Yr = Xr + 16 * L::ldk;
+  float* Ts = smem_at<float>(smem, L::Tf);       // between the scores: T in fp32
+  float* solve_scr = Ts + kDRows * L::lda;       // (the fp32 solve's scratch)
+  T* Vt = smem_at<T>(smem, L::Vt);               // after the scores: a V tile
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const ChunkEntry ch = x.chunks[blockIdx.x];
   const int64_t h = blockIdx.y;
   const int len = static_cast<int>(ch.len);
   const int K = static_cast<int>(x.K);
+  const T* pk = x.k.at(ch.batch, ch.t0, h);
 
-  // Inputs: a, b, k tiles (zero past len and K); gk into rows 1..64 of sG; A_ak zeroed (the scores leave the
-  // blocks above the block diagonal unwritten, and T A_ak reads every column).
+  // Inputs: a, b tiles (zero past len and K); G.
   {
     const T* pa = x.a.at(ch.batch, ch.t0, h);
     const T* pb = x.b.at(ch.batch, ch.t0, h);
-    const T* pk = x.k.at(ch.batch, ch.t0, h);
     load_tile<T, kDThreads>(sa, L::ldk, pa, x.a.st, len, kDRows, K, KP, vec_ok(pa, x.a.st));
     load_tile<T, kDThreads>(sb, L::ldk, pb, x.b.st, len, kDRows, K, KP, vec_ok(pb, x.b.st));
-    load_tile<T, kDThreads>(sk, L::ldk, pk, x.k.st, len, kDRows, K, KP, vec_ok(pk, x.k.st));
     cp_async_commit();
-    for (int idx = tid; idx < (kDRows + 1) * KP; idx += kDThreads) {
-      const int i = idx / KP, d = idx - i * KP;  // sG row i holds token i - 1's gate
-      sG[i * L::ldg + d] = (i >= 1 && i - 1 < len && d < K) ? load_gate(x, ch.batch, ch.t0 + i - 1, h, d) : 0.f;
-    }
-    for (int idx = tid; idx < kDRows * L::ld64; idx += kDThreads) Ak[idx] = from_f<T>(0.f);
+    dplr_gate_cumsum<T, KP>(x, ch, h, 0, K, sG, L::ldg, len);
     cp_async_wait<0>();
     __syncthreads();
   }
-  // Within-chunk cumulative sums, one thread per column: sG row i + 1 = G_i; rows past len repeat G_{len-1}.
-  if (tid < KP) {
-    float run = 0.f;
-    for (int i = 1; i <= kDRows; ++i) {
-      run += sG[i * L::ldg + tid];
-      sG[i * L::ldg + tid] = run;
-    }
-  }
-  __syncthreads();
-
-  // A_ab (fp32, for the substitution) and A_ak (T, a tensor-core operand): Gl = Gp (rows of sG), Gr = G.
-  dplr_scores<T, kDThreads>(sa, sb, L::ldk, sG, sG + L::ldg, L::ldg, Xr, Yr, KP, len, false,
-                            [&](int i, int j, float val) { Aab[i * L::ldf + j] = val; });
-  dplr_scores<T, kDThreads>(sa, sk, L::ldk, sG, sG + L::ldg, L::ldg, Xr, Yr, KP, len, false,
-                            [&](int i, int j, float val) { Ak[i * L::ld64 + j] = from_f<T>(val); });
-
-  // T = (I - A_ab)^-1 in fp32, by 16 x 16 blocks. (I - A) T = I gives, for block rows i > j,
-  //   T_ii = (I - A_ii)^-1,   T_ij = T_ii sum_{j <= k < i} A_ik T_kj,
-  // so: the 4 diagonal blocks by forward substitution (thread (a, c): column c of block a, 16 steps), then
-  // block rows 1..3 in turn, each from the rows above it (two 16 x 16 products per block, all 128 threads).
-  // Rows past len have A = 0 and come out as rows of I.
-  if (tid < kDRows) {
-    const int base = 16 * (tid >> 4), c = tid & 15;
-    for (int i = 0; i < 16; ++i) {
-      float s = (i == c) ? 1.f : 0.f;  // T_ic = [i == c] + sum_{c <= j < i} A_ij T_jc (0 for i < c)
-      for (int j = c; j < i; ++j) s = fmaf(Aab[(base + i) * L::ldf + base + j], Tm[(base + j) * L::ldf + base + c], s);
-      Tm[(base + i) * L::ldf + base + c] = s;
-    }
-  }
-  for (int idx = tid; idx < kDRows * kDRows; idx += kDThreads) {  // blocks above the block diagonal: 0
-    const int i = idx >> 6, j = idx & 63;
-    if ((j >> 4) > (i >> 4)) Tm[i * L::ldf + j] = 0.f;
-  }
-  __syncthreads();
-#pragma unroll 1
-  for (int bi = 1; bi < 4; ++bi) {
-    for (int idx = tid; idx < bi * 256; idx += kDThreads) {  // Xb[j] = sum_{j <= k < bi} A_{bi,k} T_{k,j}
-      const int j = idx >> 8, r = (idx >> 4) & 15, c = idx & 15;
-      const float* arow = Aab + (16 * bi + r) * L::ldf;
-      float s = 0.f;
-      for (int m = 16 * j; m < 16 * bi; ++m) s = fmaf(arow[m], Tm[m * L::ldf + 16 * j + c], s);
-      Xb[idx] = s;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < bi * 256; idx += kDThreads) {  // T_{bi,j} = T_{bi,bi} Xb[j]
-      const int j = idx >> 8, r = (idx >> 4) & 15, c = idx & 15;
-      const float* trow = Tm + (16 * bi + r) * L::ldf + 16 * bi;
-      float s = 0.f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) s = fmaf(trow[m], Xb[(j << 8) + (m << 4) + c], s);
-      Tm[(16 * bi + r) * L::ldf + 16 * j + c] = s;
-    }
-    __syncthreads();
-  }
-  const int64_t mat0 = (int64_t(blockIdx.x) * x.H + h) * kDRows * kDRows;  // this chunk's 64 x 64 matrices
-  for (int idx = tid; idx < kDRows * kDRows; idx += kDThreads) {
-    const int i = idx >> 6, j = idx & 63;
-    const T t = from_f<T>(Tm[i * L::ldf + j]);
-    Tt[i * L::ld64 + j] = t;
-    if (x.Tg != nullptr) {  // the full backward keeps T and A_ak (A_ak's tile is overwritten by T A_ak below)
-      x.Tg[mat0 + idx] = t;
-      x.Akg[mat0 + idx] = Ak[i * L::ld64 + j];
-    }
-  }
-  // a e^Gp in place (a is no longer read by the scores); Kd, Bd, G, D_n to the workspace.
+  // Bd = b e^(G_n - G), G and D_n to the workspace (the b tile gives way to k once A_ab is made); eight keys per
+  // thread.
   const float* Gn = sG + len * L::ldg;  // G_{len-1}
-  for (int idx = tid; idx < kDRows * KP; idx += kDThreads) {
-    const int i = idx / KP, d = idx - i * KP;
-    sa[i * L::ldk + d] = from_f<T>(to_f(sa[i * L::ldk + d]) * exp_t<T>(sG[i * L::ldg + d]));
-    if (i < len) {
-      const int64_t w = ((ch.row0 + i) * x.H + h) * KP + d;
-      const float gi = sG[(i + 1) * L::ldg + d];
-      const float f = exp_t<T>(Gn[d] - gi);
-      x.Kd[w] = from_f<T>(to_f(sk[i * L::ldk + d]) * f);
-      x.Bd[w] = from_f<T>(to_f(sb[i * L::ldk + d]) * f);
-      x.G[w] = gi;
-    }
+  for (int idx = tid; idx < len * (KP / 8); idx += kDThreads) {
+    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
+    const int64_t w = ((ch.row0 + i) * x.H + h) * KP + d0;
+    float bv[8], gi[8], gn[8];
+    load8f(sG + (i + 1) * L::ldg + d0, gi);
+    load8f(Gn + d0, gn);
+    load8(sb + i * L::ldk + d0, bv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) bv[e] *= exp_t<T>(gn[e] - gi[e]);
+    store8(x.Bd + w, bv);
+    store8(x.G + w, gi);
   }
   for (int d = tid; d < KP; d += kDThreads)
     x.Dn[(blockIdx.x * x.H + h) * KP + d] = d < K ? exp_t<T>(Gn[d]) : 0.f;
-  __syncthreads();
 
-  // W = T (a e^Gp): warp w owns rows [16 w, 16 w + 16), 64 columns at a time.
+  // -A_ab (fp32, for the inverse): Gl = Gp (rows of sG), Gr = G. bf16: the diagonal blocks go through the tensor
+  // cores too where their decay allows (dplr_scores.cuh). The blocks above the block diagonal stay unwritten (the
+  // inverse never reads them).
+  dplr_scores<T, kDThreads>(sa, sb, L::ldk, sG, sG + L::ldg, L::ldg, Xr, Yr, KP, len, false,
+                            [&](int i, int j, float val) { As[i * L::lda + j] = -val; });
+  // The k tile over b (the scores end with __syncthreads), in flight during the inverse.
+  load_tile<T, kDThreads>(sk, L::ldk, pk, x.k.st, len, kDRows, K, KP, vec_ok(pk, x.k.st));
+  cp_async_commit();
+
+  // T = (I - A_ab)^-1 = (I + A)^-1 (wy_solve.cuh): the diagonal 16 x 16 blocks by substitution (one warp each),
+  // the blocks below by sub-diagonal level; 16-bit inputs on mma.sync in tf32 (T is rounded to 16 bits before it
+  // multiplies anything), fp32 inputs in fp32 FMA. Rows past len have A = 0 and come out as rows of I.
+  if constexpr (kIs16Bit<T>) {
+    unit_lower_inverse_64_tf32(As, Ts, L::lda);
+  } else {
+    unit_lower_inverse_64(As, Ts, L::lda, solve_scr);
+  }
+  // T as an operand (over A, dead now), eight columns per thread; the full backward keeps it.
+  const int64_t mat0 = (int64_t(blockIdx.x) * x.H + h) * kDRows * kDRows;  // this chunk's 64 x 64 matrices
+  for (int idx = tid; idx < kDRows * 8; idx += kDThreads) {
+    const int i = idx >> 3, j0 = 8 * (idx & 7);
+    float t[8];
+    load8f(Ts + i * L::lda + j0, t);
+    store8(Tt + i * L::ld64 + j0, t);
+    if (x.Tg != nullptr) store8(x.Tg + mat0 + i * kDRows + j0, t);
+    if ((j0 >> 4) > (i >> 4)) {  // A_ak's blocks above the block diagonal (its scores leave them; T A_ak reads them)
+      const float z[8] = {};
+      store8(Ak + i * L::ld64 + j0, z);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the k tile; T's fp32 copy is dead (the scratch is the scores' again)
+
+  // Kd = k e^(G_n - G) to the workspace.
+  for (int idx = tid; idx < len * (KP / 8); idx += kDThreads) {
+    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
+    float kv[8], gi[8], gn[8];
+    load8f(sG + (i + 1) * L::ldg + d0, gi);
+    load8f(Gn + d0, gn);
+    load8(sk + i * L::ldk + d0, kv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) kv[e] *= exp_t<T>(gn[e] - gi[e]);
+    store8(x.Kd + ((ch.row0 + i) * x.H + h) * KP + d0, kv);
+  }
+  // A_ak (a tensor-core operand), the same gates.
+  dplr_scores<T, kDThreads>(sa, sk, L::ldk, sG, sG + L::ldg, L::ldg, Xr, Yr, KP, len, false,
+                            [&](int i, int j, float val) { Ak[i * L::ld64 + j] = from_f<T>(val); });
+
+  // The first V tile (over the scratch), in flight during a e^Gp, W and T A_ak.
+  const T* pv = x.v.at(ch.batch, ch.t0, h);
+  load_tile<T, kDThreads>(Vt, L::ldv, pv, x.v.st, len, kDRows, static_cast<int>(x.V), kDBV, vec_ok(pv, x.v.st));
+  cp_async_commit();
+  // a e^Gp in place (a is no longer read by the scores), eight keys per thread; the full backward keeps A_ak
+  // (its tile is overwritten by T A_ak below).
+  for (int idx = tid; idx < kDRows * (KP / 8); idx += kDThreads) {
+    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
+    float av[8], gp[8];
+    load8(sa + i * L::ldk + d0, av);
+    load8f(sG + i * L::ldg + d0, gp);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) av[e] *= exp_t<T>(gp[e]);
+    store8(sa + i * L::ldk + d0, av);
+  }
+  if (x.Akg != nullptr)
+    for (int idx = tid; idx < kDRows * 8; idx += kDThreads) {
+      const int i = idx >> 3, j0 = 8 * (idx & 7);
+      float ak[8];
+      load8(Ak + i * L::ld64 + j0, ak);
+      store8(x.Akg + mat0 + i * kDRows + j0, ak);
+    }
+  __syncthreads();  // a e^Gp
+
+  // W = T (a e^Gp): warp w owns rows [16 w, 16 w + 16), 64 columns at a time; T's row block w is zero right of
+  // column 16 (w + 1).
+  const int kend = 16 * (warp + 1);
 #pragma unroll 1
   for (int n0 = 0; n0 < KP; n0 += 64) {
     float acc[1][8][4];
     zero_acc(acc);
-    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tt, L::ld64, 16 * warp, sa, L::ldk, n0, 0, kDRows);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tt, L::ld64, 16 * warp, sa, L::ldk, n0, 0, kend);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 4; e += 2) {
         const int i = 16 * warp + acc_row(0, e), d = n0 + acc_col(nt, e);
-        if (i < len) x.W[((ch.row0 + i) * x.H + h) * KP + d] = from_f<T>(acc[0][nt][e]);
+        if (i < len) store_pair(x.W + ((ch.row0 + i) * x.H + h) * KP + d, acc[0][nt][e], acc[0][nt][e + 1]);
       }
   }
-  // T A_ak, into A_ak's tile once every warp has read it.
+  // T A_ak (strictly lower, as A_ak), into A_ak's tile once every warp has read it.
   {
     float acc[1][8][4];
     zero_acc(acc);
-    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tt, L::ld64, 16 * warp, Ak, L::ld64, 0, 0, kDRows);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tt, L::ld64, 16 * warp, Ak, L::ld64, 0, 0, kend);
     __syncthreads();
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) Ak[(16 * warp + acc_row(0, e)) * L::ld64 + acc_col(nt, e)] = from_f<T>(acc[0][nt][e]);
-    __syncthreads();
+      for (int e = 0; e < 4; e += 2)
+        store_pair(Ak + (16 * warp + acc_row(0, e)) * L::ld64 + acc_col(nt, e), acc[0][nt][e], acc[0][nt][e + 1]);
   }
-  // U = (T A_ak) V, 32 value columns at a time (V tile in the scratch: T is no longer needed in fp32).
-  const T* pv = x.v.at(ch.batch, ch.t0, h);
+  // U = (T A_ak) V, 32 value columns at a time.
 #pragma unroll 1
   for (int v0 = 0; v0 < x.VP; v0 += kDBV) {
-    load_tile<T, kDThreads>(Vt, L::ldv, pv + v0, x.v.st, len, kDRows, static_cast<int>(x.V) - v0, kDBV,
-                            vec_ok(pv + v0, x.v.st));
-    cp_async_commit();
+    if (v0 > 0) {
+      load_tile<T, kDThreads>(Vt, L::ldv, pv + v0, x.v.st, len, kDRows, static_cast<int>(x.V) - v0, kDBV,
+                              vec_ok(pv + v0, x.v.st));
+      cp_async_commit();
+    }
     cp_async_wait<0>();
     __syncthreads();
     float acc[1][4][4];
     zero_acc(acc);
-    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Ak, L::ld64, 16 * warp, Vt, L::ldv, 0, 0, kDRows);
+    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Ak, L::ld64, 16 * warp, Vt, L::ldv, 0, 0, kend);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 4; e += 2) {
         const int i = 16 * warp + acc_row(0, e), c = v0 + acc_col(nt, e);
-        if (i < len) x.U[((ch.row0 + i) * x.H + h) * x.VP + c] = from_f<T>(acc[0][nt][e]);
+        if (i < len) store_pair(x.U + ((ch.row0 + i) * x.H + h) * x.VP + c, acc[0][nt][e], acc[0][nt][e + 1]);
       }
     __syncthreads();
   }
 }
 
 // ---- stage 2: the state scan --------------------------------------------------------------------------------
+// The chunk fields the scans read, and the copies of one chunk's per-chunk tiles into a stage of the scan's shared
+// memory (one cp.async group; the caller waits).
+struct ScanChunk {
+  int64_t batch, t0, row0;
+  int len;
+};
+__device__ __forceinline__ ScanChunk scan_chunk(const ChunkEntry* chunks, int64_t c) {
+  const ChunkEntry& e = chunks[c];
+  return ScanChunk{e.batch, e.t0, e.row0, static_cast<int>(e.len)};
+}
+
 template <class T, int KP>
 __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> x) {
   using L = ScanSmem<T, KP>;
   constexpr int MT = KP / 64;  // 16-row tiles of the state per warp
   extern __shared__ __align__(16) unsigned char smem[];
-  T* sW = smem_at<T>(smem, L::W);
-  T* sKd = smem_at<T>(smem, L::Kd);
-  T* sBd = smem_at<T>(smem, L::Bd);
-  T* sU = smem_at<T>(smem, L::U);
-  T* sV = smem_at<T>(smem, L::V);
   T* sUt = smem_at<T>(smem, L::Ut);
   T* sS = smem_at<T>(smem, L::S);
-  float* sDn = smem_at<float>(smem, L::Dn);
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t nh = blockIdx.x, n = nh / x.H, h = nh - n * x.H;
@@ -344,29 +428,59 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
   const int m0 = warp * (KP / 4);  // this warp's first state row
   const SeqEntry seq = x.seqs[n];
   const int64_t state0 = (n * x.H + h) * x.K * x.V;
+  const int64_t ldk_g = x.H * KP, ldv_g = x.H * x.VP;
+
+  // Chunk ci's W, Kd, Bd, U, V tiles and D_n into stage `st` (cp.async, one group).
+  auto issue = [&](const ScanChunk& ch, int64_t c, int st) {
+    unsigned char* base = smem + st * L::stage;
+    const int64_t wrow = ch.row0 * x.H + h;
+    load_tile<T, kDThreads>(smem_at<T>(base, L::W), L::ldk, x.W + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
+                            vec_ok(x.W + wrow * KP, ldk_g));
+    load_tile<T, kDThreads>(smem_at<T>(base, L::Kd), L::ldk, x.Kd + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
+                            vec_ok(x.Kd + wrow * KP, ldk_g));
+    load_tile<T, kDThreads>(smem_at<T>(base, L::Bd), L::ldk, x.Bd + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
+                            vec_ok(x.Bd + wrow * KP, ldk_g));
+    load_tile<T, kDThreads>(smem_at<T>(base, L::U), L::ldv, x.U + wrow * x.VP + v0, ldv_g, ch.len, kDRows, kDBV,
+                            kDBV, vec_ok(x.U + wrow * x.VP + v0, ldv_g));
+    const T* pv = x.v.at(ch.batch, ch.t0, h) + v0;
+    load_tile<T, kDThreads>(smem_at<T>(base, L::V), L::ldv, pv, x.v.st, ch.len, kDRows, static_cast<int>(x.V) - v0,
+                            kDBV, vec_ok(pv, x.v.st));
+    const float* pdn = x.Dn + (c * x.H + h) * KP;
+    load_tile<float, kDThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
+    cp_async_commit();
+  };
 
   float S[MT][4][4];
   load_acc(S, x.h0 == nullptr ? nullptr : x.h0 + state0 + v0, x.V, m0, static_cast<int>(x.K),
            static_cast<int>(x.V) - v0);
 
+  // Two stages: chunk ci + 1's copies are issued before chunk ci's products; the chunk fields run one further
+  // ahead (a register load in flight during a chunk's work).
+  ScanChunk cur{}, nxt{};
+  if (seq.num_chunks > 0) cur = scan_chunk(x.chunks, seq.first_chunk);
+  if (seq.num_chunks > 1) nxt = scan_chunk(x.chunks, seq.first_chunk + 1);
+  if (L::kStages == 2 && seq.num_chunks > 0) issue(cur, seq.first_chunk, 0);
 #pragma unroll 1
   for (int64_t ci = 0; ci < seq.num_chunks; ++ci) {
     const int64_t c = seq.first_chunk + ci;
-    const ChunkEntry ch = x.chunks[c];
-    const int len = static_cast<int>(ch.len);
-    const int64_t wrow = (ch.row0 * x.H + h);
-    const int64_t ldk_g = x.H * KP, ldv_g = x.H * x.VP;
-    load_tile<T, kDThreads>(sW, L::ldk, x.W + wrow * KP, ldk_g, len, kDRows, KP, KP, vec_ok(x.W + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(sKd, L::ldk, x.Kd + wrow * KP, ldk_g, len, kDRows, KP, KP,
-                            vec_ok(x.Kd + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(sBd, L::ldk, x.Bd + wrow * KP, ldk_g, len, kDRows, KP, KP,
-                            vec_ok(x.Bd + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(sU, L::ldv, x.U + wrow * x.VP + v0, ldv_g, len, kDRows, kDBV, kDBV,
-                            vec_ok(x.U + wrow * x.VP + v0, ldv_g));
-    const T* pv = x.v.at(ch.batch, ch.t0, h) + v0;
-    load_tile<T, kDThreads>(sV, L::ldv, pv, x.v.st, len, kDRows, static_cast<int>(x.V) - v0, kDBV, vec_ok(pv, x.v.st));
-    cp_async_commit();
-    for (int d = tid; d < KP; d += kDThreads) sDn[d] = x.Dn[(c * x.H + h) * KP + d];
+    const int st = L::kStages == 2 ? static_cast<int>(ci & 1) : 0;
+    const bool more = ci + 1 < seq.num_chunks;
+    ScanChunk after{};
+    if (ci + 2 < seq.num_chunks) after = scan_chunk(x.chunks, c + 2);
+    if (L::kStages == 1) {
+      issue(cur, c, 0);
+    } else if (more) {
+      issue(nxt, c + 1, st ^ 1);  // that stage was last read by chunk ci - 1, which ended with __syncthreads
+    }
+    unsigned char* base = smem + st * L::stage;
+    const T* sW = smem_at<T>(base, L::W);
+    const T* sKd = smem_at<T>(base, L::Kd);
+    const T* sBd = smem_at<T>(base, L::Bd);
+    const T* sU = smem_at<T>(base, L::U);
+    const T* sV = smem_at<T>(base, L::V);
+    const float* sDn = smem_at<float>(base, L::Dn);
+    const int len = cur.len;
+    const int64_t wrow = (cur.row0 * x.H + h);
     // The chunk-start state: a T operand in shared memory, and h_c in the workspace (for the output stage and
     // the backward; a final-state-only run, the CP pre-pass's maps, keeps none: x.h null).
     T* hc = x.h == nullptr ? nullptr : x.h + (c * x.H + h) * KP * x.VP + v0;
@@ -380,7 +494,11 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
           store_pair(sS + r * L::ldv + col, S[mt][nt][e], S[mt][nt][e + 1]);
           if (hc != nullptr) store_pair(hc + int64_t(r) * x.VP + col, S[mt][nt][e], S[mt][nt][e + 1]);
         }
-    cp_async_wait<0>();
+    if (L::kStages == 2 && more) {
+      cp_async_wait<1>();  // chunk ci's group (chunk ci + 1's may stay in flight)
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
 
     // Ut = U + W S: warp w owns rows [16 w, 16 w + 16).
@@ -412,7 +530,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= sDn[m0 + acc_row(mt, e)];
     warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sKd, L::ldk, m0, sV, L::ldv, 0, 0, kDRows);
     warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sBd, L::ldk, m0, sUt, L::ldv, 0, 0, kDRows);
-    __syncthreads();  // the next chunk's loads overwrite the tiles
+    __syncthreads();  // the next copies overwrite this stage's tiles, the next chunk rewrites S and Ut
+    cur = nxt;
+    nxt = after;
   }
   if (x.ht != nullptr) store_acc(S, x.ht + state0 + v0, x.V, m0, static_cast<int>(x.K), static_cast<int>(x.V) - v0);
 }
@@ -441,45 +561,69 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
   const int len = static_cast<int>(ch.len);
   const int K = static_cast<int>(x.K);
   const int64_t wrow = ch.row0 * x.H + h;
+  const bool with_o = x.o.ptr != nullptr;  // false: the backward's preparation (q e^G, P_qb; P_qk when x.Pk)
+  const bool need_pk = with_o || x.Pk != nullptr;
+  const T* pk = x.k.at(ch.batch, ch.t0, h);
+  const T* pb = x.b.at(ch.batch, ch.t0, h);
   {
     const T* pq = x.q.at(ch.batch, ch.t0, h);
-    const T* pk = x.k.at(ch.batch, ch.t0, h);
-    const T* pb = x.b.at(ch.batch, ch.t0, h);
     load_tile<T, kDThreads>(sq, L::ldk, pq, x.q.st, len, kDRows, K, KP, vec_ok(pq, x.q.st));
-    load_tile<T, kDThreads>(sk, L::ldk, pk, x.k.st, len, kDRows, K, KP, vec_ok(pk, x.k.st));
-    load_tile<T, kDThreads>(sb, L::ldk, pb, x.b.st, len, kDRows, K, KP, vec_ok(pb, x.b.st));
+    if (need_pk) load_tile<T, kDThreads>(sk, L::ldk, pk, x.k.st, len, kDRows, K, KP, vec_ok(pk, x.k.st));
+    if (!L::kShareKB || !need_pk)
+      load_tile<T, kDThreads>(sb, L::ldk, pb, x.b.st, len, kDRows, K, KP, vec_ok(pb, x.b.st));
+    // G (the WY stage's, fp32 [R, H, KP]) by cp.async; rows past len repeat G_{len-1} (finite exponents on the
+    // zero rows).
+    load_key_gate(sG, L::ldg, x.G, ch.row0, x.H, h, KP, KP, len);
     cp_async_commit();
-    // G rows past len repeat G_{len-1} (finite exponents on the zero rows).
-    for (int idx = tid; idx < kDRows * KP; idx += kDThreads) {
-      const int i = idx / KP, d = idx - i * KP;
-      sG[i * L::ldg + d] = x.G[(wrow + int64_t(min(i, len - 1)) * x.H) * KP + d];
-    }
-    for (int idx = tid; idx < kDRows * L::ld64; idx += kDThreads) {
-      Pk[idx] = from_f<T>(0.f);
-      Pb[idx] = from_f<T>(0.f);
+    for (int idx = tid; idx < kDRows * 8; idx += kDThreads) {  // the blocks above the block diagonal: zero
+      const int i = idx >> 3, j0 = 8 * (idx & 7);                // (the scores write every other block)
+      if ((j0 >> 4) > (i >> 4)) {
+        const float z[8] = {};
+        store8(Pk + i * L::ld64 + j0, z);
+        store8(Pb + i * L::ld64 + j0, z);
+      }
     }
     cp_async_wait<0>();
     __syncthreads();
   }
-  const bool with_o = x.o.ptr != nullptr;  // false: the backward's preparation (q e^G, P_qb; P_qk when x.Pk)
-  if (with_o || x.Pk != nullptr)
+  // The scores (Gl = Gr = G: kda's case; bf16's diagonal blocks on the tensor cores where their decay allows).
+  if (need_pk) {
     dplr_scores<T, kDThreads>(sq, sk, L::ldk, sG, sG, L::ldg, Xr, Yr, KP, len, true,
                               [&](int i, int j, float val) { Pk[i * L::ld64 + j] = from_f<T>(val); });
+    if (L::kShareKB) {  // b over k (the scores end with __syncthreads)
+      load_tile<T, kDThreads>(sb, L::ldk, pb, x.b.st, len, kDRows, K, KP, vec_ok(pb, x.b.st));
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+  }
   dplr_scores<T, kDThreads>(sq, sb, L::ldk, sG, sG, L::ldg, Xr, Yr, KP, len, true,
                             [&](int i, int j, float val) { Pb[i * L::ld64 + j] = from_f<T>(val); });
-  // q e^G in place.
-  for (int idx = tid; idx < kDRows * KP; idx += kDThreads) {
-    const int i = idx / KP, d = idx - i * KP;
-    const T qg = from_f<T>(to_f(sq[i * L::ldk + d]) * exp_t<T>(sG[i * L::ldg + d]));
-    sq[i * L::ldk + d] = qg;
-    if (x.QG != nullptr && i < len) x.QG[(wrow + int64_t(i) * x.H) * KP + d] = qg;
+  // q e^G in place, eight keys per thread.
+  for (int idx = tid; idx < kDRows * (KP / 8); idx += kDThreads) {
+    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
+    float qv[8], g[8];
+    load8(sq + i * L::ldk + d0, qv);
+    load8f(sG + i * L::ldg + d0, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qv[e] *= exp_t<T>(g[e]);
+    store8(sq + i * L::ldk + d0, qv);
+    if (x.QG != nullptr && i < len) store8(x.QG + (wrow + int64_t(i) * x.H) * KP + d0, qv);
   }
-  if (x.Pb != nullptr)
-    for (int idx = tid; idx < kDRows * kDRows; idx += kDThreads)
-      x.Pb[(c * x.H + h) * kDRows * kDRows + idx] = Pb[(idx >> 6) * L::ld64 + (idx & 63)];
-  if (x.Pk != nullptr)  // the full backward
-    for (int idx = tid; idx < kDRows * kDRows; idx += kDThreads)
-      x.Pk[(c * x.H + h) * kDRows * kDRows + idx] = Pk[(idx >> 6) * L::ld64 + (idx & 63)];
+  const int64_t mat0 = (c * x.H + h) * kDRows * kDRows;
+  if (x.Pb != nullptr || x.Pk != nullptr)  // the backward
+    for (int idx = tid; idx < kDRows * 8; idx += kDThreads) {
+      const int i = idx >> 3, j0 = 8 * (idx & 7);
+      float pv[8];
+      if (x.Pb != nullptr) {
+        load8(Pb + i * L::ld64 + j0, pv);
+        store8(x.Pb + mat0 + i * kDRows + j0, pv);
+      }
+      if (x.Pk != nullptr) {
+        load8(Pk + i * L::ld64 + j0, pv);
+        store8(x.Pk + mat0 + i * kDRows + j0, pv);
+      }
+    }
   if (!with_o) return;  // uniform over the CTA
   __syncthreads();
 
@@ -499,8 +643,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
     float acc[1][4][4];
     zero_acc(acc);
     warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, sq, L::ldk, 16 * warp, sh, L::ldv, 0, 0, KP);
-    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Pk, L::ld64, 16 * warp, sv, L::ldv, 0, 0, kDRows);
-    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Pb, L::ld64, 16 * warp, sut, L::ldv, 0, 0, kDRows);
+    // P_qk, P_qb: row block w is zero right of column 16 (w + 1)
+    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Pk, L::ld64, 16 * warp, sv, L::ldv, 0, 0, 16 * (warp + 1));
+    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Pb, L::ld64, 16 * warp, sut, L::ldv, 0, 0, 16 * (warp + 1));
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -526,13 +671,15 @@ struct Dh0Smem {
   static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV);
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
   static constexpr int64_t tileV = align16(int64_t(kDRows) * ldv * sizeof(T));
-  static constexpr int64_t W = 0, Bd = W + tileK, QG = Bd + tileK;
+  static constexpr int64_t W = 0, Bd = W + tileK, QG = Bd + tileK;  // offsets within a stage
   static constexpr int64_t P = QG + tileK;
   static constexpr int64_t dO = P + align16(int64_t(kDRows) * ld64 * sizeof(T));
-  static constexpr int64_t dUt = dO + tileV;
-  static constexpr int64_t S = dUt + tileV;
-  static constexpr int64_t Dn = S + align16(int64_t(KP) * ldv * sizeof(T));
-  static constexpr int64_t bytes = Dn + align16(int64_t(KP) * 4);
+  static constexpr int64_t Dn = dO + tileV;
+  static constexpr int64_t stage = Dn + align16(int64_t(KP) * 4);
+  static constexpr int64_t tail = tileV + align16(int64_t(KP) * ldv * sizeof(T));  // dUt, S
+  static constexpr int kStages = 2 * stage + tail <= dplr_smem_budget<T, KP>() ? 2 : 1;
+  static constexpr int64_t dUt = kStages * stage, S = dUt + tileV;
+  static constexpr int64_t bytes = S + align16(int64_t(KP) * ldv * sizeof(T));
 };
 
 template <class T, int KP>
@@ -540,14 +687,8 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
   using L = Dh0Smem<T, KP>;
   constexpr int MT = KP / 64;
   extern __shared__ __align__(16) unsigned char smem[];
-  T* sW = smem_at<T>(smem, L::W);
-  T* sBd = smem_at<T>(smem, L::Bd);
-  T* sQG = smem_at<T>(smem, L::QG);
-  T* sP = smem_at<T>(smem, L::P);
-  T* sdO = smem_at<T>(smem, L::dO);
   T* sdUt = smem_at<T>(smem, L::dUt);
   T* sS = smem_at<T>(smem, L::S);
-  float* sDn = smem_at<float>(smem, L::Dn);
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t nh = blockIdx.x, n = nh / x.H, h = nh - n * x.H;
@@ -556,28 +697,59 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
   const SeqEntry seq = x.seqs[n];
   const int64_t state0 = (n * x.H + h) * x.K * x.V;
   const int K = static_cast<int>(x.K), Vleft = static_cast<int>(x.V) - v0;
+  const int64_t ldk_g = x.H * KP;
+
+  // Chunk c's W, Bd, q e^G, P_qb, dO tiles and D_n into stage `st` (cp.async, one group).
+  auto issue = [&](const ScanChunk& ch, int64_t c, int st) {
+    unsigned char* base = smem + st * L::stage;
+    const int64_t wrow = ch.row0 * x.H + h;
+    load_tile<T, kDThreads>(smem_at<T>(base, L::W), L::ldk, x.W + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
+                            vec_ok(x.W + wrow * KP, ldk_g));
+    load_tile<T, kDThreads>(smem_at<T>(base, L::Bd), L::ldk, x.Bd + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
+                            vec_ok(x.Bd + wrow * KP, ldk_g));
+    load_tile<T, kDThreads>(smem_at<T>(base, L::QG), L::ldk, x.QG + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
+                            vec_ok(x.QG + wrow * KP, ldk_g));
+    const T* pP = x.Pb + (c * x.H + h) * kDRows * kDRows;
+    load_tile<T, kDThreads>(smem_at<T>(base, L::P), L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows,
+                            vec_ok(pP, kDRows));
+    const T* pdo = x.dout.at(ch.batch, ch.t0, h) + v0;
+    load_tile<T, kDThreads>(smem_at<T>(base, L::dO), L::ldv, pdo, x.dout.st, ch.len, kDRows, Vleft, kDBV,
+                            vec_ok(pdo, x.dout.st));
+    const float* pdn = x.Dn + (c * x.H + h) * KP;
+    load_tile<float, kDThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
+    cp_async_commit();
+  };
 
   float S[MT][4][4];  // dL/dS, rows [m0, m0 + KP/4), 32 columns from v0
   load_acc(S, x.dht == nullptr ? nullptr : x.dht + state0 + v0, x.V, m0, K, Vleft);
 
+  // From the last chunk back; two stages as in dplr_scan_kernel (the next chunk down in flight).
+  const int64_t last = seq.first_chunk + seq.num_chunks - 1;
+  ScanChunk cur{}, nxt{};
+  if (seq.num_chunks > 0) cur = scan_chunk(x.chunks, last);
+  if (seq.num_chunks > 1) nxt = scan_chunk(x.chunks, last - 1);
+  if (L::kStages == 2 && seq.num_chunks > 0) issue(cur, last, 0);
 #pragma unroll 1
-  for (int64_t ci = seq.num_chunks - 1; ci >= 0; --ci) {
-    const int64_t c = seq.first_chunk + ci;
-    const ChunkEntry ch = x.chunks[c];
-    const int len = static_cast<int>(ch.len);
-    const int64_t wrow = ch.row0 * x.H + h;
-    const int64_t ldk_g = x.H * KP;
-    load_tile<T, kDThreads>(sW, L::ldk, x.W + wrow * KP, ldk_g, len, kDRows, KP, KP, vec_ok(x.W + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(sBd, L::ldk, x.Bd + wrow * KP, ldk_g, len, kDRows, KP, KP,
-                            vec_ok(x.Bd + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(sQG, L::ldk, x.QG + wrow * KP, ldk_g, len, kDRows, KP, KP,
-                            vec_ok(x.QG + wrow * KP, ldk_g));
-    const T* pP = x.Pb + (c * x.H + h) * kDRows * kDRows;
-    load_tile<T, kDThreads>(sP, L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows, vec_ok(pP, kDRows));
-    const T* pdo = x.dout.at(ch.batch, ch.t0, h) + v0;
-    load_tile<T, kDThreads>(sdO, L::ldv, pdo, x.dout.st, len, kDRows, Vleft, kDBV, vec_ok(pdo, x.dout.st));
-    cp_async_commit();
-    for (int d = tid; d < KP; d += kDThreads) sDn[d] = x.Dn[(c * x.H + h) * KP + d];
+  for (int64_t k = 0; k < seq.num_chunks; ++k) {
+    const int64_t c = last - k;
+    const int st = L::kStages == 2 ? static_cast<int>(k & 1) : 0;
+    const bool more = k + 1 < seq.num_chunks;
+    ScanChunk after{};
+    if (k + 2 < seq.num_chunks) after = scan_chunk(x.chunks, c - 2);
+    if (L::kStages == 1) {
+      issue(cur, c, 0);
+    } else if (more) {
+      issue(nxt, c - 1, st ^ 1);  // that stage was last read by the chunk above, which ended with __syncthreads
+    }
+    unsigned char* base = smem + st * L::stage;
+    const T* sW = smem_at<T>(base, L::W);
+    const T* sBd = smem_at<T>(base, L::Bd);
+    const T* sQG = smem_at<T>(base, L::QG);
+    const T* sP = smem_at<T>(base, L::P);
+    T* sdO = smem_at<T>(base, L::dO);
+    const float* sDn = smem_at<float>(base, L::Dn);
+    const int len = cur.len;
+    const int64_t wrow = cur.row0 * x.H + h;
     // dS at the chunk's end: a T operand in shared memory and, for the full backward, dh_c in the workspace.
     T* dhc = x.dh == nullptr ? nullptr : x.dh + (c * x.H + h) * KP * x.VP + v0;
 #pragma unroll
@@ -590,7 +762,11 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
           store_pair(sS + r * L::ldv + col, S[mt][nt][e], S[mt][nt][e + 1]);
           if (dhc != nullptr) store_pair(dhc + int64_t(r) * x.VP + col, S[mt][nt][e], S[mt][nt][e + 1]);
         }
-    cp_async_wait<0>();
+    if (L::kStages == 2 && more) {
+      cp_async_wait<1>();  // this chunk's group (the next one's may stay in flight)
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
     for (int idx = tid; idx < kDRows * kDBV; idx += kDThreads) {  // scale dO, in place
       T* e = sdO + (idx / kDBV) * L::ldv + (idx % kDBV);
@@ -626,7 +802,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= sDn[m0 + acc_row(mt, e)];
     warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sQG, L::ldk, m0, sdO, L::ldv, 0, 0, kDRows);
     warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sW, L::ldk, m0, sdUt, L::ldv, 0, 0, kDRows);
-    __syncthreads();  // the next chunk's loads overwrite the tiles
+    __syncthreads();  // the next copies overwrite this stage's tiles, the next chunk rewrites S and dUt
+    cur = nxt;
+    nxt = after;
   }
   if (x.dh0 != nullptr) store_acc(S, x.dh0 + state0 + v0, x.V, m0, K, Vleft);
 }
@@ -652,8 +830,9 @@ struct BdvSmem {
 // dplr_bwd_dk_kernel, one CTA per (chunk, head, 32 key columns): the q, k, a, b columns, G (65 rows: row 0 = 0,
 // row i + 1 = G_i), the fp32 gradients dq, dk, da, db of those columns, then one region used three times: per
 // value block dO, T^T dUt, V, Ut (64 rows) and S, dS (32 rows); then two of the four score gradients at a time
-// (the two of q's scores, then the two of a's) and a scratch tile. Two at a time keeps 16-bit inputs within
-// sm_86 / sm_89's 99 KB (all four: 108,688 bytes).
+// (the two of q's scores, then the two of a's), a scratch tile and the second score's 48 scaled rows
+// (dplr_gram_backward_pair). Two at a time keeps 16-bit inputs within sm_86 / sm_89's 99 KB (all four: 108,688
+// bytes).
 template <class T>
 struct BdkSmem {
   static constexpr int ldx = tile_ld<T>(kDKB), ldf = kDKB + 4, ldg = gate_ld(kDKB);
@@ -675,7 +854,8 @@ struct BdkSmem {
   static constexpr int64_t tileM = align16(int64_t(kDRows) * ld64 * sizeof(T));
   static constexpr int64_t dM = region;  // 2 tiles: dM_qk, dM_qb, then dA_ab, dA_ak
   static constexpr int64_t scr = dM + 2 * tileM;
-  static constexpr int64_t key_end = scr + tileX;
+  static constexpr int64_t scr2 = scr + tileX;  // 48 rows: the second score's scaled Y rows
+  static constexpr int64_t key_end = scr2 + align16(int64_t(48) * ldx * sizeof(T));
   static constexpr int64_t bytes = value_end > key_end ? value_end : key_end;
 };
 

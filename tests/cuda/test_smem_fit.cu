@@ -133,6 +133,10 @@ void expect_dk_layout() {
   EXPECT_GE(L::bytes, L::value_end);
   EXPECT_GE(L::bytes, L::scr + int64_t(dplr::kDRows) * L::ldx * int64_t(sizeof(T)));
   EXPECT_GE(L::scr, L::dM + 2 * int64_t(dplr::kDRows) * L::ld64 * int64_t(sizeof(T)));
+  // the second score's scaled Y rows (at most 48: rows below the last reference row) after the scratch tile
+  EXPECT_GE(L::scr2, L::scr + int64_t(dplr::kDRows) * L::ldx * int64_t(sizeof(T)));
+  EXPECT_GE(L::bytes, L::scr2 + 48 * L::ldx * int64_t(sizeof(T)));
+  EXPECT_EQ(L::scr2 % 16, 0);
   EXPECT_EQ(L::G % 16, 0);
   EXPECT_EQ(L::dS % 16, 0);
   EXPECT_EQ(L::scr % 16, 0);
