@@ -483,16 +483,9 @@ void forward_varlen_windows(const Params& p, int64_t Tw, float* carry0, float* c
 // and the chain over the pieces (or the chain over whole sequences from h0). One window however long the call
 // (the workspace lives from prepare to finish, which the window budget cannot shorten); the same kernels and
 // the same piece plan as chain_window, so o and ht are bit for bit forward()'s for a call of one window.
-struct FusedFwdState final : StagedForward {
-  FusedFwdState(const Params& params, cudaStream_t s) : p(params), table(params, params.chunk_size, s), stream(s) {}
-  ~FusedFwdState() override { workspace_free(ws, stream); }  // stream-ordered, after the kernels
-  FusedFwdState(const FusedFwdState&) = delete;
-  FusedFwdState& operator=(const FusedFwdState&) = delete;
+struct FusedFwdState final : tiled::StagedForwardState {
+  using StagedForwardState::StagedForwardState;
   Method tier() const override { return Method::fused; }
-  Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
-  ChunkTable table;
-  cudaStream_t stream;
-  char* ws = nullptr;
   WindowBuffers b;
   tiled::ScanPlan plan;                        // the chain's pieces (chain_window's plan)
   float* maps = nullptr;                       // pass 1's [H | M] of every piece of every cut sequence

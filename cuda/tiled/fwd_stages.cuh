@@ -41,9 +41,25 @@
 #include <vector>
 
 #include "chunk_table.cuh"
+#include "deltacp/cuda/api.h"
 #include "deltacp/params.h"
 
 namespace deltacp::cuda::tiled {
+
+// What every staged forward keeps between its stages (the tiled tier's FwdState, the fused tier's
+// FusedFwdState): the prepared problem, its chunk table, the stream its kernels run on and one workspace,
+// freed stream-ordered after those kernels when the state is destroyed. Each tier adds its own buffers.
+struct StagedForwardState : StagedForward {
+  StagedForwardState(const Params& params, cudaStream_t s)
+      : p(params), table(params, params.chunk_size, s), stream(s) {}
+  ~StagedForwardState() override { workspace_free(ws, stream); }
+  StagedForwardState(const StagedForwardState&) = delete;
+  StagedForwardState& operator=(const StagedForwardState&) = delete;
+  Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
+  ChunkTable table;
+  cudaStream_t stream;
+  char* ws = nullptr;
+};
 
 // Rows of the per-chunk tile: every chunk size up to 64 runs on the same 64-row tiles (a shorter
 // chunk is a masked tile).

@@ -1323,16 +1323,9 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
 // Everything one forward keeps between its stages: the chunk table, the workspace (G, W, U, Kd, and
 // v_new and h unless final-state-only) and whether it has finished. run_forward is prepare + finish in
 // one call, so the staged forward gives bitwise the same o and ht.
-struct FwdState final : StagedForward {
-  FwdState(const Params& params, cudaStream_t s) : p(params), table(params, params.chunk_size, s), stream(s) {}
-  ~FwdState() override { workspace_free(ws, stream); }  // stream-ordered, after the kernels
-  FwdState(const FwdState&) = delete;
-  FwdState& operator=(const FwdState&) = delete;
+struct FwdState final : StagedForwardState {
+  using StagedForwardState::StagedForwardState;
   Method tier() const override { return Method::tiled; }
-  Params p;  // the prepared problem (its tensors must outlive the state: the caller keeps them)
-  ChunkTable table;
-  cudaStream_t stream;
-  char* ws = nullptr;
   float* G = nullptr;
   void *W = nullptr, *U = nullptr, *Kd = nullptr, *vn = nullptr, *h = nullptr;
   ScanPlan plan;                          // how stage 3 cuts the sequences (scan_split.cu)
