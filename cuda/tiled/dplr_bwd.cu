@@ -41,44 +41,63 @@
 //   1 dplr_wy_kernel        (dplr_stages.cuh) as in the forward, also keeping T and A_ak
 //   2 dplr_scan_kernel      the forward's state scan: chunk-start states h_c and Ut (no o, no ht)
 //   3 dplr_output_kernel    without o: q e^G, P_qb and P_qk
-//   4 dplr_dh0_scan_kernel  grid (N * H, VP / 32): the reverse scan above, dS in fp32 registers; keeps dS at each
-//                           chunk's end (dh_c) and dUt; dh0
+//   4 dplr_dh0_scan_kernel  grid (N * H, VP / BV): the reverse scan above, dS in fp32 registers; keeps dS at
+//                           each chunk's end (dh_c) and dUt; dh0. BV = 16 value columns per CTA where the 32-column
+//                           grid would fill at most half the GPU's resident CTA slots (a few long sequences), else
+//                           32 (dplr_scan_narrow; the same for kernel 2)
 //   5 dplr_bwd_dv_kernel    grid (chunks, H): per 32 value columns dUt' (kept), dv; the four score gradients
 //                           (two passes over the value blocks, two 64 x 64 accumulators each)
-//   6 dplr_bwd_dk_kernel    grid (chunks * KP / 32, H): per 32 key columns, G (the gates 16 rows a thread at a
-//                           time, dplr_gate_cumsum), the four [n, 32] products over the value axis (one pass, four
-//                           16 x 32 accumulators per warp), then the gram gradients by pairs (the first pair's
-//                           score gradients copied in during the first terms and dL/dG_{n-1}), dG, dgk (the
-//                           reverse sum down the chunk by four warps of 16 rows, not one thread's 64 steps);
-//                           writes dq, dk, da, db, dgk
+//   6 dplr_bwd_dk_kernel    grid (chunks * KP / 32, H): per 32 key columns, G (the WY stage's, by cp.async with the
+//                           q, k, b columns), the four [n, 32] products over the value axis (16-column value blocks
+//                           in two stages of tiles: the next block's copies in flight during this block's products;
+//                           four 16 x 32 accumulators per warp), then the gram gradients by pairs (the first pair's
+//                           score gradients copied in during the last value block, the first terms and dL/dG_{n-1};
+//                           the second pair with the a columns once dq is out), dG, dgk (the reverse sum down the
+//                           chunk by four warps of 16 rows); writes dq (after the first pair), dk, da, db, dgk
 // Intermediates (workspace, beyond the forward's): T, A_ak, P_qk, P_qb p.dtype [chunks, H, 64, 64]; q e^G
 // p.dtype [R, H, KP]; Ut, dUt, dUt' p.dtype [R, H, VP]; h_c, dh_c p.dtype [chunks, H, KP, VP]; the score
-// gradients p.dtype [chunks, H, 4, 64, 64] (tensor-core operands of kernel 6 anyway).
+// gradients p.dtype [chunks, H, 4, 64, 64] (tensor-core operands of kernel 6 anyway; kernel 6 reads only their
+// lower block triangles).
+//
+// Kernel 6 is latency-bound: about 8,000 instructions a warp (exponentials included) against the ~57 us a CTA took
+// in the previous version at (2,8192,32,64) (3.55 ms for 62 waves of 264 CTAs), spent in some 25 barrier-separated
+// phases and five exposed global round trips with two CTAs (8 warps) per SM. So this version cuts the exposed
+// round trips (G by cp.async with the inputs instead of a cumulative sum of the gates behind a chain of global
+// loads and three barriers; the value blocks double-buffered; the first pair of score gradients in flight during
+// the last value block) and raises the warps per SM to hide the rest: 16-bit inputs fit three CTAs per H100 / H200
+// SM (73,616 bytes, 94,096 before), from four changes of layout that do the same math:
+//   - the score gradients held as their lower block triangles only (block row a: 16 (a + 1) columns; 6,144 bytes
+//     each at 16 bits instead of 9,216), gram_Y's column of blocks taken one block row at a time;
+//   - a over q: a is read only by the second pair and by dG; q only by the first pair and dG, so q dq goes to
+//     registers (16 a thread, the dgk phase's layout) and dq out once the first pair is done, and a comes in with
+//     the second pair's copies;
+//   - da over dq (da's first term kept in registers until then);
+//   - 16-column value blocks, two stages, the second over dq, dk, db (written only after the last block).
+// Registers are held to 168 for three CTAs (__launch_bounds__(128, 3)); ptxas reports no spills.
 //
 // Dynamic shared memory (bytes, BdvSmem / BdkSmem in dplr_stages.cuh; kernels 1-4 as in dplr_fwd.cu):
 //                 bf16/fp16 K <= 64   K <= 128     fp32 K <= 64   K <= 128
 //   dv            67,584              80,896       124,928        150,528
-//   dk            94,096              94,096       134,032        134,032     (first version: 92,304 / 129,168)
-//   dk holds its q, k, a, b columns, G and the fp32 dq, dk, da, db columns, and one region for the value phase's
-//   tiles, then two of the four score gradients at a time with a scratch tile and the second score's 48 scaled
-//   rows (all four gradients at once would take 108,688 bytes at 16 bits, past sm_86 / sm_89's 99 KB). So, as for
-//   the forward, 16-bit K <= 64 fits every sm_80+ GPU, 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90, fp32
+//   dk            73,616              73,616       103,312        103,312     (previous version: 94,096 / 134,032;
+//                                                                              first version: 92,304 / 129,168)
+//   dk: see BdkSmem (16-bit: three CTAs per H100 / H200 SM, two before; fp32: two, one before). As for the
+//   forward, 16-bit K <= 64 fits every sm_80+ GPU, 16-bit K <= 128 and fp32 K <= 64 need sm_80 / sm_90, fp32
 //   K <= 128 Hopper only; tests/cuda/test_smem_fit.cu checks these layouts on the host.
 // Registers (nvcc 13 -Xptxas -v, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at 16 bits,
-// 207-214 at fp32 (unchanged); dk 128 / 128 at 16 bits, 250 / 234 at fp32 (first version: 128 / 128, 250 / 236).
-// Kernels 1-4 as in dplr_fwd.cu.
-// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-27): forward + backward 7.10 ms at
-// (4,4096,32,64), 7.30 at (2,8192,32,64), 9.41 at (1,16384,16,128): 0.87, 0.90 and 0.89x the speed of FLA's faster
-// configuration (6.21, 6.59, 8.41 ms); the first version (kernel 6 with one score at a time, its diagonal blocks
-// element by element, its gates one dependent load at a time) took 12.5, 13.0 and 18.3 ms on the same GPU. Kernel
-// time per forward + backward (bench/gpu/stage_times.py --variant dplr --backward): (2,8192,32,64) 7.40 ms: kernel
-// 6 (dk) 3.55, the wy stage's two launches 1.28, the output stage 0.90, kernel 5 (dv) 0.68, the scan 0.60, the
-// reverse scan 0.37; (1,16384,16,128) 9.76 ms: dk 3.61, the scan 1.85, wy 1.50, output 1.15, the reverse scan 1.09,
-// dv 0.54. Kernel 6 is what is left to attack first. Still as in the first version: kernel 5 passes over the value
-// blocks twice (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads every value
-// tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a chunk are neighbours in the
-// grid) and holds two CTAs per SM; the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T,
-// A_ak, P_qk, dh_c, dUt, dUt' and the score gradients); both scans' grids are N * H * VP / 32 CTAs.
+// 207-214 at fp32 (unchanged); dk 168 / 168 at 16 bits (its cap for three CTAs), 226 / 224 at fp32 (previous
+// version: 128 / 128 and 250 / 234). Kernels 1-4 as in dplr_fwd.cu.
+// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-27): forward + backward 6.33 ms at
+// (4,4096,32,64), 6.60 at (2,8192,32,64), 7.90 at (1,16384,16,128): 0.98, 1.00 and 1.06x the speed of FLA's faster
+// configuration (6.22, 6.63, 8.41 ms); the first version took 12.5, 13.0 and 18.3 ms on the same GPU, the previous
+// one (kernel 6 at two CTAs per SM, 32-column scans) 7.10, 7.30 and 9.41. Kernel time per forward + backward
+// (bench/gpu/stage_times.py --variant dplr --backward): (2,8192,32,64) 6.67 ms: kernel 6 (dk) 3.06 (3.55 before),
+// the wy stage's two launches 1.13, the output stage 0.76, kernel 5 (dv) 0.71, the scan 0.64, the reverse scan
+// 0.36; (1,16384,16,128) 8.09 ms: dk 3.10, the scan 1.46, wy 1.24, output 0.90, the reverse scan 0.84, dv 0.53.
+// Kernel 6 is still half the backward. Still as before: kernel 5 passes over the value blocks twice (four 64 x 64
+// accumulators at once would hold 128 registers per thread); kernel 6 loads every value tile once per 32 key
+// columns (4 times at K = 128, through L2: the key blocks of a chunk are neighbours in the grid); the workspace
+// holds 10 per-chunk intermediates in HBM (the forward's, plus T, A_ak, P_qk, dh_c, dUt, dUt' and the score
+// gradients).
 #include "dplr_stages.cuh"
 
 namespace deltacp::cuda::tiled {
@@ -217,7 +236,8 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dv_kernel(const DplrArgs<T
 // gram_X / gram_Y of two scores that share X and the gates, M1(i, j) = sum_d X_id Y1_jd e^(Gl_id - Gr_jd) and M2
 // the same with Y2 (P_qk, P_qb: X = q, Gl = Gr = G; A_ab, A_ak: X = a, Gl = Gp, Gr = G), for this CTA's key
 // columns (j < i, or j <= i when kIncl), added to dX, dY1 and dY2 (fp32, ldf; three distinct arrays). dM1, dM2:
-// the score gradients (64 x 64, ld64, zero outside the triangle and past len). X, Y1, Y2: 64 x kDKB tiles (ldx,
+// the score gradients, each its lower block triangle (BdkSmem::dm_ld / dm_off: block row a holds columns
+// [0, 16 (a + 1)); zero outside the triangle and past len). X, Y1, Y2: 64 x kDKB tiles (ldx,
 // zero past len); Gl, Gr: 64 rows (ldg). scr: a 64 x kDKB scratch tile, scr2: 48 rows. All 128 threads; ends
 // with __syncthreads.
 //
@@ -234,7 +254,7 @@ __device__ void dplr_gram_backward_pair(const T* dM1, const T* dM2, const T* X, 
                                         const float* Gl, const float* Gr, float* dX, float* dY1, float* dY2, T* scr,
                                         T* scr2, int len) {
   using L = BdkSmem<T>;
-  constexpr int ldm = L::ld64, ldx = L::ldx, ldg = L::ldg, ldf = L::ldf;
+  constexpr int ldx = L::ldx, ldg = L::ldg, ldf = L::ldf;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 #pragma unroll 1
   for (int a = 1; a < 4; ++a) {
@@ -269,10 +289,11 @@ __device__ void dplr_gram_backward_pair(const T* dM1, const T* dM2, const T* X, 
     __syncthreads();
     const int n0 = 16 * (warp & 1);
     if (warp < 2) {
+      const int lda = L::dm_ld(a), off = L::dm_off(a);  // block row a: rows [r, r + 16), columns [0, r) here
       float acc[1][2][4];
       zero_acc(acc);
-      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM1, ldm, r, scr, ldx, n0, 0, r);
-      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM2, ldm, r, scr2, ldx, n0, 0, r);
+      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM1 + off, lda, 0, scr, ldx, n0, 0, r);
+      warp_mma<T, 1, 2, Lay::rowmajor, Lay::rowmajor>(acc, dM2 + off, lda, 0, scr2, ldx, n0, 0, r);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -284,8 +305,15 @@ __device__ void dplr_gram_backward_pair(const T* dM1, const T* dM2, const T* X, 
       float acc1[1][2][4], acc2[1][2][4];
       zero_acc(acc1);
       zero_acc(acc2);
-      warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc1, dM1, ldm, r - 16, scr, ldx, n0, r, kDRows);
-      warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc2, dM2, ldm, r - 16, scr, ldx, n0, r, kDRows);
+      // block column a - 1 (columns [r - 16, r)) down the block rows from a, one 16-row block row at a time
+      // (rows from len on are zero: skipped)
+#pragma unroll 1
+      for (int rb = a; rb < 4 && 16 * rb < len; ++rb) {
+        const int lda = L::dm_ld(rb), off = L::dm_off(rb);
+        const T* xs = scr + 16 * rb * ldx;
+        warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc1, dM1 + off, lda, r - 16, xs, ldx, n0, 0, 16);
+        warp_mma<T, 1, 2, Lay::colmajor, Lay::rowmajor>(acc2, dM2 + off, lda, r - 16, xs, ldx, n0, 0, 16);
+      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -302,6 +330,9 @@ __device__ void dplr_gram_backward_pair(const T* dM1, const T* dM2, const T* X, 
   static_assert(kDKB == 32, "a lane per key column");
   if (16 * warp < len) {  // uniform over the warp
     const int r = 16 * warp, d = lane;
+    const int ldm = L::dm_ld(warp);  // block row warp of the triangles
+    const T* M1 = dM1 + L::dm_off(warp);
+    const T* M2 = dM2 + L::dm_off(warp);
     float xv[16], gl[16], sx[16];
 #pragma unroll
     for (int il = 0; il < 16; ++il) {
@@ -316,7 +347,7 @@ __device__ void dplr_gram_backward_pair(const T* dM1, const T* dM2, const T* X, 
       float sy1 = 0.f, sy2 = 0.f;
 #pragma unroll
       for (int il = kIncl ? jl : jl + 1; il < 16; ++il) {
-        const float m1 = to_f(dM1[(r + il) * ldm + j]), m2 = to_f(dM2[(r + il) * ldm + j]);
+        const float m1 = to_f(M1[il * ldm + j]), m2 = to_f(M2[il * ldm + j]);
         const float ef = exp_t<T>(gl[il] - gr);
         sx[il] = fmaf(fmaf(m1, y1, m2 * y2), ef, sx[il]);
         const float xe = xv[il] * ef;
@@ -332,31 +363,26 @@ __device__ void dplr_gram_backward_pair(const T* dM1, const T* dM2, const T* X, 
   __syncthreads();
 }
 
+// Three CTAs per SM at 16 bits (BdkSmem: 73,616 bytes; registers held to 168 for it), two at fp32.
 template <class T, int KP>
-__global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T> x) {
+__global__ void __launch_bounds__(kDThreads, kIs16Bit<T> ? 3 : 2) dplr_bwd_dk_kernel(const DplrArgs<T> x) {
   using L = BdkSmem<T>;
-  constexpr int KB = kDKB;
+  constexpr int KB = kDKB, VB = L::kVB;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sq = smem_at<T>(smem, L::q);
+  T* sa = smem_at<T>(smem, L::a);  // over q, once dq is out
   T* sk = smem_at<T>(smem, L::k);
-  T* sa = smem_at<T>(smem, L::a);
   T* sb = smem_at<T>(smem, L::b);
   float* sG = smem_at<float>(smem, L::G);
   float* sdq = smem_at<float>(smem, L::dq);
+  float* sda = smem_at<float>(smem, L::da);  // over dq, once dq is out
   float* sdk = smem_at<float>(smem, L::dk);
-  float* sda = smem_at<float>(smem, L::da);
   float* sdb = smem_at<float>(smem, L::db);
-  T* sdO = smem_at<T>(smem, L::dO);
-  T* sdUtp = smem_at<T>(smem, L::dUtp);
-  T* sV = smem_at<T>(smem, L::V);
-  T* sUt = smem_at<T>(smem, L::Ut);
-  T* sS = smem_at<T>(smem, L::S);
-  T* sdS = smem_at<T>(smem, L::dS);
   T* sM = smem_at<T>(smem, L::dM);
   T* scr = smem_at<T>(smem, L::scr);
   T* scr2 = smem_at<T>(smem, L::scr2);
 
-  const int tid = threadIdx.x, warp = tid >> 5;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // blockIdx.x = chunk * (KP / 32) + key block: the key blocks of one (chunk, head) run side by side and read
   // its value tiles and score gradients through L2 once.
   constexpr int kBlocks = KP / KB;
@@ -371,25 +397,52 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
   const int64_t wrow = ch.row0 * x.H + h;
   const int64_t ldv_g = x.H * x.VP;
 
-  // Inputs: the q, k, a, b columns (zero past len and K); gk into rows 1..len of sG, then the cumulative sum by
-  // column (rows past len repeat G_{len-1}: finite exponents on the zero rows), as the WY stage computes it.
+  // Inputs: the q, k, b columns (zero past len and K; a comes over q later) and G, the WY stage's (fp32 [R, H, KP],
+  // zero past K) by cp.async into rows 1..64 of sG (rows past len repeat G_{len-1}: finite exponents on the zero
+  // rows; row 0 = 0): one copy group with the tiles, not a cumulative sum of the gates of its own (a chain of
+  // global loads and three barriers before the first value block).
+  const T* pa = x.a.at(ch.batch, ch.t0, h) + kb0;
   {
     const T* pq = x.q.at(ch.batch, ch.t0, h) + kb0;
     const T* pk = x.k.at(ch.batch, ch.t0, h) + kb0;
-    const T* pa = x.a.at(ch.batch, ch.t0, h) + kb0;
     const T* pb = x.b.at(ch.batch, ch.t0, h) + kb0;
     load_tile<T, kDThreads>(sq, L::ldx, pq, x.q.st, len, kDRows, Kleft, KB, vec_ok(pq, x.q.st));
     load_tile<T, kDThreads>(sk, L::ldx, pk, x.k.st, len, kDRows, Kleft, KB, vec_ok(pk, x.k.st));
-    load_tile<T, kDThreads>(sa, L::ldx, pa, x.a.st, len, kDRows, Kleft, KB, vec_ok(pa, x.a.st));
     load_tile<T, kDThreads>(sb, L::ldx, pb, x.b.st, len, kDRows, Kleft, KB, vec_ok(pb, x.b.st));
+    load_key_gate(sG + L::ldg, L::ldg, x.G + kb0, ch.row0, x.H, h, KP, KB, len);
+    if (tid < KB) sG[tid] = 0.f;
     cp_async_commit();
-    dplr_gate_cumsum<T, KB>(x, ch, h, kb0, Kleft, sG, L::ldg, len);
-    // the first value block's wait and __syncthreads cover the tiles
+    // the first value block's wait and __syncthreads cover them
   }
+  // Two score gradients into the region (their lower block triangles; one copy group with whatever the caller
+  // issued before).
+  const T* pM = x.dM + (c * x.H + h) * 4 * kDRows * kDRows;
+  const int64_t mstride = L::tileM / int64_t(sizeof(T));
+  auto issue_pair = [&](int slot) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+      for (int rb = 0; rb < 4; ++rb) {
+        const T* src = pM + (slot + m) * kDRows * kDRows + 16 * rb * kDRows;
+        load_tile<T, kDThreads>(sM + m * mstride + L::dm_off(rb), L::dm_ld(rb), src, kDRows, 16, 16, 16 * (rb + 1),
+                                16 * (rb + 1), vec_ok(src, kDRows));
+      }
+    }
+    cp_async_commit();
+  };
+  auto wait_pair = [&]() {
+    cp_async_wait<0>();
+    __syncthreads();
+  };
 
   // The four products over the value axis for these key columns (warp w: rows [16 w, 16 w + 16)):
   //   dO S^T, dUt' S^T, V dS^T, Ut dS^T  (S, dS rows [kb0, kb0 + 32) of h_c / dh_c read as [key, value]:
-  //   column-major B operands); and thread d < 32: sum_v dS_dv S_dv.
+  //   column-major B operands); and sum_v dS_dv S_dv for key row tid / 4 (four values of a block a thread, the
+  //   four threads of a row joined by shuffles after the last block).
+  // 16-column value blocks in two stages of tiles, block vb in stage vb & 1 (0: the region, 1: over dq, dk, db),
+  // the next block's copies in flight during this block's products. The last block is odd (VP / 16 is even), so
+  // the region is free from the last block on: the first pair of score gradients goes there then, in flight
+  // during the last block, the first terms and dL/dG_{n-1}.
   float aq[1][4][4], aa[1][4][4], ak[1][4][4], ab[1][4][4];
   zero_acc(aq);
   zero_acc(aa);
@@ -403,47 +456,58 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
     const T* pdutp = x.dUtp + wrow * x.VP;
     const T* ps = x.h + ((c * x.H + h) * KP + kb0) * x.VP;
     const T* pds = x.dh + ((c * x.H + h) * KP + kb0) * x.VP;
-#pragma unroll 1
-    for (int v0 = 0; v0 < x.VP; v0 += kDBV) {
-      load_tile<T, kDThreads>(sdO, L::ldv, pdo + v0, x.dout.st, len, kDRows, Vn - v0, kDBV,
+    auto issue_v = [&](int v0, int st) {
+      unsigned char* base = smem + (st == 0 ? L::vA : L::vB);
+      load_tile<T, kDThreads>(smem_at<T>(base, L::vdO), L::ldv, pdo + v0, x.dout.st, len, kDRows, Vn - v0, VB,
                               vec_ok(pdo + v0, x.dout.st));
-      load_tile<T, kDThreads>(sdUtp, L::ldv, pdutp + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(pdutp + v0, ldv_g));
-      load_tile<T, kDThreads>(sV, L::ldv, pv + v0, x.v.st, len, kDRows, Vn - v0, kDBV, vec_ok(pv + v0, x.v.st));
-      load_tile<T, kDThreads>(sUt, L::ldv, put + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(put + v0, ldv_g));
-      load_tile<T, kDThreads>(sS, L::ldv, ps + v0, x.VP, KB, KB, kDBV, kDBV, vec_ok(ps + v0, x.VP));
-      load_tile<T, kDThreads>(sdS, L::ldv, pds + v0, x.VP, KB, KB, kDBV, kDBV, vec_ok(pds + v0, x.VP));
+      load_tile<T, kDThreads>(smem_at<T>(base, L::vdUtp), L::ldv, pdutp + v0, ldv_g, len, kDRows, VB, VB,
+                              vec_ok(pdutp + v0, ldv_g));
+      load_tile<T, kDThreads>(smem_at<T>(base, L::vV), L::ldv, pv + v0, x.v.st, len, kDRows, Vn - v0, VB,
+                              vec_ok(pv + v0, x.v.st));
+      load_tile<T, kDThreads>(smem_at<T>(base, L::vUt), L::ldv, put + v0, ldv_g, len, kDRows, VB, VB,
+                              vec_ok(put + v0, ldv_g));
+      load_tile<T, kDThreads>(smem_at<T>(base, L::vS), L::ldv, ps + v0, x.VP, KB, KB, VB, VB, vec_ok(ps + v0, x.VP));
+      load_tile<T, kDThreads>(smem_at<T>(base, L::vdS), L::ldv, pds + v0, x.VP, KB, KB, VB, VB,
+                              vec_ok(pds + v0, x.VP));
       cp_async_commit();
-      cp_async_wait<0>();
+    };
+    const int nvb = x.VP / VB;  // even
+    issue_v(0, 0);
+#pragma unroll 1
+    for (int vb = 0; vb < nvb; ++vb) {
+      const int st = vb & 1;
+      if (vb + 1 < nvb) {
+        issue_v((vb + 1) * VB, st ^ 1);  // that stage was last read by block vb - 1 (ended with __syncthreads)
+      } else {
+        issue_pair(0);  // P_qk, P_qb into the region, last read by block vb - 1
+      }
+      cp_async_wait<1>();  // block vb's group (the one just issued may stay in flight)
       __syncthreads();
-      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(aq, sdO, L::ldv, 16 * warp, sS, L::ldv, 0, 0, kDBV);
-      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(aa, sdUtp, L::ldv, 16 * warp, sS, L::ldv, 0, 0, kDBV);
-      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(ak, sV, L::ldv, 16 * warp, sdS, L::ldv, 0, 0, kDBV);
-      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(ab, sUt, L::ldv, 16 * warp, sdS, L::ldv, 0, 0, kDBV);
-      if (tid < KB)
-        for (int col = 0; col < kDBV; ++col) rs = fmaf(to_f(sdS[tid * L::ldv + col]), to_f(sS[tid * L::ldv + col]), rs);
-      __syncthreads();  // the next block's loads overwrite the tiles
+      unsigned char* base = smem + (st == 0 ? L::vA : L::vB);
+      const T* sdO = smem_at<T>(base, L::vdO);
+      const T* sdUtp = smem_at<T>(base, L::vdUtp);
+      const T* sV = smem_at<T>(base, L::vV);
+      const T* sUt = smem_at<T>(base, L::vUt);
+      const T* sS = smem_at<T>(base, L::vS);
+      const T* sdS = smem_at<T>(base, L::vdS);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(aq, sdO, L::ldv, 16 * warp, sS, L::ldv, 0, 0, VB);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(aa, sdUtp, L::ldv, 16 * warp, sS, L::ldv, 0, 0, VB);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(ak, sV, L::ldv, 16 * warp, sdS, L::ldv, 0, 0, VB);
+      warp_mma<T, 1, 4, Lay::rowmajor, Lay::colmajor>(ab, sUt, L::ldv, 16 * warp, sdS, L::ldv, 0, 0, VB);
+      {
+        static_assert(kDThreads == 4 * KB && VB == 16, "four threads per key row, four values each");
+        const int r = tid >> 2, c0 = 4 * (tid & 3);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) rs = fmaf(to_f(sdS[r * L::ldv + c0 + e]), to_f(sS[r * L::ldv + c0 + e]), rs);
+      }
+      __syncthreads();  // the next block's copies overwrite this stage's tiles
     }
   }
-  // The score gradients, two at a time over the value tiles (free now): slots 0, 1 (dM_qk, dM_qb), then 2, 3
-  // (dA_ab, dA_ak). The first pair's copies are in flight during the first terms and dL/dG_{n-1} below;
-  // dplr_gram_backward_pair ends with __syncthreads, so the second pair's copies follow the first pair's use.
-  const T* pM = x.dM + (c * x.H + h) * 4 * kDRows * kDRows;
-  const int64_t mstride = L::tileM / int64_t(sizeof(T));
-  auto issue_pair = [&](int slot) {
-    for (int m = 0; m < 2; ++m) {
-      const T* src = pM + (slot + m) * kDRows * kDRows;
-      load_tile<T, kDThreads>(sM + m * mstride, L::ld64, src, kDRows, kDRows, kDRows, kDRows, kDRows,
-                              vec_ok(src, kDRows));
-    }
-    cp_async_commit();
-  };
-  auto wait_pair = [&]() {
-    cp_async_wait<0>();
-    __syncthreads();
-  };
-  issue_pair(0);  // P_qk, P_qb
-  // The gradients' first terms, with their gate factors: dq = scale (dO S^T) e^G, da = (dUt' S^T) e^Gp,
-  // dk = (V dS^T) e^(G_n - G), db = (Ut dS^T) e^(G_n - G).
+  rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+  rs += __shfl_xor_sync(0xffffffffu, rs, 2);  // every thread of key row tid / 4: sum_v dS S over all blocks
+  // The gradients' first terms, with their gate factors: dq = scale (dO S^T) e^G, dk = (V dS^T) e^(G_n - G),
+  // db = (Ut dS^T) e^(G_n - G) over the second value stage (its last reads ended with the loop's __syncthreads);
+  // da = (dUt' S^T) e^Gp stays in registers until dq is out (da's tile is dq's).
   const float* Gn = sG + len * L::ldg;  // G_{len-1}
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)
@@ -453,33 +517,49 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
       const float gi = sG[(i + 1) * L::ldg + d], gpi = sG[i * L::ldg + d];
       const float fe = exp_t<T>(Gn[d] - gi);
       sdq[i * L::ldf + d] = x.scale * aq[0][nt][e] * exp_t<T>(gi);
-      sda[i * L::ldf + d] = aa[0][nt][e] * exp_t<T>(gpi);
+      aa[0][nt][e] *= exp_t<T>(gpi);
       sdk[i * L::ldf + d] = ak[0][nt][e] * fe;
       sdb[i * L::ldf + d] = ab[0][nt][e] * fe;
     }
   __syncthreads();
-  // dL/dG_{n-1} through D_n and the decayed-to-end rows (thread d < 32, kept in a register until the end).
-  float gn = 0.f;
-  if (tid < KB) {
-    gn = exp_t<T>(Gn[tid]) * rs;
-#pragma unroll 4
-    for (int i = 0; i < len; ++i)
-      gn += to_f(sk[i * L::ldx + tid]) * sdk[i * L::ldf + tid] + to_f(sb[i * L::ldx + tid]) * sdb[i * L::ldf + tid];
+  // dL/dG_{n-1} through the decayed-to-end rows, colsum(k dk + b db) of the first terms: warp w sums rows
+  // [16 w, 16 w + 16) of column lane (kept in a register; the warps' sums meet in the dgk phase below, with the
+  // D_n term e^(G_n) sum_v dS S).
+  float gnp = 0.f;
+#pragma unroll
+  for (int il = 0; il < 16; ++il) {
+    const int i = 16 * warp + il;
+    gnp += to_f(sk[i * L::ldx + lane]) * sdk[i * L::ldf + lane] + to_f(sb[i * L::ldx + lane]) * sdb[i * L::ldf + lane];
   }
   const float* Gc = sG + L::ldg;  // row i: G_i
   const float* Gpv = sG;          // row i: Gp_i = G_{i-1}
   wait_pair();
   dplr_gram_backward_pair<T, true>(sM, sM + mstride, sq, sk, sb, Gc, Gc, sdq, sdk, sdb, scr, scr2, len);
-  issue_pair(2);  // A_ab, A_ak
+  // dq is complete: out, and q dq for dG kept in registers (warp w: rows [16 w, 16 w + 16), lane: key column, as
+  // the dgk phase below takes them).
+  float dgq[16];
+#pragma unroll
+  for (int il = 0; il < 16; ++il) {
+    const int i = 16 * warp + il;
+    const float v = sdq[i * L::ldf + lane];
+    dgq[il] = to_f(sq[i * L::ldx + lane]) * v;
+    if (i < len && lane < Kleft) store_f(x.dq.at(ch.batch, ch.t0 + i, h) + kb0 + lane, v);
+  }
+  __syncthreads();  // q and dq are read: a comes over q, da over dq
+  load_tile<T, kDThreads>(sa, L::ldx, pa, x.a.st, len, kDRows, Kleft, KB, vec_ok(pa, x.a.st));
+  issue_pair(2);  // A_ab, A_ak (one copy group with a)
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sda[(16 * warp + acc_row(0, e)) * L::ldf + acc_col(nt, e)] = aa[0][nt][e];
   wait_pair();
   dplr_gram_backward_pair<T, false>(sM, sM + mstride, sa, sb, sk, Gpv, Gc, sda, sdb, sdk, scr, scr2, len);
 
-  // Out: dq, dk, da, db.
+  // Out: dk, da, db.
   for (int idx = tid; idx < len * KB; idx += kDThreads) {
     const int i = idx / KB, d = idx - i * KB;
     if (d >= Kleft) continue;
     const int64_t t = ch.t0 + i;
-    store_f(x.dq.at(ch.batch, t, h) + kb0 + d, sdq[i * L::ldf + d]);
     store_f(x.dk.at(ch.batch, t, h) + kb0 + d, sdk[i * L::ldf + d]);
     store_f(x.da.at(ch.batch, t, h) + kb0 + d, sda[i * L::ldf + d]);
     store_f(x.db.at(ch.batch, t, h) + kb0 + d, sdb[i * L::ldf + d]);
@@ -487,8 +567,8 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
   // dgk: dG_i = q dq - k dk - b db + dGp (plus dL/dG_{n-1} at row len - 1), summed from the chunk's end up each
   // column. Warp w takes rows [16 w, 16 w + 16) (lane: key column); the warps' sums and dL/dG_{n-1} meet in the
   // scratch tile (free after the gram gradients). Rows past len hold zeros (their q, k, a, b rows are zero).
-  float* red = reinterpret_cast<float*>(scr);  // [4][KB] the warps' sums, then [KB] dL/dG_{n-1}
-  const int lane = tid & 31;
+  // [4][KB] the warps' dG sums, [4][KB] their dL/dG_{n-1} sums, [KB] the D_n term
+  float* red = reinterpret_cast<float*>(scr);
   float dg[16], dgp[16];
   {
     float sum = 0.f;
@@ -496,17 +576,18 @@ __global__ void __launch_bounds__(kDThreads) dplr_bwd_dk_kernel(const DplrArgs<T
     for (int il = 0; il < 16; ++il) {
       const int i = 16 * warp + il;
       dgp[il] = to_f(sa[i * L::ldx + lane]) * sda[i * L::ldf + lane];
-      dg[il] = to_f(sq[i * L::ldx + lane]) * sdq[i * L::ldf + lane] -
-               to_f(sk[i * L::ldx + lane]) * sdk[i * L::ldf + lane] -
+      dg[il] = dgq[il] - to_f(sk[i * L::ldx + lane]) * sdk[i * L::ldf + lane] -
                to_f(sb[i * L::ldx + lane]) * sdb[i * L::ldf + lane] + dgp[il];
       sum += dg[il];
     }
     red[warp * KB + lane] = sum;
-    if (tid < KB) red[4 * KB + tid] = gn;
+    red[4 * KB + warp * KB + lane] = gnp;
+    if ((tid & 3) == 0) red[8 * KB + (tid >> 2)] = exp_t<T>(Gn[tid >> 2]) * rs;
   }
   __syncthreads();
   if (lane < Kleft && 16 * warp < len) {
-    float run = red[4 * KB + lane];
+    float run = red[8 * KB + lane];
+    for (int w = 0; w < 4; ++w) run += red[4 * KB + w * KB + lane];
     for (int w = warp + 1; w < 4; ++w) run += red[w * KB + lane];
 #pragma unroll
     for (int il = 15; il >= 0; --il) {
@@ -565,7 +646,6 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
   x.dgk_sh = p.dg.stride_h;
 
   const dim3 per_chunk(static_cast<unsigned>(C), static_cast<unsigned>(H));
-  const dim3 per_seq(static_cast<unsigned>(p.num_seqs * H), static_cast<unsigned>(VP / kDBV));
   DELTACP_CHECK(C * (KP / kDKB) <= 0x7fffffff, "T", "expected fewer than ", 0x7fffffff / (KP / kDKB),
                 " chunks for the tiled DPLR backward, got ", C);
   const dim3 per_key_block(static_cast<unsigned>(C * (KP / kDKB)), static_cast<unsigned>(H));
@@ -573,14 +653,13 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
     dplr_launch(dplr_wy_kernel<T, KP>, WySmem<T, KP>::bytes, per_chunk, p, "WY stage", stream, x);
   }
   if (p.num_seqs > 0) {
-    dplr_launch(dplr_scan_kernel<T, KP>, ScanSmem<T, KP>::bytes, per_seq, p, "state scan", stream, x);
+    dplr_launch_scan<T, KP>(p, VP, stream, x);
   }
   if (C > 0) {
     dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
   }
   if (p.num_seqs > 0) {
-    dplr_launch(dplr_dh0_scan_kernel<T, KP>, Dh0Smem<T, KP>::bytes, per_seq, p, "reverse state-gradient scan",
-                stream, x);
+    dplr_launch_dh0_scan<T, KP>(p, VP, "reverse state-gradient scan", stream, x);
   }
   if (C > 0) {
     dplr_launch(dplr_bwd_dv_kernel<T, KP>, BdvSmem<T, KP>::bytes, per_chunk, p, "backward dv stage", stream, x);

@@ -59,13 +59,20 @@
 //                                                   products on mma.sync in tf32 for 16-bit inputs, FFMA for
 //                                                   fp32); W, T A_ak, U on the tensor cores, each row block over
 //                                                   T's nonzero columns only
-//   2 dplr_scan_kernel    grid (N * H, VP / 32)     sequential over a sequence's chunks; the state's 32
+//   2 dplr_scan_kernel    grid (N * H, VP / BV)     sequential over a sequence's chunks; the state's BV
 //                                                   columns stay in fp32 registers (warp w: rows
 //                                                   [w KP/4, (w+1) KP/4)); writes h_c (chunk-start state)
 //                                                   and Ut; ht. Two stages of the per-chunk tiles (W, Kd, Bd,
 //                                                   U, V, D_n) where they fit the configuration's budget (all
 //                                                   but fp32 K > 64): the next chunk's copies are in flight
-//                                                   during this chunk's products
+//                                                   during this chunk's products. BV = 32, or 16 where the
+//                                                   32-column grid would fill at most half the GPU's resident
+//                                                   CTA slots (dplr_scan_narrow: a few long sequences, e.g.
+//                                                   (1,16384,16,128): 64 CTAs of 32 columns on a 132-SM GPU,
+//                                                   now 128 of 16); the state's column blocks are independent
+//                                                   given W, Kd, Bd, D_n, so a narrower block only repeats the
+//                                                   per-chunk W, Kd, Bd copies (through L2) and halves the
+//                                                   products on each CTA's chain of chunks
 //   3 dplr_output_kernel  grid (chunks, H)          G by cp.async; P_qk, P_qb (scores; only the blocks above the
 //                                                   block diagonal zeroed first), then O over 32-column blocks
 //                                                   (P's row blocks over their nonzero columns only)
@@ -74,8 +81,8 @@
 // dplr_bwd.cu), from the reference's chunk backward: with dS = dL/dS at a chunk's end (dht at the sequence's end),
 //   dUt = P_qb^T (scale dO) + Bd dS,   dS <- D_n dS + (q e^G)^T (scale dO) + W^T dUt,   dh0 = the last dS.
 //   kernels 1 (W, Bd, D_n), 3 without o (storing q e^G and P_qb instead), then
-//   4 dplr_dh0_scan_kernel  grid (N * H, VP / 32)   the mirror of kernel 2, from the last chunk back (two stages
-//                                                   where they fit: 16-bit inputs)
+//   4 dplr_dh0_scan_kernel  grid (N * H, VP / BV)   the mirror of kernel 2, from the last chunk back (two stages
+//                                                   where they fit: 16-bit inputs; BV as for kernel 2)
 // For the full backward kernel 1 also keeps T and A_ak, kernel 3 also P_qk, kernel 4 also dS at each chunk's end
 // and dUt (DplrArgs' backward fields; null here, so the forward and the dh0-only backward store none of them).
 //
@@ -105,9 +112,11 @@
 //   scan          86,528              141,312      160,256        147,968 (one stage)
 //   output        75,008              108,800      121,856        169,984
 //   dh0 scan      94,720              149,504      97,536 (one)   156,160 (one stage)
+//   16 columns (narrow grids): scan 74,240 / 126,976 / 135,680 / 127,488 (one stage); dh0 scan 86,528 / 139,264 /
+//   160,256 / 139,776 (one stage) (taken only where the GPU's opt-in limit allows it)
 //   (the first version: wy 100,112 / 142,096 / 141,840 / 224,016; scan 48,384 / 78,336 / 89,344 / 147,968;
 //   output 72,704 / 121,856 / 121,856 / 203,776; dh0 scan 52,480 / 82,432 / 97,536 / 156,160.)
-//   wy: see WySmem. scan: per stage W, Kd, Bd tiles, U, V 64 x (32+pad), D_n; then Ut and S as a KP x (32+pad)
+//   wy: see WySmem. scan: per stage W, Kd, Bd tiles, U, V 64 x (BV+pad), D_n; then Ut and S as a KP x (BV+pad)
 //   operand. output: see OutSmem (q, k, b tiles, k and b one tile at K = 128; scratch; G; P_qk, P_qb; the
 //   per-block h, V, Ut tiles over k, b and the scratch). dh0 scan: per stage W, Bd, q e^G, P_qb, dO, D_n; then
 //   dUt and dS. A scan
@@ -117,18 +126,20 @@
 //   occupancy only where N * H * VP / 32 passes about two CTAs per SM.
 // Registers (nvcc 13 -Xptxas -v; sm_80 / sm_90a; bf16, fp16, fp32): wy 92 / 77, 72 / 77, 80 / 78 (KP 64), 80 / 72,
 // 80 / 75, 80 / 79 (KP 128); scan 128 / 126 (16-bit KP 64), 127 / 116 (16-bit KP 128), 128 / 123-128 (fp32);
-// output 75-80 / 64-72; dh0 scan 128 / 128. Spills: wy bf16 KP 128 sm_90a 12 bytes stored / 36 loaded; output
+// output 75-80 / 64-72; dh0 scan 128 / 128. The 16-column scans (no spills): scan 96 / 69 (16-bit KP 64),
+// 95 / 115 (16-bit KP 128), 96-159 / 96-125 (fp32); dh0 scan 128 / 119 (16-bit KP 64), 124 / 80 (16-bit KP
+// 128), 96-128 / 96-128 (fp32). Spills: wy bf16 KP 128 sm_90a 12 bytes stored / 36 loaded; output
 // 16-bit KP 128 sm_90a 40-48 bytes (ptxas holds it to 64 registers there); dh0 scan fp32 KP 128 sm_90a 4 bytes;
 // none elsewhere. (The first version: wy 72-80 / 63-79, scan 94-127 / 80-123, output 80 / 66-72, dh0 scan
 // 122-128 / 80-96, with 4-8 byte spills in some wy and output kernels.)
 // Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2's chunk_dplr_delta_rule, 2026-11-27): forward
-// 1.38 ms at (4,4096,32,64), 1.40 at (2,8192,32,64), 2.23 at (1,16384,16,128): 1.32, 1.43 and 1.26x the speed of
-// FLA's faster configuration (chunk 64 with safe_gate: 1.83, 2.00, 2.81 ms). The first version took 3.15, 3.25
-// and 5.67 ms on the same GPU. Kernel time of one forward + backward (bench/gpu/stage_times.py --variant dplr
-// --backward; each of these stages runs in the forward and again in the backward's recompute): (2,8192,32,64) the
-// wy stage 1.28 ms (the first version 4.72 on an H200), the output stage 0.90, the scan 0.60; (1,16384,16,128) the
-// scan 1.85 ms (N * H * VP / 32 = 64 CTAs, one chunk after another: the narrow grid of one long sequence), the wy
-// stage 1.50, the output stage 1.15.
+// 1.23 ms at (4,4096,32,64), 1.29 at (2,8192,32,64), 1.84 at (1,16384,16,128): 1.50, 1.56 and 1.53x the speed of
+// FLA's faster configuration (chunk 64 with safe_gate: 1.83, 2.01, 2.81 ms). The first version took 3.15, 3.25
+// and 5.67 ms on the same GPU; with 32-column scans only, 1.38, 1.40 and 2.23 ms. Kernel time of one forward +
+// backward (bench/gpu/stage_times.py --variant dplr --backward; each of these stages runs in the forward and again
+// in the backward's recompute): (2,8192,32,64) the wy stage 1.13 ms (the first version 4.72 on an H200), the
+// output stage 0.76, the scan 0.64; (1,16384,16,128) the scan 1.46 ms (128 CTAs of 16 columns, 1.85 ms as 64 of
+// 32: one long sequence leaves the grid narrow either way), the wy stage 1.24, the output stage 0.90.
 #include "dplr_stages.cuh"
 
 namespace deltacp::cuda::tiled {
@@ -169,7 +180,6 @@ void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
     x.ht = static_cast<float*>(p.ht);
   }
   const dim3 per_chunk(static_cast<unsigned>(C), static_cast<unsigned>(H));
-  const dim3 per_seq(static_cast<unsigned>(p.num_seqs * H), static_cast<unsigned>(VP / kDBV));
 
   if (C > 0) {
     dplr_launch(dplr_wy_kernel<T, KP>, WySmem<T, KP>::bytes, per_chunk, p, "WY stage", stream, x);
@@ -179,12 +189,12 @@ void run_dplr(const Params& p, cudaStream_t stream, bool dh0_only) {
       dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
     }
     if (p.num_seqs > 0) {
-      dplr_launch(dplr_dh0_scan_kernel<T, KP>, Dh0Smem<T, KP>::bytes, per_seq, p, "dh0 scan", stream, x);
+      dplr_launch_dh0_scan<T, KP>(p, VP, "dh0 scan", stream, x);
     }
     return;
   }
   if (p.num_seqs > 0) {
-    dplr_launch(dplr_scan_kernel<T, KP>, ScanSmem<T, KP>::bytes, per_seq, p, "state scan", stream, x);
+    dplr_launch_scan<T, KP>(p, VP, stream, x);
   }
   if (C > 0 && with_o) {
     dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);

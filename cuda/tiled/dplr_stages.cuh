@@ -130,10 +130,11 @@ constexpr int64_t dplr_smem_budget() {
   return (kIs16Bit<T> && KP == 64) ? 99 * 1024 : (kIs16Bit<T> || KP == 64) ? 163 * 1024 : 227 * 1024;
 }
 
-// The forward scan: per stage the W, Kd, Bd tiles, the U and V tiles (32 columns) and D_n; then Ut and S.
-template <class T, int KP>
+// The forward scan: per stage the W, Kd, Bd tiles, the U and V tiles (BV = 32 or 16 columns, dplr_scan_narrow)
+// and D_n; then Ut and S.
+template <class T, int KP, int BV = kDBV>
 struct ScanSmem {
-  static constexpr int ldk = tile_ld<T>(KP), ldv = tile_ld<T>(kDBV);
+  static constexpr int ldk = tile_ld<T>(KP), ldv = tile_ld<T>(BV);
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
   static constexpr int64_t tileV = align16(int64_t(kDRows) * ldv * sizeof(T));
   static constexpr int64_t W = 0, Kd = W + tileK, Bd = Kd + tileK;  // offsets within a stage
@@ -414,17 +415,18 @@ __device__ __forceinline__ ScanChunk scan_chunk(const ChunkEntry* chunks, int64_
   return ScanChunk{e.batch, e.t0, e.row0, static_cast<int>(e.len)};
 }
 
-template <class T, int KP>
+template <class T, int KP, int BV>
 __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> x) {
-  using L = ScanSmem<T, KP>;
+  using L = ScanSmem<T, KP, BV>;
   constexpr int MT = KP / 64;  // 16-row tiles of the state per warp
+  constexpr int NT = BV / 8;   // 8-column tiles of the state's block
   extern __shared__ __align__(16) unsigned char smem[];
   T* sUt = smem_at<T>(smem, L::Ut);
   T* sS = smem_at<T>(smem, L::S);
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t nh = blockIdx.x, n = nh / x.H, h = nh - n * x.H;
-  const int v0 = blockIdx.y * kDBV;
+  const int v0 = blockIdx.y * BV;
   const int m0 = warp * (KP / 4);  // this warp's first state row
   const SeqEntry seq = x.seqs[n];
   const int64_t state0 = (n * x.H + h) * x.K * x.V;
@@ -440,17 +442,17 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
                             vec_ok(x.Kd + wrow * KP, ldk_g));
     load_tile<T, kDThreads>(smem_at<T>(base, L::Bd), L::ldk, x.Bd + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
                             vec_ok(x.Bd + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(smem_at<T>(base, L::U), L::ldv, x.U + wrow * x.VP + v0, ldv_g, ch.len, kDRows, kDBV,
-                            kDBV, vec_ok(x.U + wrow * x.VP + v0, ldv_g));
+    load_tile<T, kDThreads>(smem_at<T>(base, L::U), L::ldv, x.U + wrow * x.VP + v0, ldv_g, ch.len, kDRows, BV,
+                            BV, vec_ok(x.U + wrow * x.VP + v0, ldv_g));
     const T* pv = x.v.at(ch.batch, ch.t0, h) + v0;
     load_tile<T, kDThreads>(smem_at<T>(base, L::V), L::ldv, pv, x.v.st, ch.len, kDRows, static_cast<int>(x.V) - v0,
-                            kDBV, vec_ok(pv, x.v.st));
+                            BV, vec_ok(pv, x.v.st));
     const float* pdn = x.Dn + (c * x.H + h) * KP;
     load_tile<float, kDThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
     cp_async_commit();
   };
 
-  float S[MT][4][4];
+  float S[MT][NT][4];
   load_acc(S, x.h0 == nullptr ? nullptr : x.h0 + state0 + v0, x.V, m0, static_cast<int>(x.K),
            static_cast<int>(x.V) - v0);
 
@@ -487,7 +489,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int r = m0 + acc_row(mt, e), col = acc_col(nt, e);
@@ -503,15 +505,15 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
 
     // Ut = U + W S: warp w owns rows [16 w, 16 w + 16).
     {
-      float acc[1][4][4];
+      float acc[1][NT][4];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[0][nt][e] = to_f(sU[(16 * warp + acc_row(0, e)) * L::ldv + acc_col(nt, e)]);
-      warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, sW, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
+      warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, sW, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
       T* ut = x.Ut == nullptr ? nullptr : x.Ut + wrow * x.VP + v0;  // null: final-state-only, as h
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int i = 16 * warp + acc_row(0, e), col = acc_col(nt, e);
@@ -525,11 +527,11 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= sDn[m0 + acc_row(mt, e)];
-    warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sKd, L::ldk, m0, sV, L::ldv, 0, 0, kDRows);
-    warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sBd, L::ldk, m0, sUt, L::ldv, 0, 0, kDRows);
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sKd, L::ldk, m0, sV, L::ldv, 0, 0, kDRows);
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sBd, L::ldk, m0, sUt, L::ldv, 0, 0, kDRows);
     __syncthreads();  // the next copies overwrite this stage's tiles, the next chunk rewrites S and Ut
     cur = nxt;
     nxt = after;
@@ -662,13 +664,13 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
 // reference/src/chunked.cpp) gives the gradient at the chunk's start as
 //   dUt = P_qb^T (scale dO) + Bd dS          (dL/dUt, the low-rank read-outs)
 //   dS' = D_n dS + (q e^G)^T (scale dO) + W^T dUt
-// and dh0 is dS' of a sequence's first chunk. The mirror of dplr_scan_kernel: the 32 columns of dS in fp32
+// and dh0 is dS' of a sequence's first chunk. The mirror of dplr_scan_kernel: BV columns of dS (32, or 16) in fp32
 // registers, sequential over the chunks from the last; W, Bd, D_n from the WY stage, q e^G and P_qb from the
 // output stage run without o. Alone it is the dh0-only backward (the CP backward pre-pass); in the full backward
 // (dplr_bwd.cu) it also keeps dS at each chunk's end (x.dh) and dUt (x.dUt) for the chunk-parallel stages.
-template <class T, int KP>
+template <class T, int KP, int BV = kDBV>
 struct Dh0Smem {
-  static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV);
+  static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(BV);
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
   static constexpr int64_t tileV = align16(int64_t(kDRows) * ldv * sizeof(T));
   static constexpr int64_t W = 0, Bd = W + tileK, QG = Bd + tileK;  // offsets within a stage
@@ -682,17 +684,18 @@ struct Dh0Smem {
   static constexpr int64_t bytes = S + align16(int64_t(KP) * ldv * sizeof(T));
 };
 
-template <class T, int KP>
+template <class T, int KP, int BV>
 __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs<T> x) {
-  using L = Dh0Smem<T, KP>;
+  using L = Dh0Smem<T, KP, BV>;
   constexpr int MT = KP / 64;
+  constexpr int NT = BV / 8;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sdUt = smem_at<T>(smem, L::dUt);
   T* sS = smem_at<T>(smem, L::S);
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t nh = blockIdx.x, n = nh / x.H, h = nh - n * x.H;
-  const int v0 = blockIdx.y * kDBV;
+  const int v0 = blockIdx.y * BV;
   const int m0 = warp * (KP / 4);
   const SeqEntry seq = x.seqs[n];
   const int64_t state0 = (n * x.H + h) * x.K * x.V;
@@ -713,14 +716,14 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
     load_tile<T, kDThreads>(smem_at<T>(base, L::P), L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows,
                             vec_ok(pP, kDRows));
     const T* pdo = x.dout.at(ch.batch, ch.t0, h) + v0;
-    load_tile<T, kDThreads>(smem_at<T>(base, L::dO), L::ldv, pdo, x.dout.st, ch.len, kDRows, Vleft, kDBV,
+    load_tile<T, kDThreads>(smem_at<T>(base, L::dO), L::ldv, pdo, x.dout.st, ch.len, kDRows, Vleft, BV,
                             vec_ok(pdo, x.dout.st));
     const float* pdn = x.Dn + (c * x.H + h) * KP;
     load_tile<float, kDThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
     cp_async_commit();
   };
 
-  float S[MT][4][4];  // dL/dS, rows [m0, m0 + KP/4), 32 columns from v0
+  float S[MT][NT][4];  // dL/dS, rows [m0, m0 + KP/4), BV columns from v0
   load_acc(S, x.dht == nullptr ? nullptr : x.dht + state0 + v0, x.V, m0, K, Vleft);
 
   // From the last chunk back; two stages as in dplr_scan_kernel (the next chunk down in flight).
@@ -755,7 +758,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int r = m0 + acc_row(mt, e), col = acc_col(nt, e);
@@ -768,21 +771,21 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
       cp_async_wait<0>();
     }
     __syncthreads();
-    for (int idx = tid; idx < kDRows * kDBV; idx += kDThreads) {  // scale dO, in place
-      T* e = sdO + (idx / kDBV) * L::ldv + (idx % kDBV);
+    for (int idx = tid; idx < kDRows * BV; idx += kDThreads) {  // scale dO, in place
+      T* e = sdO + (idx / BV) * L::ldv + (idx % BV);
       *e = from_f<T>(x.scale * to_f(*e));
     }
     __syncthreads();
 
     // dUt = P_qb^T (scale dO) + Bd dS: warp w owns rows [16 w, 16 w + 16) (P_qb read as [j, i]: column-major).
     {
-      float acc[1][4][4];
+      float acc[1][NT][4];
       zero_acc(acc);
-      warp_mma<T, 1, 4, Lay::colmajor, Lay::rowmajor>(acc, sP, L::ld64, 16 * warp, sdO, L::ldv, 0, 0, kDRows);
-      warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, sBd, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
+      warp_mma<T, 1, NT, Lay::colmajor, Lay::rowmajor>(acc, sP, L::ld64, 16 * warp, sdO, L::ldv, 0, 0, kDRows);
+      warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, sBd, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
       T* dut = x.dUt == nullptr ? nullptr : x.dUt + wrow * x.VP + v0;  // the full backward keeps dUt
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int i = 16 * warp + acc_row(0, e), col = acc_col(nt, e);
@@ -797,11 +800,11 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= sDn[m0 + acc_row(mt, e)];
-    warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sQG, L::ldk, m0, sdO, L::ldv, 0, 0, kDRows);
-    warp_mma<T, MT, 4, Lay::colmajor, Lay::rowmajor>(S, sW, L::ldk, m0, sdUt, L::ldv, 0, 0, kDRows);
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sQG, L::ldk, m0, sdO, L::ldv, 0, 0, kDRows);
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sW, L::ldk, m0, sdUt, L::ldv, 0, 0, kDRows);
     __syncthreads();  // the next copies overwrite this stage's tiles, the next chunk rewrites S and dUt
     cur = nxt;
     nxt = after;
@@ -827,31 +830,49 @@ struct BdvSmem {
   static constexpr int64_t bytes = dS + align16(int64_t(KP) * ldv * sizeof(T));
 };
 
-// dplr_bwd_dk_kernel, one CTA per (chunk, head, 32 key columns): the q, k, a, b columns, G (65 rows: row 0 = 0,
-// row i + 1 = G_i), the fp32 gradients dq, dk, da, db of those columns, then one region used three times: per
-// value block dO, T^T dUt, V, Ut (64 rows) and S, dS (32 rows); then two of the four score gradients at a time
-// (the two of q's scores, then the two of a's), a scratch tile and the second score's 48 scaled rows
-// (dplr_gram_backward_pair). Two at a time keeps 16-bit inputs within sm_86 / sm_89's 99 KB (all four: 108,688
-// bytes).
+// dplr_bwd_dk_kernel, one CTA per (chunk, head, 32 key columns), laid out for three CTAs per H100 / H200 SM at 16
+// bits (73,616 bytes; the previous layout's 94,096 held two):
+//   qa         the q columns, then (once the q scores' gradients are done and dq is out) the a columns
+//   k, b       the k and b columns
+//   G          65 rows fp32: row 0 = 0, row i + 1 = G_i (so row i = Gp_i)
+//   dqa        fp32 dq, then da (its first term kept in registers until dq is out); dk, db fp32
+//   region     the key phase: two score gradients (the q pair, then the a pair), each stored as its lower block
+//              triangle only (block row a, a = 0..3: 16 rows of 16 (a + 1) columns, padded), then a scratch tile and
+//              the second score's 48 scaled rows (dplr_gram_backward_pair)
+// The value phase runs over 16-column value blocks in two stages of tiles (dO, T^T dUt, V, Ut: 64 rows; S, dS:
+// 32 rows), the first over the region, the second over dq, dk, db (written only after the last block, which is
+// always an odd one: VP is a multiple of 32), so the next block's copies are in flight during this block's
+// products and the first pair of score gradients during the last block's.
 template <class T>
 struct BdkSmem {
   static constexpr int ldx = tile_ld<T>(kDKB), ldf = kDKB + 4, ldg = gate_ld(kDKB);
-  static constexpr int ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV);
+  static constexpr int kVB = 16;  // value columns per block of the value phase
+  static constexpr int ldv = tile_ld<T>(kVB);
   static constexpr int64_t tileX = align16(int64_t(kDRows) * ldx * sizeof(T));
   static constexpr int64_t tileF = align16(int64_t(kDRows) * ldf * 4);
-  static constexpr int64_t q = 0, k = q + tileX, a = k + tileX, b = a + tileX;
+  static constexpr int64_t q = 0, a = q, k = q + tileX, b = k + tileX;
   static constexpr int64_t G = b + tileX;
-  static constexpr int64_t dq = G + align16(int64_t(kDRows + 1) * ldg * 4);
-  static constexpr int64_t dk = dq + tileF, da = dk + tileF, db = da + tileF;
+  static constexpr int64_t dq = G + align16(int64_t(kDRows + 1) * ldg * 4), da = dq;
+  static constexpr int64_t dk = dq + tileF, db = dk + tileF;
   static constexpr int64_t region = db + tileF;
-  // value phase
+  // a score gradient's lower block triangle: block row r16 (0..3) has 16 (r16 + 1) columns, leading dimension
+  // dm_ld (16-byte rows, ldmatrix rows in distinct bank groups), element offset dm_off
+  __host__ __device__ static constexpr int dm_ld(int r16) { return 16 * (r16 + 1) + (kIs16Bit<T> ? 8 : 4); }
+  __host__ __device__ static constexpr int dm_off(int r16) {  // 16 * sum of dm_ld over the block rows above
+    return 128 * r16 * (r16 + 1) + 16 * (kIs16Bit<T> ? 8 : 4) * r16;
+  }
+  static constexpr int64_t tileM = align16(int64_t(dm_off(4)) * sizeof(T));
+  // value phase (offsets within a stage)
   static constexpr int64_t tileV = align16(int64_t(kDRows) * ldv * sizeof(T));
   static constexpr int64_t tileS = align16(int64_t(kDKB) * ldv * sizeof(T));
-  static constexpr int64_t dO = region, dUtp = dO + tileV, V = dUtp + tileV, Ut = V + tileV;
-  static constexpr int64_t S = Ut + tileV, dS = S + tileS;
-  static constexpr int64_t value_end = dS + tileS;
+  static constexpr int64_t vdO = 0, vdUtp = vdO + tileV, vV = vdUtp + tileV, vUt = vV + tileV;
+  static constexpr int64_t vS = vUt + tileV, vdS = vS + tileS, vstage = vdS + tileS;
+  static constexpr int64_t vA = region, vB = dq;  // the stages' bases
+  static_assert(vB + vstage <= region, "the second value stage must fit over dq, dk, db");
+  static constexpr int64_t dO = region + vdO, dUtp = region + vdUtp, V = region + vV, Ut = region + vUt;
+  static constexpr int64_t S = region + vS, dS = region + vdS;
+  static constexpr int64_t value_end = region + vstage;
   // key phase
-  static constexpr int64_t tileM = align16(int64_t(kDRows) * ld64 * sizeof(T));
   static constexpr int64_t dM = region;  // 2 tiles: dM_qk, dM_qb, then dA_ab, dA_ak
   static constexpr int64_t scr = dM + 2 * tileM;
   static constexpr int64_t scr2 = scr + tileX;  // 48 rows: the second score's scaled Y rows
@@ -873,6 +894,49 @@ void dplr_launch(Kernel kernel, int64_t bytes, dim3 grid, const Params& p, const
   dplr_prepare_smem(kernel, bytes, p, stage);
   kernel<<<grid, kDThreads, static_cast<size_t>(bytes), stream>>>(x);
   DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+// The scans' value-column block. Each CTA of a scan walks one sequence's chunks one after another for BV of the
+// state's columns (the columns are independent given W, Kd, Bd, D_n: every product of the chunk step is per
+// column block), so the grid is N * H * VP / BV CTAs. With 32 columns a few long sequences leave most SMs idle
+// (N * H * VP / 32 = 64 CTAs at (1, 16384, 16, 128) on a 132-SM GPU); there the scans take 16 columns: twice the
+// CTAs, each with half the products per chunk (its chain of chunks is the critical path), at the price of every
+// CTA copying the chunk's W, Kd, Bd (and W, Bd, q e^G, P_qb) tiles, shared by twice as many CTAs through L2.
+// Narrow where twice the 32-column grid still fits the GPU's resident CTA slots for the 32-column layout, and the
+// 16-column layout fits this GPU's opt-in limit.
+inline bool dplr_scan_narrow(const Params& p, int VP, int64_t wide_bytes, int64_t narrow_bytes) {
+  const int64_t wide = p.num_seqs * p.H * (VP / kDBV);
+  if (wide <= 0 || VP / 16 > 65535 || narrow_bytes > max_smem_optin()) return false;
+  return 2 * wide <= int64_t(sm_count()) * ctas_per_sm(static_cast<size_t>(wide_bytes));
+}
+
+// The forward state scan, grid (N * H, VP / BV) with BV from dplr_scan_narrow.
+template <class T, int KP>
+void dplr_launch_scan(const Params& p, int VP, cudaStream_t stream, const DplrArgs<T>& x) {
+  using Wide = ScanSmem<T, KP, kDBV>;
+  using Narrow = ScanSmem<T, KP, 16>;
+  const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
+  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes)) {
+    dplr_launch(dplr_scan_kernel<T, KP, 16>, Narrow::bytes, dim3(nh, static_cast<unsigned>(VP / 16)), p,
+                "state scan", stream, x);
+  } else {
+    dplr_launch(dplr_scan_kernel<T, KP, kDBV>, Wide::bytes, dim3(nh, static_cast<unsigned>(VP / kDBV)), p,
+                "state scan", stream, x);
+  }
+}
+// The reverse state-gradient scan, the same way.
+template <class T, int KP>
+void dplr_launch_dh0_scan(const Params& p, int VP, const char* stage, cudaStream_t stream, const DplrArgs<T>& x) {
+  using Wide = Dh0Smem<T, KP, kDBV>;
+  using Narrow = Dh0Smem<T, KP, 16>;
+  const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
+  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes)) {
+    dplr_launch(dplr_dh0_scan_kernel<T, KP, 16>, Narrow::bytes, dim3(nh, static_cast<unsigned>(VP / 16)), p, stage,
+                stream, x);
+  } else {
+    dplr_launch(dplr_dh0_scan_kernel<T, KP, kDBV>, Wide::bytes, dim3(nh, static_cast<unsigned>(VP / kDBV)), p,
+                stage, stream, x);
+  }
 }
 
 // The stages a run launches (DplrStage bits), each stage's shared memory against the GPU's opt-in limit, before

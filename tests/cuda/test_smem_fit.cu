@@ -132,7 +132,13 @@ void expect_dk_layout() {
   EXPECT_GE(L::region, L::db + int64_t(dplr::kDRows) * L::ldf * 4);
   EXPECT_GE(L::bytes, L::value_end);
   EXPECT_GE(L::bytes, L::scr + int64_t(dplr::kDRows) * L::ldx * int64_t(sizeof(T)));
-  EXPECT_GE(L::scr, L::dM + 2 * int64_t(dplr::kDRows) * L::ld64 * int64_t(sizeof(T)));
+  // two score gradients, each its lower block triangle (block row a: 16 rows of 16 (a + 1) columns)
+  EXPECT_EQ(L::dm_off(4), 16 * (L::dm_ld(0) + L::dm_ld(1) + L::dm_ld(2) + L::dm_ld(3)));
+  EXPECT_GE(L::scr, L::dM + 2 * int64_t(L::dm_off(4)) * int64_t(sizeof(T)));
+  // the value phase's second stage over dq, dk, db (da shares dq's tile, a shares q's)
+  EXPECT_LE(L::vB + L::vstage, L::region);
+  EXPECT_EQ(L::da, L::dq);
+  EXPECT_EQ(L::a, L::q);
   // the second score's scaled Y rows (at most 48: rows below the last reference row) after the scratch tile
   EXPECT_GE(L::scr2, L::scr + int64_t(dplr::kDRows) * L::ldx * int64_t(sizeof(T)));
   EXPECT_GE(L::bytes, L::scr2 + 48 * L::ldx * int64_t(sizeof(T)));
@@ -143,8 +149,12 @@ void expect_dk_layout() {
   EXPECT_EQ(L::tileM % 16, 0);
   // 16-byte rows for cp.async and ldmatrix
   EXPECT_EQ((L::ldx * sizeof(T)) % 16, 0u);
-  EXPECT_EQ((L::ld64 * sizeof(T)) % 16, 0u);
+  for (int r16 = 0; r16 < 4; ++r16) {
+    EXPECT_EQ((L::dm_ld(r16) * sizeof(T)) % 16, 0u);
+    EXPECT_EQ((L::dm_off(r16) * sizeof(T)) % 16, 0u);
+  }
   EXPECT_EQ((L::ldv * sizeof(T)) % 16, 0u);
+  EXPECT_EQ(L::vstage % 16, 0);
 }
 template <class T, int KP>
 void expect_dv_layout() {
