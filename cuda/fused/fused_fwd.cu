@@ -64,7 +64,12 @@
 // cumsum kernel's 0.22 ms and the l2 norm's pass over q and k are gone), against the tiled tier's 2.66 (its
 // output stage 0.98 and state scan 0.50 in place of the operands and the chain); end to end 2.36 ms with the
 // in-kernel l2 norm (2.18 without), against FLA's 2.27 (docs/perf.md). The chain is as fast as gdn's; the two
-// token-parallel kernels, on mma.sync, are what is left to move to wgmma.
+// token-parallel kernels, on mma.sync, are what is left to move to wgmma. Nsight Compute found them issue-bound
+// (12.5% occupancy, 1.6 instructions per cycle, HMMA about 1% of the instructions): half their instructions were
+// the decay scalings' exponentials with subnormal handling, per-element range checks behind branches and integer
+// divisions per 16-byte piece. Without those (exp_t and PieceRows in cuda/tiled/fwd_mma.cuh, the per-row check in
+// kda_scores.cuh) the kda forward took 2.10 ms end to end at (2,16384,16,128) against FLA's 2.28, and 0.65, 2.93
+// and 3.99 ms at (4,2048,16,128), (1,8192,96,128) and (4,4096,64,128) (FLA 0.99, 3.24, 4.24; H100, 2026-11-27).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -96,8 +96,9 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dv_local_kernel(const Args a)
     // per thread (16-byte rows; q and G are zero from K on), the workspace's rows Kp elements apart.
     Op* qg = static_cast<Op*>(a.Qg);
     const int pieces = static_cast<int>(a.Kp) / 8;
+    const PieceRows rows_of(pieces);
     for (int e = tid; e < len * pieces; e += kThreads) {
-      const int i = e / pieces, d0 = 8 * (e - i * pieces);
+      const int i = rows_of.row(e), d0 = 8 * (e - i * pieces);
       float x[8], g[8];
       load8(qs + i * PK + d0, x);
       load8f(Gs + i * PG + d0, g);

@@ -237,16 +237,37 @@ __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 
-// e^x: accurate expf for fp32 inputs (1e-5 tolerance), the fast ex2-based __expf for 16-bit inputs
-// (its ~1e-6 relative error is far below bf16/fp16 rounding).
+// e^x: accurate expf for fp32 inputs (1e-5 tolerance); for 16-bit inputs the hardware ex2 of x log2(e), the
+// approximation __expf makes (~1e-6 relative error, far below bf16 / fp16 rounding, and the same bits wherever
+// the result is a normal float), with results below 2^-126 flushed to zero. __expf keeps those subnormal
+// results at the price of a compare and two predicated multiplies around every MUFU.EX2: in kda's decay
+// scalings, which take a few exponentials per key element, those were a tenth of all instructions (Nsight
+// Compute, H100, kda (2,16384,16,128)), for values no 16-bit product keeps anyway.
 template <class T>
 __device__ __forceinline__ float exp_t(float x) {
   if constexpr (kIs16Bit<T>) {
-    return __expf(x);
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
   } else {
     return expf(x);
   }
 }
+
+// The row of piece idx of a tile walked as idx = row * pieces + column piece: a shift where `pieces` is a power
+// of two (every padded head dimension of 64 or 128), the division otherwise. A division by a runtime divisor
+// takes about 20 instructions; once per 16-byte piece it was a tenth of the instructions of kda's token-parallel
+// kernels (Nsight Compute, H100, kda (2,16384,16,128)).
+struct PieceRows {
+  int pieces, shift = -1;  // shift < 0: pieces is not a power of two
+  __device__ __forceinline__ explicit PieceRows(int n) : pieces(n) {
+    if (n > 0 && (n & (n - 1)) == 0) {
+      shift = 0;
+      while ((1 << shift) < n) ++shift;
+    }
+  }
+  __device__ __forceinline__ int row(int idx) const { return shift >= 0 ? idx >> shift : idx / pieces; }
+};
 
 // Stores two adjacent elements (columns c, c + 1) of a row; `p` must be aligned to 2 elements.
 template <class T>
@@ -319,6 +340,7 @@ __device__ __forceinline__ void load_tile(T* dst, int lds, const T* src, int64_t
                                           int rows_total, int cols_valid, int cols_pad, bool vec) {
   constexpr int kPiece = 16 / sizeof(T);  // elements per 16-byte piece
   const int pieces_per_row = cols_pad / kPiece;
+  const PieceRows rows_of(pieces_per_row);
   const int total = rows_total * pieces_per_row;
   const int nthreads = kThreadsHint > 0 ? kThreadsHint : static_cast<int>(blockDim.x);
   const int iters = (total + nthreads - 1) / nthreads;
@@ -326,7 +348,7 @@ __device__ __forceinline__ void load_tile(T* dst, int lds, const T* src, int64_t
   for (int it = 0; it < iters; ++it) {
     const int i = static_cast<int>(threadIdx.x) + it * nthreads;
     if (i >= total) break;
-    const int r = i / pieces_per_row;
+    const int r = rows_of.row(i);
     const int c = (i - r * pieces_per_row) * kPiece;
     T* d = dst + r * lds + c;
     const T* s = src + static_cast<int64_t>(r) * src_ld + c;

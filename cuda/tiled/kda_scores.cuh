@@ -42,8 +42,9 @@ __device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G
   const int64_t ld = HV * K;
   const bool vec = vec_ok(src, ld);
   const int pieces = Kp / 4;  // 16-byte pieces per row
+  const PieceRows rows_of(pieces);
   for (int idx = threadIdx.x; idx < 64 * pieces; idx += blockDim.x) {
-    const int i = idx / pieces, d = (idx - i * pieces) * 4;
+    const int i = rows_of.row(idx), d = (idx - i * pieces) * 4;
     float* dst = Gk + i * ldg + d;
     const float* s = src + min(i, len - 1) * ld + d;
     if (vec && d + 4 <= K) {
@@ -79,21 +80,30 @@ __device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, 
     bool too_wide = false;  // a scaled Y row of the diagonal block leaves the safe range
     if (active) {
       // Eight keys per thread (16-byte rows): the element-by-element loop, with an integer division per
-      // element, took half the mma.sync WY stage's time (Nsight Compute, H100, kda (2,16384,16,128)).
+      // element, took half the mma.sync WY stage's time (Nsight Compute, H100, kda (2,16384,16,128)). The
+      // diagonal block's range check runs per row, on the exponents and products already in registers: checked
+      // per element behind a branch it cost more instructions than the scaling itself.
       const float* Glr = Gl + r * ldg;
       const int yrows = diag_tc ? r + 16 : r, rows = yrows + 16, pieces = Kp / 8;
+      const PieceRows rows_of(pieces);
       for (int idx = tid; idx < rows * pieces; idx += NThreads) {
-        const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+        const int i = rows_of.row(idx), d0 = 8 * (idx - i * pieces);
         float x[8], g[8], gr[8];
         load8f(Glr + d0, gr);
         if (i < yrows) {
           load8(Y + i * ld + d0, x);
           load8f(Gr + i * ldg + d0, g);
+          float ex[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            const float ex = gr[e] - g[e];
-            x[e] *= exp_t<T>(ex);
-            if (i >= r) too_wide |= !(ex <= kDiagExpMax && fabsf(x[e]) <= 1e30f);
+            ex[e] = gr[e] - g[e];
+            x[e] *= exp_t<T>(ex[e]);
+          }
+          if (i >= r) {  // a row of the diagonal block (two rows per warp: nearly always uniform)
+            bool bad = false;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) bad |= !(ex[e] <= kDiagExpMax) | !(fabsf(x[e]) <= 1e30f);
+            too_wide |= bad;
           }
           store8(Yr + i * ld + d0, x);
         } else {

@@ -87,7 +87,10 @@
 // diagonal 16 x 16 blocks on the tensor cores: wy 1.97 -> 0.96 ms, output 1.85 -> 0.98 ms (H100, kernel time);
 // the kda forward 4.55 -> 2.66 ms of kernels. As the fused forward's kda stage (launch_kda_fused_prepare) the wy
 // kernel and kda_chain_operands_kernel sum the gate themselves and normalise q, k where they load them: 0.99 and
-// 0.76 ms, against 0.96 + 0.74 + the cumsum's 0.22 (H100, (2,16384,16,128), kernel time, no l2 norm).
+// 0.76 ms, against 0.96 + 0.74 + the cumsum's 0.22 (H100, (2,16384,16,128), kernel time, no l2 norm). Then the
+// decay scalings' exponentials without subnormal handling, their range check per row and the piece indices by
+// shifts (fused_fwd.cu has the profile that found them): the kda forward end to end 3.13 -> 2.85 ms on this tier
+// and 2.63 -> 2.10 on the fused one (H100, (2,16384,16,128), with FLA's l2 norm and safe gate keywords).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -311,8 +314,9 @@ __device__ __forceinline__ void load_raw_gate(float* Gk, int ldg, const FwdArgs<
   const T* src = args.g16.at(ce.batch, ce.t0, hv);
   const bool vec = vec_ok(src, args.g16.st);
   const int pieces = Kp / 8;
+  const PieceRows rows_of(pieces);
   for (int idx = threadIdx.x; idx < kBT * pieces; idx += blockDim.x) {
-    const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+    const int i = rows_of.row(idx), d0 = 8 * (idx - i * pieces);
     float x[8];
     load8_upto(src + i * args.g16.st + d0, i < len ? K - d0 : 0, vec, x);
     store8(Gk + i * ldg + d0, x);
@@ -511,8 +515,9 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
     // thread (16-byte rows and stores).
     const float* Glast = Gk + (len - 1) * L.ldg;
     const int pieces = Kp / 8;
+    const PieceRows rows_of(pieces);
     for (int idx = tid; idx < kBT * pieces; idx += kThreads) {
-      const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+      const int i = rows_of.row(idx), d0 = 8 * (idx - i * pieces);
       float kv[8], g[8], gl[8], kd[8];
       load8(Ks + i * ldk + d0, kv);
       load8f(Gk + i * L.ldg + d0, g);
@@ -775,8 +780,9 @@ __device__ void kda_output_operands(T* Qs, const T* Ks, const float* Gk, T* Pb, 
   after_scores();
   __syncthreads();  // the scores' diagonal blocks read Q until here
   const int pieces = Kp / 8;  // eight keys per thread (16-byte rows)
+  const PieceRows rows_of(pieces);
   for (int idx = threadIdx.x; idx < kBT * pieces; idx += kThreads) {
-    const int i = idx / pieces, d0 = 8 * (idx - i * pieces);
+    const int i = rows_of.row(idx), d0 = 8 * (idx - i * pieces);
     float x[8], g[8];
     load8(Qs + i * L.ldk + d0, x);
     load8f(Gk + i * L.ldg + d0, g);
@@ -947,21 +953,20 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
   __syncthreads();
   kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {});
   __syncthreads();
-  // The chunk's rows out as 16-byte pieces (8 elements): P's 8, Q e^G's Kp / 8 per row. Row block a of P holds
-  // the scores in columns < 16 (a + 1), zeros past them.
-  const int qp = Kp / 8, per_row = 8 + qp;
-  for (int idx = tid; idx < len * per_row; idx += kThreads) {
-    const int i = idx / per_row, piece = idx - i * per_row;
-    const int64_t row = (ce.row0 + i) * HV + hv;
-    if (piece < 8) {
-      const int j0 = 8 * piece;
-      const uint4 x = j0 < 16 * (i / 16 + 1) ? *reinterpret_cast<const uint4*>(Pb + i * L.ldp + j0)
-                                             : make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(P + row * kBT + j0) = x;
-    } else {
-      const int d0 = 8 * (piece - 8);
-      *reinterpret_cast<uint4*>(Qg + row * Kp + d0) = *reinterpret_cast<const uint4*>(Qs + i * L.ldk + d0);
-    }
+  // The chunk's rows out as 16-byte pieces (8 elements): P's 8 per row, then Q e^G's Kp / 8. Row block a of P
+  // holds the scores in columns < 16 (a + 1), zeros past them.
+  for (int idx = tid; idx < len * 8; idx += kThreads) {
+    const int i = idx >> 3, j0 = 8 * (idx & 7);
+    const uint4 x = j0 < 16 * (i / 16 + 1) ? *reinterpret_cast<const uint4*>(Pb + i * L.ldp + j0)
+                                           : make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(P + ((ce.row0 + i) * HV + hv) * kBT + j0) = x;
+  }
+  const int qp = Kp / 8;
+  const PieceRows rows_of(qp);
+  for (int idx = tid; idx < len * qp; idx += kThreads) {
+    const int i = rows_of.row(idx), d0 = 8 * (idx - i * qp);
+    *reinterpret_cast<uint4*>(Qg + ((ce.row0 + i) * HV + hv) * Kp + d0) =
+        *reinterpret_cast<const uint4*>(Qs + i * L.ldk + d0);
   }
 }
 
