@@ -37,6 +37,15 @@ __host__ __device__ constexpr int tile_ld(int cols) {
   return cols + (kIs16Bit<T> ? 8 : 4);
 }
 __host__ __device__ constexpr int gate_ld(int kp) { return kp + 4; }
+
+// A chunk's rows [wrow, wrow + len) of a [R, H, KP] workspace (W, Kd, Bd, q e^G: rows ldg = H * KP apart) into
+// a 64-row shared tile of leading dimension ldk, zeros past len (cp.async; the caller commits): the scans'
+// per-chunk key-side tiles.
+template <class T, int KP>
+__device__ __forceinline__ void load_key_rows(T* dst, int ldk, const T* ws, int64_t wrow, int64_t ldg, int len) {
+  const T* src = ws + wrow * KP;
+  load_tile<T, kDThreads>(dst, ldk, src, ldg, len, kDRows, KP, KP, vec_ok(src, ldg));
+}
 __host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
 
 template <class T>
@@ -436,12 +445,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
   auto issue = [&](const ScanChunk& ch, int64_t c, int st) {
     unsigned char* base = smem + st * L::stage;
     const int64_t wrow = ch.row0 * x.H + h;
-    load_tile<T, kDThreads>(smem_at<T>(base, L::W), L::ldk, x.W + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
-                            vec_ok(x.W + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(smem_at<T>(base, L::Kd), L::ldk, x.Kd + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
-                            vec_ok(x.Kd + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(smem_at<T>(base, L::Bd), L::ldk, x.Bd + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
-                            vec_ok(x.Bd + wrow * KP, ldk_g));
+    load_key_rows<T, KP>(smem_at<T>(base, L::W), L::ldk, x.W, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP>(smem_at<T>(base, L::Kd), L::ldk, x.Kd, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP>(smem_at<T>(base, L::Bd), L::ldk, x.Bd, wrow, ldk_g, ch.len);
     load_tile<T, kDThreads>(smem_at<T>(base, L::U), L::ldv, x.U + wrow * x.VP + v0, ldv_g, ch.len, kDRows, BV,
                             BV, vec_ok(x.U + wrow * x.VP + v0, ldv_g));
     const T* pv = x.v.at(ch.batch, ch.t0, h) + v0;
@@ -632,7 +638,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
   const T* hc = x.h + (c * x.H + h) * KP * x.VP;
   const T* pv = x.v.at(ch.batch, ch.t0, h);
   const T* put = x.Ut + wrow * x.VP;
-  const int64_t ldv_g = x.H * x.VP;
+  const int64_t ldk_g = x.H * KP, ldv_g = x.H * x.VP;
 #pragma unroll 1
   for (int v0 = 0; v0 < x.VP; v0 += kDBV) {
     load_tile<T, kDThreads>(sh, L::ldv, hc + v0, x.VP, KP, KP, kDBV, kDBV, vec_ok(hc + v0, x.VP));
@@ -706,12 +712,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
   auto issue = [&](const ScanChunk& ch, int64_t c, int st) {
     unsigned char* base = smem + st * L::stage;
     const int64_t wrow = ch.row0 * x.H + h;
-    load_tile<T, kDThreads>(smem_at<T>(base, L::W), L::ldk, x.W + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
-                            vec_ok(x.W + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(smem_at<T>(base, L::Bd), L::ldk, x.Bd + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
-                            vec_ok(x.Bd + wrow * KP, ldk_g));
-    load_tile<T, kDThreads>(smem_at<T>(base, L::QG), L::ldk, x.QG + wrow * KP, ldk_g, ch.len, kDRows, KP, KP,
-                            vec_ok(x.QG + wrow * KP, ldk_g));
+    load_key_rows<T, KP>(smem_at<T>(base, L::W), L::ldk, x.W, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP>(smem_at<T>(base, L::Bd), L::ldk, x.Bd, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP>(smem_at<T>(base, L::QG), L::ldk, x.QG, wrow, ldk_g, ch.len);
     const T* pP = x.Pb + (c * x.H + h) * kDRows * kDRows;
     load_tile<T, kDThreads>(smem_at<T>(base, L::P), L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows,
                             vec_ok(pP, kDRows));
