@@ -38,6 +38,17 @@ import torch
 import torch.distributed as dist
 
 
+def start_process_group(device_name: str, timeout_s: float) -> torch.device:
+    """This rank's device (cuda:LOCAL_RANK, made current; or the CPU) and the default process group over it: NCCL
+    on GPUs, gloo on CPUs, with timeout_s for a collective. The CP benches start their ranks through it."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
 def parse():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -138,11 +149,7 @@ def kernel_times(fn, device, calls=3):
 
 def main():
     args = parse()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300))
+    device = start_process_group(args.device, 300)
     rank, world = dist.get_rank(), dist.get_world_size()
     HV = H = args.heads
     K = V = args.head_dim

@@ -72,6 +72,7 @@ def _load(name: str, path: Path):
 
 # The inputs and FLA's benchmark keywords of the one-GPU harness, so that both benchmarks measure the same call.
 bench_gpu = _load("bench_gpu", REPO / "bench" / "gpu" / "bench_gpu.py")
+bench_cp = _load("bench_cp", REPO / "bench" / "cp" / "bench_cp.py")
 
 
 def parse():
@@ -664,12 +665,7 @@ def report(res: dict):
 
 def main():
     args = parse()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.pg_timeout))
+    device = bench_cp.start_process_group(args.device, args.pg_timeout)
     ranks = Ranks(device)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False
