@@ -38,6 +38,23 @@ __host__ __device__ constexpr int tile_ld(int cols) {
 }
 __host__ __device__ constexpr int gate_ld(int kp) { return kp + 4; }
 
+// Row i of a 64-row tile (KP columns, leading dimension ld) times e^(G row i), in place, eight keys per thread;
+// each scaled piece of eight is also handed to also(i, d0, values) (the q e^G workspace; a no-op elsewhere).
+// Called by all kDThreads threads; the caller orders it with barriers.
+template <class T, int KP, class Also>
+__device__ __forceinline__ void scale_rows_by_exp(T* tile, int ld, const float* G, int ldg, Also also) {
+  for (int idx = threadIdx.x; idx < kDRows * (KP / 8); idx += kDThreads) {
+    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
+    float v[8], g[8];
+    load8(tile + i * ld + d0, v);
+    load8f(G + i * ldg + d0, g);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] *= exp_t<T>(g[e]);
+    store8(tile + i * ld + d0, v);
+    also(i, d0, v);
+  }
+}
+
 // A chunk's rows [wrow, wrow + len) of a [R, H, KP] workspace (W, Kd, Bd, q e^G: rows ldg = H * KP apart) into
 // a 64-row shared tile of leading dimension ldk, zeros past len (cp.async; the caller commits): the scans'
 // per-chunk key-side tiles.
@@ -342,15 +359,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_wy_kernel(const DplrArgs<T> x)
   cp_async_commit();
   // a e^Gp in place (a is no longer read by the scores), eight keys per thread; the full backward keeps A_ak
   // (its tile is overwritten by T A_ak below).
-  for (int idx = tid; idx < kDRows * (KP / 8); idx += kDThreads) {
-    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
-    float av[8], gp[8];
-    load8(sa + i * L::ldk + d0, av);
-    load8f(sG + i * L::ldg + d0, gp);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) av[e] *= exp_t<T>(gp[e]);
-    store8(sa + i * L::ldk + d0, av);
-  }
+  scale_rows_by_exp<T, KP>(sa, L::ldk, sG, L::ldg, [](int, int, const float(&)[8]) {});
   if (x.Akg != nullptr)
     for (int idx = tid; idx < kDRows * 8; idx += kDThreads) {
       const int i = idx >> 3, j0 = 8 * (idx & 7);
@@ -608,16 +617,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
   dplr_scores<T, kDThreads>(sq, sb, L::ldk, sG, sG, L::ldg, Xr, Yr, KP, len, true,
                             [&](int i, int j, float val) { Pb[i * L::ld64 + j] = from_f<T>(val); });
   // q e^G in place, eight keys per thread.
-  for (int idx = tid; idx < kDRows * (KP / 8); idx += kDThreads) {
-    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
-    float qv[8], g[8];
-    load8(sq + i * L::ldk + d0, qv);
-    load8f(sG + i * L::ldg + d0, g);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qv[e] *= exp_t<T>(g[e]);
-    store8(sq + i * L::ldk + d0, qv);
+  scale_rows_by_exp<T, KP>(sq, L::ldk, sG, L::ldg, [&](int i, int d0, const float(&qv)[8]) {
     if (x.QG != nullptr && i < len) store8(x.QG + (wrow + int64_t(i) * x.H) * KP + d0, qv);
-  }
+  });
   const int64_t mat0 = (c * x.H + h) * kDRows * kDRows;
   if (x.Pb != nullptr || x.Pk != nullptr)  // the backward
     for (int idx = tid; idx < kDRows * 8; idx += kDThreads) {
