@@ -55,6 +55,28 @@ __device__ __forceinline__ void scale_rows_by_exp(T* tile, int ld, const float* 
   }
 }
 
+// Rows i < len of a tile (KP columns, leading dimension ld) decayed to the chunk's end, x e^(G_n - G_i), into the
+// [R, H, KP] workspace `out` at rows wrow + i * H (wrow: the chunk's first row there), eight keys per thread. G_i is
+// row i + 1 of the cumulative gates G (row 0 is the zero row before the chunk), G_n row len; each piece's workspace
+// offset and G_i values also go to also(offset, values) (the wy stage stores G beside Bd).
+template <class T, int KP, class Also>
+__device__ __forceinline__ void decay_rows_to_end(const T* tile, int ld, const float* G, int ldg, int len, T* out,
+                                                  int64_t wrow, int64_t H, Also also) {
+  const float* Gn = G + len * ldg;
+  for (int idx = threadIdx.x; idx < len * (KP / 8); idx += kDThreads) {
+    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
+    const int64_t w = (wrow + i * H) * KP + d0;
+    float v[8], gi[8], gn[8];
+    load8f(G + (i + 1) * ldg + d0, gi);
+    load8f(Gn + d0, gn);
+    load8(tile + i * ld + d0, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] *= exp_t<T>(gn[e] - gi[e]);
+    store8(out + w, v);
+    also(w, gi);
+  }
+}
+
 // A chunk's rows [wrow, wrow + len) of a [R, H, KP] workspace (W, Kd, Bd, q e^G: rows ldg = H * KP apart) into
 // a 64-row shared tile of leading dimension ldk, zeros past len (cp.async; the caller commits): the scans'
 // per-chunk key-side tiles.
@@ -290,18 +312,8 @@ __global__ void __launch_bounds__(kDThreads) dplr_wy_kernel(const DplrArgs<T> x)
   // Bd = b e^(G_n - G), G and D_n to the workspace (the b tile gives way to k once A_ab is made); eight keys per
   // thread.
   const float* Gn = sG + len * L::ldg;  // G_{len-1}
-  for (int idx = tid; idx < len * (KP / 8); idx += kDThreads) {
-    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
-    const int64_t w = ((ch.row0 + i) * x.H + h) * KP + d0;
-    float bv[8], gi[8], gn[8];
-    load8f(sG + (i + 1) * L::ldg + d0, gi);
-    load8f(Gn + d0, gn);
-    load8(sb + i * L::ldk + d0, bv);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) bv[e] *= exp_t<T>(gn[e] - gi[e]);
-    store8(x.Bd + w, bv);
-    store8(x.G + w, gi);
-  }
+  decay_rows_to_end<T, KP>(sb, L::ldk, sG, L::ldg, len, x.Bd, ch.row0 * x.H + h, x.H,
+                           [&](int64_t w, const float(&gi)[8]) { store8(x.G + w, gi); });
   for (int d = tid; d < KP; d += kDThreads)
     x.Dn[(blockIdx.x * x.H + h) * KP + d] = d < K ? exp_t<T>(Gn[d]) : 0.f;
 
@@ -339,16 +351,8 @@ __global__ void __launch_bounds__(kDThreads) dplr_wy_kernel(const DplrArgs<T> x)
   __syncthreads();  // the k tile; T's fp32 copy is dead (the scratch is the scores' again)
 
   // Kd = k e^(G_n - G) to the workspace.
-  for (int idx = tid; idx < len * (KP / 8); idx += kDThreads) {
-    const int i = idx / (KP / 8), d0 = 8 * (idx - i * (KP / 8));
-    float kv[8], gi[8], gn[8];
-    load8f(sG + (i + 1) * L::ldg + d0, gi);
-    load8f(Gn + d0, gn);
-    load8(sk + i * L::ldk + d0, kv);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) kv[e] *= exp_t<T>(gn[e] - gi[e]);
-    store8(x.Kd + ((ch.row0 + i) * x.H + h) * KP + d0, kv);
-  }
+  decay_rows_to_end<T, KP>(sk, L::ldk, sG, L::ldg, len, x.Kd, ch.row0 * x.H + h, x.H,
+                           [](int64_t, const float(&)[8]) {});
   // A_ak (a tensor-core operand), the same gates.
   dplr_scores<T, kDThreads>(sa, sk, L::ldk, sG, sG + L::ldg, L::ldg, Xr, Yr, KP, len, false,
                             [&](int i, int j, float val) { Ak[i * L::ld64 + j] = from_f<T>(val); });
