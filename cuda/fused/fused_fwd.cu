@@ -37,10 +37,12 @@
 // Numerics: the tiled tier's roundings (S, Vn, P to 16 bits for the products, fp32 accumulation, fp32
 // state), so the fused forward agrees with the tiled one to bf16 rounding and with fp64 within 1e-2.
 //
-// kda (a decay per key): the token-parallel stage is the tiled tier's WY stage (W, U and K e^(G_n - G),
-// mma.sync) and kda_chain_operands_kernel (P and Q e^G, the output stage's operands), each summing the gate
-// within the chunk and l2-normalising q, k in shared memory (launch_kda_fused_prepare); the chain runs its kda
-// mode on them (fused_chain.cuh).
+// kda (a decay per key): the token-parallel stage is one kernel, kda_prepare_kernel (cuda/tiled/tiled_fwd.cu,
+// mma.sync): W, U and K e^(G_n - G) as the tiled tier's WY stage makes them, P and Q e^G (the output stage's
+// operands) as kda_chain_operands_kernel does, from one read of q, k, v, g, one gate sum within the chunk, one
+// l2 norm of q, k in shared memory and one rescaling of K's rows for both score matrices
+// (launch_kda_fused_prepare; DELTACP_FUSED_KDA_PREPARE=0 runs that pair of kernels instead, with the same bits);
+// the chain runs its kda mode on them (fused_chain.cuh).
 //
 // Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128; q, k, v, o 16-byte aligned rows with positive
 // strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
@@ -228,9 +230,10 @@ WindowBuffers carve_window_buffers(char* at, const Params& p) {
 }
 
 // The token-parallel stage of a window: G = cumsum g, then W, U, P (and the row scales) by the wgmma WY stage;
-// kda: W, U and K e^(G_n - G) by the tiled tier's WY stage, P and Q e^G by kda_chain_operands_kernel (both
-// read the gates per key, which the wgmma WY stage does not implement), each summing the gate within the chunk
-// and normalising q, k itself (no cumsum or l2-norm pass; only G's last rows are written).
+// kda: W, U, K e^(G_n - G), P and Q e^G by kda_prepare_kernel (or the pair it replaces: the tiled tier's WY stage
+// and kda_chain_operands_kernel; they read the gates per key, which the wgmma WY stage does not implement),
+// summing the gate within the chunk and normalising q, k itself (no cumsum or l2-norm pass; only G's last rows
+// are written).
 void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffers& b, cudaStream_t stream) {
   if (p.variant == Variant::kda) {
     tiled::launch_kda_fused_prepare(p, table, b.G, b.W, b.U, b.Kd, b.P, b.Qg, stream);

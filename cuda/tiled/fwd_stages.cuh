@@ -219,9 +219,11 @@ void launch_chunk_output(const Params& p, const ChunkTable& table, const float* 
 
 // The fused forward's kda token-parallel stage, from the raw gate p.g (summed within each chunk in shared memory,
 // the bits of launch_chunk_cumsum: no G workspace pass) and q, k (l2-normalised in shared memory when
-// p.qk_l2norm): the WY stage's W, U and K e^(G_n - G) (chunk_wy_kernel), G's last row of every chunk into G_last
+// p.qk_l2norm): the WY stage's W, U and K e^(G_n - G) (chunk_wy_kernel's), G's last row of every chunk into G_last
 // ([R, HV, K] fp32 rows: the only rows the chain and its pieces read), and P ([R, HV, 64], the output stage's
-// decayed scores, zero above the diagonal) and Q e^G ([R, HV, 128]), 16-bit. kda, 16-bit inputs, K = 128.
+// decayed scores, zero above the diagonal) and Q e^G ([R, HV, 128]), 16-bit. kda, 16-bit inputs, K = 128. One
+// kernel (kda_prepare_kernel) where V = 128, else (or with DELTACP_FUSED_KDA_PREPARE=0) chunk_wy_kernel and
+// kda_chain_operands_kernel, with the same bits.
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
                               void* P, void* Qg, cudaStream_t stream);
 

@@ -66,9 +66,18 @@ __device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G
 // scratch; the diagonal blocks use the tensor cores only with y_rows >= 64 (bf16). Rows of X, Y, Xr, Yr, Gl and
 // Gr 16-byte aligned (8 keys per thread). Called by all NThreads threads of the block (4 warps or more: warps
 // 0..3 own the diagonal blocks); contains __syncthreads, and ends with one.
-template <class T, int NThreads, class Write>
-__device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, const float* Gr, int ldg, T* Xr,
-                               T* Yr, int y_rows, int Kp, int len, bool inclusive, Write write) {
+//
+// kPair: a second score matrix against the same Y in the same pass, P2(i, j) = sum_d X2[i][d] Y[j][d] e^(...)
+// with its own mask (inclusive2), scratch X2r (16 x ld) and write2 (the fused kda stage: A from (K, K) and P from
+// (Q, K), kda_scores_pair). The scaled Y rows (Yr), the range check of the diagonal blocks (a property of Y and
+// the gates alone) and the barriers are shared; every value of either matrix goes through the same operations in
+// the same order as in a call of its own (X2's rows scaled by the same expression into X2r, the same warp_mma
+// calls on (X2r, Yr), the same element-by-element diagonal loop), so each comes out with the same bits.
+// kPair = false compiles to the single-matrix form.
+template <class T, int NThreads, bool kPair, class Write, class Write2>
+__device__ void decayed_scores_impl(const T* X, const T* X2, const T* Y, int ld, const float* Gl, const float* Gr,
+                                    int ldg, T* Xr, T* X2r, T* Yr, int y_rows, int Kp, int len, bool inclusive,
+                                    bool inclusive2, Write write, Write2 write2) {
   const bool diag_tc = std::is_same<T, __nv_bfloat16>::value && y_rows >= 64;  // uniform
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   unsigned diag_done = 0;  // bit a: block (a, a) done on the tensor cores (uniform over the block)
@@ -84,7 +93,7 @@ __device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, 
       // diagonal block's range check runs per row, on the exponents and products already in registers: checked
       // per element behind a branch it cost more instructions than the scaling itself.
       const float* Glr = Gl + r * ldg;
-      const int yrows = diag_tc ? r + 16 : r, rows = yrows + 16, pieces = Kp / 8;
+      const int yrows = diag_tc ? r + 16 : r, rows = yrows + (kPair ? 32 : 16), pieces = Kp / 8;
       const PieceRows rows_of(pieces);
       for (int idx = tid; idx < rows * pieces; idx += NThreads) {
         const int i = rows_of.row(idx), d0 = 8 * (idx - i * pieces);
@@ -106,13 +115,14 @@ __device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, 
             too_wide |= bad;
           }
           store8(Yr + i * ld + d0, x);
-        } else {
-          const int xi = r + i - yrows;
-          load8(X + xi * ld + d0, x);
+        } else {  // X's rows [r, r + 16) (kPair: then X2's)
+          const bool second = kPair && i >= yrows + 16;
+          const int xi = r + i - yrows - (second ? 16 : 0);
+          load8((second ? X2 : X) + xi * ld + d0, x);
           load8f(Gl + xi * ldg + d0, g);
 #pragma unroll
           for (int e = 0; e < 8; ++e) x[e] *= exp_t<T>(g[e] - gr[e]);
-          store8(Xr + (xi - r) * ld + d0, x);
+          store8((second ? X2r : Xr) + (xi - r) * ld + d0, x);
         }
       }
     }
@@ -120,32 +130,41 @@ __device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, 
     // tensor cores.
     const bool any_wide = __syncthreads_or(too_wide);
     const bool tensor_diag = diag_tc && active && !any_wide;
-    if (warp < a) {  // warp w: block (a, w)
+    // warp w < a: block (a, w); warp a: block (a, a) masked to its lower triangle (kPair: each for X, then X2)
+    auto off_block = [&](const T* Xs, auto& wr) {
       float acc[1][2][4];
       zero_acc(acc);
-      if (active) warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xr, ld, 0, Yr, ld, 16 * warp, 0, Kp);
+      if (active) warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xs, ld, 0, Yr, ld, 16 * warp, 0, Kp);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) write(r + acc_row(0, e), 16 * warp + acc_col(nt, e), acc[0][nt][e]);
-    } else if (warp == a && tensor_diag) {  // warp a: block (a, a), masked to its lower triangle
+        for (int e = 0; e < 4; ++e) wr(r + acc_row(0, e), 16 * warp + acc_col(nt, e), acc[0][nt][e]);
+    };
+    auto diag_block = [&](const T* Xs, bool incl, auto& wr) {
       float acc[1][2][4];
       zero_acc(acc);
-      warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xr, ld, 0, Yr, ld, r, 0, Kp);
+      warp_mma<T, 1, 2, Lay::rowmajor, Lay::colmajor>(acc, Xs, ld, 0, Yr, ld, r, 0, Kp);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int il = acc_row(0, e), jl = acc_col(nt, e);
-          const bool lower = inclusive ? (jl <= il) : (jl < il);
-          write(r + il, r + jl, lower ? acc[0][nt][e] : 0.f);
+          const bool lower = incl ? (jl <= il) : (jl < il);
+          wr(r + il, r + jl, lower ? acc[0][nt][e] : 0.f);
         }
+    };
+    if (warp < a) {
+      off_block(Xr, write);
+      if constexpr (kPair) off_block(X2r, write2);
+    } else if (warp == a && tensor_diag) {
+      diag_block(Xr, inclusive, write);
+      if constexpr (kPair) diag_block(X2r, inclusive2, write2);
     }
     if (tensor_diag) diag_done |= 1u << a;
     __syncthreads();
   }
   // Diagonal blocks left: warp a < 4 owns block (a, a). Lane: row i = 16 a + (lane % 16), half the d range.
-  if (warp < 4 && !((diag_done >> warp) & 1u)) {
+  auto diag_elementwise = [&](const T* X, bool inclusive, auto& write) {
     const int a = warp, il = lane & 15, half = lane >> 4;
     const int i = 16 * a + il;
     const bool active = 16 * a < len;  // uniform over the warp
@@ -179,8 +198,25 @@ __device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, 
         write(i, 16 * a + j, (active && lower) ? part[j] : 0.f);
       }
     }
+  };
+  if (warp < 4 && !((diag_done >> warp) & 1u)) {
+    diag_elementwise(X, inclusive, write);
+    if constexpr (kPair) diag_elementwise(X2, inclusive2, write2);
   }
   __syncthreads();
+}
+
+struct NoScoresWrite {
+  __device__ void operator()(int, int, float) const {}
+};
+
+// The single score matrix (see the file comment and decayed_scores_impl).
+template <class T, int NThreads, class Write>
+__device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, const float* Gr, int ldg, T* Xr,
+                               T* Yr, int y_rows, int Kp, int len, bool inclusive, Write write) {
+  NoScoresWrite none;
+  decayed_scores_impl<T, NThreads, false>(X, static_cast<const T*>(nullptr), Y, ld, Gl, Gr, ldg, Xr,
+                                          static_cast<T*>(nullptr), Yr, y_rows, Kp, len, inclusive, false, write, none);
 }
 
 // kda's scores: the decay the same on both sides (Gl = Gr = Gk), Yr kda_scores_y_rows(sizeof(T)) rows.
@@ -188,6 +224,16 @@ template <class T, int NThreads, class Write>
 __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
                            bool inclusive, Write write) {
   decayed_scores<T, NThreads>(X, Y, ld, Gk, Gk, ldg, Xr, Yr, kda_scores_y_rows(sizeof(T)), Kp, len, inclusive, write);
+}
+
+// kda's two score matrices of one chunk against the same Y, in one pass (decayed_scores_impl's kPair): X (scratch
+// Xr, mask inclusive, write) and X2 (X2r, inclusive2, write2). The fused kda stage (kda_prepare_kernel in
+// tiled_fwd.cu): A from (K, K) and P from (Q, K) share K's rescaled rows, scaled once instead of once per matrix.
+template <class T, int NThreads, class Write, class Write2>
+__device__ void kda_scores_pair(const T* X, const T* X2, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* X2r,
+                                T* Yr, int Kp, int len, bool inclusive, bool inclusive2, Write write, Write2 write2) {
+  decayed_scores_impl<T, NThreads, true>(X, X2, Y, ld, Gk, Gk, ldg, Xr, X2r, Yr, kda_scores_y_rows(sizeof(T)), Kp, len,
+                                         inclusive, inclusive2, write, write2);
 }
 
 }  // namespace deltacp::cuda::tiled

@@ -61,6 +61,9 @@
 //   chunk_state_scan_kernel   256 thr   BV 32: 96 KB with two load stages (2 CTAs/SM); BV 64: 117 KB
 //                                       (1 CTA/SM); K <= 64 runs 128 threads       <= 128 regs
 //   chunk_output_kernel       128 thr   70.5 KB (3 CTAs/SM)      71-72 regs   (kda 103.5 KB)
+//   kda_prepare_kernel        128 thr   109.75 KB (2 CTAs/SM)    168 regs (fp16 174), no spills (nvcc 13.0,
+//                                       sm_90a): the fused forward's kda stage, chunk_wy_kernel<T, true> and
+//                                       kda_chain_operands_kernel in one
 // fp32 inputs need about twice the shared memory (the scan then runs one load stage); fp32 with
 // K or V = 256 does not fit an sm_80 (an Error names K). bf16/fp16 fit up to K = V = 256.
 //
@@ -91,6 +94,11 @@
 // decay scalings' exponentials without subnormal handling, their range check per row and the piece indices by
 // shifts (fused_fwd.cu has the profile that found them): the kda forward end to end 3.13 -> 2.85 ms on this tier
 // and 2.63 -> 2.10 on the fused one (H100, (2,16384,16,128), with FLA's l2 norm and safe gate keywords).
+// The fused forward's kda stage then runs as one kernel, kda_prepare_kernel (the pair's loads, gate sum, l2 norm
+// and the scores' shared Y-row scaling done once; the same bits; DELTACP_FUSED_KDA_PREPARE=0: the pair): the
+// fused kda forward end to end 2.10 -> 1.70 ms (FLA 2.27; (1,8192,96,128) 2.93 -> 2.60, (4,4096,64,128)
+// 3.99 -> 2.93; H100, (2,16384,16,128), FLA's keywords), and 1.54 ms once safe_gate's range check stopped
+// synchronising before the launches (deltacp/_library.py).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -282,6 +290,46 @@ __host__ __device__ inline OutLayout out_layout(int Kp, int esize, bool kda) {
   L.xr = kda ? carve(s2, 16 * L.ldk * esize) : 0;
   L.yr = kda ? carve(s2, kda_scores_y_rows(esize) * L.ldk * esize) : 0;
   L.bytes = s1 > s2 ? s1 : s2;
+  return L;
+}
+
+// The fused kda stage in one kernel (kda_prepare_kernel): regions reused as they die. For bf16 / fp16 and
+// K = V = 128: K 17 KB + beta + A 17 KB (fp32; the solve's N in place, then Tb1) for the whole kernel, then one
+// region of 75.5 KB that holds Q 17 KB, G 33 KB (fp32, ldg = 132) and the scores' scratch (Xr of K 4.25 KB, Xr
+// of Q 4.25 KB, Yr 17 KB) up to phase 3, and V (over Q) and T (fp32, over the scratch) after it: 112,384 bytes,
+// two CTAs per SM with their 1 KB reserves (2 x 110.75 KB of the 228 KB). P is not staged in shared memory
+// (its 9 KB tile would leave one CTA per SM); its 16-bit values go to global memory as the scores produce them.
+struct KdaPrepLayout {
+  int ldk, ldv, ldg, lda, ldt;  // K, Q, V tiles (T); G (f32); A, T (f32); Tb1 (T)
+  int k, beta, a;               // the whole kernel (Tb1 in A's place)
+  int q, gk, xk, xq, yr;        // phases 0-3
+  int v, t;                     // phases 4-5: V over Q, T over the scratch
+  int bytes;
+};
+__host__ __device__ inline KdaPrepLayout kda_prep_layout(int Kp, int Vp, int esize) {
+  KdaPrepLayout L;
+  L.ldk = Kp + 8;
+  L.ldv = Vp + 8;
+  L.ldg = Kp + 4;
+  L.lda = kBT + 4;
+  L.ldt = kBT + 8;
+  int o = 0;
+  L.k = carve(o, kBT * L.ldk * esize);
+  L.beta = carve(o, kBT * 4);
+  const int a_bytes = kBT * L.lda * 4, tb_bytes = kBT * L.ldt * esize;
+  L.a = carve(o, a_bytes > tb_bytes ? a_bytes : tb_bytes);
+  const int region = o;
+  L.q = carve(o, kBT * L.ldk * esize);
+  L.gk = carve(o, kBT * L.ldg * 4);
+  const int scratch = o;
+  L.xk = carve(o, 16 * L.ldk * esize);
+  L.xq = carve(o, 16 * L.ldk * esize);
+  L.yr = carve(o, kda_scores_y_rows(esize) * L.ldk * esize);
+  int o2 = region;  // after phase 3: V where Q was, T in the scratch (or past it, were V wider than Q and G)
+  L.v = carve(o2, kBT * L.ldv * esize);
+  if (o2 < scratch) o2 = scratch;
+  L.t = carve(o2, kBT * L.lda * 4);
+  L.bytes = o > o2 ? o : o2;
   return L;
 }
 
@@ -970,6 +1018,172 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
   }
 }
 
+// ============================================================================================
+// The fused forward's kda stage in one kernel: chunk_wy_kernel<T, true>'s outputs (W, U, Kd, G's last row) and
+// kda_chain_operands_kernel's (P, Q e^G) from one CTA per (chunk, value head). The two kernels load the same k
+// and g, sum the same gate, normalise the same k, and both score matrices (A from (K, K), P from (Q, K)) rescale
+// the same Y rows K e^(G_r - G) around the same reference rows: the decay scalings were most of their issued
+// instructions (Nsight Compute: issue-bound, HMMA about 1%). Here q, k, v, beta and g are read once, the gate is
+// summed and k normalised once, and kda_scores_pair scales the Y rows once for both matrices.
+//   phase 0  Q, K tiles and the raw gate (cp.async), beta
+//   phase 1  G in place (chunk_sum_gate; G's last row out), q and k l2-normalised (threads 0..63 and 64..127)
+//   phase 2  A = beta_i (strict scores of (K, K)) in fp32, P = (inclusive scores of (Q, K)) in 16 bits straight
+//            to global (kda_scores_pair: shared Yr, Xr for K and for Q)
+//   phase 3  Q e^G out, Kd = K e^(G_n - G) out, K <- K e^G in place (one e^G per element for Q and K); P's
+//            zeros above the block diagonal. The gates, Q and the scores' scratch die here
+//   phase 4  V by cp.async into Q's dead tile; T = (I + A)^-1 into the dead scratch (wy_solve.cuh); Tb1 = T Beta
+//            in A's place
+//   phase 5  W = Tb1 (K e^G), U = Tb1 V on the tensor cores (chunk_wy_kernel's loops)
+// Every stored value takes the operations of the kernel it replaces, in the same order (the same helpers:
+// chunk_sum_gate, l2norm_rows_128, decayed_scores_impl, unit_lower_inverse_64_tf32, the same warp_mma calls
+// and the same element expressions), so the outputs are bit-identical to the pair's; only where and when they
+// are stored changed. 128 threads, 109.75 KB of shared memory for K = V = 128 (KdaPrepLayout): two CTAs per
+// SM, as each of the pair ran, so one CTA's barriers overlap the other's work.
+// ============================================================================================
+template <class T>
+__global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> args, T* __restrict__ W,
+                                                                  T* __restrict__ U, T* __restrict__ Kd,
+                                                                  T* __restrict__ P, T* __restrict__ Qg) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int Kp = args.Kp, Vp = args.Vp;
+  const KdaPrepLayout L = kda_prep_layout(Kp, Vp, sizeof(T));
+  T* Ks = reinterpret_cast<T*>(smem + L.k);
+  float* beta_s = reinterpret_cast<float*>(smem + L.beta);
+  float* As = reinterpret_cast<float*>(smem + L.a);
+  T* Tb1 = reinterpret_cast<T*>(smem + L.a);
+  T* Qs = reinterpret_cast<T*>(smem + L.q);
+  float* Gk = reinterpret_cast<float*>(smem + L.gk);
+  T* Xk = reinterpret_cast<T*>(smem + L.xk);
+  T* Xq = reinterpret_cast<T*>(smem + L.xq);
+  T* Yr = reinterpret_cast<T*>(smem + L.yr);
+  T* Vs = reinterpret_cast<T*>(smem + L.v);
+  float* Ts = reinterpret_cast<float*>(smem + L.t);
+  const int lda = L.lda, ldt = L.ldt, ldk = L.ldk, ldv = L.ldv, ldg = L.ldg;
+
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const ChunkEntry ce = args.chunks[blockIdx.x];
+  const int64_t hv = blockIdx.y, hk = hv / args.group, HV = args.HV;
+  const int len = static_cast<int>(ce.len);
+
+  // ---- phase 0: loads (V waits for phase 4: its tile takes Q's place) ----
+  {
+    const T* qsrc = args.q.at(ce.batch, ce.t0, hk);
+    const T* ksrc = args.k.at(ce.batch, ce.t0, hk);
+    load_tile(Qs, ldk, qsrc, args.q.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(qsrc, args.q.st));
+    load_tile(Ks, ldk, ksrc, args.k.st, len, kBT, static_cast<int>(args.K), Kp, vec_ok(ksrc, args.k.st));
+    load_raw_gate(Gk, ldg, args, ce, hv);
+    cp_async_commit();
+  }
+  if (tid < kBT) beta_s[tid] = tid < len ? to_f(*args.beta.at(ce.batch, ce.t0 + tid, hv)) : 0.f;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- phase 1: G in place (G's last row to args.g_last), q and k normalised ----
+  chunk_sum_gate(Gk, ldg, args, ce, hv);
+  if (args.qk_l2norm) {  // Kp = 128 (launch_kda_fused_prepare)
+    l2norm_rows_128(Qs, ldk, 0);
+    l2norm_rows_128(Ks, ldk, 64);
+  }
+  __syncthreads();
+
+  // ---- phase 2: A (chunk_wy_kernel's write) and P (16-bit, rows < len, straight to global: no P tile) ----
+  T* Pc = P + (ce.row0 * HV + hv) * kBT;  // row i of the chunk at Pc + i * p_ld
+  const int p_ld = static_cast<int>(HV * kBT);  // HV <= 65535: 64 rows of it stay below 2^31
+  kda_scores_pair<T, kThreads>(Ks, Qs, Ks, ldk, Gk, ldg, Xk, Xq, Yr, Kp, len, /*inclusive=*/false,
+                               /*inclusive2=*/true, [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; },
+                               [&](int i, int j, float x) {
+                                 if (i < len) Pc[i * p_ld + j] = from_f<T>(x);
+                               });
+
+  // ---- phase 3: Q e^G and Kd out, K <- K e^G; P's zeros right of the block diagonal ----
+  {
+    const float* Glast = Gk + (len - 1) * ldg;
+    const int pieces = Kp / 8;  // eight keys per thread (16-byte rows)
+    const PieceRows rows_of(pieces);
+    for (int idx = tid; idx < kBT * pieces; idx += kThreads) {
+      const int i = rows_of.row(idx), d0 = 8 * (idx - i * pieces);
+      float qv[8], kv[8], g[8], gl[8], kd[8];
+      load8(Qs + i * ldk + d0, qv);
+      load8(Ks + i * ldk + d0, kv);
+      load8f(Gk + i * ldg + d0, g);
+      load8f(Glast + d0, gl);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float eg = exp_t<T>(g[e]);  // kda_output_operands' and chunk_wy_kernel's e^G: the same value
+        qv[e] *= eg;
+        kd[e] = kv[e] * exp_t<T>(gl[e] - g[e]);
+        kv[e] *= eg;
+      }
+      if (i < len) {
+        const int64_t row = (ce.row0 + i) * HV + hv;
+        store8(Qg + row * Kp + d0, qv);
+        store8(Kd + row * Kp + d0, kd);
+      }
+      store8(Ks + i * ldk + d0, kv);
+    }
+    // Row block a of P holds the scores in columns < 16 (a + 1) (written above), zeros past them.
+    for (int idx = tid; idx < len * 8; idx += kThreads) {
+      const int i = idx >> 3, j0 = 8 * (idx & 7);
+      if (j0 >= 16 * (i / 16 + 1)) *reinterpret_cast<uint4*>(Pc + i * p_ld + j0) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  __syncthreads();  // Q, the gates and the scores' scratch are dead; K e^G is in place
+
+  // ---- phase 4: V in flight over Q's tile while T = (I + A)^-1 goes to the scratch; Tb1 = T Beta ----
+  {
+    const T* vsrc = args.v.at(ce.batch, ce.t0, hv);
+    load_tile(Vs, ldv, vsrc, args.v.st, len, kBT, static_cast<int>(args.V), Vp, vec_ok(vsrc, args.v.st));
+    cp_async_commit();
+  }
+  unit_lower_inverse_64_tf32(As, Ts, lda);  // ends with a barrier: A (now N) is dead, its region becomes Tb1
+  for (int idx = tid; idx < kBT * kBT; idx += kThreads) {
+    const int i = idx / kBT, j = idx - i * kBT;
+    const float t = Ts[i * lda + j] * beta_s[j];
+    Tb1[i * ldt + j] = from_f<T>(t);
+  }
+  cp_async_wait<0>();  // the V tile
+  __syncthreads();
+
+  // ---- phase 5: W, U (row block `warp` of T has nonzeros only in columns < 16 (warp + 1)) ----
+  const int kend = 16 * (warp + 1);
+  for (int n0 = 0; n0 < Kp; n0 += 64) {
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = min(8, (Kp - n0) / 8);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tb1, ldt, 16 * warp, Ks, ldk, n0, 0, kend, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = 16 * warp + acc_row(0, 2 * h2);
+          if (i < len)
+            store_pair(W + ((ce.row0 + i) * HV + hv) * Kp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
+                       acc[0][nt][2 * h2 + 1]);
+        }
+      }
+    }
+  }
+  for (int n0 = 0; n0 < Vp; n0 += 64) {
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = min(8, (Vp - n0) / 8);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tb1, ldt, 16 * warp, Vs, ldv, n0, 0, kend, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = 16 * warp + acc_row(0, 2 * h2);
+          if (i < len)
+            store_pair(U + ((ce.row0 + i) * HV + hv) * Vp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
+                       acc[0][nt][2 * h2 + 1]);
+        }
+      }
+    }
+  }
+}
+
 // ---- host helpers ---------------------------------------------------------------------------
 // Opts the kernel into `bytes` of dynamic shared memory; names the arguments when it cannot fit.
 template <class Kernel>
@@ -1284,6 +1498,18 @@ void launch_chunk_output(const Params& p, const ChunkTable& table, const float* 
   });
 }
 
+namespace {
+// DELTACP_FUSED_KDA_PREPARE (common/kernel_switch.h): unset = the fused kda stage in one kernel
+// (kda_prepare_kernel); 0 = the pair it replaces (chunk_wy_kernel<T, true>, then kda_chain_operands_kernel),
+// with the same bits; 1 = required (an error names why it cannot run).
+bool use_kda_prepare_kernel(const Params& p) {
+  return kernel_switch("DELTACP_FUSED_KDA_PREPARE", "the one-kernel kda stage", [&]() -> const char* {
+    // Its layout is sized for V = 128 (two CTAs per SM); the pair takes any V the fused tier does.
+    return padded_dim(p.V) == 128 ? nullptr : "it takes K = V = 128";
+  });
+}
+}  // namespace
+
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
                               void* P, void* Qg, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
@@ -1301,6 +1527,16 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
       }
       args.qk_l2norm = p.qk_l2norm;
       const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+      if (use_kda_prepare_kernel(p)) {  // everything in one kernel
+        args.g_last = G_last;
+        const KdaPrepLayout L = kda_prep_layout(args.Kp, args.Vp, sizeof(T));
+        auto kernel = kda_prepare_kernel<T>;
+        prepare_smem(kernel, L.bytes, p, "kda stage of the fused forward");
+        kernel<<<grid, kThreads, L.bytes, stream>>>(args, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Kd),
+                                                    static_cast<T*>(P), static_cast<T*>(Qg));
+        DELTACP_CUDA_CHECK_LAUNCH();
+        return;
+      }
       {  // W, U, K e^(G_n - G), and G's last rows
         args.g_last = G_last;
         const WyLayout L = wy_layout(args.Kp, args.Vp, sizeof(T), /*kda=*/true);

@@ -199,10 +199,12 @@ def _compare(case, rank, world):
 
 def _fault(scenario, rank, world, victim):
     """Runs one fault scenario; returns what this rank saw (exception type and text, seconds)."""
+    import deltacp
     import deltacp.cp as cp
     from deltacp.cp import autograd as cp_autograd
 
-    case = dict(variant="gdn", dtype="float32", seqlens=[7, 24 * world - 7], states=True, HV_mult=1, chunk=16)
+    variant = "kda" if scenario == "broken_safe_gate" else "gdn"
+    case = dict(variant=variant, dtype="float32", seqlens=[7, 24 * world - 7], states=True, HV_mult=1, chunk=16)
     if scenario in ("bad_gate_dtype", "mismatch_gate_dtype"):
         case["dtype"] = "bfloat16"
     cu, x, do, dht = _inputs(case)
@@ -231,7 +233,15 @@ def _fault(scenario, rank, world, victim):
             loc["g"] = loc["g"].to(torch.float16)
         if scenario == "mismatch_gate_dtype" and rank == victim:  # float32 g here, bfloat16 elsewhere
             loc["g"] = loc["g"].to(torch.float32)
-        _call("gdn", loc, cp_context=ctx, chunk=16, states=True)
+        if scenario == "broken_safe_gate":  # safe_gate's promise (g >= lower_bound) broken on the victim only
+            loc["g"] = loc["g"].clamp(min=-4.0)
+            if rank == victim:
+                loc["g"][0, 3, 1, 2] = -4.5
+            deltacp.chunk_kda(loc["q"], loc["k"], loc["v"], loc["g"], loc["beta"], initial_state=loc["h0"],
+                              output_final_state=True, chunk_size=16, cp_context=ctx, safe_gate=True,
+                              lower_bound=-4.25)
+        else:
+            _call("gdn", loc, cp_context=ctx, chunk=16, states=True)
         return {"raised": None, "seconds": time.time() - t0}
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return {"raised": type(exc).__name__, "is_value_error": isinstance(exc, ValueError),
@@ -384,6 +394,18 @@ def test_cp_gate_of_another_dtype_is_a_type_error_naming_g():
 
 def test_cp_ranks_disagreeing_on_the_gate_dtype_raise_naming_g():
     _assert_same_value_error_everywhere(2, {"kind": "mismatch_gate_dtype", "victim": 1}, "g")
+
+
+def test_cp_broken_safe_gate_raises_on_every_rank_naming_g():
+    """safe_gate's range is checked on each rank and joins the ranks' agreement: the rank whose gate breaks the
+    promise names the values, the others the disagreement on g; nobody is left waiting in the exchange."""
+    reports, logs = launch(2, {"kind": "broken_safe_gate", "victim": 1}, timeout=120)
+    assert len(reports) == 2, "\n".join(logs)
+    for rank, rep in reports.items():
+        assert rep["is_value_error"] and "'g'" in rep["message"], rep
+        assert rep["seconds"] < FAULT_TIMEOUT_S, rep
+    assert "safe_gate=True promises -4.25 <= g <= 0" in reports[1]["message"], reports[1]
+    assert "the ranks disagree" in reports[0]["message"], reports[0]
 
 
 def test_cp_indivisible_tokens_rejected():

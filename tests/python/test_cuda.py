@@ -1048,6 +1048,37 @@ def test_kda_scores_diagonal_blocks_on_both_paths(tier, monkeypatch):
         assert err < TOL[torch.bfloat16], f"{name}: {err:.2e} against the fp64 reference"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gate16", [False, True], ids=["g_fp32", "g_16bit"])
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "qk_l2norm"])
+def test_fused_kda_prepare_kernel_matches_the_pair(dtype, gate16, l2norm, monkeypatch):
+    """The fused forward's kda stage in one kernel (kda_prepare_kernel, DELTACP_FUSED_KDA_PREPARE) against the
+    pair it replaces (=0: chunk_wy_kernel, then kda_chain_operands_kernel): o and ht bit for bit, on packed
+    sequences with short chunks, grouped value heads, the raw gate in fp32 or 16 bits, with and without the
+    in-kernel l2 norm, and gates that send some bf16 diagonal blocks element by element."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    if not _core.cuda_supports("kda", "fused", False) or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused tier runs on compute capability 9.0")
+    s = _Switched("kda", dtype, [0, 1, 63, 64, 65, 300], seed=43, rng_seed=7)
+    steep = (torch.arange(s.t["g"].shape[1], device="cuda") // 16) % 3 == 1
+    s.t["g"][:, steep] = -8.0
+    if gate16:
+        s.t["g"] = s.t["g"].to(dtype)
+    got = {}
+    for value in ("1", "0"):
+        monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE", value)
+        _poison_cache(64 << 20)
+        o, ht = _call("kda", dict(s.t), initial_state=s.h0, output_final_state=True, cu_seqlens=s.cu,
+                      use_qk_l2norm_in_kernel=l2norm, backend="fused")
+        torch.cuda.synchronize()
+        got[value] = (o, ht)
+    assert torch.isfinite(got["1"][0]).all() and torch.isfinite(got["1"][1]).all()
+    assert torch.equal(got["1"][0], got["0"][0]), "o: one kernel differs from the pair"
+    assert torch.equal(got["1"][1], got["0"][1]), "ht: one kernel differs from the pair"
+
+
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_wgmma_wy_stage_matches_the_mma_sync_one(variant, dtype, monkeypatch):

@@ -120,23 +120,55 @@ def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht):
     return grads
 
 
-def _check_gate_range(g, lower: float, gate_name: str = "g") -> None:
-    """safe_gate's promise lower <= g <= 0 on a precomputed log decay (deltacp.fla_options)."""
+class GateRangeCheck:
+    """safe_gate's promise lower <= g <= 0 on a precomputed log decay (deltacp.fla_options), checked in two
+    halves: start_gate_range_check enqueues one min / max reduction of g and its copy to pinned host memory;
+    error() waits for that copy alone (not for work enqueued after it) and returns the message of a broken
+    promise, or None. The ops enqueue their kernels in between: those are exact for any gate (the range is
+    FLA's requirement, not deltacp's), so a broken promise is still reported before the call returns, while
+    the GPU already runs the op (a check that synchronised before the launches left the GPU idle for the
+    host's whole launch time)."""
+    __slots__ = ("lower", "gate_name", "host", "event")
+
+    def error(self):
+        if self.event is not None:
+            self.event.synchronize()
+        lo, hi = self.host.tolist()
+        if lo >= self.lower and hi <= 0.0:
+            return None
+        return (f"deltacp: argument '{self.gate_name}': safe_gate=True promises {self.lower} <= {self.gate_name} "
+                f"<= 0 (lower_bound), got values in [{lo}, {hi}]; pass safe_gate=False for gates outside it")
+
+    def confirm(self) -> None:
+        """InvalidArgumentError naming the gate if the promise is broken."""
+        message = self.error()
+        if message is not None:
+            raise InvalidArgumentError(message)
+
+
+def start_gate_range_check(g, lower: float, gate_name: str = "g"):
+    """A GateRangeCheck of g (None when g is absent or empty)."""
     if g is None or g.numel() == 0:
-        return
+        return None
     if not torch.compiler.is_compiling() and capturing(g.device):
         raise InvalidArgumentError(
             f"deltacp: argument 'safe_gate': with a precomputed {gate_name}, safe_gate=True checks "
             f"{lower} <= {gate_name} <= 0 on the host, a device-to-host copy that a CUDA graph capture cannot "
             f"record; check the range before the capture and call with safe_gate=False inside it, or let the "
             f"gate come from use_gate_in_kernel=True")
+    check = GateRangeCheck()
+    check.lower, check.gate_name, check.event = lower, gate_name, None
     # One pass over g and one device-to-host copy (min() and max() apart took two of each: at (2,16384,16,128)
     # two reads of 268 MB and two synchronisations per call).
-    lo, hi = torch.stack(torch.aminmax(g.detach())).tolist()
-    if not (lo >= lower and hi <= 0.0):
-        raise InvalidArgumentError(
-            f"deltacp: argument '{gate_name}': safe_gate=True promises {lower} <= {gate_name} <= 0 "
-            f"(lower_bound), got values in [{lo}, {hi}]; pass safe_gate=False for gates outside it")
+    lo_hi = torch.stack(torch.aminmax(g.detach()))
+    if g.device.type == "cuda":
+        check.host = torch.empty(lo_hi.shape, dtype=lo_hi.dtype, pin_memory=True)
+        check.host.copy_(lo_hi, non_blocking=True)
+        check.event = torch.cuda.Event()
+        check.event.record(torch.cuda.current_stream(g.device))
+    else:
+        check.host = lo_hi
+    return check
 
 
 class _DeltaRuleFunction(torch.autograd.Function):
@@ -181,9 +213,16 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
     cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
                   cu_seqlens_cpu)
     cfg.qk_l2norm = bool(qk_l2norm)
-    if gate_min is not None:
-        _check_gate_range(g, gate_min, cfg.gate_name)
-    return _forward(cfg, q, k, v, g, beta, a, b, h0)
+    gate_check = start_gate_range_check(g, gate_min, cfg.gate_name) if gate_min is not None else None
+    try:
+        out = _forward(cfg, q, k, v, g, beta, a, b, h0)
+    except Exception:
+        if gate_check is not None:
+            gate_check.confirm()  # a broken promise is the error to report (a positive g fails both)
+        raise
+    if gate_check is not None:
+        gate_check.confirm()  # after the launches: the forward's kernels take any gate
+    return out
 
 
 @chunk_fwd.register_fake

@@ -28,7 +28,8 @@ reference token, which is exact only while every per-token log decay is >= lower
 deltacp's kernels do not depend on that range, but a caller who sets safe_gate states it, and a
 violated promise is reported instead of being computed on: with use_gate_in_kernel the lower-bound gate
 lies in [lower_bound, 0] by construction; with a precomputed g the op checks lower_bound <= g <= 0 and
-raises InvalidArgumentError naming 'g' otherwise (one min / max reduction; on CUDA one host sync).
+raises InvalidArgumentError naming 'g' otherwise (one min / max reduction; on CUDA the host waits for
+its copy once the op's kernels are enqueued, which take any gate).
 safe_gate needs lower_bound in [-5, 0) (FLA's range); with a precomputed g and no lower_bound the
 promised range is FLA's floor, [-5, 0].
 

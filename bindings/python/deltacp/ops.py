@@ -50,7 +50,7 @@ _CUDA_TIERS = ("fused", "tiled", "naive")  # fastest first
 from ._calls import _FLOAT_DTYPES, _run, _tensor, capturing, tensor_descs  # noqa: E402,F401
 # The registered ops and the run of one call (_Config, _DeltaRuleFunction for callers that build one).
 from . import _library  # noqa: E402
-from ._library import _Config, _DeltaRuleFunction, _check_gate_range  # noqa: E402,F401
+from ._library import _Config, _DeltaRuleFunction, start_gate_range_check  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,16 +234,17 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
         # are pure pre-processing, applied above.
         if opts.return_intermediate_states:
             raise InvalidArgumentError("deltacp: argument 'return_intermediate_states': not supported with cp_context")
-        if gate_bound is not None:
-            _check_gate_range(g, gate_bound, gate_name)
         try:
             from .cp import cp_apply
         except ImportError as exc:
             raise NotImplementedError("deltacp: argument 'cp_context': context parallelism (deltacp.cp) is not "
                                       f"available in this installation: {exc}") from exc
+        # The gate's range is checked on every rank before the exchange, inside the ranks' agreement.
+        gate_check = start_gate_range_check(g, gate_bound, gate_name) if gate_bound is not None else None
         o, ht = cp_apply(variant, q, k, v, g, beta, a, b, cp_context=cp_context, scale=scale, initial_state=h0,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
-                         use_qk_l2norm_in_kernel=False, gate_name=gate_name, cu_seqlens=cu_seqlens)
+                         use_qk_l2norm_in_kernel=False, gate_name=gate_name, cu_seqlens=cu_seqlens,
+                         gate_range_check=gate_check)
         if ht is not None and opts.state_v_first:
             ht = ht.transpose(-1, -2).contiguous()
         return o, ht

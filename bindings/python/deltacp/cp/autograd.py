@@ -12,7 +12,7 @@ from .. import _core
 from .._calls import _run
 from .._describe import torch_desc
 from .exchange import (_all_gather, _finish_check, last_stats, _local_initial_states, _merge_backward, _merge_forward,
-                       _prepass_backward, _prepass_forward, _until_confirmed)
+                       _prepass_backward, _prepass_forward, _start_check, _until_confirmed)
 from .local import (_body_cu_seqlens, _Cfg, _descs, _grid_pad, _head_forward, _PreparedForward, _prepass_route, _rows,
                     _seg, _split, _staged_available, _staged_call)
 
@@ -61,6 +61,7 @@ class _CPFunction(torch.autograd.Function):
         if _staged_available(cfg, "forward", q, g):
             handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, cfg.fwd_method, descs)
             prepared = _PreparedForward(handle, pad, cfg.fwd_method)
+        _start_check(cfg)
         # 1-3: the state entering this rank's first segment.
         # The backward pre-pass's transitions are made here, where the rank waits for the all-gather.
         want_maps = (ctx.first_continues and any(ctx_.needs_input_grad[1:])

@@ -156,18 +156,18 @@ def agree_start(fields: dict, group, rank: int, timeout: float, what: str, ctx=N
     between the caller may enqueue work that does not depend on the agreement (the CP pre-pass): with
     deltacp's NCCL communicator the all-reduce runs off the caller's streams and overlaps that work."""
     names = list(fields)
-    hashes = torch.tensor([_hash62(fields[n]) for n in names], dtype=torch.int64)
-    both = torch.cat([hashes, -hashes])
+    hashes = [_hash62(fields[n]) for n in names]
+    both = hashes + [-h for h in hashes]  # plain ints: no torch op on the host path before the exchange
     pending = _PendingAgreement()
     pending.names, pending.what = names, what
     label = f"the fingerprint check before {what}"
     if ctx is not None and ctx.nccl is not None:
         from . import nccl_backend
 
-        nccl_backend.start_check(ctx, both.tolist())
+        nccl_backend.start_check(ctx, both)
         pending.finish = lambda: nccl_backend.finish_check(ctx, label)
     else:
-        both = both.to(_collective_device(group))
+        both = torch.tensor(both, dtype=torch.int64, device=_collective_device(group))
         work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
         def finish():

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from .context import CPContext, agree_finish, wait_collective
+from ..errors import InvalidArgumentError
+from .context import CPContext, agree_finish, agree_start, wait_collective
 from .local import (_augmented_backward, _augmented_forward_pieces, _Cfg, _compose_cut_maps, _composition_io,
                     _cut_bounds, _dh0_pieces, _exchange_width, _fold, _fold_maps, _fold_offsets, _grid_pad,
                     _identity_block, _piece_bounds, _pieces_of_segment, _PreparedForward, _prepass_chunked_or_loops,
@@ -290,11 +291,34 @@ def _until_confirmed(cfg: _Cfg, what: str, *buffers):
     _confirm(cfg, what, *buffers)
 
 
+def _start_check(cfg: _Cfg) -> None:
+    """The ranks' fingerprint check of cp_apply's fields (agree_start), started once the forward has enqueued
+    the local work that needs no exchange: the host's hashing and the NCCL enqueue then overlap that work
+    instead of delaying its launch. The gate range check's outcome (safe_gate) joins the fields here."""
+    fields, gate = cfg.check_fields, cfg.gate_range_check
+    cfg.gate_error = None
+    if gate is not None:
+        cfg.gate_error = gate.error()
+        fields[cfg.gate_name] = (fields[cfg.gate_name], "in range" if cfg.gate_error is None else "out of range")
+    ctx = cfg.ctx
+    cfg.pending_check = agree_start(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {cfg.variant} forward",
+                                    ctx=ctx)
+
+
 def _finish_check(cfg: _Cfg) -> None:
-    """The fingerprint check cp_apply started (agree_start) must pass before anything is exchanged."""
-    pending, cfg.pending_check = getattr(cfg, "pending_check", None), None
-    if pending is not None:
+    """The fingerprint check (_start_check) must pass before anything is exchanged. A broken safe_gate promise
+    raises on every rank: its message where it broke, the ranks' disagreement on the gate elsewhere."""
+    pending, cfg.pending_check = cfg.pending_check, None
+    if pending is None:
+        return
+    try:
         agree_finish(pending)
+    except InvalidArgumentError as exc:
+        if cfg.gate_error is not None:
+            raise InvalidArgumentError(cfg.gate_error) from exc
+        raise
+    if cfg.gate_error is not None:  # broken on every rank
+        raise InvalidArgumentError(cfg.gate_error)
 
 
 def _merge_forward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:

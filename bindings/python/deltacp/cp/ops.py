@@ -92,7 +92,7 @@ from .. import _core
 from .._calls import _tensor
 from ..errors import InvalidArgumentError
 from ..fla_options import l2norm as _l2norm
-from .context import CPContext, agree, agree_start
+from .context import CPContext, agree
 from .autograd import _CPFunction
 from .exchange import exchange_bytes, last_stats
 from .local import _Cfg, _dplr_tiers
@@ -136,10 +136,12 @@ def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
 
 def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=None, initial_state=None,
              output_final_state=False, chunk_size=64, backend=None, use_qk_l2norm_in_kernel=False,
-             gate_name="g", cu_seqlens=None, gate_check=True):
+             gate_name="g", cu_seqlens=None, gate_check=True, gate_range_check=None):
     """The CP op for any variant (the public functions below fix the variant and argument names).
     gate_check (dplr): each rank checks its gates against the chunk form's range before a chunked method runs
-    them (False: the caller vouches for them; local._dplr_tiers)."""
+    them (False: the caller vouches for them; local._dplr_tiers). gate_range_check: safe_gate's started check
+    of the gate (deltacp._library.start_gate_range_check, from deltacp.ops), whose outcome joins the ranks'
+    agreement, so that a broken promise on one rank makes every rank raise before the exchange."""
     ctx = cp_context
     if not isinstance(ctx, CPContext):
         raise TypeError(f"deltacp: argument 'cp_context': expected a deltacp.cp.CPContext (from "
@@ -209,8 +211,8 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
                 raise InvalidArgumentError(local_errors[name]) from exc
             raise
         raise InvalidArgumentError(next(iter(local_errors.values())))
-    # Started here, finished before the first exchange (_finish_check): the check overlaps the pre-pass.
-    pending_check = agree_start(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {variant} forward", ctx=ctx)
+    # Started by the forward once its local work that needs no exchange is enqueued (_start_check), finished
+    # before the first exchange (_finish_check): the check overlaps that work and the pre-pass.
 
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
@@ -230,7 +232,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     if initial_state is not None:
         h0 = initial_state.to(cfg.state_dtype).contiguous()
     cfg.has_h0 = h0 is not None
-    cfg.pending_check = pending_check
+    cfg.check_fields, cfg.gate_range_check, cfg.pending_check = fields, gate_range_check, None
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cfg.fwd_method, cfg.bwd_method = _methods(variant, backend, q.device, needs_grad)
