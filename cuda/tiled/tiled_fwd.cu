@@ -452,6 +452,33 @@ __global__ void __launch_bounds__(kThreads) chunk_cumsum_kernel(DevRows<const T>
 }
 
 // ============================================================================================
+// The WY products of one chunk: out = Tm X (W = Tb2 K or Tb1 (K e^G), U = Tb1 V), Tm 64 x 64 and X 64 x Np
+// 16-bit in shared memory; warp `warp` computes row block `warp`, whose Tm row block has nonzeros only in
+// columns < 16 (warp + 1), and stores its rows < len at out_row(i) + column.
+// ============================================================================================
+template <class T, class OutRow>
+__device__ __forceinline__ void wy_products(int warp, const T* Tm, int ldt, const T* X, int ldx, int Np, int len,
+                                            OutRow out_row) {
+  const int kend = 16 * (warp + 1);
+  for (int n0 = 0; n0 < Np; n0 += 64) {
+    float acc[1][8][4];
+    zero_acc(acc);
+    const int nt_active = min(8, (Np - n0) / 8);
+    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tm, ldt, 16 * warp, X, ldx, n0, 0, kend, 1, nt_active);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < nt_active) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = 16 * warp + acc_row(0, 2 * h2);
+          if (i < len) store_pair(out_row(i) + n0 + acc_col(nt, 0), acc[0][nt][2 * h2], acc[0][nt][2 * h2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+// ============================================================================================
 // Stage 2: A, T = (I + A)^-1, W, U per (chunk, value head).
 //   phase 0  K tile, V tile (cp.async), beta, gates
 //   phase 1  A (gdn: tensor-core K K^T scaled by beta_i e^(G_i - G_j); kda: kda_scores)
@@ -582,45 +609,10 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   cp_async_wait<0>();  // the V tile
   __syncthreads();
 
-  // ---- phase 4: W, U (row block `warp` of T has nonzeros only in columns < 16 (warp + 1)) ----
-  const int kend = 16 * (warp + 1);
+  // ---- phase 4: W, U ----
   const T* TW = kKda ? Tb1 : Tb2;
-  for (int n0 = 0; n0 < Kp; n0 += 64) {
-    float acc[1][8][4];
-    zero_acc(acc);
-    const int nt_active = min(8, (Kp - n0) / 8);
-    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, TW, ldt, 16 * warp, Ks, ldk, n0, 0, kend, 1, nt_active);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (nt < nt_active) {
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = 16 * warp + acc_row(0, 2 * h2);
-          if (i < len)
-            store_pair(W + ((ce.row0 + i) * HV + hv) * Kp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
-                       acc[0][nt][2 * h2 + 1]);
-        }
-      }
-    }
-  }
-  for (int n0 = 0; n0 < Vp; n0 += 64) {
-    float acc[1][8][4];
-    zero_acc(acc);
-    const int nt_active = min(8, (Vp - n0) / 8);
-    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tb1, ldt, 16 * warp, Vs, ldv, n0, 0, kend, 1, nt_active);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (nt < nt_active) {
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = 16 * warp + acc_row(0, 2 * h2);
-          if (i < len)
-            store_pair(U + ((ce.row0 + i) * HV + hv) * Vp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
-                       acc[0][nt][2 * h2 + 1]);
-        }
-      }
-    }
-  }
+  wy_products(warp, TW, ldt, Ks, ldk, Kp, len, [&](int i) { return W + ((ce.row0 + i) * HV + hv) * Kp; });
+  wy_products(warp, Tb1, ldt, Vs, ldv, Vp, len, [&](int i) { return U + ((ce.row0 + i) * HV + hv) * Vp; });
 }
 
 // ============================================================================================
@@ -1144,44 +1136,9 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> arg
   cp_async_wait<0>();  // the V tile
   __syncthreads();
 
-  // ---- phase 5: W, U (row block `warp` of T has nonzeros only in columns < 16 (warp + 1)) ----
-  const int kend = 16 * (warp + 1);
-  for (int n0 = 0; n0 < Kp; n0 += 64) {
-    float acc[1][8][4];
-    zero_acc(acc);
-    const int nt_active = min(8, (Kp - n0) / 8);
-    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tb1, ldt, 16 * warp, Ks, ldk, n0, 0, kend, 1, nt_active);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (nt < nt_active) {
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = 16 * warp + acc_row(0, 2 * h2);
-          if (i < len)
-            store_pair(W + ((ce.row0 + i) * HV + hv) * Kp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
-                       acc[0][nt][2 * h2 + 1]);
-        }
-      }
-    }
-  }
-  for (int n0 = 0; n0 < Vp; n0 += 64) {
-    float acc[1][8][4];
-    zero_acc(acc);
-    const int nt_active = min(8, (Vp - n0) / 8);
-    warp_mma<T, 1, 8, Lay::rowmajor, Lay::rowmajor>(acc, Tb1, ldt, 16 * warp, Vs, ldv, n0, 0, kend, 1, nt_active);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (nt < nt_active) {
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = 16 * warp + acc_row(0, 2 * h2);
-          if (i < len)
-            store_pair(U + ((ce.row0 + i) * HV + hv) * Vp + n0 + acc_col(nt, 0), acc[0][nt][2 * h2],
-                       acc[0][nt][2 * h2 + 1]);
-        }
-      }
-    }
-  }
+  // ---- phase 5: W, U ----
+  wy_products(warp, Tb1, ldt, Ks, ldk, Kp, len, [&](int i) { return W + ((ce.row0 + i) * HV + hv) * Kp; });
+  wy_products(warp, Tb1, ldt, Vs, ldv, Vp, len, [&](int i) { return U + ((ce.row0 + i) * HV + hv) * Vp; });
 }
 
 // ---- host helpers ---------------------------------------------------------------------------
