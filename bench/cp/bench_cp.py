@@ -49,8 +49,9 @@ def start_process_group(device_name: str, timeout_s: float) -> torch.device:
     return device
 
 
-def parse():
-    p = argparse.ArgumentParser()
+def add_problem_args(p: argparse.ArgumentParser) -> None:
+    """The CP benches' shared arguments: the device, one sequence's tokens per rank, heads, K = V, dtype, and how
+    many timed and warm-up calls."""
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tokens", type=int, default=32768, help="tokens per rank")
     p.add_argument("--heads", type=int, default=16)
@@ -58,6 +59,11 @@ def parse():
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    add_problem_args(p)
     p.add_argument("--json", default=None)
     p.add_argument("--pieces", default="0,2048,4096,8192,16384",
                    help="pre-pass piece lengths (tokens) to time; 0 = one sequential scan over the span")

@@ -77,14 +77,8 @@ bench_cp = _load("bench_cp", REPO / "bench" / "cp" / "bench_cp.py")
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--tokens", type=int, default=32768, help="tokens per rank")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128, help="K = V")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    bench_cp.add_problem_args(p)
     p.add_argument("--variants", default="gdn,kda", help="comma-separated, of: " + ", ".join(VARIANTS))
-    p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="rank r's inputs use seed + r, its upstream gradient seed + "
                    "10000 + r")
     p.add_argument("--cp-timeout", type=float, default=120.0, help="seconds a deltacp CP collective may take "

@@ -513,7 +513,8 @@ def cpstep_md(res):
                   "both libraries called with FLA's benchmark keywords, each rank on its own random inputs. The "
                   f"steps are timed in interleaved rounds, median of {c['repeat']} after {c['warmup']} warm-up rounds, "
                   "ms of the slowest rank; per-rank efficiency = one GPU doing the rank's work alone / the CP step. "
-                  f"Versions: {vers or '-'}.", ""]
+                  f"Versions: {vers or '-'}. Where one call spends its time, phase by phase on the host and on the "
+                  "GPU: bench/cp/cp_timeline.py.", ""]
         fla = r.get("fla", {})
         if not fla.get("available"):
             lines += [f"FLA was not measured: {fla.get('reason') or 'not available'}.", ""]

@@ -2,7 +2,7 @@
 # One call on a GPU machine: build, validate, sanitize, benchmark; results under $OUT (default /tmp/deltacp-out).
 #
 #   bash bench/gpu/run_device.sh [steps]     steps: comma list of build,test,sanitize,pytest,bench,cp,
-#                                            cpbench, cpstep, cpgaps, stages, scan, dplr, ncu (default build,test,sanitize,pytest,bench)
+#                                            cpbench, cpstep, cptimeline, stages, scan, dplr, ncu (default build,test,sanitize,pytest,bench)
 #   cp       distributed/tests/run_gpu_cp.sh (checks, faults, examples) and bench/cp/bench_cp.py --profile
 #            (the bench only when cpbench is not asked for too); on one GPU the checks run as 2 ranks
 #            sharing it over gloo, without the examples and the bench
@@ -24,9 +24,9 @@
 #            (GDN, KDA) beside FLA's own CP and one GPU's same per-rank work -> bench_cp_step.json, bench_cp_step.log,
 #            and the Triton autotune files FLA wrote in the run -> fla_autotune_cpstep_new.tar.gz
 #            (DELTACP_CP_STEP_ARGS, e.g. "--variants gdn --repeat 30"; DELTACP_CP_STEP_TIMEOUT, seconds, default 480)
-#   cpgaps   bench/gpu/step_gaps.py --cp on every GPU (2 or more): where the GPU waits inside deltacp's CP step,
-#            each rank's longest idle gaps with the host calls behind them, forward and forward + backward
-#            (DELTACP_CP_GAPS_VARIANTS, default "gdn kda"; DELTACP_CP_GAPS_TOKENS per rank, default 32768) -> cp_gaps.log
+#   cptimeline  bench/cp/cp_timeline.py on every GPU (2 or more): one deltacp CP call phase by phase, each rank's
+#            host and GPU times of each phase, forward and forward + backward (DELTACP_CP_TIMELINE_VARIANTS,
+#            default "gdn kda"; DELTACP_CP_TIMELINE_TOKENS per rank, default 32768) -> cp_timeline.log
 # DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_BENCH_ARGS are added to bench_gpu.py's
 # arguments and DELTACP_BENCH_TIMEOUT bounds it (seconds, default 420); DELTACP_CP_BENCH_ARGS are added to
 # bench_cp.py's arguments (e.g. "--pieces 8192 --scan 0:0,64:2").
@@ -258,17 +258,17 @@ if has cpbench; then
   grep -v "NCCL INFO" "$OUT/bench_allgather.log" | tail -10
   grep -v "profile rank" "$OUT/bench_cp.log" | tail -40
 fi
-if has cpgaps; then  # where the GPU waits inside deltacp's CP step, rank by rank (bench/gpu/step_gaps.py --cp)
+if has cptimeline; then  # one deltacp CP call phase by phase, host and GPU, rank by rank (bench/cp/cp_timeline.py)
   if [ "$NGPU" -ge 2 ]; then
     t0=$(date +%s)
-    : >"$OUT/cp_gaps.log"
-    for v in ${DELTACP_CP_GAPS_VARIANTS:-gdn kda}; do
+    : >"$OUT/cp_timeline.log"
+    for v in ${DELTACP_CP_TIMELINE_VARIANTS:-gdn kda}; do
       for dir in "" --backward; do
-        timeout 180 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU bench/gpu/step_gaps.py --cp \
-          --shape "1,${DELTACP_CP_GAPS_TOKENS:-32768},16,128" --variant "$v" $dir >>"$OUT/cp_gaps.log" 2>&1
+        timeout 180 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU bench/cp/cp_timeline.py \
+          --tokens "${DELTACP_CP_TIMELINE_TOKENS:-32768}" --variant "$v" $dir 2>&1 | grep -v "NCCL INFO" >>"$OUT/cp_timeline.log"
       done
     done
-    say "cp gaps: in $(( $(date +%s) - t0 )) s ($NGPU GPUs) -> cp_gaps.log"
+    say "cp timeline: in $(( $(date +%s) - t0 )) s ($NGPU GPUs) -> cp_timeline.log"
   fi
 fi
 if has cpstep; then  # deltacp's CP training step beside FLA's (its first calls compile and autotune: see the log)

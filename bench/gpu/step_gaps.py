@@ -2,11 +2,6 @@
 
     python3 bench/gpu/step_gaps.py --shape 2,16384,16,128 [--variant gdn] [--impl deltacp-fused|deltacp-tiled|fla]
                                    [--backward] [--repeat 10] [--plain-call]
-    torchrun --nproc_per_node=2 bench/gpu/step_gaps.py --cp --shape 1,32768,16,128 [--variant gdn] [--backward]
-
-With --cp (under torchrun, NCCL) the step is deltacp's CP op instead, with its default tiers: one sequence of T
-tokens per rank over every rank (B = 1), each rank on its own inputs, as bench/cp/bench_cp_step.py times it; every
-rank profiles its own steps and rank 0 prints them in rank order. The all-gather's kernels count as busy time.
 
 A step is bench_gpu.py's (the same inputs, FLA's benchmark keywords unless --plain-call, steps issued back to
 back as do_bench issues them). From a torch.profiler trace (CPU and CUDA activities) of --repeat steps:
@@ -21,7 +16,9 @@ back as do_bench issues them). From a torch.profiler trace (CPU and CUDA activit
   host     the host operators (torch and deltacp calls) by inclusive time per step: where a host-bound step's
            time goes
 
-A kernel time table (stage_times.py) says what the GPU does; this says when it does nothing, and why.
+A kernel time table (stage_times.py) says what the GPU does; this says when it does nothing, and why. The
+profiler slows the host several times over, so a host-bound step shows its gaps' places here, not their lengths;
+for the CP step, bench/cp/cp_timeline.py times each phase without it.
 """
 from __future__ import annotations
 
@@ -107,19 +104,13 @@ def main():
     ap.add_argument("--plain-call", action="store_true")
     ap.add_argument("--gaps", type=int, default=8, help="how many of the longest gaps to show")
     ap.add_argument("--json", default=None, help="also write the summary here")
-    ap.add_argument("--cp", action="store_true", help="under torchrun: deltacp's CP op over every rank (B = 1, T "
-                    "tokens per rank), each rank's gaps (--impl is ignored)")
     a = ap.parse_args()
     B, T, H, D = map(int, a.shape.split(","))
     kw = {} if a.plain_call else FLA_BENCH_KWARGS[a.variant]
-    rank, world = 0, 1
-    if a.cp:
-        fn, rank, world = cp_step_fn(a.variant, B, T, kw)
-    else:
-        fn = fla_fn(a.variant, kw) if a.impl == "fla" else deltacp_fn(a.variant, a.impl.replace("deltacp-", ""), kw)
+    fn = fla_fn(a.variant, kw) if a.impl == "fla" else deltacp_fn(a.variant, a.impl.replace("deltacp-", ""), kw)
     if fn is None:
         sys.exit("FLA is not on PYTHONPATH")
-    x = make_inputs(B, T, H, D, a.variant, seed=rank)
+    x = make_inputs(B, T, H, D, a.variant)
     names = ("q", "k", "v", "g", "beta")
     if a.backward:
         for n in names:
@@ -148,46 +139,12 @@ def main():
     finally:
         os.unlink(path)
 
-    impl = f"deltacp CP rank {rank} of {world}" if a.cp else a.impl
-    label = f"{impl} {a.variant} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}"
+    label = f"{a.impl} {a.variant} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}"
     summary, lines = summarise(events, a.repeat, a.gaps)
-    results = [(label, summary, lines)]
-    if a.cp:
-        import torch.distributed as dist
-
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results[0])
-        results = gathered
-        dist.destroy_process_group()
-    if rank == 0:
-        for label, _, lines in results:
-            print(f"{label}: " + "\n".join(lines), flush=True)
-        if a.json:
-            with open(a.json, "w") as f:
-                out = [dict(label=label, **summary) for label, summary, _ in results]
-                json.dump(out if a.cp else out[0], f, indent=1)
-
-
-def cp_step_fn(variant, B, T, kw):
-    """(fn, rank, world): deltacp's CP op on this rank's slice of one sequence of T x world tokens, with the
-    process group (NCCL) and the CP context made here; the op picks its tiers as by default."""
-    import torch.distributed as dist
-
-    import deltacp
-    import deltacp.cp as cp
-
-    if B != 1:
-        sys.exit("--cp takes B = 1: one sequence over every rank, T tokens per rank")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ctx = cp.build_context(torch.tensor([0, T * world]), device=torch.device("cuda", local))
-    op = deltacp.chunk_gated_delta_rule if variant == "gdn" else deltacp.chunk_kda
-
-    def run(x):
-        return op(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=ctx, **kw)
-    return run, rank, world
+    print(f"{label}: " + "\n".join(lines), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(label=label, **summary), f, indent=1)
 
 
 if __name__ == "__main__":
