@@ -7,6 +7,9 @@ import it; it imports neither (the package's imports run one way: tests/python/t
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from . import _core
@@ -77,3 +80,23 @@ def _tensor(t, name, ref=None, optional=False, allow_fp32=False):
         alt = " or torch.float32" if allow_fp32 else ""
         raise DTypeError(f"deltacp: argument '{name}': expected dtype {ref.dtype} (like q){alt}, got {t.dtype}")
     return t
+
+
+def check_inputs(q, k, v, g, beta, a, b, gate_name, scale, chunk_size):
+    """The checks every op makes of its inputs before anything else: each tensor's type, dtype and device
+    (_tensor; the gate may stay float32 beside 16-bit q, k, v, FLA's usual setup, and its gradient comes back in
+    its dtype), scale (a finite float or None) and chunk_size (an int). Returns the tensors."""
+    q = _tensor(q, "q")
+    k = _tensor(k, "k", q)
+    v = _tensor(v, "v", q)
+    g = _tensor(g, gate_name, q, optional=True, allow_fp32=True)
+    beta = _tensor(beta, "beta", q, optional=True)
+    a = _tensor(a, "a", q, optional=True)
+    b = _tensor(b, "b", q, optional=True)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(float(scale)):
+        raise InvalidArgumentError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
+    return q, k, v, g, beta, a, b

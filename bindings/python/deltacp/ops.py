@@ -30,8 +30,6 @@ float64); ``initial_state`` of another float dtype is cast (differentiably) firs
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -47,7 +45,7 @@ BACKENDS = ("reference", "recurrent", "naive", "tiled", "fused")
 _CPU_METHOD = {"reference": "chunked", "recurrent": "recurrent"}
 _CUDA_TIERS = ("fused", "tiled", "naive")  # fastest first
 # The tensor check, the tensor descriptions and the core call, shared with deltacp.cp (deltacp/_calls.py).
-from ._calls import _FLOAT_DTYPES, _run, _tensor, capturing, tensor_descs  # noqa: E402,F401
+from ._calls import _FLOAT_DTYPES, _run, _tensor, capturing, check_inputs, tensor_descs  # noqa: E402,F401
 # The registered ops and the run of one call (_Config, _DeltaRuleFunction for callers that build one).
 from . import _library  # noqa: E402
 from ._library import _Config, _DeltaRuleFunction, start_gate_range_check  # noqa: E402,F401
@@ -182,24 +180,11 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     if cp_context is not None and cu_seqlens_cpu is not None:
         raise InvalidArgumentError("deltacp: argument 'cu_seqlens_cpu': expected None with cp_context (the CP context "
                                    "carries the rank-local offsets and their host copy), got a tensor")
-    q = _tensor(q, "q")
-    k = _tensor(k, "k", q)
-    v = _tensor(v, "v", q)
-    # The log decay may stay in float32 beside 16-bit q, k, v (FLA's usual setup); dg comes back in g's dtype.
-    g = _tensor(g, gate_name, q, optional=True, allow_fp32=True)
-    beta = _tensor(beta, "beta", q, optional=True)
-    a = _tensor(a, "a", q, optional=True)
-    b = _tensor(b, "b", q, optional=True)
+    q, k, v, g, beta, a, b = check_inputs(q, k, v, g, beta, a, b, gate_name, scale, chunk_size)
     if q.dim() != 4:
         raise InvalidArgumentError(f"deltacp: argument 'q': expected 4 dims [B, T, H, K], got shape {list(q.shape)}")
     if v.dim() != 4:
         raise InvalidArgumentError(f"deltacp: argument 'v': expected 4 dims [B, T, HV, V], got shape {list(v.shape)}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(float(scale)):
-        raise InvalidArgumentError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
     if backend is not None and backend not in BACKENDS:
         raise InvalidArgumentError(f"deltacp: argument 'backend': expected None or one of {BACKENDS}, got {backend!r}")
     opts = opts if opts is not None else fla_options.FlaOptions(variant)

@@ -82,14 +82,12 @@ Where the pieces live (imports run one way, each module from those below it):
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Optional, Tuple
 
 import torch
 
 from .. import _core
-from .._calls import _tensor
+from .._calls import check_inputs
 from ..errors import InvalidArgumentError
 from ..fla_options import l2norm as _l2norm
 from .context import CPContext, agree
@@ -149,20 +147,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     if cu_seqlens is not None:
         raise InvalidArgumentError("deltacp: argument 'cu_seqlens': do not pass cu_seqlens with cp_context; the rank-local "
                          "offsets come from the context (build_context takes the global ones)")
-    q = _tensor(q, "q")
-    k = _tensor(k, "k", q)
-    v = _tensor(v, "v", q)
-    # The log decay may stay in float32 beside 16-bit q, k, v (as in the single-device ops).
-    g = _tensor(g, gate_name, q, optional=True, allow_fp32=True)
-    beta = _tensor(beta, "beta", q, optional=True)
-    a = _tensor(a, "a", q, optional=True)
-    b = _tensor(b, "b", q, optional=True)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"deltacp: argument 'scale': expected a float or None, got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(float(scale)):
-        raise InvalidArgumentError(f"deltacp: argument 'scale': expected a finite number, got {scale}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        raise TypeError(f"deltacp: argument 'chunk_size': expected an int, got {type(chunk_size).__name__}")
+    q, k, v, g, beta, a, b = check_inputs(q, k, v, g, beta, a, b, gate_name, scale, chunk_size)
 
     # Local checks first, then one fingerprint all-reduce so that every rank raises together.
     local_errors = {}
