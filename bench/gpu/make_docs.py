@@ -409,7 +409,9 @@ def dplr_md(res):
     return lines
 
 
-def plot_perf(perf, impls, png):
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), or None when matplotlib is missing (the plot is
+    skipped, the tables are still written)."""
     try:
         import matplotlib
 
@@ -417,6 +419,13 @@ def plot_perf(perf, impls, png):
         import matplotlib.pyplot as plt
     except ImportError as e:
         print(f"plot skipped: {e}")
+        return None
+    return plt
+
+
+def plot_perf(perf, impls, png):
+    plt = _pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, d in zip(axes, ("fwd", "fwd+bwd")):
@@ -576,13 +585,8 @@ def cpstep_md(res):
 
 
 def plot_cp(r, s, png):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"plot skipped: {e}")
+    plt = _pyplot()
+    if plt is None:
         return False
     series = [("one GPU, same per-rank work", "single_gpu_{}_ms"), ("deltacp CP step", "cp_step_{}_ms"),
               ("FLA's CP step", "fla_cp_step_{}_ms")]
