@@ -28,7 +28,9 @@
 //   B3 bwd_wy         per (chunk, head)            WY backward: dv (final), dT, dA, dk/dG/dbeta partials
 //   B4 bwd_decay      per (chunk, head)            decay-masked products, dbeta and dg (final)
 //      (B2..B4 as one kernel for 16-bit gdn / delta at K = V = 128 on Hopper:
-//       bwd_local_wgmma.cuh; none of dW, dP, dA and the dq / dk / dG parts goes through global memory)
+//       bwd_local_wgmma.cuh; none of dW, dP, dA and the dq / dk / dG parts goes through global memory.
+//       B2 and B3 as one kernel for 16-bit kda at K = V = 128 on Hopper: bwd_local_kda_wgmma.cuh, which
+//       hands B4 what B2 and B3 do, less dW)
 //   B5 reduce_heads   per token element            dq, dk: sum the value heads of each group, cast (only when
 //                                                  HV > H: with one value head per key head B4 writes them)
 // Every workspace element is written by exactly one thread per kernel; no atomics, so two runs give
@@ -72,7 +74,8 @@
 //          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice: all the chunks when that is at
 //          most 256 MiB, else at least 16 * SMs / HV chunks (16 waves of B2's CTAs), or as many as fit
 //          region 2's first use if more; with the fused chunk-local kernel only dq_w and dk_w, and only with
-//          grouped value heads (HV > H, for B5): 0 or 1024 per token-head
+//          grouped value heads (HV > H, for B5): 0 or 1024 per token-head; with kda's (B2 and B3 as one
+//          kernel) all but dW: 2052 per token-head
 //   total                                     2308  3328   5132 / 6660 (every buffer at once)
 //
 // At (2, 16384, 16, 128) on a 132-SM GPU: gdn 1,154 MiB (was 2,566) plus what a slice needs beyond W's
@@ -134,6 +137,7 @@
 #include "bwd_dh_scan_wgmma.cuh"
 #include "bwd_dqkg.cuh"
 #include "bwd_dv_local.cuh"
+#include "bwd_local_kda_wgmma.cuh"
 #include "bwd_local_wgmma.cuh"
 #include "bwd_wy.cuh"
 #include "chunk_table.cuh"
@@ -251,26 +255,37 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
 }
 
 // B2..B5 on the chunks of one slice (slice_args: a.chunks, a.num_chunks and the slice buffers), whose token
-// rows are row0 .. row0 + rows - 1. local: B2, B3 and B4 as one kernel on Hopper (bwd_local_wgmma.cuh).
+// rows are row0 .. row0 + rows - 1. local: B2, B3 and B4 as one kernel on Hopper (bwd_local_wgmma.cuh);
+// local_kda: kda's B2 and B3 as one kernel on Hopper (bwd_local_kda_wgmma.cuh), then B4 as without it.
 template <class Op, int KP, bool PERKEY>
-void launch_slice(const Args& a, int64_t row0, int64_t rows, bool local, cudaStream_t stream) {
+void launch_slice(const Args& a, int64_t row0, int64_t rows, bool local, bool local_kda, cudaStream_t stream) {
   const int64_t NC = a.num_chunks;
-  bool local_ran = false;
+  bool local_ran = false, b2b3_ran = false;
   if constexpr (kIs16Bit<Op> && !PERKEY && KP == kLocalKeys) {
     if (local && NC > 0) {
       launch_local_wgmma<Op>(a, stream);
       local_ran = true;
     }
   }
+  if constexpr (kIs16Bit<Op> && PERKEY && KP == kLocalKeys) {
+    if (local_kda && NC > 0) {
+      launch_local_kda<Op>(a, stream);
+      b2b3_ran = true;
+    }
+  }
   if (NC > 0 && !local_ran) {
-    if (two_stages_fit<DqkgSmem, Op, KP, PERKEY>())
-      launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 2>, DqkgSmem<Op, KP, PERKEY, 2>{}.total, "dq/dk/dg", a, stream);
-    else
-      launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 1>, DqkgSmem<Op, KP, PERKEY, 1>{}.total, "dq/dk/dg", a, stream);
-    if (two_stages_fit<WyBwdSmem, Op, KP, PERKEY>())
-      launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 2>, WyBwdSmem<Op, KP, PERKEY, 2>{}.total, "WY", a, stream);
-    else
-      launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 1>, WyBwdSmem<Op, KP, PERKEY, 1>{}.total, "WY", a, stream);
+    if (!b2b3_ran) {
+      if (two_stages_fit<DqkgSmem, Op, KP, PERKEY>())
+        launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 2>, DqkgSmem<Op, KP, PERKEY, 2>{}.total, "dq/dk/dg", a,
+                         stream);
+      else
+        launch_per_chunk(bwd_dqkg_kernel<Op, KP, PERKEY, 1>, DqkgSmem<Op, KP, PERKEY, 1>{}.total, "dq/dk/dg", a,
+                         stream);
+      if (two_stages_fit<WyBwdSmem, Op, KP, PERKEY>())
+        launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 2>, WyBwdSmem<Op, KP, PERKEY, 2>{}.total, "WY", a, stream);
+      else
+        launch_per_chunk(bwd_wy_kernel<Op, KP, PERKEY, 1>, WyBwdSmem<Op, KP, PERKEY, 1>{}.total, "WY", a, stream);
+    }
     if constexpr (PERKEY) {
       // 16-bit kda: the off-diagonal blocks on the tensor cores where the CTA fits (sm_90: every K; sm_80:
       // K <= 64); fp32 (and the rest) sums element by element.
@@ -329,13 +344,14 @@ struct Carver {
 
 // The buffers of B2..B5 for one slice of at most `chunks` chunks and `rows` token rows (offsets from the
 // start of the slice region). With the fused chunk-local kernel (local) only dq and dk per value head, and
-// only with grouped value heads (for B5).
+// only with grouped value heads (for B5); with kda's chunk-local kernel (no_dW) all but dW, which that kernel
+// keeps in shared memory.
 struct SliceLayout {
   int64_t chunks = 0, rows = 0;
   bool perkey = false, row_sums = false;  // kda's dG per key column; gdn's dG row sums
   size_t dW = 0, dP = 0, dA = 0, dq = 0, dk = 0, dG = 0, dGr = 0, db = 0, total = 0;
 };
-SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows, bool local) {
+SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows, bool local, bool no_dW) {
   SliceLayout L;
   L.chunks = chunks;
   L.rows = rows;
@@ -350,7 +366,7 @@ SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows, bool loc
   L.perkey = p.variant == Variant::kda;
   L.row_sums = p.variant == Variant::gdn;
   const int64_t es = dtype_size(p.dtype), rk = rows * p.HV * p.K, mat = chunks * p.HV * kRows * kRows * 4;
-  L.dW = c.take(rk * es);
+  L.dW = c.take(no_dW ? 0 : rk * es);
   L.dP = c.take(mat);
   L.dA = c.take(mat);
   L.dq = c.take(rk * 4);
@@ -368,14 +384,14 @@ SliceLayout slice_layout(const Params& p, int64_t chunks, int64_t rows, bool loc
 // there is one slice; above, a slice takes at least 16 waves of (chunk, value head) CTAs (one CTA per SM at
 // a time in B2), and then the slices are made equal (so no short last one; each may end a little under). DELTACP_BWD_SLICE_CHUNKS=n sets it (tests: several
 // slices on small problems).
-int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes, bool local) {
+int64_t slice_chunks(const Params& p, int64_t num_chunks, size_t free_bytes, bool local, bool no_dW) {
   if (const char* env = std::getenv("DELTACP_BWD_SLICE_CHUNKS")) {
     const long long n = std::strtoll(env, nullptr, 10);
     if (n > 0) return std::min<int64_t>(n, num_chunks);
   }
   const int64_t es = dtype_size(p.dtype), K = p.K;
   const int64_t per_row = local ? (p.HV > p.H ? 2 * K * 4 : 0)
-                                : K * es + 2 * K * 4 + (p.variant == Variant::kda ? K * 4 : 0) +
+                                : (no_dW ? 0 : K * es) + 2 * K * 4 + (p.variant == Variant::kda ? K * 4 : 0) +
                                       (p.variant == Variant::gdn ? 4 : 0) + 4;
   const int64_t per_chunk = local ? p.HV * int64_t(p.chunk_size) * per_row
                                   : p.HV * (2 * kRows * kRows * 4 + int64_t(p.chunk_size) * per_row);
@@ -405,6 +421,7 @@ struct BwdState final : StagedBackward {
   SliceLayout slice;
   char* slice_base = nullptr;
   bool local = false;        // B2..B4 as one kernel (bwd_local_wgmma.cuh)
+  bool local_kda = false;    // kda's B2 and B3 as one kernel (bwd_local_kda_wgmma.cuh)
   bool beside = false;       // the one-shot backward runs the state scan beside B1 (run_backward)
   bool states_done = false;  // the forward's state scan (h, v_new) has been launched
   bool finished = false;
@@ -498,13 +515,15 @@ ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs);  // 
 // of the backward's 10,274 bytes per token-head. Each applies where its writer is the Hopper kernel (the dh
 // scan, the WY stage). Measured (H100, bf16 gdn, fused forward + backward kernels per call): (1,8192,96,128)
 // 4.64 -> 4.48 ms (elapsed 4.98 -> 4.71); (2,16384,16,128) 4.24 -> 4.24 (the local kernel overlaps the state
-// scan there; elapsed within noise).
+// scan there; elapsed within noise). kda's chunk-local kernel (bwd_local_kda_wgmma.cuh) reads them the same way;
+// for kda only dVn applies (its WY stage is the mma.sync one, which writes T in fp32).
 bool local_inputs_16bit(const Params& p, bool local) {
   if (p.dh0_only()) return false;  // no chunk-local stage
   return kernel_switch("DELTACP_TILED_BWD_LOCAL16", "the chunk-local kernel's inputs in 16 bits",
                        [&]() -> const char* {
-                         return local ? nullptr : "it needs the chunk-local kernel (bwd_local_wgmma.cuh), which does "
-                                                  "not run these inputs";
+                         return local ? nullptr : "it needs a chunk-local kernel (bwd_local_wgmma.cuh, or "
+                                                  "bwd_local_kda_wgmma.cuh), "
+                                                  "which does not run these inputs";
                        },
                        /*unset_on=*/true);
 }
@@ -558,8 +577,9 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   Carver before;
   const size_t oW = x0 + before.take(bW), oKd = x0 + before.take(bKd), oQg = x0 + before.take(bQg);
   state->local = !dh0_only && use_local_wgmma(p);
+  state->local_kda = !dh0_only && use_local_kda(p);  // kda only, so never beside local (gdn, delta)
   if (!dh0_only && NC > 0) {
-    const int64_t cap = slice_chunks(p, NC, before.off, state->local);
+    const int64_t cap = slice_chunks(p, NC, before.off, state->local, state->local_kda);
     const auto& hc = table.host_chunks();
     int64_t max_rows = 0;
     for (int64_t c0 = 0; c0 < NC; c0 += cap) {
@@ -568,7 +588,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
       max_rows = std::max(max_rows, hc[c1 - 1].row0 + hc[c1 - 1].len - hc[c0].row0);
     }
     state->slices.push_back(NC);
-    state->slice = slice_layout(p, cap, max_rows, state->local);
+    state->slice = slice_layout(p, cap, max_rows, state->local, state->local_kda);
   }
   ws.allocate(x0 + std::max(before.off, state->slice.total));
   state->slice_base = ws.at<char>(x0, 1);
@@ -583,7 +603,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
 
   float* dvnew = ws.at<float>(odvn, bdvn);
   launch_chunk_cumsum(p, table, G, stream);
-  const bool local16 = local_inputs_16bit(p, state->local);
+  const bool local16 = local_inputs_16bit(p, state->local || state->local_kda);
   const WyDone wy = launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream, dvnew, local16);
   state->U = U;
   state->h = h;
@@ -852,7 +872,7 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
     for (size_t i = 0; i + 1 < s.slices.size(); ++i) {
       int64_t row0 = 0, rows = 0;
       const Args x = slice_args(s, a, s.slices[i], s.slices[i + 1], &row0, &rows);
-      launch_slice<Op, KP, PERKEY>(x, row0, rows, s.local, stream);
+      launch_slice<Op, KP, PERKEY>(x, row0, rows, s.local, s.local_kda, stream);
     }
   });
 }

@@ -1132,6 +1132,61 @@ def test_fused_local_backward_matches_the_three_stages(variant, dtype, heads, mo
               backend="tiled")[0].sum().backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gate_dtype", ["fp32", "16bit"])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)], ids=["one_value_head", "grouped"])
+@pytest.mark.parametrize("gates", ["mild", "steep"])
+def test_kda_local_backward_matches_the_two_stages(dtype, gate_dtype, heads, gates, monkeypatch):
+    """kda's stages B2 and B3 of the tiled backward as one Hopper kernel (cuda/tiled/bwd_local_kda_wgmma.cuh,
+    DELTACP_TILED_BWD_LOCAL_KDA=1), feeding stage B4 the buffers B2 and B3 feed it, against the two mma.sync kernels
+    (=0) and the fp64 reference: o, ht, every gradient and dh0; packed sequences of 1, 63, 64, 65 and 207 tokens
+    (short chunks), a non-zero dht; g in fp32 or in the input dtype (dg comes back in g's dtype); one value head per
+    key head and grouped value heads (stage B5 sums them); make_problem's mild gates, or every third block of 16
+    tokens decaying by 8 per token and key. Summation orders differ from the mma.sync kernels', so the two agree
+    within tolerance, not bit for bit. Then: unset equals =1 bit for bit (the default), a second run, a run in slices of
+    two chunks (DELTACP_BWD_SLICE_CHUNKS) and dVn handed over in 16 bits or fp32 (DELTACP_TILED_BWD_LOCAL16) give
+    the same bits; a bad value, fp32 inputs and gdn with =1 raise naming why."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the kda chunk-local backward runs on compute capability 9.0 only")
+    H, HV = heads
+    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=97, rng_seed=29, H=H, HV=HV)
+    if gate_dtype == "16bit":
+        s.t["g"] = s.t["g"].to(dtype)
+    if gates == "steep":
+        tokens = s.t["g"].shape[1]
+        steep = (torch.arange(tokens, device="cuda") // 16) % 3 == 1
+        s.t["g"][:, steep] = -8.0
+    s.p["g"] = s.t["g"].double().cpu().numpy()
+    env = "DELTACP_TILED_BWD_LOCAL_KDA"
+    local = s.run(monkeypatch, env, "1")
+    off = s.run(monkeypatch, env, "0")
+    assert local["dg"].dtype == s.t["g"].dtype
+    _assert_close(local, off, s.reference(), 5e-3, 1e-2, "kda chunk-local B2-B3 vs mma.sync B2, B3")
+    monkeypatch.delenv(env)
+    default = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "0")  # 0: the slicing heuristic, as unset
+    for name, x in local.items():
+        assert torch.equal(x, default[name]), f"{name}: unset differs from =1 (the kernel is the default)"
+    again = s.run(monkeypatch, env, "1")
+    fp32_dvn = s.run(monkeypatch, "DELTACP_TILED_BWD_LOCAL16", "0")
+    monkeypatch.delenv("DELTACP_TILED_BWD_LOCAL16")
+    sliced = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "2")
+    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
+    for name, x in local.items():
+        assert torch.equal(x, again[name]), f"{name}: a second run differs"
+        assert torch.equal(x, fp32_dvn[name]), f"{name}: dVn in fp32 differs from dVn in 16 bits"
+        assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "sometimes")
+    monkeypatch.setenv(env, "1")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        _call("kda", {n: v.float().requires_grad_(True) for n, v in s.t.items()}, cu_seqlens=s.cu,
+              backend="tiled")[0].sum().backward()
+    g = _Switched("gdn", dtype, [0, 1, 64, 128, 193, 400], seed=97, rng_seed=29, H=H, HV=HV)
+    with pytest.raises(ValueError, match="per-key gate"):
+        g.run(monkeypatch, env, "1")
+
+
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("piece", ["0", "128"], ids=["whole_b1", "b1_in_pieces"])

@@ -1,0 +1,501 @@
+// cuda/tiled/bwd_local_kda_wgmma.cuh — kda's backward stages B2 and B3 (the V side and the WY side of the
+// chunk-local gradients) as one kernel on Hopper's warpgroup products. Launched instead of bwd_dqkg_kernel and
+// bwd_wy_kernel (bwd_dqkg.cuh, bwd_wy.cuh: the same algebra on mma.sync) for 16-bit kda at K = V = 128, chunk 64,
+// compute capability 9.0 (local_kda_refusal says where it cannot run; DELTACP_TILED_BWD_LOCAL_KDA=0 keeps the
+// two). Measured on H100 (bf16, (2, 16384, 16, 128), CUDA time of the kernels): 1.26 ms where B2 + B3 take
+// 1.37 + 1.45 ms; the fused-tier forward + backward's kernels 8.83 -> 7.26 ms. It hands stage B4 (bwd_decay_kda_tc_kernel, unchanged) the buffers B2 and B3 hand it, with the same
+// meaning: dP and dA (fp32 64 x 64, masked), the fp32 per-value-head parts of dq, dk and dG, and B3's part of
+// dbeta; dv is final here as in B3. dW, which B2 writes for B3 only, stays in shared memory.
+//
+// The algebra is bwd_local_wgmma.cuh's (gdn) with kda's decay per key: Gam_id = e^(G_id) and e^(Gn_d - G_id)
+// are element scales, read from the chunk's G tile, where gdn has row scales. For one chunk (bwd_common.cuh's
+// notation) with S = h[c], dS' = dh[c], Vn, dU = dVn (B1), T and dO:
+//
+//   V side   dq    = scale (dO S^T) o Gam                        (B2's dq part)
+//            minus = (Vn dS'^T) o e^(Gn - G)                     (B2's dk part: the Kr term)
+//            dW    = -dU S^T     dP = scale dO Vn^T (j <= i < len)     Y = T^T dU,  dv = diag(beta) Y
+//   WY side  plus  = (T^T dW) o Gam                              (B3: dk += beta plus)
+//            dT    = (dU V^T + dW (K o Gam)^T) diag(beta)        dA = -(T^T dT) T^T (j < i < len)
+//   parts    dqw = dq,  dkw = minus + diag(beta) plus,
+//            dGw = q o dq - k o minus + diag(beta) k o plus  (+ on the last row: e^Gn o <dS', S>_rows + KrSum)
+//            dbw_i = Y_i . v_i + k_i . plus_i
+//
+// where <dS', S>_d = sum_v dS'_dv S_dv and KrSum_d = sum_{j < len} k_jd minus_jd (the last row's share of dG from
+// the decay of S and from Gn in Kr, per key). dT's operand K o Gam (Gam of the key's own row j, so it cannot be
+// moved onto dW) is a scaled copy of k, built while the V side's products run. tests/python/
+// test_chunk_backward_algebra.py ties these formulas (with B4's decay products) to autograd in fp64.
+//
+// Numerics: every product takes 16-bit operands and accumulates in fp32, as B2 and B3 do; the operands rounded
+// are the same ones (dU, T from fp32; dW; dT; T^T dT), except that B3 rounds beta k e^G and beta v where this
+// kernel rounds k e^G and applies beta to dT's fp32 columns. Summation orders differ (wgmma against mma.sync
+// over V tiles), so the parts are not bitwise B2's and B3's: within the bf16 / fp16 tolerances.
+//
+// One CTA of two warpgroups (256 threads) per (chunk, value head); warpgroup h owns columns 64 h .. 64 h + 63 of
+// every 64 x 128 result and 32 h .. 32 h + 31 of every 64 x 64 one (T^T dT: all 64, its operand would be split
+// inside a swizzle row), so a thread holds dq, minus and plus of the same elements and finishes the parts in
+// registers. Steps (every product wgmma with both operands in shared memory):
+//   loads     dO, S (h[c]); Vn, dS' (dh[c]); v, q, k by TMA on three mbarriers (gdn's kernel's boxes); dU and T
+//             (fp32, or 16-bit with Args::dvn16 / t16) by 16-byte loads rounded into the swizzled layout; G
+//             (fp32 64 x 128, rows past a short chunk repeating its last row) by cp.async
+//   V side    dO S^T, dU S^T, Vn dS'^T (K = 128), dO Vn^T (n32), T^T dU (K = 64): 144 accumulator registers;
+//             meanwhile K o Gam (16-bit, swizzled) and <dS', S> per key row from shared memory
+//   epilogue  dW to shared memory (over S), dP to global (fp32), dv = beta Y staged over dO for 16-byte stores,
+//             Y . v per row, minus scaled and its KrSum parts per warp
+//   WY side   T^T dW, dU V^T + dW (K o Gam)^T; dT (over S); T^T dT (over S); dA = -(T^T dT) T^T to global
+//   epilogue  dq and plus scaled by Gam; dqw, dkw, dGw (fp32 pairs), dbw per row
+// Shared memory (bytes from a 1024-byte aligned base; LocalKdaSmem):
+//   S, dS' 32 KB each; dO, Vn, dU, v, q, k, K o Gam 16 KB each; T 8 KB; G 34 KB (rows of 136 floats: the
+//   epilogue's pairs fall on 32 banks); per row and per key 3.8 KB; with alignment slack 228,120 bytes: one CTA
+//   per SM. dW, dT and T^T dT reuse S's bytes after the V side, the staged dv dO's.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/check.h"
+#include "../common/device_info.h"
+#include "../common/kernel_switch.h"
+#include "../common/tma.cuh"
+#include "bwd_common.cuh"
+#include "bwd_local_wgmma.cuh"
+#include "kda_scores.cuh"
+#include "wgmma_ops.cuh"
+
+namespace deltacp::cuda::tiled::bwd {
+
+struct LocalKdaSmem {
+  static constexpr int kBox = 64 * 128;
+  static constexpr int S = 0, dS = S + 4 * kBox, dO = dS + 4 * kBox, Vn = dO + 2 * kBox, dU = Vn + 2 * kBox;
+  static constexpr int v = dU + 2 * kBox, q = v + 2 * kBox, k = q + 2 * kBox, Kg = k + 2 * kBox, T = Kg + 2 * kBox;
+  // After the V side, over S: dW (64 x 128), dT and T^T dT (64 x 64); dv staged over dO.
+  static constexpr int dW = 0, dT = dW + 2 * kBox, M1 = dT + kBox;
+  static constexpr int kPG = 136;  // G's row pitch in floats
+  static constexpr int G = T + kBox;
+  // beta per row; the rows' dbeta parts per warpgroup; <dS', S> per key row and half of the value columns;
+  // KrSum per key and warp of a warpgroup; three mbarriers.
+  static constexpr int beta = G + 64 * kPG * 4, part = beta + 256, dgs = part + 2 * 256, krp = dgs + 2 * 512;
+  static constexpr int bar = krp + 4 * 512;
+  static constexpr int bytes = bar + 3 * 8 + 1024;  // + slack for the alignment
+};
+static_assert(LocalKdaSmem::M1 + LocalKdaSmem::kBox <= LocalKdaSmem::dS, "the intermediates fit over S");
+static_assert(LocalKdaSmem::G % 16 == 0 && (LocalKdaSmem::kPG * 4) % 16 == 0, "G rows take 16-byte copies");
+static_assert(LocalKdaSmem::bytes == 228120, "the size the opening comment gives");
+static_assert(LocalKdaSmem::bytes <= 227 * 1024, "one CTA within sm_90's opt-in shared memory");
+
+template <class T>
+__global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __grid_constant__ LocalWgArgs args) {
+#ifdef DELTACP_WGMMA_DEVICE
+  using L = LocalKdaSmem;
+  constexpr int kBox = L::kBox, PG = L::kPG;
+  const Args& a = args.a;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::bar);
+  float* Gt = reinterpret_cast<float*>(smem + L::G);
+  float* bs = reinterpret_cast<float*>(smem + L::beta);
+  float* part = reinterpret_cast<float*>(smem + L::part);
+  float* dgs = reinterpret_cast<float*>(smem + L::dgs);
+  float* krp = reinterpret_cast<float*>(smem + L::krp);
+
+  const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t c = blockIdx.x, hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
+  const ChunkEntry ch = a.chunks[c];
+  const int len = static_cast<int>(ch.len);
+  const uint32_t base = smem_u32(smem);
+
+  if (tid == 0) {  // gdn's kernel's loads (bwd_local_wgmma.cuh), in the same order of first use
+    for (int i = 0; i < 3; ++i) mbar_init(bars + i, 1);
+    fence_mbar_init();
+    const int t0 = static_cast<int>(ch.t0), b = static_cast<int>(ch.batch), h = static_cast<int>(hk);
+    const int hvi = static_cast<int>(hv), srow = static_cast<int>((c * HV + hv) * kLocalKeys);
+    const int row0 = static_cast<int>(ch.row0);
+    mbar_expect_tx(bars, 6 * kBox);
+    tma_load_4d(smem + L::dO, &args.tm_do.map, bars, 0, hvi, t0, b);
+    tma_load_4d(smem + L::dO + kBox, &args.tm_do.map, bars, 64, hvi, t0, b);
+    for (int blk = 0; blk < 2; ++blk)
+      for (int rh = 0; rh < 2; ++rh)
+        tma_load_2d(smem + L::S + (2 * blk + rh) * kBox, &args.tm_h.map, bars, 64 * blk, srow + 64 * rh);
+    mbar_expect_tx(bars + 1, 6 * kBox);
+    tma_load_3d(smem + L::Vn, &args.tm_vn.map, bars + 1, 0, hvi, row0);
+    tma_load_3d(smem + L::Vn + kBox, &args.tm_vn.map, bars + 1, 64, hvi, row0);
+    for (int blk = 0; blk < 2; ++blk)
+      for (int rh = 0; rh < 2; ++rh)
+        tma_load_2d(smem + L::dS + (2 * blk + rh) * kBox, &args.tm_dh.map, bars + 1, 64 * blk, srow + 64 * rh);
+    mbar_expect_tx(bars + 2, 6 * kBox);
+    tma_load_4d(smem + L::v, &args.tm_v.map, bars + 2, 0, hvi, t0, b);
+    tma_load_4d(smem + L::v + kBox, &args.tm_v.map, bars + 2, 64, hvi, t0, b);
+    tma_load_4d(smem + L::q, &args.tm_q.map, bars + 2, 0, h, t0, b);
+    tma_load_4d(smem + L::q + kBox, &args.tm_q.map, bars + 2, 64, h, t0, b);
+    tma_load_4d(smem + L::k, &args.tm_k.map, bars + 2, 0, h, t0, b);
+    tma_load_4d(smem + L::k + kBox, &args.tm_k.map, bars + 2, 64, h, t0, b);
+  }
+  // G (fp32 [R, HV, 128]): one cp.async group, in flight while dU and T load; rows past len repeat the last row,
+  // so every exponent below stays finite.
+  load_key_gate(Gt, PG, a.G, ch.row0, HV, hv, kLocalKeys, kLocalKeys, len);
+  cp_async_commit();
+  // dU (fp32 [R, HV, 128]) and T (fp32 [R, HV, 64]), rows < len, rounded to T's type into the swizzled layout, as
+  // in gdn's kernel: dU's piece tid % 16 of rows tid / 16 + 16 it, T's piece tid % 8 of rows tid / 8 + 32 it.
+  {
+    float4 du[4][2], tv[2][2];
+    const int pu = tid & 15, ru = tid >> 4, pt = tid & 7, rt = tid >> 3;
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int r = ru + 16 * it;
+      du[it][0] = du[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < len && a.dvn16) {  // B1 wrote dVn in 16 bits (Args::dvn16): the piece's 8 values as raw bits
+        du[it][0] = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const char*>(a.dvnew) +
+                                                         dvn16_at(ch.row0 + r, hv, HV, kLocalKeys, 8 * pu)));
+      } else if (r < len) {
+        const float4* src = reinterpret_cast<const float4*>(a.dvnew + ((ch.row0 + r) * HV + hv) * kLocalKeys + 8 * pu);
+        du[it][0] = __ldg(src);
+        du[it][1] = __ldg(src + 1);
+      }
+    }
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      const int r = rt + 32 * it;
+      tv[it][0] = tv[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < len && a.t16) {  // the WY stage wrote T in 16 bits (Args::t16): the piece's 8 values as raw bits
+        tv[it][0] = __ldg(reinterpret_cast<const float4*>(
+            reinterpret_cast<const char*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64) + 16 * pt));
+      } else if (r < len) {
+        const float4* src = reinterpret_cast<const float4*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64 + 8 * pt);
+        tv[it][0] = __ldg(src);
+        tv[it][1] = __ldg(src + 1);
+      }
+    }
+    if (tid < 64) bs[tid] = tid < len ? ld<T>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
+    auto piece16 = [](bool rounded, float4 x, float4 y) {
+      return rounded ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
+                     : make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+    };
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int r = ru + 16 * it;
+      *reinterpret_cast<uint4*>(smem + L::dU + (pu >> 3) * kBox + r * 128 + (((pu & 7) ^ (r & 7)) << 4)) =
+          piece16(a.dvn16, du[it][0], du[it][1]);
+    }
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      const int r = rt + 32 * it;
+      *reinterpret_cast<uint4*>(smem + L::T + r * 128 + ((pt ^ (r & 7)) << 4)) = piece16(a.t16, tv[it][0], tv[it][1]);
+    }
+    fence_proxy_async();
+  }
+  auto zero_tail_rows = [&](int at) {  // rows len .. 63 of a 64 x 128 token tile (after its boxes landed)
+    if (len < 64)
+      for (int idx = tid; idx < 2 * 64 * 8; idx += 256) {
+        const int row = (idx >> 3) & 63;
+        if (row >= len) *reinterpret_cast<uint4*>(smem + at + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
+      }
+  };
+  cp_async_wait<0>();
+  __syncthreads();  // the mbarriers are initialised; dU, T, G and beta are in shared memory
+  mbar_wait(bars, 0);
+  mbar_wait(bars + 1, 0);
+  zero_tail_rows(L::dO);
+  zero_tail_rows(L::Vn);
+  fence_proxy_async();
+  __syncthreads();
+
+  // ---- the V side --------------------------------------------------------------------------------------
+  const uint32_t sS = base + L::S, sdS = base + L::dS, sdO = base + L::dO, sVn = base + L::Vn, sdU = base + L::dU;
+  const uint32_t sv = base + L::v, sKg = base + L::Kg, sT = base + L::T, sdW = base + L::dW;
+  float qg[32], wa[32], mi[32], y[32], dp[16];
+  zero(qg), zero(wa), zero(mi), zero(y), zero(dp);
+  reg_fence(qg), reg_fence(wa), reg_fence(mi), reg_fence(y), reg_fence(dp);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {  // K = the 128 value columns: block kk / 4, 32 bytes a step inside it
+    const uint32_t ko = (kk >> 2) * kBox + (kk & 3) * 32, kS = (kk >> 2) * 2 * kBox + wg * kBox + (kk & 3) * 32;
+    wgmma_ss<T, 64, 0, 0>(qg, kmajor(sdO + ko), kmajor(sS + kS), 1);               // dO S^T
+    wgmma_ss<T, 64, 0, 0>(wa, kmajor(sdU + ko), kmajor(sS + kS), 1);               // dU S^T
+    wgmma_ss<T, 64, 0, 0>(mi, kmajor(sVn + ko), kmajor(sdS + kS), 1);              // Vn dS'^T
+    wgmma_ss<T, 32, 0, 0>(dp, kmajor(sdO + ko), kmajor(sVn + ko + wg * 4096), 1);  // dO Vn^T
+  }
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)  // T^T dU: K = the 64 tokens, 16 rows (2 KB) a step
+    wgmma_ss<T, 64, 1, 1>(y, mnmajor(sT + kk * 2048), mnmajor(sdU + wg * kBox + kk * 2048), 1);
+  wg_commit();
+  mbar_wait(bars + 2, 0);
+  zero_tail_rows(L::v);
+  zero_tail_rows(L::q);
+  zero_tail_rows(L::k);
+  fence_proxy_async();
+  __syncthreads();
+  // While the products run: K o Gam (dT's operand; rows past len are zero with k's), 8 keys a thread in k's
+  // swizzled layout, and <dS', S> per key row d (S and dS' share one layout, so a row's 16-byte pieces pair up
+  // in any order; thread (d = tid % 128, value half tid / 128) walks its row's pieces rotated by the row, so the
+  // 8 threads of a 16-byte access phase fall on 8 different bank groups).
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int p = tid & 15, r = (tid >> 4) + 16 * it;
+    const int o = (p >> 3) * kBox + r * 128 + (((p & 7) ^ (r & 7)) << 4);
+    const uint4 kx = *reinterpret_cast<const uint4*>(smem + L::k + o);
+    const float4 g0 = *reinterpret_cast<const float4*>(Gt + r * PG + 8 * p);
+    const float4 g1 = *reinterpret_cast<const float4*>(Gt + r * PG + 8 * p + 4);
+    const float2 k0 = unpack2<T>(kx.x), k1 = unpack2<T>(kx.y), k2 = unpack2<T>(kx.z), k3 = unpack2<T>(kx.w);
+    *reinterpret_cast<uint4*>(smem + L::Kg + o) =
+        make_uint4(pack2<T>(k0.x * exp_t<T>(g0.x), k0.y * exp_t<T>(g0.y)),
+                   pack2<T>(k1.x * exp_t<T>(g0.z), k1.y * exp_t<T>(g0.w)),
+                   pack2<T>(k2.x * exp_t<T>(g1.x), k2.y * exp_t<T>(g1.y)),
+                   pack2<T>(k3.x * exp_t<T>(g1.z), k3.y * exp_t<T>(g1.w)));
+  }
+  {
+    const int d = tid & 127, vh = tid >> 7;
+    const int o = (2 * vh + (d >> 6)) * kBox + (d & 63) * 128;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int pc = ((i + d) & 7) << 4;
+      const uint4 x = *reinterpret_cast<const uint4*>(smem + L::S + o + pc);
+      const uint4 z = *reinterpret_cast<const uint4*>(smem + L::dS + o + pc);
+      const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, zs[4] = {z.x, z.y, z.z, z.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = unpack2<T>(xs[e]), h2 = unpack2<T>(zs[e]);
+        s = fmaf(f.x, h2.x, fmaf(f.y, h2.y, s));
+      }
+    }
+    dgs[vh * 128 + d] = s;
+  }
+  fence_proxy_async();  // K o Gam: read by the WY side's products
+  wg_wait<0>();
+  reg_fence(qg), reg_fence(wa), reg_fence(mi), reg_fence(y), reg_fence(dp);
+  __syncthreads();  // both warpgroups' products have read S, dS', dO and Vn: the intermediates take their bytes
+
+  // ---- epilogue of the V side --------------------------------------------------------------------------
+  const int ra = 16 * wi + g;  // this thread's rows ra and ra + 8 (register e: row ra + 8 ((e >> 1) & 1))
+  const int cw = 64 * wg;      // its warpgroup's first column of the 128-wide results
+  const unsigned char* vblk = smem + L::v + wg * kBox;
+  const unsigned char* kblk = smem + L::k + wg * kBox;
+  const unsigned char* qblk = smem + L::q + wg * kBox;
+  // dW = -dU S^T (this warpgroup's column block) for the WY side's products.
+  acc_to_block<T, 64>(smem + L::dW + wg * kBox, wa, 0, [](float x, int, int) { return -x; });
+  // dP = scale dO Vn^T on j <= i < len, zero elsewhere: this warpgroup's 32 columns of every row, as B2 writes it.
+  {
+    float* dPg = a.dP + (c * HV + hv) * 64 * 64;
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = ra + 8 * hh, j = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh;
+        const float x0 = (j <= i && i < len) ? a.scale * dp[e0] : 0.f;
+        const float x1 = (j + 1 <= i && i < len) ? a.scale * dp[e0 + 1] : 0.f;
+        *reinterpret_cast<float2*>(dPg + i * 64 + j) = make_float2(x0, x1);
+      }
+  }
+  // dv = diag(beta) Y, staged over dO for 16-byte stores after the barrier below; Y . v per row.
+  stage_half_rows<T>(smem + L::dO, y, wg, [&](float x, int r) { return bs[r] * x; });
+  float yv[2] = {0.f, 0.f};
+  // minus = (Vn dS'^T) o e^(Gn - G), and KrSum's parts: per column, this thread's two rows, then the 8 lanes of
+  // a column (rows of the warp), stored per warp.
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb) {
+    float kr[2] = {0.f, 0.f};
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = ra + 8 * hh, cb = 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh;
+      const float2 gr = *reinterpret_cast<const float2*>(Gt + r * PG + cw + cb);
+      const float2 gn = *reinterpret_cast<const float2*>(Gt + (len - 1) * PG + cw + cb);
+      mi[e0] *= exp_t<T>(gn.x - gr.x);
+      mi[e0 + 1] *= exp_t<T>(gn.y - gr.y);
+      const float2 kv = block_pair<T>(kblk, r, cb), vv = block_pair<T>(vblk, r, cb);
+      kr[0] += kv.x * mi[e0];  // k and mi are zero on rows past len
+      kr[1] += kv.y * mi[e0 + 1];
+      yv[hh] += y[e0] * vv.x + y[e0 + 1] * vv.y;
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      kr[e] += __shfl_xor_sync(0xffffffffu, kr[e], 4);
+      kr[e] += __shfl_xor_sync(0xffffffffu, kr[e], 8);
+      kr[e] += __shfl_xor_sync(0xffffffffu, kr[e], 16);
+    }
+    if (g == 0) *reinterpret_cast<float2*>(krp + wi * 128 + cw + 8 * nb + 2 * t) = make_float2(kr[0], kr[1]);
+  }
+  fence_proxy_async();
+  __syncthreads();
+  store_staged_rows<T>(a.dv, ch.batch, ch.t0, hv, smem + L::dO, len);
+
+  // ---- the WY side ---------------------------------------------------------------------------------------
+  float pl[32], dt[16];
+  zero(pl), zero(dt);
+  reg_fence(pl), reg_fence(dt);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)  // T^T dW
+    wgmma_ss<T, 64, 1, 1>(pl, mnmajor(sT + kk * 2048), mnmajor(sdW + wg * kBox + kk * 2048), 1);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {  // dU V^T + dW (K o Gam)^T: K = 128 (value, then key columns)
+    const uint32_t ko = (kk >> 2) * kBox + (kk & 3) * 32;
+    wgmma_ss<T, 32, 0, 0>(dt, kmajor(sdU + ko), kmajor(sv + ko + wg * 4096), 1);
+  }
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint32_t ko = (kk >> 2) * kBox + (kk & 3) * 32;
+    wgmma_ss<T, 32, 0, 0>(dt, kmajor(sdW + ko), kmajor(sKg + ko + wg * 4096), 1);
+  }
+  wg_commit();
+  wg_wait<0>();
+  reg_fence(pl), reg_fence(dt);
+  // dT = (dU V^T + dW (K o Gam)^T) diag(beta), its 32 columns.
+#pragma unroll
+  for (int e = 0; e < 16; ++e) dt[e] *= bs[32 * wg + 8 * (e >> 2) + 2 * t + (e & 1)];
+  acc_to_block<T, 32>(smem + L::dT, dt, 32 * wg, [](float x, int, int) { return x; });
+  fence_proxy_async();
+  __syncthreads();
+  {
+    float m1[32];  // T^T dT, all 64 columns (both warpgroups); each stores its 32
+    zero(m1);
+    reg_fence(m1);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss<T, 64, 1, 1>(m1, mnmajor(sT + kk * 2048), mnmajor(base + L::dT + kk * 2048), 1);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(m1);
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        // columns 32 wg + 8 nb + 2 t: n-block nb or 4 + nb, picked by a select (a register array indexed by the
+        // warpgroup, a run-time value, would go to local memory)
+        const int r = ra + 8 * hh, cc = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, e1 = e0 + 16;
+        const float x0 = wg ? m1[e1] : m1[e0], x1 = wg ? m1[e1 + 1] : m1[e0 + 1];
+        *reinterpret_cast<uint32_t*>(smem + L::M1 + sw_pair(r, cc)) = pack2<T>(x0, x1);
+      }
+  }
+  fence_proxy_async();
+  __syncthreads();
+  {
+    float da[16];  // (T^T dT) T^T = -dA, its 32 columns
+    zero(da);
+    reg_fence(da);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss<T, 32, 0, 0>(da, kmajor(base + L::M1 + kk * 32), kmajor(sT + wg * 4096 + kk * 32), 1);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(da);
+    // dA on j < i < len, zero elsewhere, as B3 writes it.
+    float* dAg = a.dA + (c * HV + hv) * 64 * 64;
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = ra + 8 * hh, j = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh;
+        const float x0 = (j < i && i < len) ? -da[e0] : 0.f;
+        const float x1 = (j + 1 < i && i < len) ? -da[e0 + 1] : 0.f;
+        *reinterpret_cast<float2*>(dAg + i * 64 + j) = make_float2(x0, x1);
+      }
+  }
+
+  // ---- epilogue: B2's and B3's parts of dq, dk, dG and dbeta --------------------------------------------------
+  float db[2] = {yv[0], yv[1]};
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = ra + 8 * hh, cb = 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, col = cw + cb;
+      const float b = bs[r];
+      const float2 gr = *reinterpret_cast<const float2*>(Gt + r * PG + col);
+      const float gam0 = exp_t<T>(gr.x), gam1 = exp_t<T>(gr.y);
+      const float2 qv = block_pair<T>(qblk, r, cb), kv = block_pair<T>(kblk, r, cb);
+      const float dq0 = a.scale * qg[e0] * gam0, dq1 = a.scale * qg[e0 + 1] * gam1;
+      const float p0 = pl[e0] * gam0, p1 = pl[e0 + 1] * gam1;
+      db[hh] += kv.x * p0 + kv.y * p1;
+      float g0 = qv.x * dq0 - kv.x * mi[e0] + b * kv.x * p0;
+      float g1 = qv.y * dq1 - kv.y * mi[e0 + 1] + b * kv.y * p1;
+      if (r == len - 1) {  // the decay of S (e^Gn <dS', S>) and Gn in Kr (KrSum), per key
+        const float2 s0 = *reinterpret_cast<const float2*>(dgs + col);
+        const float2 s1 = *reinterpret_cast<const float2*>(dgs + 128 + col);
+        const float2 k0 = *reinterpret_cast<const float2*>(krp + col);
+        const float2 k1 = *reinterpret_cast<const float2*>(krp + 128 + col);
+        const float2 k2 = *reinterpret_cast<const float2*>(krp + 256 + col);
+        const float2 k3 = *reinterpret_cast<const float2*>(krp + 384 + col);
+        g0 += gam0 * (s0.x + s1.x) + (((k0.x + k1.x) + k2.x) + k3.x);
+        g1 += gam1 * (s0.y + s1.y) + (((k0.y + k1.y) + k2.y) + k3.y);
+      }
+      if (r < len) {
+        const int64_t o = ws_row(ch, r, HV, hv, kLocalKeys) + col;
+        *reinterpret_cast<float2*>(a.dqw + o) = make_float2(dq0, dq1);
+        *reinterpret_cast<float2*>(a.dkw + o) = make_float2(mi[e0] + b * p0, mi[e0 + 1] + b * p1);
+        *reinterpret_cast<float2*>(a.dGw + o) = make_float2(g0, g1);
+      }
+    }
+  // dbeta's part per row: the four lanes of a row, then lane 4 g writes this warpgroup's part (a fixed order).
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 1);
+    db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 2);
+    if (t == 0) part[wg * 64 + ra + 8 * hh] = db[hh];
+  }
+  __syncthreads();
+  if (tid < len) a.dbw[(ch.row0 + tid) * HV + hv] = part[tid] + part[64 + tid];
+#else
+  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
+#endif
+}
+
+// ---- host ----------------------------------------------------------------------------------------
+// Why the kda chunk-local kernel cannot run p (nullptr: it can).
+inline const char* local_kda_refusal(const Params& p) {
+#ifndef DELTACP_HAVE_SM90A
+  (void)p;
+  return "this build has no sm_90a code";
+#else
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
+  if (p.variant != Variant::kda) return "it takes kda's per-key gate (gdn and delta have bwd_local_wgmma.cuh)";
+  if (p.K != kLocalKeys || p.V != kLocalKeys) return "it takes K = V = 128";
+  if (p.chunk_size != 64) return "it takes chunk_size = 64";
+  if (p.B * p.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
+  for (const TensorRef* r : {&p.q, &p.k, &p.v, &p.dout}) {
+    if (!rows_aligned16(*r, 2)) return "TMA reads q, k, v and dO in 16-byte pieces (a pointer or stride is not 16-byte aligned)";
+    if (!steps_forward(*r, p.B, p.T, (r == &p.q || r == &p.k) ? p.H : p.HV))
+      return "TMA reads q, k, v and dO through tensor maps, which need positive strides";
+  }
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
+      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
+    return "it runs on compute capability 9.0 (H100 / H200) only";
+  if (max_smem_optin() < LocalKdaSmem::bytes) return "the GPU gives a block less shared memory than it needs";
+  return nullptr;
+#endif
+}
+
+// DELTACP_TILED_BWD_LOCAL_KDA (common/kernel_switch.h): unset = this kernel instead of stages B2 and B3 where
+// it applies; 0 = the two mma.sync kernels; 1 = required (an error names why it cannot run these inputs).
+inline bool use_local_kda(const Params& p) {
+  return kernel_switch("DELTACP_TILED_BWD_LOCAL_KDA", "the kda chunk-local kernel",
+                       [&] { return local_kda_refusal(p); });
+}
+
+// Over the a.num_chunks chunks of a (a slice: a.chunks, a.h, a.dh, a.dP and a.dA start at its first chunk).
+template <class T>
+void launch_local_kda(const Args& a, cudaStream_t stream) {
+  if (a.num_chunks == 0) return;
+  const int64_t state_rows = a.num_chunks * a.HV * kLocalKeys;
+  DELTACP_CHECK(state_rows < (int64_t{1} << 31), "T", "expected fewer than 2^31 rows of chunk states for TMA's ",
+                "32-bit coordinates, got ", state_rows);
+  DELTACP_CHECK(a.HV <= 65535, "HV", "expected at most 65535 value heads, got ", a.HV);
+  LocalWgArgs w;
+  w.a = a;
+  w.tm_q = token_rows_map(a.q, a.B, a.T, a.H, kLocalKeys, "q");
+  w.tm_k = token_rows_map(a.k, a.B, a.T, a.H, kLocalKeys, "k");
+  w.tm_v = token_rows_map(a.v, a.B, a.T, a.HV, kLocalKeys, "v");
+  w.tm_do = token_rows_map(a.dout, a.B, a.T, a.HV, kLocalKeys, "do");
+  w.tm_vn = workspace_rows_map(a.vnew, a.B * a.T, a.HV, kLocalKeys, "v_new");
+  w.tm_h = tile_map_16bit(a.h, {kLocalKeys, state_rows}, {kLocalKeys}, {64, 64}, "h");
+  w.tm_dh = tile_map_16bit(a.dh, {kLocalKeys, state_rows}, {kLocalKeys}, {64, 64}, "dh");
+  auto kernel = bwd_local_kda_wgmma_kernel<T>;
+  opt_in_smem(kernel, LocalKdaSmem::bytes, "K", "the kda chunk-local backward needs ", LocalKdaSmem::bytes,
+              " bytes of shared memory");
+  const dim3 grid(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.HV));
+  kernel<<<grid, 256, LocalKdaSmem::bytes, stream>>>(w);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace deltacp::cuda::tiled::bwd
