@@ -4,8 +4,9 @@ when the GPU reaches its start and its end.
     torchrun --nproc_per_node=2 bench/cp/cp_timeline.py [--variant gdn|kda] [--backward] [--tokens 32768]
     torchrun --nproc_per_node=2 bench/cp/cp_timeline.py --device cpu --tokens 64 --heads 2 --head-dim 16  # smoke
 
-The phases are deltacp.cp's own steps (PHASES below: the staged local forward's prepare and finish, the fingerprint
-check, the pre-pass, the all-gather, the merge, the confirmation, and with --backward their mirrors). The tool wraps
+The phases are the public op's prologue (its input checks, FLA's options, safe_gate's range check) and deltacp.cp's
+own steps (PHASES below: the staged local forward's prepare and finish, the fingerprint check, the pre-pass, the
+all-gather, the merge, the confirmation, and with --backward their mirrors). The tool wraps
 each of those functions for the run: at entry and exit it reads the host clock and records a CUDA event on the
 current stream. Nothing else is instrumented, so the host runs at its own speed; torch.profiler slows it several
 times over (bench/gpu/step_gaps.py), which hides exactly the waits this looks for.
@@ -41,6 +42,13 @@ REPO = Path(__file__).resolve().parents[2]
 # on the module is what the op calls). _staged_call is shown by the staged function it runs and, for a step, the
 # step's name ("staged_forward_step:finish").
 PHASES = {
+    # The public op's prologue (deltacp.ops: its checks, FLA's options, safe_gate's range check; the one-GPU
+    # call's forward), then deltacp.cp's own steps.
+    "deltacp.ops": ("check_inputs", "start_gate_range_check", "_methods"),
+    "deltacp.fla_options": ("preprocess",),
+    "deltacp._library": ("chunk_fwd",),
+    "deltacp.cp": ("cp_apply",),
+    "deltacp.cp.ops": ("check_inputs", "_methods"),
     "deltacp.cp.autograd": ("_descs", "_settle_forward_tier", "_staged_call", "_start_check", "_prepass_forward",
                             "_finish_check", "_all_gather", "_merge_forward", "_local_initial_states",
                             "_head_forward", "_run", "_prepass_backward", "_merge_backward"),

@@ -262,7 +262,13 @@ NcclComm::NcclComm(const std::string& unique_id, int rank, int world, int device
   DeviceGuard guard(device);
   cudaStream_t stream = nullptr;
   cudaEvent_t ev_in = nullptr, ev_done = nullptr;
-  cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  // The highest priority the device offers: the fingerprint all-reduce and the exchange's all-gather are a few
+  // blocks each, enqueued while the local forward's prepare fills every SM; at the default priority the block
+  // scheduler dispatched them only behind that grid's last wave, and the host waited for the check as long.
+  int least_priority = 0, greatest_priority = 0;
+  cuda_check(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority), "cudaDeviceGetStreamPriorityRange");
+  cuda_check(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest_priority),
+             "cudaStreamCreateWithPriority");
   stream_ = stream;
   auto release_cuda = [&] {
     if (ev_in) cudaEventDestroy(ev_in);

@@ -163,6 +163,25 @@ def _compare(case, rank, world):
     bitwise = bool(torch.equal(o, o2) and all(torch.equal(grads[n], grads2[n]) for n in names)
                    and (ht is None or torch.equal(ht, ht2)))
 
+    # Inference (torch.no_grad) on tensors that require grad: the training call's o, bit for bit, and the
+    # forward's pre-pass is not asked for the backward pre-pass's maps (no backward follows).
+    import deltacp.cp.autograd as cp_autograd
+
+    asked, prepass = [], cp_autograd._prepass_forward
+
+    def spy(*args, **kwargs):
+        asked.append(bool(kwargs.get("want_first_maps", False)))
+        return prepass(*args, **kwargs)
+
+    cp_autograd._prepass_forward = spy
+    try:
+        with torch.no_grad():
+            loc = {n: (t if n == "h0" else cp.split_even(t, ctx)).detach().clone().requires_grad_() for n, t in x.items()}
+            o_inference, _ = _call(case["variant"], loc, cp_context=ctx, chunk=case["chunk"], states=case["states"])
+    finally:
+        cp_autograd._prepass_forward = prepass
+    inference = {"same_o": bool(torch.equal(o_inference, o)), "prepass_calls": len(asked), "maps_asked": any(asked)}
+
     full = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
     o_ref, ht_ref = _call(case["variant"], full, cu=cu, chunk=case["chunk"], states=case["states"])
     loss = (o_ref.double() * do.double()).sum()
@@ -194,7 +213,7 @@ def _compare(case, rank, world):
                    and cp.last_stats[key] == cp.exchange_bytes(ctx, HV, K, V, state)
                    for key in ("forward_bytes", "backward_bytes"))
     return {"errors": err, "bitwise": bitwise, "plan": ctx.describe(), "maps_read": ctx.maps_read,
-            "exchange_sizes_ok": sizes_ok}
+            "exchange_sizes_ok": sizes_ok, "inference": inference}
 
 
 def _fault(scenario, rank, world, victim):
@@ -313,6 +332,18 @@ def test_cp_bitwise_deterministic(world):
     reports = compare_reports(world)
     bad = [f"{name} rank {rank}" for rank, rep in reports.items() for name, r in rep.items() if not r["bitwise"]]
     assert not bad, "results differ run to run: " + ", ".join(bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_inference_under_no_grad_makes_no_backward_maps(world):
+    """A CP forward under torch.no_grad() on tensors that require grad (a model evaluated without a backward)
+    gives the training call's o bit for bit and does not make the backward pre-pass's transitions: autograd's
+    needs_input_grad is set under no_grad too, so the op decides from grad mode at the call."""
+    reports = compare_reports(world)
+    bad = [f"{name} rank {rank}: {r['inference']}" for rank, rep in reports.items() for name, r in rep.items()
+           if not (r["inference"]["same_o"] and r["inference"]["prepass_calls"] == 1
+                   and not r["inference"]["maps_asked"])]
+    assert not bad, "\n".join(bad)
 
 
 def test_cp_sequence_spans_three_ranks():

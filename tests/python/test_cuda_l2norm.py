@@ -56,3 +56,23 @@ def test_l2norm_rows_on_views_and_the_fla_option():
 def test_l2norm_rows_opcheck():
     x = torch.randn(3, 5, 64, device="cuda", dtype=torch.float32, requires_grad=True)
     torch.library.opcheck(torch.ops.deltacp.l2norm_rows.default, (x, 1e-6))
+
+
+def test_l2norm_rows_routes_give_the_same_bits():
+    """l2norm_rows' three routes (the kernel alone without a gradient, an autograd Function with one, the
+    registered op as torch.compile traces it) launch the same kernels: y and dx bit for bit."""
+    torch.manual_seed(5)
+    x = (3 * torch.randn(2, 70, 3, 128, device="cuda")).to(torch.bfloat16)
+    dy = torch.randn(x.shape, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        y_plain = _l2norm.l2norm_rows(x.requires_grad_(True))
+    assert y_plain.grad_fn is None
+    xa = x.detach().requires_grad_(True)
+    y_fn = _l2norm.l2norm_rows(xa)
+    y_fn.backward(dy)
+    xo = x.detach().requires_grad_(True)
+    y_op = torch.ops.deltacp.l2norm_rows.default(xo, 1e-6)[0]
+    y_op.backward(dy)
+    assert torch.equal(y_plain, y_fn) and torch.equal(y_fn, y_op)
+    assert torch.equal(xa.grad, xo.grad)
+

@@ -220,6 +220,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     cfg.check_fields, cfg.gate_range_check, cfg.pending_check = fields, gate_range_check, None
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    cfg.needs_grad = needs_grad  # the autograd Function's forward runs without grad mode: decided here
     cfg.fwd_method, cfg.bwd_method = _methods(variant, backend, q.device, needs_grad)
     cfg.fwd_named = backend is not None  # else a fused forward the rank's problem refuses falls back (autograd)
     if q.device.type == "cpu":
