@@ -450,19 +450,7 @@ inline const char* local_kda_refusal(const Params& p) {
 #else
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
   if (p.variant != Variant::kda) return "it takes kda's per-key gate (gdn and delta have bwd_local_wgmma.cuh)";
-  if (p.K != kLocalKeys || p.V != kLocalKeys) return "it takes K = V = 128";
-  if (p.chunk_size != 64) return "it takes chunk_size = 64";
-  if (p.B * p.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
-  for (const TensorRef* r : {&p.q, &p.k, &p.v, &p.dout}) {
-    if (!rows_aligned16(*r, 2)) return "TMA reads q, k, v and dO in 16-byte pieces (a pointer or stride is not 16-byte aligned)";
-    if (!steps_forward(*r, p.B, p.T, (r == &p.q || r == &p.k) ? p.H : p.HV))
-      return "TMA reads q, k, v and dO through tensor maps, which need positive strides";
-  }
-  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
-      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
-    return "it runs on compute capability 9.0 (H100 / H200) only";
-  if (max_smem_optin() < LocalKdaSmem::bytes) return "the GPU gives a block less shared memory than it needs";
-  return nullptr;
+  return local_tma_refusal(p, LocalKdaSmem::bytes);
 #endif
 }
 
@@ -477,19 +465,7 @@ inline bool use_local_kda(const Params& p) {
 template <class T>
 void launch_local_kda(const Args& a, cudaStream_t stream) {
   if (a.num_chunks == 0) return;
-  const int64_t state_rows = a.num_chunks * a.HV * kLocalKeys;
-  DELTACP_CHECK(state_rows < (int64_t{1} << 31), "T", "expected fewer than 2^31 rows of chunk states for TMA's ",
-                "32-bit coordinates, got ", state_rows);
-  DELTACP_CHECK(a.HV <= 65535, "HV", "expected at most 65535 value heads, got ", a.HV);
-  LocalWgArgs w;
-  w.a = a;
-  w.tm_q = token_rows_map(a.q, a.B, a.T, a.H, kLocalKeys, "q");
-  w.tm_k = token_rows_map(a.k, a.B, a.T, a.H, kLocalKeys, "k");
-  w.tm_v = token_rows_map(a.v, a.B, a.T, a.HV, kLocalKeys, "v");
-  w.tm_do = token_rows_map(a.dout, a.B, a.T, a.HV, kLocalKeys, "do");
-  w.tm_vn = workspace_rows_map(a.vnew, a.B * a.T, a.HV, kLocalKeys, "v_new");
-  w.tm_h = tile_map_16bit(a.h, {kLocalKeys, state_rows}, {kLocalKeys}, {64, 64}, "h");
-  w.tm_dh = tile_map_16bit(a.dh, {kLocalKeys, state_rows}, {kLocalKeys}, {64, 64}, "dh");
+  const LocalWgArgs w = local_wg_args(a);
   auto kernel = bwd_local_kda_wgmma_kernel<T>;
   opt_in_smem(kernel, LocalKdaSmem::bytes, "K", "the kda chunk-local backward needs ", LocalKdaSmem::bytes,
               " bytes of shared memory");

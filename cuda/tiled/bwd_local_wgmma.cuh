@@ -541,14 +541,10 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
 }
 
 // ---- host ----------------------------------------------------------------------------------------
-// Why the fused chunk-local backward cannot run p (nullptr: it can).
-inline const char* local_wgmma_refusal(const Params& p) {
-#ifndef DELTACP_HAVE_SM90A
-  (void)p;
-  return "this build has no sm_90a code";
-#else
-  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
-  if (p.variant != Variant::gdn && p.variant != Variant::delta) return "it takes a scalar gate (gdn, delta)";
+#ifdef DELTACP_HAVE_SM90A
+// What both Hopper chunk-local kernels (this one and kda's, bwd_local_kda_wgmma.cuh) need beyond their dtype
+// and variant, given the shared memory they take: why they cannot run p (nullptr: they can).
+inline const char* local_tma_refusal(const Params& p, int smem_bytes) {
   if (p.K != kLocalKeys || p.V != kLocalKeys) return "it takes K = V = 128";
   if (p.chunk_size != 64) return "it takes chunk_size = 64";
   if (p.B * p.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
@@ -560,8 +556,20 @@ inline const char* local_wgmma_refusal(const Params& p) {
   if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
       device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
     return "it runs on compute capability 9.0 (H100 / H200) only";
-  if (max_smem_optin() < LocalWgSmem::bytes) return "the GPU gives a block less shared memory than it needs";
+  if (max_smem_optin() < smem_bytes) return "the GPU gives a block less shared memory than it needs";
   return nullptr;
+}
+#endif
+
+// Why the fused chunk-local backward cannot run p (nullptr: it can).
+inline const char* local_wgmma_refusal(const Params& p) {
+#ifndef DELTACP_HAVE_SM90A
+  (void)p;
+  return "this build has no sm_90a code";
+#else
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
+  if (p.variant != Variant::gdn && p.variant != Variant::delta) return "it takes a scalar gate (gdn, delta)";
+  return local_tma_refusal(p, LocalWgSmem::bytes);
 #endif
 }
 
@@ -572,10 +580,9 @@ inline bool use_local_wgmma(const Params& p) {
                        [&] { return local_wgmma_refusal(p); });
 }
 
-// Over the a.num_chunks chunks of a (a slice: a.chunks, a.h and a.dh start at its first chunk).
-template <class T>
-void launch_local_wgmma(const Args& a, cudaStream_t stream) {
-  if (a.num_chunks == 0) return;
+// Both Hopper chunk-local kernels' arguments over the a.num_chunks chunks of a: a and the tensor maps of q, k,
+// v, dO, v_new and the slice's h and dh, which TMA reads.
+inline LocalWgArgs local_wg_args(const Args& a) {
   const int64_t state_rows = a.num_chunks * a.HV * kLocalKeys;
   DELTACP_CHECK(state_rows < (int64_t{1} << 31), "T", "expected fewer than 2^31 rows of chunk states for TMA's ",
                 "32-bit coordinates, got ", state_rows);
@@ -589,6 +596,14 @@ void launch_local_wgmma(const Args& a, cudaStream_t stream) {
   w.tm_vn = workspace_rows_map(a.vnew, a.B * a.T, a.HV, kLocalKeys, "v_new");
   w.tm_h = tile_map_16bit(a.h, {kLocalKeys, state_rows}, {kLocalKeys}, {64, 64}, "h");
   w.tm_dh = tile_map_16bit(a.dh, {kLocalKeys, state_rows}, {kLocalKeys}, {64, 64}, "dh");
+  return w;
+}
+
+// Over the a.num_chunks chunks of a (a slice: a.chunks, a.h and a.dh start at its first chunk).
+template <class T>
+void launch_local_wgmma(const Args& a, cudaStream_t stream) {
+  if (a.num_chunks == 0) return;
+  const LocalWgArgs w = local_wg_args(a);
   auto kernel = bwd_local_wgmma_kernel<T>;
   opt_in_smem(kernel, LocalWgSmem::bytes, "K", "the fused chunk-local backward needs ", LocalWgSmem::bytes,
               " bytes of shared memory");
