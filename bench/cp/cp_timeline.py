@@ -52,7 +52,9 @@ PHASES = {
     "deltacp.cp.autograd": ("_descs", "_settle_forward_tier", "_staged_call", "_start_check", "_prepass_forward",
                             "_finish_check", "_all_gather", "_merge_forward", "_local_initial_states",
                             "_head_forward", "_run", "_prepass_backward", "_merge_backward"),
-    "deltacp.cp.exchange": ("_confirm",),
+    # inside the pre-passes: the local forward's cut, the pieces' maps it copies or composes
+    "deltacp.cp.exchange": ("_confirm", "_cut_bounds", "_first_segment_maps", "_local_piece_maps",
+                            "_composed_local_maps", "_dh0_pieces"),
 }
 
 
