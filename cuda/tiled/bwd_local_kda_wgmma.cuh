@@ -3,9 +3,10 @@
 // bwd_wy_kernel (bwd_dqkg.cuh, bwd_wy.cuh: the same algebra on mma.sync) for 16-bit kda at K = V = 128, chunk 64,
 // compute capability 9.0 (local_kda_refusal says where it cannot run; DELTACP_TILED_BWD_LOCAL_KDA=0 keeps the
 // two). Measured on H100 (bf16, (2, 16384, 16, 128), CUDA time of the kernels): 1.26 ms where B2 + B3 take
-// 1.37 + 1.45 ms; the fused-tier forward + backward's kernels 8.83 -> 7.26 ms. It hands stage B4 (bwd_decay_kda_tc_kernel, unchanged) the buffers B2 and B3 hand it, with the same
-// meaning: dP and dA (fp32 64 x 64, masked), the fp32 per-value-head parts of dq, dk and dG, and B3's part of
-// dbeta; dv is final here as in B3. dW, which B2 writes for B3 only, stays in shared memory.
+// 1.37 + 1.45 ms; the fused-tier forward + backward's kernels 8.83 -> 7.26 ms. It hands stage B4
+// (bwd_decay_kda_tc_kernel, unchanged) the buffers B2 and B3 hand it, with the same meaning: dP and dA (fp32
+// 64 x 64, masked), the fp32 per-value-head parts of dq, dk and dG, and B3's part of dbeta; dv is final here as in
+// B3. dW, which B2 writes for B3 only, stays in shared memory.
 //
 // The algebra is bwd_local_wgmma.cuh's (gdn) with kda's decay per key: Gam_id = e^(G_id) and e^(Gn_d - G_id)
 // are element scales, read from the chunk's G tile, where gdn has row scales. For one chunk (bwd_common.cuh's
@@ -344,43 +345,9 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
 #pragma unroll
   for (int e = 0; e < 16; ++e) dt[e] *= bs[32 * wg + 8 * (e >> 2) + 2 * t + (e & 1)];
   acc_to_block<T, 32>(smem + L::dT, dt, 32 * wg, [](float x, int, int) { return x; });
-  fence_proxy_async();
-  __syncthreads();
-  {
-    float m1[32];  // T^T dT, all 64 columns (both warpgroups); each stores its 32
-    zero(m1);
-    reg_fence(m1);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss<T, 64, 1, 1>(m1, mnmajor(sT + kk * 2048), mnmajor(base + L::dT + kk * 2048), 1);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(m1);
-#pragma unroll
-    for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        // columns 32 wg + 8 nb + 2 t: n-block nb or 4 + nb, picked by a select (a register array indexed by the
-        // warpgroup, a run-time value, would go to local memory)
-        const int r = ra + 8 * hh, cc = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, e1 = e0 + 16;
-        const float x0 = wg ? m1[e1] : m1[e0], x1 = wg ? m1[e1 + 1] : m1[e0 + 1];
-        *reinterpret_cast<uint32_t*>(smem + L::M1 + sw_pair(r, cc)) = pack2<T>(x0, x1);
-      }
-  }
-  fence_proxy_async();
-  __syncthreads();
   {
     float da[16];  // (T^T dT) T^T = -dA, its 32 columns
-    zero(da);
-    reg_fence(da);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss<T, 32, 0, 0>(da, kmajor(base + L::M1 + kk * 32), kmajor(sT + wg * 4096 + kk * 32), 1);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(da);
+    wy_minus_dA<T>(smem, base, L::dT, L::M1, sT, wg, ra, t, da);
     // dA on j < i < len, zero elsewhere, as B3 writes it.
     float* dAg = a.dA + (c * HV + hv) * 64 * 64;
 #pragma unroll

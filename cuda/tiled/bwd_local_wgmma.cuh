@@ -169,6 +169,50 @@ __device__ __forceinline__ void store_staged_rows(const TensorRef& out, int64_t 
 // MN-major one (rows of the tile are the K index).
 __device__ __forceinline__ uint64_t kmajor(uint32_t at) { return wg_desc(at, 16, 1024); }
 __device__ __forceinline__ uint64_t mnmajor(uint32_t at) { return wg_desc(at, 8192, 1024); }
+
+// The WY side's last two products, in both chunk-local kernels (this one and kda's): -dA = (T^T dT) T^T, the 32
+// columns of warpgroup wg, into da. dT (64 x 64, 16-bit, 128B-swizzled) is at smem offset dT_at, T at sT; T^T dT
+// passes through M1_at (16-bit, both warpgroups' halves). Entered right after dT is staged (it synchronises the
+// block before each product); the caller masks and scales what it gets.
+template <class T>
+__device__ __forceinline__ void wy_minus_dA(unsigned char* smem, uint32_t base, int dT_at, int M1_at, uint32_t sT,
+                                            int wg, int ra, int t, float (&da)[16]) {
+  fence_proxy_async();
+  __syncthreads();
+  {
+    float m1[32];  // T^T dT, all 64 columns (both warpgroups); each stores its 32
+    zero(m1);
+    reg_fence(m1);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss<T, 64, 1, 1>(m1, mnmajor(sT + kk * 2048), mnmajor(base + dT_at + kk * 2048), 1);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(m1);
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        // columns 32 wg + 8 nb + 2 t: n-block nb or 4 + nb, picked by a select (a register array indexed by
+        // the warpgroup, a run-time value, would go to local memory)
+        const int r = ra + 8 * hh, cc = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, e1 = e0 + 16;
+        const float x0 = wg ? m1[e1] : m1[e0], x1 = wg ? m1[e1 + 1] : m1[e0 + 1];
+        *reinterpret_cast<uint32_t*>(smem + M1_at + sw_pair(r, cc)) = pack2<T>(x0, x1);
+      }
+  }
+  fence_proxy_async();
+  __syncthreads();
+  zero(da);
+  reg_fence(da);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_ss<T, 32, 0, 0>(da, kmajor(base + M1_at + kk * 32), kmajor(sT + wg * 4096 + kk * 32), 1);
+  wg_commit();
+  wg_wait<0>();
+  reg_fence(da);
+}
 #endif
 
 template <class T>
@@ -411,43 +455,9 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
     dt1[e] = bs[j] * (dt1[e] + egs[j] * dt2[e]);
   }
   acc_to_block<T, 32>(smem + L::dT, dt1, 32 * wg, [](float x, int, int) { return x; });
-  fence_proxy_async();
-  __syncthreads();
-  {
-    float m1[32];  // T^T dT, all 64 columns (both warpgroups); each stores its 32
-    zero(m1);
-    reg_fence(m1);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss<T, 64, 1, 1>(m1, mnmajor(sT + kk * 2048), mnmajor(base + L::dT + kk * 2048), 1);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(m1);
-#pragma unroll
-    for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        // columns 32 wg + 8 nb + 2 t: n-block nb or 4 + nb, picked by a select (a register array indexed by
-        // the warpgroup, a run-time value, would go to local memory)
-        const int r = ra + 8 * hh, cc = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, e1 = e0 + 16;
-        const float x0 = wg ? m1[e1] : m1[e0], x1 = wg ? m1[e1 + 1] : m1[e0 + 1];
-        *reinterpret_cast<uint32_t*>(smem + L::M1 + sw_pair(r, cc)) = pack2<T>(x0, x1);
-      }
-  }
-  fence_proxy_async();
-  __syncthreads();
   {
     float da[16];  // (T^T dT) T^T = -dA, its 32 columns
-    zero(da);
-    reg_fence(da);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss<T, 32, 0, 0>(da, kmajor(base + L::M1 + kk * 32), kmajor(sT + wg * 4096 + kk * 32), 1);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(da);
+    wy_minus_dA<T>(smem, base, L::dT, L::M1, sT, wg, ra, t, da);
     auto dae = [&](float x, int i, int j) {
       return (j < i && i < len) ? -x * (gated ? exp_t<T>(gs[i] - gs[j]) : 1.f) : 0.f;
     };
