@@ -343,8 +343,8 @@ def perf_md(res, plots):
                 lines.append(f"| {plan} | {x['total_ms']:.3f} | {chain:.3f} | {x['chain_ctas']} | {x['chain_chunks']} | "
                              f"{1e3 * chain / x['chain_chunks']:.2f} | {others} |")
             lines.append("")
-        sb = perf.get("stages_backward")
-        if sb:
+        for key in sorted(k for k in perf if k.startswith("stages_backward_")):
+            sb = perf[key]
             names = list(next(iter(sb["shapes"].values()))["kernels_ms"])
             lines += [f"### Forward + backward kernel by kernel, {sb['variant'].upper()} ({sb['backend']})", "",
                       f"Measured {sb['date']}; {sb['source']}. B0..B4 are the tiled backward's stages "

@@ -1,8 +1,9 @@
-"""Puts the GDN forward + backward kernel times of bench/gpu/stage_times.py (as run_device.sh's `stages` step
-writes them to stages.log) into a results file as its "stages_backward" section, which make_docs.py renders.
+"""Puts the forward + backward kernel times of one variant from bench/gpu/stage_times.py (as run_device.sh's
+`stages` step writes them to stages.log) into a results file as its "stages_backward_<variant>" section, which
+make_docs.py renders.
 
     python3 bench/gpu/stages_to_json.py docs/results/perf-h100.json stages.log [more logs ...] \\
-        [--setting DELTACP_TILED_BWD_BESIDE=0] [--date 2026-11-27]
+        [--variant kda] [--setting DELTACP_TILED_BWD_BESIDE=0] --date 2026-11-27
 
 Each log's block of the chosen setting (the "[setting]" prefix of DELTACP_STAGE_ENVS runs; no prefix: the
 plain run) gives one shape: its kernels, named by the labels below (a kernel without a label is summed
@@ -15,6 +16,7 @@ import re
 # Kernel name fragment -> label, in the order of the table's columns (first match wins).
 LABELS = [
     ("bwd_local_wgmma_kernel", "bwd_local_wgmma (B2-B4)"),
+    ("bwd_local_kda_wgmma_kernel", "bwd_local_kda_wgmma (B2-B3)"),
     ("bwd_dqkg_kernel", "bwd_dqkg (B2)"),
     ("bwd_wy_kernel", "bwd_wy (B3)"),
     ("bwd_decay", "bwd_decay (B4)"),
@@ -24,6 +26,7 @@ LABELS = [
     ("wy_wgmma_kernel<__nv_bfloat16, true>", "recompute: wy_wgmma with B0"),
     ("chunk_wy_kernel", "recompute: chunk_wy"),
     ("bwd_dv_local_kernel", "bwd_dv_local (B0)"),
+    ("kda_prepare_kernel", "forward: kda_prepare"),
     ("fused_chain_kernel", "forward: fused_chain"),
     ("wy_wgmma_kernel<__nv_bfloat16, false>", "forward: wy_wgmma"),
     ("chunk_cumsum_kernel", "cumsum (both)"),
@@ -32,8 +35,8 @@ HEAD = re.compile(r"(\w+) (\w+) fwd\+bwd \(([\d, ]+)\): ([\d.]+) ms of kernels p
 KERNEL = re.compile(r"^\s+([\d.]+) ms  (.*)$")
 
 
-def parse(path, setting):
-    """{shape: {"total_ms", "elapsed_ms", "kernels_ms"}} of the setting's blocks in one log."""
+def parse(path, setting, variant):
+    """{shape: {"total_ms", "elapsed_ms", "kernels_ms"}} of the variant's blocks of the setting in one log."""
     shapes, cur = {}, None
     for line in open(path):
         line = line.rstrip("\n")
@@ -44,6 +47,9 @@ def parse(path, setting):
         if prefix != setting:
             continue
         h = HEAD.search(line)
+        if h and h.group(1) != variant:
+            cur = None
+            continue
         if h:
             shape = ",".join(x.strip() for x in h.group(3).split(","))
             cur = shapes[shape] = {"total_ms": float(h.group(4)), "kernels_ms": {}}
@@ -62,13 +68,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
     ap.add_argument("logs", nargs="+")
+    ap.add_argument("--variant", default="gdn", choices=("gdn", "kda"))
     ap.add_argument("--setting", default="", help="the [prefix] of the block to take (empty: unprefixed lines)")
     ap.add_argument("--date", required=True)
     ap.add_argument("--note", default="")
     a = ap.parse_args()
     shapes = {}
     for path in a.logs:
-        shapes.update(parse(path, a.setting))
+        shapes.update(parse(path, a.setting, a.variant))
     if not shapes:
         raise SystemExit(f"no block of setting '{a.setting}' in {a.logs}")
     order = [lab for _, lab in LABELS] + ["the rest"]
@@ -76,16 +83,17 @@ def main():
         x["kernels_ms"] = {lab: x["kernels_ms"].get(lab, 0.0) for lab in order
                            if any(lab in y["kernels_ms"] for y in shapes.values())}
     res = json.load(open(a.results))
-    res["stages_backward"] = {
-        "date": a.date, "variant": "gdn", "backend": "fused forward, tiled backward", "direction": "fwd+bwd",
+    key = f"stages_backward_{a.variant}"
+    res[key] = {
+        "date": a.date, "variant": a.variant, "backend": "fused forward, tiled backward", "direction": "fwd+bwd",
         "source": "bench/gpu/stage_times.py --backward --backend fused (torch.profiler, CUDA time per call; "
                   "elapsed: CUDA events around one call, median of 20)" + (f", {a.setting}" if a.setting else ""),
         "shapes": shapes,
     }
     if a.note:
-        res["stages_backward"]["note"] = a.note
+        res[key]["note"] = a.note
     json.dump(res, open(a.results, "w"), indent=1)
-    print(f"{a.results}: stages_backward for {list(shapes)}")
+    print(f"{a.results}: {key} for {list(shapes)}")
 
 
 if __name__ == "__main__":

@@ -33,3 +33,38 @@ def test_results_carry_gpu_and_date():
     for path in sorted((REPO / "docs" / "results").glob("*.json")):
         data = json.loads(path.read_text())
         assert data.get("gpu") and data.get("date"), f"{path.name}: expected 'gpu' and 'date'"
+
+
+def test_stages_to_json_takes_the_named_variants_blocks(tmp_path):
+    """bench/gpu/stages_to_json.py: from a stages.log holding gdn and kda blocks (with and without setting prefixes),
+    --variant kda --setting S keeps the kda block of S alone, its kernels under their labels (the unlabelled ones
+    summed into "the rest"), as the section stages_backward_kda beside what the results file had."""
+    import json
+
+    log = tmp_path / "stages.log"
+    log.write_text("\n".join([
+        "gdn fused fwd+bwd (2, 16384, 16, 128): 3.900 ms of kernels per call, 4.100 ms elapsed",
+        "     1.000 ms  void deltacp::cuda::tiled::bwd::bwd_local_wgmma_kernel<__nv_bfloat16>",
+        "[S=1] kda fused fwd+bwd (2, 16384, 16, 128): 7.000 ms of kernels per call, 7.500 ms elapsed",
+        "[S=1]      1.250 ms  void deltacp::cuda::tiled::bwd::bwd_local_kda_wgmma_kernel<__nv_bfloat16>",
+        "[S=1]      1.700 ms  void deltacp::cuda::tiled::bwd::bwd_decay_kda_tc_kernel<__nv_bfloat16, 128>",
+        "[S=1]      0.040 ms  void at::native::vectorized_elementwise_kernel<8>",
+        "[S=1]      0.010 ms  Memcpy HtoD (Pageable -> Device)",
+        "[S=1] gdn fused fwd+bwd (1, 8192, 96, 128): 4.500 ms of kernels per call, 4.700 ms elapsed",
+        "[S=1]      1.600 ms  void deltacp::cuda::tiled::bwd::bwd_local_wgmma_kernel<__nv_bfloat16>",
+        "[S=0] kda fused fwd+bwd (2, 16384, 16, 128): 9.000 ms of kernels per call, 9.400 ms elapsed",
+        "[S=0]      1.400 ms  void deltacp::cuda::tiled::bwd::bwd_dqkg_kernel<__nv_bfloat16, 128>",
+    ]) + "\n")
+    results = tmp_path / "perf.json"
+    results.write_text(json.dumps({"gpu": "G", "date": "D", "rows": []}))
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "stages_to_json.py"), str(results), str(log),
+                        "--variant", "kda", "--setting", "S=1", "--date", "2026-11-27"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(results.read_text())
+    assert data["gpu"] == "G" and "stages_backward_gdn" not in data
+    section = data["stages_backward_kda"]
+    assert section["variant"] == "kda" and list(section["shapes"]) == ["2,16384,16,128"]
+    shape = section["shapes"]["2,16384,16,128"]
+    assert shape["total_ms"] == 7.0 and shape["elapsed_ms"] == 7.5
+    assert shape["kernels_ms"] == {"bwd_local_kda_wgmma (B2-B3)": 1.25, "bwd_decay (B4)": 1.7, "the rest": 0.05}
