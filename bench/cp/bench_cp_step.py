@@ -561,7 +561,8 @@ def run_variant(variant, args, ranks: Ranks, device, dtype, ctx, fla, fla_ctx, d
 
 
 # ---- report -------------------------------------------------------------------------------------------------
-def versions(fla) -> dict:
+def versions(fla=None) -> dict:
+    """torch, Python, Triton, FLA (when `fla` loaded it), deltacp and the checkout's commit."""
     v = {"torch": torch.__version__, "python": sys.version.split()[0]}
     try:
         import triton
@@ -569,7 +570,7 @@ def versions(fla) -> dict:
         v["triton"] = triton.__version__
     except Exception:  # noqa: BLE001 - CPU machines often have no triton
         pass
-    if fla.version:
+    if fla is not None and fla.version:
         v["fla"] = fla.version
     try:
         import deltacp

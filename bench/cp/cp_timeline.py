@@ -1,7 +1,8 @@
 """bench/cp/cp_timeline.py — one deltacp CP call, phase by phase: when the host enters and leaves each phase, and
 when the GPU reaches its start and its end.
 
-    torchrun --nproc_per_node=2 bench/cp/cp_timeline.py [--variant gdn|kda] [--backward] [--tokens 32768]
+    torchrun --nproc_per_node=2 bench/cp/cp_timeline.py [--variant gdn|kda] [--backward] [--tokens 32768] \
+        [--json cptimeline.json]
     torchrun --nproc_per_node=2 bench/cp/cp_timeline.py --device cpu --tokens 64 --heads 2 --head-dim 16  # smoke
 
 The phases are the public op's prologue (its input checks, FLA's options, safe_gate's range check) and deltacp.cp's
@@ -21,6 +22,10 @@ benchmark keywords, and each call after a barrier and a synchronisation. The tab
 Reading it: where a phase's "gpu in" equals its "host in", the GPU was idle until the host got there, so the host
 is on the critical path; where "gpu in" is later, the host ran ahead. The same call without cp_context on the
 rank's slice (one GPU, the efficiency's reference) comes first. On CPUs (gloo) only the host columns mean anything.
+
+--json adds the run to a results file (one section per variant and direction, e.g. "gdn fwd", kept beside the
+sections of other runs): every rank's two calls with their phases, which bench/gpu/make_docs.py renders into
+docs/context-parallel.md.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import json
 import statistics
 import sys
 import time
@@ -150,6 +156,20 @@ def render(rank: int, label: str, t: dict) -> str:
     return "\n".join(lines)
 
 
+def add_to_results(path: Path, head: dict, section: str, ranks: list) -> None:
+    """Section `section` of the results file at path: ranks[r] = {"one_gpu": timeline, "cp": timeline} (timeline():
+    call_ms, host_ms, phases), the problem and the GPU in `head`; the file's other sections are kept."""
+    def plain(t):  # NaN (no GPU columns on CPUs) as null
+        return {"call_ms": t["call_ms"], "host_ms": t["host_ms"],
+                "phases": [[name, [None if y != y else y for y in times]] for name, times in t["phases"]]}
+
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res.update(head)
+    res.setdefault("sections", {})[section] = {
+        "ranks": [{"one_gpu": plain(r["one_gpu"]), "cp": plain(r["cp"])} for r in ranks]}
+    path.write_text(json.dumps(res, indent=1) + "\n")
+
+
 def main():
     step = _load("bench_cp_step", REPO / "bench" / "cp" / "bench_cp_step.py")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -157,6 +177,7 @@ def main():
     p.add_argument("--variant", default="gdn", choices=("gdn", "kda"))
     p.add_argument("--backward", action="store_true", help="forward + backward (torch.autograd.grad) per call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="add this run to a results file (its section: variant, direction)")
     a = p.parse_args()
     device = step.bench_cp.start_process_group(a.device, 600.0)
     import deltacp
@@ -170,19 +191,27 @@ def main():
     op = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda}[a.variant]
     kw = step.bench_gpu.FLA_BENCH_KWARGS[a.variant]
     rec = Recorder(device)
-    out = []
-    for label, context in (("one GPU (no cp_context)", None), ("deltacp CP", ctx)):
+    out, mine = [], {}
+    direction = "fwd+bwd" if a.backward else "fwd"
+    for key, label, context in (("one_gpu", "one GPU (no cp_context)", None), ("cp", "deltacp CP", ctx)):
         fwd, fwd_bwd, _ = step.step_fns(op, x, do, kw, context)
         fn = fwd_bwd if a.backward else fwd
         with rec.installed(), (contextlib.nullcontext() if a.backward else torch.no_grad()):
             t = timeline(fn, rec, ranks, a.repeat, a.warmup)
-        out.append(render(ranks.rank, f"{a.variant} {'fwd+bwd' if a.backward else 'fwd'} {label}", t))
-    gathered = ranks.gather("\n".join(out))
+        out.append(render(ranks.rank, f"{a.variant} {direction} {label}", t))
+        mine[key] = t
+    gathered = ranks.gather(("\n".join(out), mine))
     if ranks.rank == 0:
-        head = (f"{a.variant}, {world} ranks ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}),"
-                f" {a.tokens} tokens per rank, H={a.heads}, K=V={a.head_dim}, {a.dtype}; medians of {a.repeat} calls, "
-                f"ms since the call began")
-        print(head + "\n" + "\n\n".join(gathered), flush=True)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        head = (f"{a.variant}, {world} ranks ({gpu}), {a.tokens} tokens per rank, H={a.heads}, K=V={a.head_dim}, "
+                f"{a.dtype}; medians of {a.repeat} calls, ms since the call began")
+        print(head + "\n" + "\n\n".join(text for text, _ in gathered), flush=True)
+        if a.json:
+            add_to_results(Path(a.json), {
+                "gpu": gpu, "date": time.strftime("%Y-%m-%d"), "world": world, "tokens_per_rank": a.tokens,
+                "heads": a.heads, "head_dim": a.head_dim, "dtype": a.dtype, "repeat": a.repeat,
+                "source": "bench/cp/cp_timeline.py, FLA's benchmark keywords", "versions": step.versions()},
+                f"{a.variant} {direction}", [timings for _, timings in gathered])
     dist.destroy_process_group()
 
 

@@ -21,6 +21,9 @@ again. One results file per measurement kind and GPU, overwritten by the harness
   scan-<gpu>.json        bench/gpu/bench_scan.py
   dplr-<gpu>.json        bench/gpu/bench_dplr.py: {"gpu", "date", "gate", "rows": [{"shape", "direction",
                          "<impl>_ms", "speedup_vs_faster_fla"}], "errors_vs_fp64", "grad_errors_vs_fp64"}
+  cptimeline-<gpu>x<n>.json  bench/cp/cp_timeline.py --json: {"gpu", "date", "world", "tokens_per_rank", ...,
+                         "sections": {"<variant> <fwd|fwd+bwd>": {"ranks": [{"one_gpu": t, "cp": t}]}}} with t =
+                         {"call_ms", "host_ms", "phases": [[name, [host in, host out, gpu in, gpu out]]]}
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ GRADS = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
 def load(results):
-    out = {"perf": [], "cp": [], "allgather": [], "scan": [], "dplr": [], "cpstep": []}
+    out = {"perf": [], "cp": [], "allgather": [], "scan": [], "dplr": [], "cpstep": [], "cptimeline": []}
     for path in sorted(results.glob("*.json")):
         kind = path.name.split("-")[0]
         if kind in out:
@@ -488,6 +491,7 @@ def cp_md(res, plots):
         if plot_cp(r, s, png):
             lines += [f"![CP step against one GPU]({'plots/' + png.name})", ""]
     lines += cpstep_md(res)
+    lines += cptimeline_md(res)
     for ag in res["allgather"]:
         lines += [f"## All-gather, {ag['world']} x {gpu_short(ag['gpu'])}, {ag.get('interconnect', '')}, "
                   f"{ag.get('date', '?')}", "",
@@ -499,6 +503,52 @@ def cp_md(res, plots):
             lines.append(f"| {x['send_mib']:g} | {x['torch_s'] * 1e3:.3f} | {x['deltacp_s'] * 1e3:.3f} | "
                          f"{x['deltacp_nonblocking_s'] * 1e3:.3f} | {x['deltacp_busbw_GBs']:.1f} |")
         lines.append("")
+    return lines
+
+
+def _ms(x):
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
+def cptimeline_md(res):
+    """The cptimeline-*.json files (bench/cp/cp_timeline.py --json): one CP call phase by phase, per rank, host
+    and GPU; nothing when there is none."""
+    lines = []
+    for r in res["cptimeline"]:
+        title = f"{r['world']} x {gpu_short(r.get('gpu', '?'))}, {r.get('date', '?')}"
+        v = r.get("versions", {})
+        lines += [f"## One CP call phase by phase, {title}", "",
+                  f"`{r['_file']}` ({r.get('source', 'bench/cp/cp_timeline.py')}): one sequence over every rank, "
+                  f"{r['tokens_per_rank']} tokens per rank, H = {r['heads']}, K = V = {r['head_dim']}, {r['dtype']}; "
+                  f"each call after a barrier and a synchronisation, medians of {r['repeat']} calls; deltacp "
+                  f"{v.get('deltacp_commit', v.get('deltacp', '?'))}. For each phase: when the host enters and leaves "
+                  "it and when the GPU reaches its first and last work, in ms since the call began. Where \"gpu "
+                  "in\" equals \"host in\", the GPU waited for the host.", ""]
+        for section, x in r["sections"].items():
+            ranks = x["ranks"]
+            lines += [f"### {section}", ""]
+            lines += ["| rank | one GPU call, ms | its host returns, ms | CP call, ms | its host returns, ms |",
+                      "|---|---|---|---|---|"]
+            for i, rk in enumerate(ranks):
+                lines.append(f"| {i} | {_ms(rk['one_gpu']['call_ms'])} | {_ms(rk['one_gpu']['host_ms'])} "
+                             f"| {_ms(rk['cp']['call_ms'])} | {_ms(rk['cp']['host_ms'])} |")
+            lines.append("")
+            names = []  # the first rank's phases in order; another rank's own after the phase it follows there
+            for rk in ranks:
+                prev = None
+                for n, _ in rk["cp"]["phases"]:
+                    if n not in names:
+                        names.insert(names.index(prev) + 1 if prev is not None else 0, n)
+                    prev = n
+            head = " | ".join(f"rank {i} host in | host out | gpu in | gpu out" for i in range(len(ranks)))
+            lines += [f"| phase of the CP call | {head} |", "|---|" + "---|" * (4 * len(ranks))]
+            for n in names:
+                cells = []
+                for rk in ranks:
+                    t = dict((name, tt) for name, tt in rk["cp"]["phases"]).get(n)
+                    cells += [_ms(y) for y in t] if t else ["-"] * 4
+                lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            lines.append("")
     return lines
 
 

@@ -26,7 +26,8 @@
 #            (DELTACP_CP_STEP_ARGS, e.g. "--variants gdn --repeat 30"; DELTACP_CP_STEP_TIMEOUT, seconds, default 480)
 #   cptimeline  bench/cp/cp_timeline.py on every GPU (2 or more): one deltacp CP call phase by phase, each rank's
 #            host and GPU times of each phase, forward and forward + backward (DELTACP_CP_TIMELINE_VARIANTS,
-#            default "gdn kda"; DELTACP_CP_TIMELINE_TOKENS per rank, default 32768) -> cp_timeline.log
+#            default "gdn kda"; DELTACP_CP_TIMELINE_TOKENS per rank, default 32768) -> cp_timeline.log and
+#            cp_timeline.json (for the docs: docs/results/cptimeline-<gpu>x<n>.json, then make_docs.py)
 # DELTACP_PYTEST_K narrows the pytest step (default "cuda or gpu"); DELTACP_BENCH_ARGS are added to bench_gpu.py's
 # arguments and DELTACP_BENCH_TIMEOUT bounds it (seconds, default 420); DELTACP_CP_BENCH_ARGS are added to
 # bench_cp.py's arguments (e.g. "--pieces 8192 --scan 0:0,64:2").
@@ -265,7 +266,8 @@ if has cptimeline; then  # one deltacp CP call phase by phase, host and GPU, ran
     for v in ${DELTACP_CP_TIMELINE_VARIANTS:-gdn kda}; do
       for dir in "" --backward; do
         timeout 180 python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU bench/cp/cp_timeline.py \
-          --tokens "${DELTACP_CP_TIMELINE_TOKENS:-32768}" --variant "$v" $dir 2>&1 | grep -v "NCCL INFO" >>"$OUT/cp_timeline.log"
+          --tokens "${DELTACP_CP_TIMELINE_TOKENS:-32768}" --variant "$v" $dir --json "$OUT/cp_timeline.json" 2>&1 |
+          grep -v "NCCL INFO" >>"$OUT/cp_timeline.log"
       done
     done
     say "cp timeline: in $(( $(date +%s) - t0 )) s ($NGPU GPUs) -> cp_timeline.log"
