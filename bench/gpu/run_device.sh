@@ -9,7 +9,8 @@
 #   stages   bench/gpu/stage_times.py: CUDA time of each kernel of the tiled forward + backward (gdn, kda) and
 #            of kda's fused forward at DELTACP_STAGE_SHAPE (default 2,16384,16,128) -> stages.log; with
 #            DELTACP_STAGE_FUSED="0 4096 ..." the fused gdn forward's kernels instead, once per piece length
-#            (DELTACP_FUSED_PIECE; 0 = whole); with DELTACP_STAGE_ENVS="A=0 A=1,B=1 ..." the gdn (DELTACP_STAGE_VARIANT) forward (fused) + backward once per setting (the
+#            (DELTACP_FUSED_PIECE; 0 = whole); with DELTACP_STAGE_ENVS="A=0 A=1,B=1 ..." the gdn (DELTACP_STAGE_VARIANT)
+#            forward (DELTACP_STAGE_BACKEND, default fused; dplr: tiled) + backward once per setting (the
 #            comma-joined variables set for that run), e.g. a kernel switch off and on (DELTACP_STAGE_FWD=1: the
 #            forward alone, e.g. DELTACP_STAGE_ENVS="DELTACP_FUSED_WINDOW=512 DELTACP_FUSED_WINDOW=0")
 #   scan     bench/gpu/bench_scan.py: the state scan kernel and the forward, wgmma against mma.sync
@@ -141,7 +142,7 @@ if has stages; then  # where the tiled forward + backward spends its time, kerne
   if [ -n "${DELTACP_STAGE_ENVS:-}" ]; then  # forward + backward once per setting of the variables listed
     for setting in ${DELTACP_STAGE_ENVS}; do
       env ${setting//,/ } timeout 120 python3 bench/gpu/stage_times.py --variant "${DELTACP_STAGE_VARIANT:-gdn}" \
-        $([ "${DELTACP_STAGE_FWD:-0}" = 1 ] || echo --backward) --backend fused \
+        $([ "${DELTACP_STAGE_FWD:-0}" = 1 ] || echo --backward) --backend "${DELTACP_STAGE_BACKEND:-fused}" \
         --shape "${DELTACP_STAGE_SHAPE:-2,16384,16,128}" 2>&1 | sed "s/^/[$setting] /" >>"$OUT/stages.log"
     done
   elif [ -n "${DELTACP_STAGE_FUSED:-}" ]; then  # the fused forward, whole sequences and each piece length listed

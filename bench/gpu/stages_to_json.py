@@ -68,7 +68,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
     ap.add_argument("logs", nargs="+")
-    ap.add_argument("--variant", default="gdn", choices=("gdn", "kda"))
+    ap.add_argument("--variant", default="gdn", choices=("gdn", "kda", "dplr"))
     ap.add_argument("--setting", default="", help="the [prefix] of the block to take (empty: unprefixed lines)")
     ap.add_argument("--date", required=True)
     ap.add_argument("--note", default="")
