@@ -84,6 +84,25 @@ static_assert(LocalKdaSmem::G % 16 == 0 && (LocalKdaSmem::kPG * 4) % 16 == 0, "G
 static_assert(LocalKdaSmem::bytes == 228120, "the size the opening comment gives");
 static_assert(LocalKdaSmem::bytes <= 227 * 1024, "one CTA within sm_90's opt-in shared memory");
 
+#ifdef DELTACP_WGMMA_DEVICE
+// A 64 x 64 score gradient from this warpgroup's m64n32 accumulator (its 32 columns) into fp32 dst, as stage B4
+// reads it: f(x) on the causal triangle of rows i < len (j <= i with the diagonal, j < i without), zero elsewhere.
+template <bool kDiagonal, class F>
+__device__ __forceinline__ void store_causal_scores(float* dst, const float (&acc)[16], int wg, int ra, int t, int len,
+                                                    F f) {
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = ra + 8 * hh, j = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh;
+      const bool in0 = kDiagonal ? j <= i : j < i, in1 = kDiagonal ? j + 1 <= i : j + 1 < i;
+      const float x0 = (in0 && i < len) ? f(acc[e0]) : 0.f;
+      const float x1 = (in1 && i < len) ? f(acc[e0 + 1]) : 0.f;
+      *reinterpret_cast<float2*>(dst + i * 64 + j) = make_float2(x0, x1);
+    }
+}
+#endif
+
 template <class T>
 __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __grid_constant__ LocalWgArgs args) {
 #ifdef DELTACP_WGMMA_DEVICE
@@ -136,68 +155,19 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
   // so every exponent below stays finite.
   load_key_gate(Gt, PG, a.G, ch.row0, HV, hv, kLocalKeys, kLocalKeys, len);
   cp_async_commit();
-  // dU (fp32 [R, HV, 128]) and T (fp32 [R, HV, 64]), rows < len, rounded to T's type into the swizzled layout, as
-  // in gdn's kernel: dU's piece tid % 16 of rows tid / 16 + 16 it, T's piece tid % 8 of rows tid / 8 + 32 it.
+  // dU and T (load_du_t / store_du_t, as in gdn's kernel); beta while they load.
   {
-    float4 du[4][2], tv[2][2];
-    const int pu = tid & 15, ru = tid >> 4, pt = tid & 7, rt = tid >> 3;
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int r = ru + 16 * it;
-      du[it][0] = du[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < len && a.dvn16) {  // B1 wrote dVn in 16 bits (Args::dvn16): the piece's 8 values as raw bits
-        du[it][0] = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const char*>(a.dvnew) +
-                                                         dvn16_at(ch.row0 + r, hv, HV, kLocalKeys, 8 * pu)));
-      } else if (r < len) {
-        const float4* src = reinterpret_cast<const float4*>(a.dvnew + ((ch.row0 + r) * HV + hv) * kLocalKeys + 8 * pu);
-        du[it][0] = __ldg(src);
-        du[it][1] = __ldg(src + 1);
-      }
-    }
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      const int r = rt + 32 * it;
-      tv[it][0] = tv[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < len && a.t16) {  // the WY stage wrote T in 16 bits (Args::t16): the piece's 8 values as raw bits
-        tv[it][0] = __ldg(reinterpret_cast<const float4*>(
-            reinterpret_cast<const char*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64) + 16 * pt));
-      } else if (r < len) {
-        const float4* src = reinterpret_cast<const float4*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64 + 8 * pt);
-        tv[it][0] = __ldg(src);
-        tv[it][1] = __ldg(src + 1);
-      }
-    }
+    DuTPieces pieces;
+    load_du_t(pieces, a, ch, hv, HV, len, tid);
     if (tid < 64) bs[tid] = tid < len ? ld<T>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
-    auto piece16 = [](bool rounded, float4 x, float4 y) {
-      return rounded ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
-                     : make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-    };
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int r = ru + 16 * it;
-      *reinterpret_cast<uint4*>(smem + L::dU + (pu >> 3) * kBox + r * 128 + (((pu & 7) ^ (r & 7)) << 4)) =
-          piece16(a.dvn16, du[it][0], du[it][1]);
-    }
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      const int r = rt + 32 * it;
-      *reinterpret_cast<uint4*>(smem + L::T + r * 128 + ((pt ^ (r & 7)) << 4)) = piece16(a.t16, tv[it][0], tv[it][1]);
-    }
-    fence_proxy_async();
+    store_du_t<T>(smem, L::dU, L::T, kBox, pieces, a, tid);
   }
-  auto zero_tail_rows = [&](int at) {  // rows len .. 63 of a 64 x 128 token tile (after its boxes landed)
-    if (len < 64)
-      for (int idx = tid; idx < 2 * 64 * 8; idx += 256) {
-        const int row = (idx >> 3) & 63;
-        if (row >= len) *reinterpret_cast<uint4*>(smem + at + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
-      }
-  };
   cp_async_wait<0>();
   __syncthreads();  // the mbarriers are initialised; dU, T, G and beta are in shared memory
   mbar_wait(bars, 0);
   mbar_wait(bars + 1, 0);
-  zero_tail_rows(L::dO);
-  zero_tail_rows(L::Vn);
+  zero_tail_rows<256>(smem + L::dO, len, tid);
+  zero_tail_rows<256>(smem + L::Vn, len, tid);
   fence_proxy_async();
   __syncthreads();
 
@@ -221,9 +191,9 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
     wgmma_ss<T, 64, 1, 1>(y, mnmajor(sT + kk * 2048), mnmajor(sdU + wg * kBox + kk * 2048), 1);
   wg_commit();
   mbar_wait(bars + 2, 0);
-  zero_tail_rows(L::v);
-  zero_tail_rows(L::q);
-  zero_tail_rows(L::k);
+  zero_tail_rows<256>(smem + L::v, len, tid);
+  zero_tail_rows<256>(smem + L::q, len, tid);
+  zero_tail_rows<256>(smem + L::k, len, tid);
   fence_proxy_async();
   __syncthreads();
   // While the products run: K o Gam (dT's operand; rows past len are zero with k's), 8 keys a thread in k's
@@ -276,18 +246,8 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
   // dW = -dU S^T (this warpgroup's column block) for the WY side's products.
   acc_to_block<T, 64>(smem + L::dW + wg * kBox, wa, 0, [](float x, int, int) { return -x; });
   // dP = scale dO Vn^T on j <= i < len, zero elsewhere: this warpgroup's 32 columns of every row, as B2 writes it.
-  {
-    float* dPg = a.dP + (c * HV + hv) * 64 * 64;
-#pragma unroll
-    for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = ra + 8 * hh, j = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh;
-        const float x0 = (j <= i && i < len) ? a.scale * dp[e0] : 0.f;
-        const float x1 = (j + 1 <= i && i < len) ? a.scale * dp[e0 + 1] : 0.f;
-        *reinterpret_cast<float2*>(dPg + i * 64 + j) = make_float2(x0, x1);
-      }
-  }
+  store_causal_scores<true>(a.dP + (c * HV + hv) * 64 * 64, dp, wg, ra, t, len,
+                            [&](float x) { return a.scale * x; });
   // dv = diag(beta) Y, staged over dO for 16-byte stores after the barrier below; Y . v per row.
   stage_half_rows<T>(smem + L::dO, y, wg, [&](float x, int r) { return bs[r] * x; });
   float yv[2] = {0.f, 0.f};
@@ -349,16 +309,7 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
     float da[16];  // (T^T dT) T^T = -dA, its 32 columns
     wy_minus_dA<T>(smem, base, L::dT, L::M1, sT, wg, ra, t, da);
     // dA on j < i < len, zero elsewhere, as B3 writes it.
-    float* dAg = a.dA + (c * HV + hv) * 64 * 64;
-#pragma unroll
-    for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = ra + 8 * hh, j = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh;
-        const float x0 = (j < i && i < len) ? -da[e0] : 0.f;
-        const float x1 = (j + 1 < i && i < len) ? -da[e0 + 1] : 0.f;
-        *reinterpret_cast<float2*>(dAg + i * 64 + j) = make_float2(x0, x1);
-      }
+    store_causal_scores<false>(a.dA + (c * HV + hv) * 64 * 64, da, wg, ra, t, len, [](float x) { return -x; });
   }
 
   // ---- epilogue: B2's and B3's parts of dq, dk, dG and dbeta --------------------------------------------------

@@ -97,6 +97,77 @@ static_assert(LocalWgSmem::M1 + LocalWgSmem::kBox <= LocalWgSmem::dO, "the inter
 static_assert(LocalWgSmem::bytes == 175448, "the size the opening comment gives");
 
 #ifdef DELTACP_WGMMA_DEVICE
+// dU (dL/dVn, fp32 [R, HV, 128]) and T (fp32 [R, HV, 64]) of one chunk, rows < len (zeros past them), as 8-column
+// pieces: dU's piece tid % 16 of rows tid / 16 + 16 it, T's piece tid % 8 of rows tid / 8 + 32 it (a thread's rows
+// keep one swizzle phase). The chunk-local kernels load them (load_du_t), do their own per-row set-up while the
+// loads are in flight, then round them into shared memory (store_du_t).
+struct DuTPieces {
+  float4 du[4][2], tv[2][2];
+};
+__device__ __forceinline__ void load_du_t(DuTPieces& p, const Args& a, const ChunkEntry& ch, int64_t hv, int64_t HV,
+                                          int len, int tid) {
+  const int pu = tid & 15, ru = tid >> 4, pt = tid & 7, rt = tid >> 3;
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int r = ru + 16 * it;
+    p.du[it][0] = p.du[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < len && a.dvn16) {  // B1 wrote dVn in 16 bits (Args::dvn16): the piece's 8 values as raw bits
+      p.du[it][0] = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const char*>(a.dvnew) +
+                                                          dvn16_at(ch.row0 + r, hv, HV, kLocalKeys, 8 * pu)));
+    } else if (r < len) {
+      const float4* src = reinterpret_cast<const float4*>(a.dvnew + ((ch.row0 + r) * HV + hv) * kLocalKeys + 8 * pu);
+      p.du[it][0] = __ldg(src);
+      p.du[it][1] = __ldg(src + 1);
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int r = rt + 32 * it;
+    p.tv[it][0] = p.tv[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < len && a.t16) {  // the WY stage wrote T in 16 bits (Args::t16): the piece's 8 values as raw bits
+      p.tv[it][0] = __ldg(reinterpret_cast<const float4*>(
+          reinterpret_cast<const char*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64) + 16 * pt));
+    } else if (r < len) {
+      const float4* src = reinterpret_cast<const float4*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64 + 8 * pt);
+      p.tv[it][0] = __ldg(src);
+      p.tv[it][1] = __ldg(src + 1);
+    }
+  }
+}
+// The pieces into the swizzled dU (two 64-column blocks of kBox bytes at dU_at) and T (one block at T_at) tiles, in
+// 16 bits: the raw bits where the writer already rounded them (Args::dvn16 / t16), else rounded here.
+template <class T>
+__device__ __forceinline__ void store_du_t(unsigned char* smem, int dU_at, int T_at, int kBox, const DuTPieces& p,
+                                           const Args& a, int tid) {
+  const int pu = tid & 15, ru = tid >> 4, pt = tid & 7, rt = tid >> 3;
+  auto piece16 = [](bool rounded, float4 x, float4 y) {
+    return rounded ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
+                   : make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+  };
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int r = ru + 16 * it;
+    *reinterpret_cast<uint4*>(smem + dU_at + (pu >> 3) * kBox + r * 128 + (((pu & 7) ^ (r & 7)) << 4)) =
+        piece16(a.dvn16, p.du[it][0], p.du[it][1]);
+  }
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int r = rt + 32 * it;
+    *reinterpret_cast<uint4*>(smem + T_at + r * 128 + ((pt ^ (r & 7)) << 4)) = piece16(a.t16, p.tv[it][0], p.tv[it][1]);
+  }
+  fence_proxy_async();
+}
+// Rows len .. 63 of a 64 x 128 token tile (two 64-row blocks) at tile: zero, after its boxes have landed, so that
+// a short chunk's products see the zeros that masked loads would have left. nthreads threads share the work.
+template <int nthreads>
+__device__ __forceinline__ void zero_tail_rows(unsigned char* tile, int len, int tid) {
+  if (len < 64)
+    for (int idx = tid; idx < 2 * 64 * 8; idx += nthreads) {
+      const int row = (idx >> 3) & 63;
+      if (row >= len) *reinterpret_cast<uint4*>(tile + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 // Byte offset of the 16-bit pair (row r, columns c, c + 1; c even, < 64) inside a swizzled 64-column block.
 __device__ __forceinline__ int sw_pair(int r, int c) { return r * 128 + ((((c >> 3) ^ r) & 7) << 4) + (c & 7) * 2; }
 
@@ -266,38 +337,9 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
     tma_load_4d(smem + L::k, &args.tm_k.map, bars + 2, 0, h, t0, b);
     tma_load_4d(smem + L::k + kBox, &args.tm_k.map, bars + 2, 64, h, t0, b);
   }
-  // dU (fp32 [R, HV, 128]) and T (fp32 [R, HV, 64]), rows < len, rounded to T's type into the swizzled layout:
-  // a thread takes 8-column pieces (two 16-byte loads each), dU's piece tid % 16 of rows tid / 16 + 16 it, T's
-  // piece tid % 8 of rows tid / 8 + 32 it (a thread's rows keep one swizzle phase).
   {
-    float4 du[4][2], tv[2][2];
-    const int pu = tid & 15, ru = tid >> 4, pt = tid & 7, rt = tid >> 3;
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int r = ru + 16 * it;
-      du[it][0] = du[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < len && a.dvn16) {  // B1 wrote dVn in 16 bits (Args::dvn16): the piece's 8 values as raw bits
-        du[it][0] = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const char*>(a.dvnew) +
-                                                         dvn16_at(ch.row0 + r, hv, HV, kLocalKeys, 8 * pu)));
-      } else if (r < len) {
-        const float4* src = reinterpret_cast<const float4*>(a.dvnew + ((ch.row0 + r) * HV + hv) * kLocalKeys + 8 * pu);
-        du[it][0] = __ldg(src);
-        du[it][1] = __ldg(src + 1);
-      }
-    }
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      const int r = rt + 32 * it;
-      tv[it][0] = tv[it][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (r < len && a.t16) {  // the WY stage wrote T in 16 bits (Args::t16): the piece's 8 values as raw bits
-        tv[it][0] = __ldg(reinterpret_cast<const float4*>(
-            reinterpret_cast<const char*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64) + 16 * pt));
-      } else if (r < len) {
-        const float4* src = reinterpret_cast<const float4*>(a.Tinv + ((ch.row0 + r) * HV + hv) * 64 + 8 * pt);
-        tv[it][0] = __ldg(src);
-        tv[it][1] = __ldg(src + 1);
-      }
-    }
+    DuTPieces pieces;
+    load_du_t(pieces, a, ch, hv, HV, len, tid);
     if (tid < 64) {  // rows past a short chunk repeat its last G (every decay stays finite) and have beta = 0
       const float gi = gated ? a.G[(ch.row0 + min(tid, len - 1)) * HV + hv] : 0.f;
       const float gn = gated ? a.G[(ch.row0 + len - 1) * HV + hv] : 0.f;
@@ -306,38 +348,13 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
       eks[tid] = exp_t<T>(gn - gi);
       bs[tid] = tid < len ? ld<T>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
     }
-    // An 8-column piece in 16 bits: x's raw bits where the writer already rounded it (Args::dvn16 / t16), else
-    // the 8 floats x, y rounded here.
-    auto piece16 = [](bool rounded, float4 x, float4 y) {
-      return rounded ? make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w))
-                     : make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
-    };
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int r = ru + 16 * it;
-      *reinterpret_cast<uint4*>(smem + L::dU + (pu >> 3) * kBox + r * 128 + (((pu & 7) ^ (r & 7)) << 4)) =
-          piece16(a.dvn16, du[it][0], du[it][1]);
-    }
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      const int r = rt + 32 * it;
-      *reinterpret_cast<uint4*>(smem + L::T + r * 128 + ((pt ^ (r & 7)) << 4)) = piece16(a.t16, tv[it][0], tv[it][1]);
-    }
-    fence_proxy_async();
+    store_du_t<T>(smem, L::dU, L::T, kBox, pieces, a, tid);
   }
-  // Rows len .. 63 of a 64 x 128 token tile: zero (after its boxes have landed).
-  auto zero_tail_rows = [&](int at) {
-    if (len < 64)
-      for (int idx = tid; idx < 2 * 64 * 8; idx += 256) {
-        const int row = (idx >> 3) & 63;
-        if (row >= len) *reinterpret_cast<uint4*>(smem + at + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
-      }
-  };
   __syncthreads();  // the mbarriers are initialised; dU, T and the row factors are in shared memory
   mbar_wait(bars, 0);
   mbar_wait(bars + 1, 0);
-  zero_tail_rows(L::dO);
-  zero_tail_rows(L::Vn);
+  zero_tail_rows<256>(smem + L::dO, len, tid);
+  zero_tail_rows<256>(smem + L::Vn, len, tid);
   fence_proxy_async();
   __syncthreads();
 
@@ -361,9 +378,9 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
     wgmma_ss<T, 64, 1, 1>(y, mnmajor(sT + kk * 2048), mnmajor(sdU + wg * kBox + kk * 2048), 1);
   wg_commit();
   mbar_wait(bars + 2, 0);
-  zero_tail_rows(L::v);
-  zero_tail_rows(L::q);
-  zero_tail_rows(L::k);
+  zero_tail_rows<256>(smem + L::v, len, tid);
+  zero_tail_rows<256>(smem + L::q, len, tid);
+  zero_tail_rows<256>(smem + L::k, len, tid);
   fence_proxy_async();
   __syncthreads();
   wg_fence();
