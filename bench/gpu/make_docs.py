@@ -350,8 +350,7 @@ def perf_md(res, plots):
             sb = perf[key]
             names = list(next(iter(sb["shapes"].values()))["kernels_ms"])
             lines += [f"### Forward + backward kernel by kernel, {sb['variant'].upper()} ({sb['backend']})", "",
-                      f"Measured {sb['date']}; {sb['source']}. B0..B4 are the tiled backward's stages "
-                      "(`cuda/tiled/tiled_bwd.cu`); the recompute rebuilds the chunk-start states and W, U.", "",
+                      f"Measured {sb['date']}; {sb['source']}. " + STAGES_LEGEND.get(sb["variant"], STAGES_LEGEND["gdn"]), "",
                       "| (B, T, H, D) | elapsed ms | kernels ms | " + " | ".join(names) + " |",
                       "|---|---|---|" + "---|" * len(names)]
             for shape, x in sb["shapes"].items():
@@ -380,6 +379,15 @@ def perf_md(res, plots):
             lines.append("")
     lines += dplr_md(res)
     return lines
+
+
+# What the kernel-by-kernel tables' column names refer to, per variant.
+STAGES_LEGEND = {
+    "gdn": "B0..B4 are the tiled backward's stages (`cuda/tiled/tiled_bwd.cu`); the recompute rebuilds the chunk-start "
+           "states and W, U.",
+    "dplr": "Kernels 1-6 are those of `cuda/tiled/dplr_bwd.cu`'s opening comment: 1-3 the forward's stages (run by the "
+            "forward and again by the backward's recompute), 4 the reverse scan, 5-6 the chunk-local gradients.",
+}
 
 
 def dplr_md(res):

@@ -15,6 +15,15 @@ import re
 
 # Kernel name fragment -> label, in the order of the table's columns (first match wins).
 LABELS = [
+    # DPLR (cuda/tiled/dplr_fwd.cu, dplr_bwd.cu number its kernels 1-6) first: "dplr_bwd_local_wgmma_kernel" holds
+    # gdn's kernel name below. The forward's kernels 1-3 run twice: in the forward and in the backward's recompute.
+    ("dplr_bwd_local_wgmma", "dplr_bwd_local_wgmma (5-6)"),
+    ("dplr_bwd_dk_kernel", "dplr_bwd_dk (6)"),
+    ("dplr_bwd_dv_kernel", "dplr_bwd_dv (5)"),
+    ("dplr_wy_kernel", "dplr_wy (1, both)"),
+    ("dplr_output_kernel", "dplr_output (3, both)"),
+    ("dplr_scan_kernel", "dplr_scan (2, both)"),
+    ("dplr_dh0_scan_kernel", "dplr_dh0_scan (4)"),
     ("bwd_local_wgmma_kernel", "bwd_local_wgmma (B2-B4)"),
     ("bwd_local_kda_wgmma_kernel", "bwd_local_kda_wgmma (B2-B3)"),
     ("bwd_dqkg_kernel", "bwd_dqkg (B2)"),
@@ -52,7 +61,7 @@ def parse(path, setting, variant):
             continue
         if h:
             shape = ",".join(x.strip() for x in h.group(3).split(","))
-            cur = shapes[shape] = {"total_ms": float(h.group(4)), "kernels_ms": {}}
+            cur = shapes[shape] = {"total_ms": float(h.group(4)), "kernels_ms": {}, "backend": h.group(2)}
             if h.group(5):
                 cur["elapsed_ms"] = float(h.group(5))
             continue
@@ -78,6 +87,10 @@ def main():
         shapes.update(parse(path, a.setting, a.variant))
     if not shapes:
         raise SystemExit(f"no block of setting '{a.setting}' in {a.logs}")
+    backends = {x.pop("backend") for x in shapes.values()}
+    if len(backends) != 1:
+        raise SystemExit(f"the blocks ran on different backends: {sorted(backends)}")
+    backend = backends.pop()  # the forward's tier (stage_times.py --backend); the backward is the tiled tier's
     order = [lab for _, lab in LABELS] + ["the rest"]
     for x in shapes.values():  # every shape with the same columns, in LABELS' order
         x["kernels_ms"] = {lab: x["kernels_ms"].get(lab, 0.0) for lab in order
@@ -85,8 +98,9 @@ def main():
     res = json.load(open(a.results))
     key = f"stages_backward_{a.variant}"
     res[key] = {
-        "date": a.date, "variant": a.variant, "backend": "fused forward, tiled backward", "direction": "fwd+bwd",
-        "source": "bench/gpu/stage_times.py --backward --backend fused (torch.profiler, CUDA time per call; "
+        "date": a.date, "variant": a.variant, "direction": "fwd+bwd",
+        "backend": "fused forward, tiled backward" if backend == "fused" else f"{backend} forward and backward",
+        "source": f"bench/gpu/stage_times.py --backward --backend {backend} (torch.profiler, CUDA time per call; "
                   "elapsed: CUDA events around one call, median of 20)" + (f", {a.setting}" if a.setting else ""),
         "shapes": shapes,
     }

@@ -68,3 +68,28 @@ def test_stages_to_json_takes_the_named_variants_blocks(tmp_path):
     shape = section["shapes"]["2,16384,16,128"]
     assert shape["total_ms"] == 7.0 and shape["elapsed_ms"] == 7.5
     assert shape["kernels_ms"] == {"bwd_local_kda_wgmma (B2-B3)": 1.25, "bwd_decay (B4)": 1.7, "the rest": 0.05}
+
+
+def test_stages_to_json_names_dplr_kernels_and_its_backend(tmp_path):
+    """A DPLR block (stage_times.py --backend tiled): its chunk-local kernel under its own label, not gdn's, whose
+    kernel name it contains; the section records the tiled forward that ran."""
+    import json
+
+    log = tmp_path / "stages.log"
+    log.write_text("\n".join([
+        "dplr tiled fwd+bwd (4, 4096, 32, 64): 3.812 ms of kernels per call, 4.130 ms elapsed",
+        "     1.173 ms  void deltacp::cuda::tiled::(anonymous namespace)::dplr_bwd_local_wgmma",
+        "     1.122 ms  void deltacp::cuda::tiled::(anonymous namespace)::dplr_wy_kernel<__nv_",
+        "     0.251 ms  void deltacp::cuda::tiled::(anonymous namespace)::dplr_dh0_scan_kernel",
+        "     0.487 ms  void deltacp::cuda::tiled::(anonymous namespace)::dplr_scan_kernel<__n",
+    ]) + "\n")
+    results = tmp_path / "perf.json"
+    results.write_text(json.dumps({"gpu": "G", "date": "D", "rows": []}))
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "stages_to_json.py"), str(results), str(log),
+                        "--variant", "dplr", "--date", "2026-11-27"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    section = json.loads(results.read_text())["stages_backward_dplr"]
+    assert section["backend"] == "tiled forward and backward" and "--backend tiled" in section["source"]
+    assert section["shapes"]["4,4096,32,64"]["kernels_ms"] == {
+        "dplr_bwd_local_wgmma (5-6)": 1.173, "dplr_wy (1, both)": 1.122, "dplr_scan (2, both)": 0.487,
+        "dplr_dh0_scan (4)": 0.251}

@@ -336,3 +336,116 @@ def test_tiled_state_only_modes(shape, dtype):
         name = "dgk" if n == "g" else "d" + n
         err = rel_err(x.double().cpu().numpy(), g_ref[name])
         assert err < TOL[dtype], f"{name} {err:.2e}"
+
+
+# ---- the chunk-local kernel (dplr_bwd_local_wgmma.cuh) against kernels 5 + 6 -------------------------------------
+# 16-bit K = V = 64 on compute capability 9.0 runs kernels 5 and 6 as one Hopper kernel unless
+# DELTACP_TILED_DPLR_BWD_LOCAL=0; "1" requires it. Its gram takes a per-key-column mid reference where the column's
+# span allows and an element-by-element path elsewhere, so the gate families below cover both paths and their mix.
+LOCAL_SHAPES = ["T1", "T200", "varlen", "tiny_varlen"]  # K = V = 64; short last chunks, one-token chunks
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _gate_family(t, p, family, seed):
+    """Replaces the gates: "mild" (make_problem's), "bench" (logsigmoid(randn) clamped to -5: the benchmark's,
+    spans about 51 a chunk), "steep" (-3 .. -5 per token: spans up to 320, every column falls back), "mixed" (a
+    third of the key columns steep beside mild ones)."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(t["g"].shape)
+    if family == "mild":
+        return
+    if family == "bench":
+        g = np.maximum(np.log(1 / (1 + np.exp(-rng.standard_normal(shape)))), -5.0)
+    elif family == "steep":
+        g = -rng.uniform(3.0, 5.0, shape)
+    else:
+        steep = rng.uniform(size=(1, 1, 1, shape[-1])) < 0.33
+        g = np.where(steep, -rng.uniform(1.0, 5.0, shape), p["g"])
+    t["g"] = torch.tensor(g).to(t["g"].dtype).cuda()
+    p["g"] = t["g"].double().cpu().numpy()
+
+
+def _grads_with_switch(monkeypatch, value, t, h0, cu, do, dht):
+    if value is None:
+        monkeypatch.delenv("DELTACP_TILED_DPLR_BWD_LOCAL", raising=False)
+    else:
+        monkeypatch.setenv("DELTACP_TILED_DPLR_BWD_LOCAL", value)
+    g, tier = _tiled_grads(t, h0, cu, "tiled", do, dht)
+    assert tier == "tiled"
+    return g
+
+
+@pytest.mark.parametrize("shape", LOCAL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gates", ["mild", "bench", "steep", "mixed"])
+def test_dplr_local_kernel_against_pair_and_reference(shape, dtype, gates, monkeypatch):
+    """Every gradient of the chunk-local kernel (switch "1": an error if it does not run) and of kernels 5 + 6
+    (switch "0") against the fp64 reference, and against each other. Each within the 16-bit tolerance of the
+    reference, or (dgk under steep gates, where both kernels' roundings meet cancellations) within 1.5x the
+    pair's own error."""
+    if not _hopper():
+        pytest.skip("the chunk-local kernel runs on compute capability 9.0 only")
+    p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"local/{shape}/{dtype}/{gates}".encode()))
+    _gate_family(t, p, gates, zlib.crc32(f"localg/{shape}/{gates}".encode()))
+    do, dht = _upstream(p, dtype, zlib.crc32(f"localup/{shape}".encode()), True)
+    g_ref = _ref_grads(p, do, dht, True)
+    g_new = _grads_with_switch(monkeypatch, "1", t, h0, cu, do, dht)
+    g_old = _grads_with_switch(monkeypatch, "0", t, h0, cu, do, dht)
+    tol = TOL[dtype]
+    errs = {}
+    for n in GRADS:
+        e_new = rel_err(g_new[n].double().cpu().numpy(), g_ref[n])
+        e_old = rel_err(g_old[n].double().cpu().numpy(), g_ref[n])
+        e_pair = rel_err(g_new[n].double().cpu().numpy(), g_old[n].double().cpu().numpy())
+        errs[n] = (e_new, e_old, e_pair)
+        assert np.isfinite(e_new), f"{n}: not finite"
+        assert e_new < max(tol, 1.5 * e_old), f"{n}: local kernel {e_new:.2e}, kernels 5 + 6 {e_old:.2e}"
+        assert e_pair < max(2 * tol, 3 * e_old), f"{n}: local vs kernels 5 + 6 {e_pair:.2e}"
+    print(f"[errors] dplr local {shape} {dtype} {gates} (new / old / new-vs-old): " +
+          " ".join(f"{n} {a:.1e}/{b:.1e}/{c:.1e}" for n, (a, b, c) in errs.items()))
+    # dh0 comes from the reverse scan, which both paths share: the same bits
+    assert torch.equal(g_new["dh0"], g_old["dh0"])
+
+
+def test_dplr_local_kernel_switch(monkeypatch):
+    """Unset selects the chunk-local kernel on Hopper (the same bits as "1", and deterministic); "1" names why it
+    cannot run fp32 or K = 128 inputs; anything but 0 / 1 is an error."""
+    if not _hopper():
+        pytest.skip("the chunk-local kernel runs on compute capability 9.0 only")
+    p, t, h0, cu = _inputs("T200", torch.bfloat16, seed=91)
+    _gate_family(t, p, "mixed", 92)
+    do, dht = _upstream(p, torch.bfloat16, 93, True)
+    g_unset = _grads_with_switch(monkeypatch, None, t, h0, cu, do, dht)
+    g_one = _grads_with_switch(monkeypatch, "1", t, h0, cu, do, dht)
+    g_one2 = _grads_with_switch(monkeypatch, "1", t, h0, cu, do, dht)
+    g_zero = _grads_with_switch(monkeypatch, "0", t, h0, cu, do, dht)
+    for n in GRADS:
+        assert torch.equal(g_unset[n], g_one[n]), f"{n}: unset is not the chunk-local kernel"
+        assert torch.equal(g_one[n], g_one2[n]), f"{n}: not deterministic"
+    # a different summation and reference: the two paths differ somewhere (else the switch did nothing)
+    assert any(not torch.equal(g_one[n], g_zero[n]) for n in ("dq", "dk", "da", "db", "dgk"))
+    for dtype, shape in ((torch.float32, "T200"), (torch.bfloat16, "T130_K128_V128")):
+        p2, t2, h02, cu2 = _inputs(shape, dtype, seed=94)
+        do2, dht2 = _upstream(p2, dtype, 95, True)
+        monkeypatch.setenv("DELTACP_TILED_DPLR_BWD_LOCAL", "1")
+        with pytest.raises(Exception, match="DELTACP_TILED_DPLR_BWD_LOCAL"):
+            _tiled_grads(t2, h02, cu2, "tiled", do2, dht2)
+        _grads_with_switch(monkeypatch, None, t2, h02, cu2, do2, dht2)  # unset: kernels 5 + 6, no error
+    monkeypatch.setenv("DELTACP_TILED_DPLR_BWD_LOCAL", "2")
+    with pytest.raises(Exception, match="DELTACP_TILED_DPLR_BWD_LOCAL"):
+        _tiled_grads(t, h0, cu, "tiled", do, dht)
+
+
+def test_dplr_local_switch_off_elsewhere(monkeypatch):
+    """Off Hopper (or with the switch at 0) the pair runs: "0" gives the same bits as unset there."""
+    if _hopper():
+        pytest.skip("on compute capability 9.0 unset selects the chunk-local kernel")
+    p, t, h0, cu = _inputs("T200", torch.bfloat16, seed=96)
+    do, dht = _upstream(p, torch.bfloat16, 97, True)
+    g_unset = _grads_with_switch(monkeypatch, None, t, h0, cu, do, dht)
+    g_zero = _grads_with_switch(monkeypatch, "0", t, h0, cu, do, dht)
+    for n in GRADS:
+        assert torch.equal(g_unset[n], g_zero[n]), n
