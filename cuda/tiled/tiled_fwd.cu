@@ -64,6 +64,9 @@
 //   kda_prepare_kernel        128 thr   109.75 KB (2 CTAs/SM)    168 regs (fp16 174), no spills (nvcc 13.0,
 //                                       sm_90a): the fused forward's kda stage, chunk_wy_kernel<T, true> and
 //                                       kda_chain_operands_kernel in one
+//   kda_prepare_wgmma_kernel  256 thr   104.3 KB (2 CTAs/SM)     127 regs (fp16 126), no spills (nvcc 13.0, sm_90a):
+//                                       the same stage on wgmma (kda_prepare_wgmma.cuh; the default on
+//                                       compute capability 9.0, DELTACP_FUSED_KDA_PREPARE_WGMMA=0 turns it off)
 // fp32 inputs need about twice the shared memory (the scan then runs one load stage); fp32 with
 // K or V = 256 does not fit an sm_80 (an Error names K). bf16/fp16 fit up to K = V = 256.
 //
@@ -1141,6 +1144,14 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> arg
   wy_products(warp, Tb1, ldt, Vs, ldv, Vp, len, [&](int i) { return U + ((ce.row0 + i) * HV + hv) * Vp; });
 }
 
+// The same stage on Hopper's warpgroup products (two warpgroups, TMA tiles; DELTACP_FUSED_KDA_PREPARE_WGMMA).
+// (The header opens its own namespace and reads FwdArgs and the gate and l2-norm helpers above from this file's.)
+}  // namespace
+}  // namespace deltacp::cuda::tiled
+#include "kda_prepare_wgmma.cuh"
+namespace deltacp::cuda::tiled {
+namespace {
+
 // ---- host helpers ---------------------------------------------------------------------------
 // Opts the kernel into `bytes` of dynamic shared memory; names the arguments when it cannot fit.
 template <class Kernel>
@@ -1465,6 +1476,14 @@ bool use_kda_prepare_kernel(const Params& p) {
     return padded_dim(p.V) == 128 ? nullptr : "it takes K = V = 128";
   });
 }
+// DELTACP_FUSED_KDA_PREPARE_WGMMA: unset = the stage on wgmma (kda_prepare_wgmma.cuh) wherever
+// kda_prepare_wgmma_refusal allows (H100, (2,16384,16,128): 0.60 ms against kda_prepare_kernel's 1.01); 1 = the
+// same, and an error names why it cannot run these inputs; 0 = kda_prepare_kernel (or, with
+// DELTACP_FUSED_KDA_PREPARE=0, the pair). Checked ahead of DELTACP_FUSED_KDA_PREPARE.
+bool use_kda_prepare_wgmma(const Params& p) {
+  return kernel_switch("DELTACP_FUSED_KDA_PREPARE_WGMMA", "the wgmma kda stage",
+                       [&] { return kda_prepare_wgmma_refusal(p); });
+}
 }  // namespace
 
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
@@ -1484,6 +1503,12 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
       }
       args.qk_l2norm = p.qk_l2norm;
       const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+      if (use_kda_prepare_wgmma(p)) {  // everything in one kernel, on wgmma
+        args.g_last = G_last;
+        launch_kda_prepare_wgmma<T>(p, table, args, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Kd),
+                                    static_cast<T*>(P), static_cast<T*>(Qg), stream);
+        return;
+      }
       if (use_kda_prepare_kernel(p)) {  // everything in one kernel
         args.g_last = G_last;
         const KdaPrepLayout L = kda_prep_layout(args.Kp, args.Vp, sizeof(T));

@@ -146,10 +146,13 @@ __device__ __forceinline__ void block_store(float* Z, int ldz, const float (&acc
 }
 
 // As, Ts, lda as for unit_lower_inverse_64 (lda = 4 mod 32 keeps the fragment loads conflict-free), except
-// that A's strictly lower blocks are overwritten (with N). Called by all 128 threads; ends with a
-// __syncthreads.
-__device__ __forceinline__ void unit_lower_inverse_64_tf32(float* As, float* Ts, int lda) {
-  const int tid = static_cast<int>(threadIdx.x), a = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+// that A's strictly lower blocks are overwritten (with N). Run by 128 threads, tid = 0 .. 127 among them (warp
+// tid / 32 owns row block tid / 32), with sync() a barrier over exactly those threads; ends with one. The
+// overload below is the CTA of 128 threads with __syncthreads; kda's wgmma stage (kda_prepare_wgmma.cuh) runs it
+// on one warpgroup of two with a named barrier.
+template <class Sync>
+__device__ __forceinline__ void unit_lower_inverse_64_tf32(float* As, float* Ts, int lda, int tid, Sync sync) {
+  const int a = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   // Row block a: zero right of the diagonal block, D_a on it.
   for (int idx = lane; idx < 16 * 48; idx += 32) {
     const int i = idx / 48, j = 16 * (a + 1) + idx % 48;
@@ -174,7 +177,7 @@ __device__ __forceinline__ void unit_lower_inverse_64_tf32(float* As, float* Ts,
   for (int c = 0; c < 3; ++c)
     if (c < a) block_store(As + 16 * a * lda + 16 * c, lda, n[c], 1.f, g, t);
   for (int level = 1; level < 4; ++level) {
-    __syncthreads();  // the diagonal blocks (level 1) or the previous level's blocks, and N, are visible
+    sync();  // the diagonal blocks (level 1) or the previous level's blocks, and N, are visible
     if (a >= level) {
       const int b = a - level;
       float acc[2][4] = {};
@@ -183,7 +186,10 @@ __device__ __forceinline__ void unit_lower_inverse_64_tf32(float* As, float* Ts,
       block_store(Ts + 16 * a * lda + 16 * b, lda, acc, -1.f, g, t);
     }
   }
-  __syncthreads();
+  sync();
+}
+__device__ __forceinline__ void unit_lower_inverse_64_tf32(float* As, float* Ts, int lda) {
+  unit_lower_inverse_64_tf32(As, Ts, lda, static_cast<int>(threadIdx.x), [] { __syncthreads(); });
 }
 
 }  // namespace deltacp::cuda::tiled

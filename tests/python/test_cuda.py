@@ -1067,6 +1067,7 @@ def test_fused_kda_prepare_kernel_matches_the_pair(dtype, gate16, l2norm, monkey
     if gate16:
         s.t["g"] = s.t["g"].to(dtype)
     got = {}
+    monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", "0")  # (that stage is checked first: off here)
     for value in ("1", "0"):
         monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE", value)
         _poison_cache(64 << 20)
@@ -1077,6 +1078,135 @@ def test_fused_kda_prepare_kernel_matches_the_pair(dtype, gate16, l2norm, monkey
     assert torch.isfinite(got["1"][0]).all() and torch.isfinite(got["1"][1]).all()
     assert torch.equal(got["1"][0], got["0"][0]), "o: one kernel differs from the pair"
     assert torch.equal(got["1"][1], got["0"][1]), "ht: one kernel differs from the pair"
+
+
+def _need_wgmma_kda_prepare():
+    _require_cuda_build()
+    from deltacp import _core
+
+    if not _core.cuda_supports("kda", "fused", False) or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused tier's wgmma kda stage runs on compute capability 9.0")
+
+
+def _kda_wgmma_problem(dtype, gate16, steep, heads):
+    """_Switched kda problem for the wgmma kda stage's tests: sequences of 1, 63, 64, 65 and 207 tokens (short
+    chunks), K = V = 128, g in fp32 or 16 bits; steep: every third block of 16 tokens decays by 8 per token per
+    key (its bf16 diagonal blocks leave the tensor cores' range and go element by element), and one block by 5."""
+    H, HV = heads
+    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=97, rng_seed=19, H=H, HV=HV)
+    if steep:
+        tokens = s.t["g"].shape[1]
+        blk = torch.arange(tokens, device="cuda") // 16
+        s.t["g"][:, (blk % 3) == 1] = -8.0
+        s.t["g"][:, blk == 9] = -5.0
+    if gate16:
+        s.t["g"] = s.t["g"].to(dtype)
+    return s
+
+
+def _kda_fused_call(s, monkeypatch, value, l2norm, q=None, k=None):
+    monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", value)
+    _poison_cache(64 << 20)
+    t = dict(s.t)
+    if q is not None:
+        t["q"], t["k"] = q, k
+    with torch.no_grad():
+        o, ht = _call("kda", t, initial_state=s.h0, output_final_state=True, cu_seqlens=s.cu,
+                      use_qk_l2norm_in_kernel=l2norm, backend="fused")
+    torch.cuda.synchronize()
+    return o, ht
+
+
+def _kda_reference_forward(s, l2norm):
+    """fp64 reference forward on the rounded inputs (q, k normalised in fp64 first when l2norm)."""
+    x = {n: s.t[n].double().cpu().numpy() for n in s.names}
+    if l2norm:
+        for n in ("q", "k"):
+            x[n] = x[n] / np.sqrt((x[n] ** 2).sum(-1, keepdims=True) + 1e-6)
+    rounded = dict(s.p, **x, initial_state=s.h0.double().cpu().numpy())
+    return ref_forward(ref, "kda", rounded)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gate16", [False, True], ids=["g_fp32", "g_16bit"])
+@pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "qk_l2norm"])
+@pytest.mark.parametrize("steep", [False, True], ids=["mild", "steep"])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)], ids=["one_value_head", "grouped"])
+def test_fused_kda_prepare_wgmma_matches_kda_prepare_kernel(dtype, gate16, l2norm, steep, heads, monkeypatch):
+    """The fused forward's kda stage on wgmma (cuda/tiled/kda_prepare_wgmma.cuh, DELTACP_FUSED_KDA_PREPARE_WGMMA=1)
+    against kda_prepare_kernel (=0) and the fp64 reference: o and ht, packed sequences of 1, 63, 64, 65 and 207
+    tokens with h0, one or grouped value heads, g in fp32 or 16 bits, with and without the in-kernel l2 norm, mild
+    gates and steep ones (bf16 diagonal blocks element by element). The products accumulate in wgmma's order, so
+    the two agree to 16-bit rounding, not bit for bit; a second run of the wgmma stage gives the same bits."""
+    _need_wgmma_kda_prepare()
+    s = _kda_wgmma_problem(dtype, gate16, steep, heads)
+    o1, ht1 = _kda_fused_call(s, monkeypatch, "1", l2norm)
+    o1b, ht1b = _kda_fused_call(s, monkeypatch, "1", l2norm)
+    o0, ht0 = _kda_fused_call(s, monkeypatch, "0", l2norm)
+    for x in (o1, ht1):
+        assert torch.isfinite(x).all()
+    assert torch.equal(o1, o1b) and torch.equal(ht1, ht1b), "the wgmma stage is not deterministic"
+    assert rel_err(o1.double().cpu().numpy(), o0.double().cpu().numpy()) < 5e-3, "o: wgmma vs mma.sync stage"
+    assert rel_err(ht1.double().cpu().numpy(), ht0.double().cpu().numpy()) < 5e-3, "ht: wgmma vs mma.sync stage"
+    o_ref, ht_ref = _kda_reference_forward(s, l2norm)
+    assert rel_err(o1.double().cpu().numpy(), o_ref) < 1e-2, "o vs the fp64 reference"
+    assert rel_err(ht1.double().cpu().numpy(), ht_ref) < 1e-2, "ht vs the fp64 reference"
+
+
+def test_fused_kda_prepare_wgmma_switch_values(monkeypatch):
+    """DELTACP_FUSED_KDA_PREPARE_WGMMA: anything but 0 / 1 raises naming the variable; unset is the wgmma stage on
+    compute capability 9.0 (the bits of =1, not those of =0); =1 ahead of DELTACP_FUSED_KDA_PREPARE=0 (the pair)
+    still runs the wgmma stage (its bits, not the pair's)."""
+    _need_wgmma_kda_prepare()
+    s = _kda_wgmma_problem(torch.bfloat16, False, True, (2, 4))
+    with pytest.raises(ValueError, match="DELTACP_FUSED_KDA_PREPARE_WGMMA"):
+        _kda_fused_call(s, monkeypatch, "sometimes", False)
+    o1, ht1 = _kda_fused_call(s, monkeypatch, "1", False)
+    o0, _ = _kda_fused_call(s, monkeypatch, "0", False)
+    monkeypatch.delenv("DELTACP_FUSED_KDA_PREPARE_WGMMA")
+    _poison_cache(64 << 20)
+    with torch.no_grad():
+        ou, htu = _call("kda", dict(s.t), initial_state=s.h0, output_final_state=True, cu_seqlens=s.cu,
+                        use_qk_l2norm_in_kernel=False, backend="fused")
+    torch.cuda.synchronize()
+    assert torch.equal(ou, o1) and torch.equal(htu, ht1), "unset is not the wgmma stage"
+    assert not torch.equal(o1, o0), "=0 and =1 gave the same bits (the switch did nothing)"
+    monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE", "0")
+    o2, ht2 = _kda_fused_call(s, monkeypatch, "1", False)
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_kda_staged_forward_with_the_wgmma_stage(dtype, monkeypatch):
+    """The staged fused forward (forward_prepare: the CP op's local forward) runs the same launch function: with
+    DELTACP_FUSED_KDA_PREPARE_WGMMA=1, prepare (no h0) -> finish (h0) gives the one-shot fused forward's o and ht
+    bit for bit, and agrees with the staged forward on kda_prepare_kernel (=0) to 16-bit rounding."""
+    _need_wgmma_kda_prepare()
+    from deltacp import _core
+
+    t, h0, d, desc = _cuda_problem("kda", dtype, cu_seqlens=(0, 1, 64, 128, 193, 400), K=128, V=128)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def staged(value):
+        monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", value)
+        _poison_cache(64 << 20)
+        dd, o, ht = _forward_descs(t, d, desc, h0.shape, False)
+        state = _core.staged_forward_prepare("kda", "fused", dd, None, 64, stream)
+        dd["h0"] = d["h0"]
+        _core.staged_forward_step(state, "finish", "kda", dd, None, 64, stream)
+        torch.cuda.synchronize()
+        return o, ht
+
+    monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", "1")
+    one, one_o, one_ht = _forward_descs(t, d, desc, h0.shape, True)
+    _core.run("forward", "kda", "fused", "float32", one, None, 64, None, stream, False)
+    torch.cuda.synchronize()
+    o1, ht1 = staged("1")
+    o0, ht0 = staged("0")
+    assert torch.isfinite(o1).all() and torch.isfinite(ht1).all()
+    assert torch.equal(o1, one_o) and torch.equal(ht1, one_ht)
+    assert rel_err(o1.double().cpu().numpy(), o0.double().cpu().numpy()) < 5e-3
+    assert rel_err(ht1.double().cpu().numpy(), ht0.double().cpu().numpy()) < 5e-3
 
 
 @pytest.mark.parametrize("variant", ["gdn", "delta"])

@@ -1,0 +1,642 @@
+// cuda/tiled/kda_prepare_wgmma.cuh — the fused forward's kda stage on Hopper's warpgroup products: for every
+// (chunk, value head) the outputs of kda_prepare_kernel (tiled_fwd.cu) — W, U, K e^(G_n - G), P, Q e^G and G's
+// last row — from one read of q, k, v, g and beta. Included by tiled_fwd.cu (it reads FwdArgs and the gate and
+// l2-norm helpers there); launch_kda_fused_prepare runs it where kda_prepare_wgmma_refusal allows and the switch
+// DELTACP_FUSED_KDA_PREPARE_WGMMA does not turn it off (unset: wherever it applies; 0: kda_prepare_kernel).
+//
+// Algorithm (the same as kda_prepare_kernel's; docs/design.md section 3). For a chunk of n <= 64 tokens, G the
+// within-chunk cumulative sum of the per-key log decay g (summed here), q and k l2-normalised here on request:
+//
+//   A = strict_tril( beta_i sum_d K_id K_jd e^(G_id - G_jd) )      T = (I + A)^-1  (fp32, wy_solve.cuh)
+//   P = tril( sum_d Q_id K_jd e^(G_id - G_jd) )  (diagonal included; 16-bit, zero right of the block diagonal)
+//   W = (T Beta) (K e^G)     U = (T Beta) V     Kd = K e^(G_n - G)     Qg = Q e^G
+//
+// The decayed scores keep kda_scores.cuh's overflow strategy exactly: row block a (rows 16 a .. 16 a + 15) takes
+// the reference row r = 16 a; its X rows are scaled by e^(G_i - G_r) (exponent <= 0), Y's rows j < r by
+// e^(G_r - G_j) (<= 0), both rounded to 16 bits, and the product of the two gives the off-diagonal blocks (a, b < a)
+// on the tensor cores. The diagonal block (a, a): bf16 on the tensor cores through the same reference row (Y rows
+// r .. r + 15 scaled by e^(G_r - G_j) >= 0) where every such exponent is at most kDiagExpMax and every scaled
+// element at most 1e30 in magnitude (checked per chunk and block), element by element in fp32 with e^(G_id - G_jd)
+// (j <= i) elsewhere and always for fp16. Every scaled operand is the same expression as in kda_scores.cuh on the
+// same inputs (so the same bits); what differs is that the products are wgmma's instead of mma.sync's.
+//
+// One CTA of two warpgroups (256 threads) per (chunk, value head). Warpgroup 0 makes A (X = K) and solves T;
+// warpgroup 1 makes P (X = Q) and the element-wise outputs; then warpgroup 0 computes W, warpgroup 1 U.
+//   phase 0  q, k tiles (64 tokens x 128 keys, two 64 x 64 boxes each, 128-byte swizzle) by TMA on one mbarrier;
+//            the raw gate into G (fp32; cp.async for fp32 g, converted for 16-bit g: load_raw_gate); beta
+//   phase 1  warpgroup 0: G in place (chunk_sum_gate; G's last row out); warpgroup 1: q, k rows normalised in
+//            place (l2norm_rows_128's arithmetic on the swizzled rows)
+//   phase 2  the scores. Each warp w scales its 16 rows of X around its own reference row 16 w into wgmma A
+//            fragments (registers; in the round that keeps its rows, zeros in the other: each warp scales once and
+//            no fragments stay live across a round, which kept the kernel at 128 registers without spills); Y's
+//            rescaled rows Yr_a (rows 0 .. 16 a + 15 of K e^(G_16a - G), K-major,
+//            swizzled) are built in two rounds, {Yr_3, Yr_0} then {Yr_2, Yr_1} (80 rows, 20 KB each round), and
+//            each warpgroup issues wgmma m64n(16 (a + 1))k16 x 8 with its fragments against each Yr_a of the round:
+//            warp a keeps rows 16 a .. 16 a + 15 of the product with Yr_a (the other warps' rows of that product
+//            are not used). Warpgroup 0 writes beta_i x into A (fp32, shared memory), warpgroup 1 writes P's rows
+//            (16-bit, with the zeros right of the block diagonal) to global memory. Then the diagonal blocks that
+//            go element by element (kda_scores.cuh's loop, warp a of each warpgroup)
+//   phase 3  warpgroup 0: T = (I + A)^-1 (unit_lower_inverse_64_tf32 on a named barrier); warpgroup 1 meanwhile:
+//            Qg = Q e^G and Kd out, K <- K e^G in place (one e^G per element for both), then the v tile by TMA
+//            into Q's dead bytes
+//   phase 4  both warpgroups build T Beta as 16-bit A fragments; warpgroup 0: W = (T Beta)(K e^G), warpgroup 1:
+//            U = (T Beta) V, each 4 x wgmma m64n128k16 (B MN-major), staged (swizzled rows) and stored as whole rows
+//
+// Numerics: every rounding of kda_prepare_kernel is kept (16-bit scaled operands, fp32 A and T with tf32 block
+// products, T Beta rounded to 16 bits, fp32 accumulation). The score and W, U products accumulate in wgmma's order
+// instead of mma.sync's, so outputs agree with kda_prepare_kernel's to 16-bit rounding (P, W, U: a last-bit
+// difference where the fp32 sums differ in their last bits), not bit for bit; Kd, Qg and G's last row are
+// bit-identical (the same element expressions on the same inputs).
+//
+// Shared memory (bytes from a 1024-byte aligned base; KdaPrepWgSmem): Q 16 KB (later V), K 16 KB (later K e^G),
+// Yr 20 KB (later T, 17 KB), G 34 KB (rows of 136 floats; later the W and U staging), A 17 KB (64 x 68 fp32),
+// beta, the diagonal blocks' range flags and two mbarriers: 105,760 bytes, with the alignment slack 106,784:
+// two CTAs per SM (16 warps) on an H100/H200.
+//
+// Measured (NVIDIA H100, 2026-11-27, bf16, bench/gpu/stage_times.py --variant kda --backend fused, kernel time
+// per forward): (2,16384,16,128) 0.597 ms where kda_prepare_kernel takes 1.009 (its bytes alone, 3210 per token
+// and head, are about 0.56 ms at 3 TB/s); the fused kda forward 1.431 -> 1.017 ms of kernels. Beside FLA (same
+// run, bench_gpu.py): kda forward 1.155 ms at (2,16384,16,128) (FLA 2.274), 1.520 at (1,8192,96,128) (3.231),
+// 2.014 at (4,4096,64,128) (4.236), 0.324 at (4,2048,16,128) (1.298).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../common/check.h"
+#include "../common/device_info.h"
+#include "../common/tma.cuh"
+#include "chunk_table.cuh"
+#include "fwd_mma.cuh"
+#include "kda_scores.cuh"
+#include "wgmma_ops.cuh"
+#include "wy_solve.cuh"
+#include "deltacp/params.h"
+
+namespace deltacp::cuda::tiled {
+
+template <class T>
+struct KdaPrepWgArgs {
+  TileMap16 tm_q, tm_k, tm_v;  // [B, T, H or HV, 128] as the caller strides them: boxes of 64 columns x 64 tokens
+  FwdArgs<T> f;                // chunks, beta, the raw gate (g32 or g16), g_last, qk_l2norm, HV, group
+  T* W = nullptr;              // [R, HV, 128]
+  T* U = nullptr;              // [R, HV, 128]
+  T* Kd = nullptr;             // [R, HV, 128]
+  T* P = nullptr;              // [R, HV, 64]
+  T* Qg = nullptr;             // [R, HV, 128]
+};
+
+// Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
+struct KdaPrepWgSmem {
+  static constexpr int kBox = 64 * 128;           // one 64 x 64 box of 16-bit elements
+  static constexpr int kLdg = 136;                // G's rows (floats)
+  static constexpr int kLdA = 68;                 // A and T rows (floats): 4 mod 32, as wy_solve.cuh wants
+  static constexpr int kYrBytes = 80 * 256;       // one round of rescaled Y rows (80 rows of 128 keys)
+  static constexpr int q = 0;                     // Q tile; V after phase 3
+  static constexpr int k = q + 2 * kBox;          // K tile; K e^G after phase 3
+  static constexpr int yr = k + 2 * kBox;         // Yr; T after phase 2
+  static constexpr int g = yr + kYrBytes;         // G (fp32); W and U staged after phase 3
+  static constexpr int a = g + 64 * kLdg * 4;     // A (fp32; the solve's N in place)
+  static constexpr int beta = a + 64 * kLdA * 4;  // beta per row (0 past the chunk)
+  static constexpr int flags = beta + 256;        // bit a: block (a, a) left the tensor cores' safe range
+  static constexpr int bar = flags + 16;          // two mbarriers: Q and K, then V
+  static constexpr int bytes = bar + 16 + 1024;   // plus the alignment slack
+  static constexpr int v = q, t = yr, w_stage = g, u_stage = g + 2 * kBox;
+};
+static_assert(64 * KdaPrepWgSmem::kLdA * 4 <= KdaPrepWgSmem::kYrBytes, "T must fit in Yr's region");
+static_assert(4 * KdaPrepWgSmem::kBox <= 64 * KdaPrepWgSmem::kLdg * 4, "the W and U staging must fit in G's region");
+static_assert(KdaPrepWgSmem::bytes == 106784, "the size the opening comment gives");
+static_assert(2 * (KdaPrepWgSmem::bytes + 1024) <= 228 * 1024, "two CTAs per SM on sm_90");
+
+
+#ifdef DELTACP_WGMMA_DEVICE
+// d (64 x N fp32; N = 16, 32, 48 or 64) = A (64 x 16, registers) B (16 x N, K-major descriptor) + (scale_d ? d : 0).
+template <class T, int N>
+__device__ __forceinline__ void wgmma_rs_kmajor(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  constexpr bool kBf = std::is_same<T, __nv_bfloat16>::value;
+  static_assert(N == 16 || N == 32 || N == 48 || N == 64, "m64n16, n32, n48 or n64");
+  if constexpr (N == 64) {
+    wgmma_n64_rs<T>(d, a, b, scale_d);
+  } else if constexpr (N == 16) {
+    if constexpr (kBf) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    }
+  } else if constexpr (N == 32) {
+    if constexpr (kBf) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    }
+  } else if constexpr (N == 48) {
+    if constexpr (kBf) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, {%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+    }
+  }
+}
+#endif
+
+#ifdef DELTACP_WGMMA_DEVICE
+namespace kda_prep_wg {
+constexpr int kLdg = KdaPrepWgSmem::kLdg, kLdA = KdaPrepWgSmem::kLdA;
+
+// Byte offset of the 16-byte piece pc (keys 8 pc .. 8 pc + 7) of row r in a swizzled tile of n rows x 128 keys
+// (two blocks of n rows x 64 keys, n * 128 bytes apart): the piece's place in its 128-byte row is pc ^ (r % 8).
+__device__ __forceinline__ int piece_at(int n, int r, int pc) {
+  return (pc >> 3) * n * 128 + r * 128 + (((pc & 7) ^ (r & 7)) << 4);
+}
+// Byte offset of keys c, c + 1 (c even) of row r in a swizzled 64 x 128 tile.
+__device__ __forceinline__ int pair_at(int r, int c) { return piece_at(64, r, c >> 3) + (c & 7) * 2; }
+
+// Rows len .. 63 of a swizzled 64 x 128 tile: zero (after its boxes landed), by nthr threads from thread 0 of them.
+__device__ __forceinline__ void zero_tail_rows(unsigned char* tile, int len, int thr, int nthr) {
+  if (len < 64)
+    for (int idx = thr; idx < 2 * 64 * 8; idx += nthr) {
+      const int row = (idx >> 3) & 63;
+      if (row >= len) *reinterpret_cast<uint4*>(tile + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// l2norm_rows_128's arithmetic on row r of a swizzled tile: the same 32 partial sums in the same order, the same
+// tree, the same rsqrtf and rounding, so the row gets the bits that function (and cuda/common/l2norm.cu) gives.
+template <class T>
+__device__ __forceinline__ void l2norm_row(unsigned char* tile, int r) {
+  float a[32];
+#pragma unroll
+  for (int l = 0; l < 32; ++l) a[l] = 0.f;
+#pragma unroll
+  for (int pc = 0; pc < 16; ++pc) {
+    float x[8];
+    load8(reinterpret_cast<const T*>(tile + piece_at(64, r, pc)), x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[(8 * pc + e) & 31] = fmaf(x[e], x[e], a[(8 * pc + e) & 31]);
+  }
+#pragma unroll
+  for (int step = 0; step < 5; ++step)
+#pragma unroll
+    for (int l = 0; l < 16; ++l)
+      if (l < (16 >> step)) a[l] += a[l + (16 >> step)];
+  const float rn = rsqrtf(a[0] + kQkL2normEps);
+#pragma unroll
+  for (int pc = 0; pc < 16; ++pc) {
+    T* p = reinterpret_cast<T*>(tile + piece_at(64, r, pc));
+    float x[8];
+    load8(p, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] *= rn;
+    store8(p, x);
+  }
+}
+
+// This warp's 16 rows of X scaled around its reference row r = 16 w, X_id e^(G_id - G_rd) rounded to T, as the
+// A fragments of the 8 k-steps (keys 16 kk .. 16 kk + 15): xf[kk][2 h + rr] holds row 16 w + g + 8 rr, keys
+// 16 kk + 8 h + 2 t and + 1 (wgmma_ops.cuh's fragment layout).
+// Only warp w's own product rows use them, and a round keeps the rows of two warps: the others pass zeros
+// (needed = false) and each warp scales its rows once.
+template <class T>
+__device__ __forceinline__ void scaled_row_fragments(uint32_t (&xf)[8][4], const unsigned char* X, const float* G,
+                                                     int w, int g, int t, bool needed) {
+  if (!needed) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) xf[kk][e] = 0u;
+    return;
+  }
+  const int r = 16 * w;
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 16 * kk + 8 * h + 2 * t;
+      const float2 gr = *reinterpret_cast<const float2*>(G + r * kLdg + c);
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int i = r + g + 8 * rr;
+        const float2 x = unpack2<T>(*reinterpret_cast<const uint32_t*>(X + pair_at(i, c)));
+        const float2 gi = *reinterpret_cast<const float2*>(G + i * kLdg + c);
+        xf[kk][2 * h + rr] = pack2<T>(x.x * exp_t<T>(gi.x - gr.x), x.y * exp_t<T>(gi.y - gr.y));
+      }
+    }
+}
+
+// One round of Y's rescaled rows: Yr_AB (rows 0 .. 16 AB + 15, at yr) and Yr_AS (rows 0 .. 16 AS + 15, after it),
+// Yr_a's row j = K_j e^(G_r - G_j) with r = 16 a, rounded to T, in the swizzled K-major layout (piece_at with n =
+// the block's rows). Rows j >= r (the diagonal block's) only for bf16, with kda_scores.cuh's range check: returns
+// bit a set where one of them leaves it. 256 threads, 16-byte pieces.
+template <class T, int AB, int AS>
+__device__ __forceinline__ unsigned scale_y_round(unsigned char* yr, const unsigned char* K, const float* G, int tid) {
+  constexpr bool kDiagTc = std::is_same<T, __nv_bfloat16>::value;
+  constexpr int NB = 16 * (AB + 1), NS = 16 * (AS + 1);
+  static_assert((NB + NS) * 16 % 256 == 0, "whole rounds of 256 pieces");
+  unsigned bad = 0;
+#pragma unroll
+  for (int it = 0; it < (NB + NS) * 16 / 256; ++it) {
+    const int idx = tid + 256 * it, q = idx >> 4, pc = idx & 15;
+    const bool big = q < NB;
+    const int a = big ? AB : AS, j = big ? q : q - NB, n = big ? NB : NS, r = 16 * a;
+    if (!kDiagTc && j >= r) continue;  // fp16: the diagonal blocks go element by element
+    float x[8], gj[8], gr[8], ex[8];
+    load8f(G + r * kLdg + 8 * pc, gr);
+    load8(reinterpret_cast<const T*>(K + piece_at(64, j, pc)), x);
+    load8f(G + j * kLdg + 8 * pc, gj);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      ex[e] = gr[e] - gj[e];
+      x[e] *= exp_t<T>(ex[e]);
+    }
+    if (j >= r) {
+      bool b = false;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) b |= !(ex[e] <= kDiagExpMax) | !(fabsf(x[e]) <= 1e30f);
+      if (b) bad |= 1u << a;
+    }
+    store8(reinterpret_cast<T*>(yr + (big ? 0 : 2 * NB * 128) + piece_at(n, j, pc)), x);
+  }
+  return bad;
+}
+
+// The products of one round: accB = X' Yr_AB^T (64 x NB), accS = X' Yr_AS^T (64 x NS), X' this warpgroup's scaled
+// rows (fragments), K = the 128 keys in 8 steps.
+template <class T, int AB, int AS>
+__device__ __forceinline__ void score_round(uint32_t (&xf)[8][4], uint32_t yr, float (&accB)[8 * (AB + 1)],
+                                            float (&accS)[8 * (AS + 1)]) {
+  constexpr int NB = 16 * (AB + 1), NS = 16 * (AS + 1);
+#pragma unroll
+  for (int i = 0; i < NB / 2; ++i) accB[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < NS / 2; ++i) accS[i] = 0.f;
+  wg_fence();
+  reg_fence(accB);
+  reg_fence(accS);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint32_t off = (kk & 3) * 32;
+    wgmma_rs_kmajor<T, NB>(accB, xf[kk], wg_desc(yr + (kk >> 2) * NB * 128 + off, 16, 1024), 1);
+    wgmma_rs_kmajor<T, NS>(accS, xf[kk], wg_desc(yr + 2 * NB * 128 + (kk >> 2) * NS * 128 + off, 16, 1024), 1);
+  }
+  wg_commit();
+  wg_wait_all();
+  reg_fence(accB);
+  reg_fence(accS);
+  reg_fence(xf);
+}
+
+// Row block a = N / 16 - 1 of A (warpgroup 0: As[i][j] = beta_i x, strict) or of P (warpgroup 1: rows < len to
+// global, 16-bit, inclusive, zeros right of the diagonal block) from the product with Yr_a, by warp a. The diagonal
+// block's columns are written here only when it went through the tensor cores (tc_diag).
+template <class T, int N>
+__device__ __forceinline__ void score_rows_out(const float (&acc)[N / 2], int wg, bool tc_diag, float* As,
+                                               const float* bs, T* Pc, int p_ld, int len, int g, int t) {
+  constexpr int a = N / 16 - 1;
+  const int i0 = 16 * a + g, i1 = i0 + 8;
+  if (wg == 0) {
+    const float b0 = bs[i0], b1 = bs[i1];
+#pragma unroll
+    for (int nb = 0; nb < N / 8; ++nb) {
+      const int j = 8 * nb + 2 * t;
+      if (nb < 2 * a) {
+        *reinterpret_cast<float2*>(As + i0 * kLdA + j) = make_float2(b0 * acc[4 * nb], b0 * acc[4 * nb + 1]);
+        *reinterpret_cast<float2*>(As + i1 * kLdA + j) = make_float2(b1 * acc[4 * nb + 2], b1 * acc[4 * nb + 3]);
+      } else if (tc_diag) {  // mask before scaling, as kda_scores' diagonal block writes 0 above the diagonal
+        *reinterpret_cast<float2*>(As + i0 * kLdA + j) =
+            make_float2(b0 * (j < i0 ? acc[4 * nb] : 0.f), b0 * (j + 1 < i0 ? acc[4 * nb + 1] : 0.f));
+        *reinterpret_cast<float2*>(As + i1 * kLdA + j) =
+            make_float2(b1 * (j < i1 ? acc[4 * nb + 2] : 0.f), b1 * (j + 1 < i1 ? acc[4 * nb + 3] : 0.f));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int i = rr ? i1 : i0;
+      if (i >= len) continue;
+      T* row = Pc + static_cast<int64_t>(i) * p_ld;
+#pragma unroll
+      for (int nb = 0; nb < 8; ++nb) {
+        const int j = 8 * nb + 2 * t;
+        uint32_t v = 0u;
+        if (nb < 2 * a) {
+          v = pack2<T>(acc[4 * nb + 2 * rr], acc[4 * nb + 2 * rr + 1]);
+        } else if (nb < 2 * a + 2) {
+          if (!tc_diag) continue;  // element by element below
+          v = pack2<T>(j <= i ? acc[4 * nb + 2 * rr] : 0.f, j + 1 <= i ? acc[4 * nb + 2 * rr + 1] : 0.f);
+        }
+        *reinterpret_cast<uint32_t*>(row + j) = v;
+      }
+    }
+  }
+}
+
+// Diagonal block (a, a) element by element: kda_scores.cuh's loop (lane: row 16 a + lane % 16, half the keys;
+// the same fmaf order and e^(G_id - G_jd) masked to 0 before the exponential above the diagonal), X = K and the
+// strict mask into A (warpgroup 0) or X = Q and the inclusive mask into P (warpgroup 1).
+template <class T>
+__device__ __forceinline__ void diag_block_elementwise(const unsigned char* X, const unsigned char* Y, const float* G,
+                                                       int a, int lane, int len, int wg, float* As, const float* bs,
+                                                       T* Pc, int p_ld) {
+  const bool inclusive = wg == 1;
+  const int il = lane & 15, half = lane >> 4;
+  const int i = 16 * a + il;
+  const bool active = 16 * a < len;
+  float part[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) part[j] = 0.f;
+  if (active) {
+    for (int d0 = half * 64; d0 < (half + 1) * 64; d0 += 8) {
+      float xi[8], gi[8];
+      load8(reinterpret_cast<const T*>(X + piece_at(64, i, d0 >> 3)), xi);
+      load8f(G + i * kLdg + d0, gi);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int jj = 16 * a + j;
+        const bool lower = inclusive ? (j <= il) : (j < il);
+        float yj[8], gj[8];
+        load8(reinterpret_cast<const T*>(Y + piece_at(64, jj, d0 >> 3)), yj);
+        load8f(G + jj * kLdg + d0, gj);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part[j] = fmaf(xi[e] * yj[e], exp_t<T>(lower ? gi[e] - gj[e] : 0.f), part[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) part[j] += __shfl_xor_sync(0xffffffffu, part[j], 16);
+  if (half == 0) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const bool lower = inclusive ? (j <= il) : (j < il);
+      const float x = (active && lower) ? part[j] : 0.f;
+      if (wg == 0) {
+        As[i * kLdA + 16 * a + j] = bs[i] * x;
+      } else if (i < len) {
+        Pc[static_cast<int64_t>(i) * p_ld + 16 * a + j] = from_f<T>(x);
+      }
+    }
+  }
+}
+
+// The first len rows staged by stage_rows_128 (wy_wgmma.cuh's layout) to rows row0 .. of a [R, HV, 128] tensor,
+// by one warpgroup (thr = 0 .. 127 within it): 16 bytes a thread, whole rows per 16 threads.
+template <class T>
+__device__ __forceinline__ void store_staged_rows(T* dst, const unsigned char* src, int64_t row0, int64_t HV,
+                                                  int64_t hv, int len, int thr) {
+  const int piece = thr & 15, r0 = thr >> 4;
+#pragma unroll
+  for (int it = 0; it < 8; ++it) {
+    const int r = r0 + 8 * it;
+    if (r < len)
+      *reinterpret_cast<uint4*>(dst + ((row0 + r) * HV + hv) * 128 + piece * 8) =
+          *reinterpret_cast<const uint4*>(src + r * 256 + ((piece ^ (r & 7)) << 4));
+  }
+}
+}  // namespace kda_prep_wg
+#endif  // DELTACP_WGMMA_DEVICE
+
+template <class T>
+__global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_constant__ KdaPrepWgArgs<T> a) {
+#ifdef DELTACP_WGMMA_DEVICE
+  using S = KdaPrepWgSmem;
+  using namespace kda_prep_wg;
+  constexpr bool kDiagTc = std::is_same<T, __nv_bfloat16>::value;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const FwdArgs<T>& f = a.f;
+  float* Gt = reinterpret_cast<float*>(smem + S::g);
+  float* As = reinterpret_cast<float*>(smem + S::a);
+  float* Ts = reinterpret_cast<float*>(smem + S::t);
+  float* bs = reinterpret_cast<float*>(smem + S::beta);
+  volatile unsigned* flags = reinterpret_cast<volatile unsigned*>(smem + S::flags);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::bar);
+  const int tid = threadIdx.x, wg = tid >> 7, thr = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const ChunkEntry ce = f.chunks[blockIdx.x];
+  const int64_t hv = blockIdx.y, HV = f.HV, hk = hv / f.group;
+  const int len = static_cast<int>(ce.len);
+  const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch);
+
+  // ---- phase 0: loads ----
+  if (tid == 0) {
+    mbar_init(bars, 1);
+    mbar_init(bars + 1, 1);
+    fence_mbar_init();
+    *flags = 0u;
+    const int h = static_cast<int>(hk);
+    mbar_expect_tx(bars, 4 * S::kBox);
+    tma_load_4d(smem + S::q, &a.tm_q.map, bars, 0, h, t0, b);
+    tma_load_4d(smem + S::q + S::kBox, &a.tm_q.map, bars, 64, h, t0, b);
+    tma_load_4d(smem + S::k, &a.tm_k.map, bars, 0, h, t0, b);
+    tma_load_4d(smem + S::k + S::kBox, &a.tm_k.map, bars, 64, h, t0, b);
+  }
+  load_raw_gate(Gt, kLdg, f, ce, hv);  // zero past len (the sums below then repeat G's last row there)
+  cp_async_commit();
+  if (tid < 64) bs[tid] = tid < len ? to_f(*f.beta.at(ce.batch, ce.t0 + tid, hv)) : 0.f;
+  cp_async_wait<0>();
+  __syncthreads();  // the mbarriers are initialised; the raw gate and beta are in shared memory
+  mbar_wait(bars, 0);
+  zero_tail_rows(smem + S::q, len, tid, 256);
+  zero_tail_rows(smem + S::k, len, tid, 256);
+  __syncthreads();
+
+  // ---- phase 1: G in place (G's last row out) beside the l2 norm of q's and k's rows ----
+  if (wg == 0) {
+    chunk_sum_gate(Gt, kLdg, f, ce, hv);  // one thread per key column (threads 0 .. 127)
+  } else if (f.qk_l2norm) {
+    l2norm_row<T>(smem + (thr < 64 ? S::q : S::k), thr & 63);
+  }
+  __syncthreads();
+
+  // ---- phase 2: A (warpgroup 0, X = K) and P (warpgroup 1, X = Q) ----
+  T* Pc = a.P + (ce.row0 * HV + hv) * 64;        // row i of the chunk's P at Pc + i * p_ld
+  const int p_ld = static_cast<int>(HV * 64);    // HV <= 65535: 64 rows of it stay below 2^31
+  const uint32_t yr = smem_u32(smem + S::yr);
+  {
+    const unsigned bad = scale_y_round<T, 3, 0>(smem + S::yr, smem + S::k, Gt, tid);
+    if (bad) atomicOr(const_cast<unsigned*>(flags), bad);
+    fence_proxy_async();  // Yr: read by the products
+    __syncthreads();
+    uint32_t xf[8][4];
+    scaled_row_fragments<T>(xf, smem + (wg == 0 ? S::k : S::q), Gt, wi, g, t, wi == 3 || wi == 0);
+    float accB[32], accS[8];
+    score_round<T, 3, 0>(xf, yr, accB, accS);
+    const unsigned wide = *flags;
+    if (wi == 3) score_rows_out<T, 64>(accB, wg, kDiagTc && !((wide >> 3) & 1u), As, bs, Pc, p_ld, len, g, t);
+    if (wi == 0) score_rows_out<T, 16>(accS, wg, kDiagTc && !(wide & 1u), As, bs, Pc, p_ld, len, g, t);
+  }
+  __syncthreads();  // both warpgroups' products have read Yr
+  {
+    const unsigned bad = scale_y_round<T, 2, 1>(smem + S::yr, smem + S::k, Gt, tid);
+    if (bad) atomicOr(const_cast<unsigned*>(flags), bad);
+    fence_proxy_async();
+    __syncthreads();
+    uint32_t xf[8][4];
+    scaled_row_fragments<T>(xf, smem + (wg == 0 ? S::k : S::q), Gt, wi, g, t, wi == 2 || wi == 1);
+    float accB[24], accS[16];
+    score_round<T, 2, 1>(xf, yr, accB, accS);
+    const unsigned wide = *flags;
+    if (wi == 2) score_rows_out<T, 48>(accB, wg, kDiagTc && !((wide >> 2) & 1u), As, bs, Pc, p_ld, len, g, t);
+    if (wi == 1) score_rows_out<T, 32>(accS, wg, kDiagTc && !((wide >> 1) & 1u), As, bs, Pc, p_ld, len, g, t);
+  }
+  {  // the diagonal blocks that stayed off the tensor cores (fp16: all of them)
+    const unsigned wide = *flags;
+    if (!kDiagTc || ((wide >> wi) & 1u))
+      diag_block_elementwise<T>(smem + (wg == 0 ? S::k : S::q), smem + S::k, Gt, wi, lane, len, wg, As, bs, Pc, p_ld);
+  }
+  __syncthreads();  // A is complete; Yr, and Q and K as the scores read them, are dead
+
+  // ---- phase 3: T (warpgroup 0) beside Q e^G, Kd out and K <- K e^G (warpgroup 1), then V ----
+  if (wg == 0) {
+    unit_lower_inverse_64_tf32(As, Ts, kLdA, thr, [] { warpgroup_bar(0); });
+  } else {
+    const float* Glast = Gt + (len - 1) * kLdg;
+    const int pc = thr & 15;
+#pragma unroll 2
+    for (int it = 0; it < 8; ++it) {
+      const int i = (thr >> 4) + 8 * it, o = piece_at(64, i, pc);
+      float qv[8], kv[8], gv[8], gl[8], kd[8];
+      load8(reinterpret_cast<const T*>(smem + S::q + o), qv);
+      load8(reinterpret_cast<const T*>(smem + S::k + o), kv);
+      load8f(Gt + i * kLdg + 8 * pc, gv);
+      load8f(Glast + 8 * pc, gl);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float eg = exp_t<T>(gv[e]);  // kda_prepare_kernel's e^G for Q and K: the same value
+        qv[e] *= eg;
+        kd[e] = kv[e] * exp_t<T>(gl[e] - gv[e]);
+        kv[e] *= eg;
+      }
+      if (i < len) {
+        const int64_t row = (ce.row0 + i) * HV + hv;
+        store8(a.Qg + row * 128 + 8 * pc, qv);
+        store8(a.Kd + row * 128 + 8 * pc, kd);
+      }
+      store8(reinterpret_cast<T*>(smem + S::k + o), kv);
+    }
+    fence_proxy_async();  // K e^G: read by W's products
+    warpgroup_bar(1);     // every read of Q is done: V may land there
+    if (thr == 0) {
+      mbar_expect_tx(bars + 1, 2 * S::kBox);
+      tma_load_4d(smem + S::v, &a.tm_v.map, bars + 1, 0, static_cast<int>(hv), t0, b);
+      tma_load_4d(smem + S::v + S::kBox, &a.tm_v.map, bars + 1, 64, static_cast<int>(hv), t0, b);
+    }
+  }
+  __syncthreads();  // T and K e^G are complete; G is dead
+
+  // ---- phase 4: W = (T Beta)(K e^G) (warpgroup 0), U = (T Beta) V (warpgroup 1) ----
+  uint32_t fr[4][4];  // T Beta, this warp's rows 16 wi + g (+ 8), k-step kk: tokens 16 kk .. 16 kk + 15
+  {
+    const int i0 = 16 * wi + g, i1 = i0 + 8;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = 16 * kk + 8 * h + 2 * t;
+        const float2 ta = *reinterpret_cast<const float2*>(Ts + i0 * kLdA + j);
+        const float2 tb = *reinterpret_cast<const float2*>(Ts + i1 * kLdA + j);
+        const float s0 = bs[j], s1 = bs[j + 1];
+        fr[kk][2 * h] = pack2<T>(ta.x * s0, ta.y * s1);
+        fr[kk][2 * h + 1] = pack2<T>(tb.x * s0, tb.y * s1);
+      }
+  }
+  if (wg == 1) {
+    mbar_wait(bars + 1, 0);
+    zero_tail_rows(smem + S::v, len, thr, 128);
+    fence_proxy_async();
+    warpgroup_bar(1);
+  }
+  const uint32_t bt = smem_u32(smem + (wg == 0 ? S::k : S::v));
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  wg_fence();
+  reg_fence(acc);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fr[kk], wg_desc(bt + kk * 2048, 8192, 1024));
+  wg_commit();
+  wg_wait_all();
+  reg_fence(acc);
+  reg_fence(fr);
+  unsigned char* stage = smem + (wg == 0 ? S::w_stage : S::u_stage);
+  stage_rows_128<T>(stage, acc);
+  warpgroup_bar(wg);
+  store_staged_rows<T>(wg == 0 ? a.W : a.U, stage, ce.row0, HV, hv, len, thr);
+#else
+  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
+#endif
+}
+
+// ---- host ----------------------------------------------------------------------------------------
+// Why kda_prepare_wgmma_kernel cannot run p (nullptr: it can).
+inline const char* kda_prepare_wgmma_refusal(const Params& p) {
+#ifndef DELTACP_HAVE_SM90A
+  (void)p;
+  return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
+#else
+  if (p.variant != Variant::kda) return "it implements kda";
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
+  if (p.K != 128 || p.V != 128) return "it takes K = V = 128";
+  if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
+  if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
+  const int64_t es = dtype_size(p.dtype);
+  for (const TensorRef* r : {&p.q, &p.k, &p.v}) {
+    if (!rows_aligned16(*r, es))
+      return "it reads q, k and v by TMA (their pointers and strides must be 16-byte aligned)";
+    if (!steps_forward(*r, p.B, p.T, r == &p.v ? p.HV : p.H))
+      return "it reads q, k and v through TMA tensor maps, which need positive strides";
+  }
+  if (p.B * p.T >= (int64_t{1} << 31)) return "it addresses token rows by TMA's 32-bit coordinates (B * T < 2^31)";
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
+      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
+    return "it runs on compute capability 9.0 (H100 / H200) only";
+  return nullptr;
+#endif
+}
+
+// Launches kda_prepare_wgmma_kernel over every chunk of the table: f as launch_kda_fused_prepare sets it up (the raw
+// gate, g_last, qk_l2norm), outputs as kda_prepare_kernel's.
+template <class T>
+void launch_kda_prepare_wgmma(const Params& p, const ChunkTable& table, const FwdArgs<T>& f, T* W, T* U, T* Kd, T* P,
+                              T* Qg, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  KdaPrepWgArgs<T> a;
+  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
+  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, 128, "k");
+  a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, 128, "v");
+  a.f = f;
+  a.W = W;
+  a.U = U;
+  a.Kd = Kd;
+  a.P = P;
+  a.Qg = Qg;
+  auto kernel = kda_prepare_wgmma_kernel<T>;
+  opt_in_smem(kernel, KdaPrepWgSmem::bytes, "K", "the wgmma kda stage needs ", KdaPrepWgSmem::bytes,
+              " bytes of shared memory");
+  const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+  kernel<<<grid, 256, KdaPrepWgSmem::bytes, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace deltacp::cuda::tiled
