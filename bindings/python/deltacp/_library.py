@@ -24,6 +24,7 @@ implementations and deltacp.ops' eager _DeltaRuleFunction share. It imports noth
 
 from __future__ import annotations
 
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -127,13 +128,16 @@ class GateRangeCheck:
     promise, or None. The ops enqueue their kernels in between: those are exact for any gate (the range is
     FLA's requirement, not deltacp's), so a broken promise is still reported before the call returns, while
     the GPU already runs the op (a check that synchronised before the launches left the GPU idle for the
-    host's whole launch time)."""
-    __slots__ = ("lower", "gate_name", "host", "event")
+    host's whole launch time). On CUDA the pinned memory and the event are a slot of a ring (_GateRing)."""
+    __slots__ = ("lower", "gate_name", "host", "event", "values", "ring")
 
     def error(self):
-        if self.event is not None:
-            self.event.synchronize()
-        lo, hi = self.host.tolist()
+        if self.values is None:
+            if self.ring is not None:
+                self.ring.read(self)
+            else:  # CPU tensors: the reduction ran synchronously
+                self.values = self.host.tolist()
+        lo, hi = self.values
         if lo >= self.lower and hi <= 0.0:
             return None
         return (f"deltacp: argument '{self.gate_name}': safe_gate=True promises {self.lower} <= {self.gate_name} "
@@ -144,6 +148,73 @@ class GateRangeCheck:
         message = self.error()
         if message is not None:
             raise InvalidArgumentError(message)
+
+
+class _GateSlot:
+    """Pinned host memory for one (min, max) pair, the event that marks its copy, and the check that owns it."""
+    __slots__ = ("host", "event", "owner")
+
+    def __init__(self, host, event):
+        self.host, self.event, self.owner = host, event, None
+
+
+class _GateRing:
+    """The pinned (min, max) buffers and events of safe_gate's checks on one device and dtype, reused call after
+    call. A pinned allocation and a new CUDA event per call cost more host time than the check's launches
+    (the caching host allocator records and queries an event per block), on every KDA call with safe_gate.
+
+    A slot is reused only once the copy into it has completed (its event has); if the check that owned it has
+    not read its values yet, they are kept in that check first (GateRangeCheck.values), so a check read late
+    still sees its own values. When the next slot's copy is still in flight (the host ran that far ahead of the
+    GPU) the check gets a slot of its own outside the ring, as every check did before."""
+
+    def __init__(self, new_slot, size: int):
+        self._new_slot, self._size = new_slot, size
+        self._slots, self._next = [], 0
+        self._lock = threading.Lock()
+
+    def _take(self):
+        if len(self._slots) < self._size:
+            self._slots.append(self._new_slot())
+            return self._slots[-1]
+        slot = self._slots[self._next]
+        if not slot.event.query():
+            return self._new_slot()  # outside the ring: used once
+        self._next = (self._next + 1) % self._size
+        if slot.owner is not None and slot.owner.values is None:
+            slot.owner.values = slot.host.tolist()  # completed: the previous check keeps its values
+        return slot
+
+    def start(self, check: GateRangeCheck, lo_hi: Tensor, stream) -> None:
+        """Copies lo_hi into a free slot after the work on `stream` and hands the slot to `check`."""
+        with self._lock:  # held until the copy is recorded, so that no other thread takes the slot before
+            slot = self._take()
+            slot.owner = check
+            slot.host.copy_(lo_hi, non_blocking=True)
+            slot.event.record(stream)
+        check.host, check.event, check.ring = slot.host, slot.event, self
+
+    def read(self, check: GateRangeCheck) -> None:
+        """check.values, once its copy completed (the wait outside the lock: another thread may go on)."""
+        check.event.synchronize()
+        with self._lock:
+            if check.values is None:  # else a later check took the slot and kept the values first (_take)
+                check.values = check.host.tolist()
+
+
+_GATE_RING_SLOTS = 8  # one check is read per op call before the next starts; spare slots for direct callers
+_GATE_RINGS = {}  # (device index, dtype) -> _GateRing
+
+
+def _gate_ring(device: torch.device, dtype) -> _GateRing:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ring = _GATE_RINGS.get((index, dtype))
+    if ring is None:
+        def new_slot():
+            return _GateSlot(torch.empty((2,), dtype=dtype, pin_memory=True), torch.cuda.Event())
+
+        ring = _GATE_RINGS.setdefault((index, dtype), _GateRing(new_slot, _GATE_RING_SLOTS))
+    return ring
 
 
 def start_gate_range_check(g, lower: float, gate_name: str = "g"):
@@ -157,15 +228,12 @@ def start_gate_range_check(g, lower: float, gate_name: str = "g"):
             f"record; check the range before the capture and call with safe_gate=False inside it, or let the "
             f"gate come from use_gate_in_kernel=True")
     check = GateRangeCheck()
-    check.lower, check.gate_name, check.event = lower, gate_name, None
+    check.lower, check.gate_name, check.event, check.values, check.ring = lower, gate_name, None, None, None
     # One pass over g and one device-to-host copy (min() and max() apart took two of each: at (2,16384,16,128)
     # two reads of 268 MB and two synchronisations per call).
     lo_hi = torch.stack(torch.aminmax(g.detach()))
     if g.device.type == "cuda":
-        check.host = torch.empty(lo_hi.shape, dtype=lo_hi.dtype, pin_memory=True)
-        check.host.copy_(lo_hi, non_blocking=True)
-        check.event = torch.cuda.Event()
-        check.event.record(torch.cuda.current_stream(g.device))
+        _gate_ring(g.device, lo_hi.dtype).start(check, lo_hi, torch.cuda.current_stream(g.device))
     else:
         check.host = lo_hi
     return check

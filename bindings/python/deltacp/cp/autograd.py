@@ -48,70 +48,113 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
+def _settle(cfg: _Cfg, descs: dict, routes) -> None:
+    """_settle_forward_tier, its outcome kept in the problem's routes (deltacp/cp/plan.py) when given: the
+    same changes to cfg and last_stats as the call would make."""
+    if routes is None:
+        _settle_forward_tier(cfg, descs)
+    elif routes.tier is None:
+        before = cfg.fwd_method
+        _settle_forward_tier(cfg, descs)
+        routes.tier = (cfg.fwd_method, cfg.tier_why) if cfg.fwd_method != before else ()
+    elif routes.tier:
+        cfg.fwd_method, cfg.tier_why = routes.tier
+        last_stats["local_tier"] = {"forward": cfg.fwd_method, "backward": cfg.bwd_method, "why": cfg.tier_why}
+
+
+def _cp_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, needs_input_grad=None):
+    """The CP forward: (o, ht, merged, first_maps), the last two for the backward (_CPFunction). Called by
+    _CPFunction.forward when a gradient is wanted, else directly by cp_apply (no autograd node: nothing to
+    save, and none of the Function's bookkeeping on the host path). needs_input_grad: the Function's (None
+    without one: then cfg.needs_grad is False and no backward pre-pass maps are made)."""
+    ctx = cfg.ctx
+    plan = getattr(cfg, "plan", None)  # the problem's cached decisions (cp_apply), or none (direct callers)
+    # The local kernel runs over every local segment, after the head piece that re-aligns the chunk
+    # grid with the one-device run's when the first segment continues mid-chunk (_grid_pad): the body
+    # is [pad, T_local). With the staged tiled forward its stages that need no initial state run first,
+    # and the pre-pass below reuses them; otherwise the whole local forward runs after the exchange.
+    xs, T_loc = (q, k, v, g, beta, a, b), q.shape[1]
+    o = torch.empty((1, T_loc, cfg.HV, cfg.V), dtype=q.dtype, device=q.device)
+    if plan is None:
+        pad = _grid_pad(cfg)
+    else:
+        pad = plan.pads.get(cfg.fwd_method)
+        if pad is None:
+            pad = plan.pads[cfg.fwd_method] = _grid_pad(cfg)
+    cu, cu_host, body, o_body = ctx.cu_seqlens, ctx.cu_seqlens_cpu, xs, o
+    if pad:
+        cu, cu_host = _body_cu_seqlens(cfg, pad)
+        body, o_body = _split(xs, pad, T_loc), o[:, pad:]
+    descs = _descs(cfg, *body, cu=cu, cu_host=cu_host)
+    descs["o"] = torch_desc(o_body, "o")
+    ht_local = None
+    if cfg.output_final_state:
+        ht_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
+                               device=q.device)
+        descs["ht"] = torch_desc(ht_local, "ht")
+    routes = None if plan is None else plan.routes(cfg, descs)
+    _settle(cfg, descs, routes)
+    prepared = None
+    if routes is None:
+        staged = _staged_available(cfg, "forward", q, g)
+    else:
+        if routes.staged is None:
+            routes.staged = _staged_available(cfg, "forward", q, g)
+        staged = routes.staged
+    if staged:
+        handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, cfg.fwd_method, descs)
+        prepared = _PreparedForward(handle, pad, cfg.fwd_method)
+    _start_check(cfg)
+    # 1-3: the state entering this rank's first segment.
+    # The backward pre-pass's transitions are made here, where the rank waits for the all-gather; only
+    # when a backward can follow. needs_input_grad says which inputs require grad even under torch.no_grad(),
+    # where no backward follows: an inference call on such tensors made the maps for nothing (on 2 x H100,
+    # gdn at 32K tokens per rank, the second rank's pre-pass then took 0.41 ms of host time, the first's 0.15).
+    want_maps = cfg.needs_grad and ctx.first_continues and any(needs_input_grad[1:])
+    if want_maps:
+        if routes is None:
+            want_maps = _prepass_route(cfg, "backward", q, g) == "chunked"
+        else:
+            if routes.route_bwd is None:
+                routes.route_bwd = _prepass_route(cfg, "backward", q, g)
+            want_maps = routes.route_bwd == "chunked"
+    sent, first_maps = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0, want_first_maps=want_maps,
+                                        prepared=prepared, local_descs=descs,
+                                        cuts=None if routes is None else routes.cuts)
+    _finish_check(cfg)
+    what = "the forward all-gather of [H | M]"
+    gathered = _all_gather(cfg, sent, what, wait=False)
+    with _until_confirmed(cfg, what, sent, gathered):
+        last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
+        merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
+        # 4: the local kernel from the merged state (the user's initial states for the other segments).
+        h0_local = _local_initial_states(cfg, h0, merged)
+        if pad:
+            h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), merged, o[:, :pad])
+        if h0_local is not None:
+            descs["h0"] = torch_desc(h0_local, "initial_state")
+        if prepared is not None:
+            _staged_call(cfg, _core.staged_forward_step, prepared.handle, "finish", cfg.variant, descs)
+        else:
+            _run(cfg, "forward", cfg.fwd_method, descs)
+    ht = None
+    if cfg.output_final_state:
+        ht = torch.zeros((cfg.num_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=q.device)
+        idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
+        if idx:
+            ht[_rows(ht.device, [ctx.seq_ids[i] for i in idx])] = ht_local[_rows(ht.device, idx)]
+        for n in ctx.empty_seqs:  # an empty sequence's final state is its initial state
+            if h0 is not None:
+                ht[n] = h0[n]
+    return o, ht, merged, first_maps
+
+
 class _CPFunction(torch.autograd.Function):
     """o, ht = CP(q, k, v, g, beta, a, b, h0) on rank-local tensors; backward mirrored."""
 
     @staticmethod
     def forward(ctx_, cfg: _Cfg, q, k, v, g, beta, a, b, h0):
-        ctx = cfg.ctx
-        # The local kernel runs over every local segment, after the head piece that re-aligns the chunk
-        # grid with the one-device run's when the first segment continues mid-chunk (_grid_pad): the body
-        # is [pad, T_local). With the staged tiled forward its stages that need no initial state run first,
-        # and the pre-pass below reuses them; otherwise the whole local forward runs after the exchange.
-        xs, T_loc = (q, k, v, g, beta, a, b), q.shape[1]
-        o = torch.empty((1, T_loc, cfg.HV, cfg.V), dtype=q.dtype, device=q.device)
-        pad = _grid_pad(cfg)
-        cu, cu_host, body, o_body = ctx.cu_seqlens, ctx.cu_seqlens_cpu, xs, o
-        if pad:
-            cu, cu_host = _body_cu_seqlens(cfg, pad)
-            body, o_body = _split(xs, pad, T_loc), o[:, pad:]
-        descs = _descs(cfg, *body, cu=cu, cu_host=cu_host)
-        descs["o"] = torch_desc(o_body, "o")
-        ht_local = None
-        if cfg.output_final_state:
-            ht_local = torch.empty((ctx.num_local_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype,
-                                   device=q.device)
-            descs["ht"] = torch_desc(ht_local, "ht")
-        _settle_forward_tier(cfg, descs)
-        prepared = None
-        if _staged_available(cfg, "forward", q, g):
-            handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, cfg.fwd_method, descs)
-            prepared = _PreparedForward(handle, pad, cfg.fwd_method)
-        _start_check(cfg)
-        # 1-3: the state entering this rank's first segment.
-        # The backward pre-pass's transitions are made here, where the rank waits for the all-gather; only
-        # when a backward can follow. needs_input_grad says which inputs require grad even under torch.no_grad(),
-        # where no backward follows: an inference call on such tensors made the maps for nothing (on 2 x H100,
-        # gdn at 32K tokens per rank, the second rank's pre-pass then took 0.41 ms of host time, the first's 0.15).
-        want_maps = (cfg.needs_grad and ctx.first_continues and any(ctx_.needs_input_grad[1:])
-                     and _prepass_route(cfg, "backward", q, g) == "chunked")
-        sent, first_maps = _prepass_forward(cfg, q, k, v, g, beta, a, b, h0, want_first_maps=want_maps,
-                                            prepared=prepared, local_descs=descs)
-        _finish_check(cfg)
-        what = "the forward all-gather of [H | M]"
-        gathered = _all_gather(cfg, sent, what, wait=False)
-        with _until_confirmed(cfg, what, sent, gathered):
-            last_stats["forward_bytes"] = gathered.numel() * gathered.element_size()
-            merged = _merge_forward(cfg, gathered) if ctx.first_continues else None
-            # 4: the local kernel from the merged state (the user's initial states for the other segments).
-            h0_local = _local_initial_states(cfg, h0, merged)
-            if pad:
-                h0_local[0] = _head_forward(cfg, _split(xs, 0, pad), merged, o[:, :pad])
-            if h0_local is not None:
-                descs["h0"] = torch_desc(h0_local, "initial_state")
-            if prepared is not None:
-                _staged_call(cfg, _core.staged_forward_step, prepared.handle, "finish", cfg.variant, descs)
-            else:
-                _run(cfg, "forward", cfg.fwd_method, descs)
-        ht = None
-        if cfg.output_final_state:
-            ht = torch.zeros((cfg.num_seqs, cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=q.device)
-            idx = [i for i in range(ctx.num_local_seqs) if ctx.ends_here[i]]
-            if idx:
-                ht[_rows(ht.device, [ctx.seq_ids[i] for i in idx])] = ht_local[_rows(ht.device, idx)]
-            for n in ctx.empty_seqs:  # an empty sequence's final state is its initial state
-                if h0 is not None:
-                    ht[n] = h0[n]
+        o, ht, merged, first_maps = _cp_forward(cfg, q, k, v, g, beta, a, b, h0, ctx_.needs_input_grad)
         ctx_.cfg = cfg
         ctx_.merged = merged  # the one initial state kept for the backward (compress_h0)
         ctx_.first_maps = first_maps  # _PieceMaps: the first segment's pieces and transitions (or None)

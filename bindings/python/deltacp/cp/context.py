@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -75,6 +76,8 @@ class CPContext:
     # Width W of the causal short convolution (deltacp.causal_conv1d) run with this context: each rank
     # takes the W - 1 tokens before its first one from earlier ranks (deltacp/cp/conv1d.py).
     conv1d_kernel_size: Optional[int] = None
+    # The CP op's per-problem plans (deltacp/cp/plan.py): an LRU keyed on the call's signature and environment.
+    plans: OrderedDict = field(default_factory=OrderedDict, init=False, compare=False, repr=False)
 
     @property
     def first_continues(self) -> bool:
@@ -155,9 +158,30 @@ def agree_start(fields: dict, group, rank: int, timeout: float, what: str, ctx=N
     """agree()'s all-reduce, started: agree_finish(pending) waits for it and raises on a mismatch. In
     between the caller may enqueue work that does not depend on the agreement (the CP pre-pass): with
     deltacp's NCCL communicator the all-reduce runs off the caller's streams and overlaps that work."""
-    names = list(fields)
-    hashes = [_hash62(fields[n]) for n in names]
-    both = hashes + [-h for h in hashes]  # plain ints: no torch op on the host path before the exchange
+    return agree_start_values(Fingerprint(fields).values(), group, rank, timeout, what, ctx)
+
+
+class Fingerprint:
+    """The hashes agree() compares, made once for fields that do not change between calls (the CP op's,
+    deltacp/cp/plan.py). gate: the name of a field whose value each call extends with the outcome of its
+    safe_gate range check, (value, "in range") or (value, "out of range"): both variants are hashed here."""
+    __slots__ = ("names", "_both")
+
+    def __init__(self, fields: dict, gate: Optional[str] = None):
+        self.names = list(fields)
+        self._both = {}
+        for outcome in ((None,) if gate is None else ("in range", "out of range")):
+            hashes = [_hash62(fields[n] if n != gate else (fields[n], outcome)) for n in self.names]
+            self._both[outcome] = hashes + [-h for h in hashes]  # plain ints: no torch op before the exchange
+
+    def values(self, outcome=None):
+        """(names, [h..., -h...]) for agree_start_values; outcome: the gate's ("in range" / "out of range")."""
+        return self.names, self._both[outcome]
+
+
+def agree_start_values(values, group, rank: int, timeout: float, what: str, ctx=None) -> _PendingAgreement:
+    """agree_start with the hashes made (Fingerprint.values())."""
+    names, both = values
     pending = _PendingAgreement()
     pending.names, pending.what = names, what
     label = f"the fingerprint check before {what}"

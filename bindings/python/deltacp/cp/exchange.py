@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from .. import _core
 from ..errors import InvalidArgumentError
-from .context import CPContext, agree_finish, agree_start, wait_collective
+from .context import CPContext, agree_finish, agree_start_values, wait_collective
 from .local import (_augmented_backward, _augmented_forward_pieces, _Cfg, _compose_cut_maps, _composition_io,
                     _cut_bounds, _dh0_pieces, _exchange_width, _fold, _fold_maps, _fold_offsets, _grid_pad,
                     _identity_block, _piece_bounds, _pieces_of_segment, _PreparedForward, _prepass_chunked_or_loops,
@@ -46,7 +46,7 @@ class _PieceMaps(NamedTuple):
 
 
 def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: bool = False,
-                     prepared: Optional[_PreparedForward] = None, local_descs=None):
+                     prepared: Optional[_PreparedForward] = None, local_descs=None, cuts: Optional[dict] = None):
     """(sent, first_maps). sent: [H_r | M_r] of the last local segment, or [0 | I] when it does not
     continue (nobody reads it); only [H_r] (resp. 0) when no merge reads a transition (ctx.maps_read).
     first_maps (when asked for, else None): the per-piece transitions
@@ -58,7 +58,8 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
     local_descs: the local forward's problem (the body); where its tiled state scan cuts the last segment
     into pieces (_cut_bounds), the pre-pass takes those pieces, and with `prepared` their maps come from
     the local forward's own pass 1 (made at prepare, which finish then uses): the pre-pass costs the local
-    forward the last piece's map (in the same launch) and the composition."""
+    forward the last piece's map (in the same launch) and the composition.
+    cuts: where the local forward's cuts are kept between calls of one problem (_cut), or None."""
     ctx = cfg.ctx
     xs = (q, k, v, g, beta, a, b)
     first_maps = None
@@ -69,9 +70,9 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
         zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
         sent = torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
     else:
-        sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps, prepared, local_descs)
+        sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps, prepared, local_descs, cuts)
     if want_first_maps and first_maps is None:
-        first_maps = _first_segment_maps(cfg, xs, prepared, local_descs)
+        first_maps = _first_segment_maps(cfg, xs, prepared, local_descs, cuts)
     if want_first_maps and first_maps is None:
         run = lambda span, bounds, staged: _transitions(cfg, *span, bounds, staged)  # noqa: E731
         first_maps = _PieceMaps(first_bounds, _pieces_of_segment(cfg, run, xs, f0, f1, first_bounds, prepared))
@@ -87,13 +88,26 @@ def _local_piece_maps(cfg: _Cfg, prepared: _PreparedForward, n: int, P: int) -> 
     return maps
 
 
-def _first_segment_maps(cfg: _Cfg, xs, prepared: Optional[_PreparedForward], local_descs) -> Optional[_PieceMaps]:
+def _cut(cfg: _Cfg, local_descs, n: int, pad: int, cuts: Optional[dict]):
+    """_cut_bounds, kept in `cuts` (a plan's, deltacp/cp/plan.py Routes.cuts) when given: the cut depends only on
+    the problem, the tier and the environment, which the plan's key fixes, and planning it (_core.scan_pieces)
+    is the pre-pass's largest host cost. A fresh list each time (callers keep it in _PieceMaps)."""
+    if cuts is None:
+        return _cut_bounds(cfg, local_descs, n, pad)
+    if (n, pad) not in cuts:
+        cuts[(n, pad)] = _cut_bounds(cfg, local_descs, n, pad)
+    cut = cuts[(n, pad)]
+    return None if cut is None else list(cut)
+
+
+def _first_segment_maps(cfg: _Cfg, xs, prepared: Optional[_PreparedForward], local_descs,
+                        cuts: Optional[dict] = None) -> Optional[_PieceMaps]:
     """The first segment's per-piece transitions where the local forward's scan cuts it (_cut_bounds), on
     its pieces: the M columns of the prepared forward's pass-1 maps (a copy; no run at all), or without a
     prepared forward of one [H | M] run of those pieces (the same kernel's columns: the staged and one-shot
     CP ops then agree bitwise). None where the scan does not cut the first segment."""
     pad = _grid_pad(cfg)
-    cut = _cut_bounds(cfg, local_descs, 0, pad)
+    cut = _cut(cfg, local_descs, 0, pad, cuts)
     if cut is None:
         return None
     X = _cut_piece_maps(cfg, xs, prepared, 0, cut, pad)
@@ -138,7 +152,7 @@ def _narrow(cfg: _Cfg, sent: torch.Tensor) -> torch.Tensor:
 
 
 def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Optional[_PreparedForward] = None,
-                          local_descs=None):
+                          local_descs=None, cuts: Optional[dict] = None):
     """_prepass_forward's [H_r | M_r] (and the first maps when the last segment is also the first)."""
     ctx = cfg.ctx
     s0, s1 = ctx.cu_seqlens_list[-2], ctx.cu_seqlens_list[-1]
@@ -151,7 +165,7 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Op
 
     def chunked():  # pieces on the one-device chunk grid (the head piece up to its first boundary first)
         keep_maps = want_first_maps and s0 == ctx.cu_seqlens_list[0]  # the same segment and pieces
-        cut = _cut_bounds(cfg, local_descs, -1, _grid_pad(cfg))
+        cut = _cut(cfg, local_descs, -1, _grid_pad(cfg), cuts)
         if cut is None:
             bounds = _piece_bounds(cfg, s1 - s0, pad)
             run = lambda sp, bd, staged: _augmented_forward_pieces(cfg, *sp, start, bounds=bd,  # noqa: E731
@@ -293,16 +307,18 @@ def _until_confirmed(cfg: _Cfg, what: str, *buffers):
 
 def _start_check(cfg: _Cfg) -> None:
     """The ranks' fingerprint check of cp_apply's fields (agree_start), started once the forward has enqueued
-    the local work that needs no exchange: the host's hashing and the NCCL enqueue then overlap that work
-    instead of delaying its launch. The gate range check's outcome (safe_gate) joins the fields here."""
-    fields, gate = cfg.check_fields, cfg.gate_range_check
+    the local work that needs no exchange: the host's NCCL enqueue then overlaps that work instead of delaying
+    its launch. cfg.check_fields: the fields' hashes (a context.Fingerprint, made once per problem by cp_apply).
+    The gate range check's outcome (safe_gate) joins the gate's field here."""
+    gate = cfg.gate_range_check
     cfg.gate_error = None
+    outcome = None
     if gate is not None:
         cfg.gate_error = gate.error()
-        fields[cfg.gate_name] = (fields[cfg.gate_name], "in range" if cfg.gate_error is None else "out of range")
+        outcome = "in range" if cfg.gate_error is None else "out of range"
     ctx = cfg.ctx
-    cfg.pending_check = agree_start(fields, ctx.group, ctx.rank, ctx.timeout, f"the CP {cfg.variant} forward",
-                                    ctx=ctx)
+    cfg.pending_check = agree_start_values(cfg.check_fields.values(outcome), ctx.group, ctx.rank, ctx.timeout,
+                                          f"the CP {cfg.variant} forward", ctx=ctx)
 
 
 def _finish_check(cfg: _Cfg) -> None:

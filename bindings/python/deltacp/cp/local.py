@@ -31,7 +31,7 @@ class _Cfg:
     __slots__ = ("variant", "gate_name", "scale", "chunk_size", "output_final_state", "compute", "state_dtype",
                  "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0",
                  "check_fields", "gate_range_check", "gate_error", "pending_check", "tier_why", "fwd_named",
-                 "needs_grad")
+                 "needs_grad", "plan")  # plan: the problem's cached decisions (deltacp/cp/plan.py), or unset
 
 
 def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:
@@ -58,7 +58,7 @@ def _offsets(device: torch.device, values):
     drain the queue the CP op keeps ahead of the GPU (and, after an asynchronous all-gather, wait for the
     collective): so the host copy is pinned and the transfer asynchronous, and a CP context asks for the
     same few every call. Every use orders the current stream after that copy (an event), whichever
-    stream made it."""
+    stream made it, until the copy is seen completed: then no stream needs the wait and the event goes."""
     key = (str(device), tuple(int(x) for x in values))
     hit = _OFFSETS.get(key)
     if hit is None:
@@ -73,7 +73,11 @@ def _offsets(device: torch.device, values):
         if len(_OFFSETS) < _OFFSETS_MAX:
             _OFFSETS[key] = hit
     if hit[2] is not None:
-        torch.cuda.current_stream(device).wait_event(hit[2])
+        if hit[2].query():
+            if _OFFSETS.get(key) is hit:
+                _OFFSETS[key] = (hit[0], hit[1], None)
+        else:
+            torch.cuda.current_stream(device).wait_event(hit[2])
     return hit[0], hit[1]
 
 

@@ -76,7 +76,8 @@ Where the pieces live (imports run one way, each module from those below it):
   context.py   the plan of the rank (CPContext, build_context), agreement, timeouts
   local.py     the rank's local pass: state-only runs, pieces, the staged tiled stages, the chunk grid
   exchange.py  the pre-pass, the all-gather, the merges
-  autograd.py  the CP op as a torch.autograd.Function (forward and mirrored backward)
+  autograd.py  the CP forward, and the CP op as a torch.autograd.Function (forward and mirrored backward)
+  plan.py      what a call computes once per problem (checks, configuration, routing), kept per context
   ops.py       this module: argument checks and the public ops
 """
 
@@ -91,7 +92,8 @@ from .._calls import check_inputs
 from ..errors import InvalidArgumentError
 from ..fla_options import l2norm as _l2norm
 from .context import CPContext, agree
-from .autograd import _CPFunction
+from . import plan as _plan
+from .autograd import _CPFunction, _cp_forward
 from .exchange import exchange_bytes, last_stats
 from .local import _Cfg, _dplr_tiers
 
@@ -144,6 +146,35 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     if not isinstance(ctx, CPContext):
         raise TypeError(f"deltacp: argument 'cp_context': expected a deltacp.cp.CPContext (from "
                         f"deltacp.cp.build_context), got {type(ctx).__name__}")
+    # A problem seen before (the same signature, options and DELTACP_* environment) was validated then, and
+    # its configuration and routing were kept (deltacp/cp/plan.py): a hit skips straight to the per-call work.
+    key = _plan.key(variant, q, k, v, g, beta, a, b, initial_state, scale, output_final_state, chunk_size, backend,
+                    use_qk_l2norm_in_kernel, gate_name, gate_check, gate_range_check, cu_seqlens)
+    plan = _plan.lookup(ctx, key)
+    if plan is None:
+        plan = _new_plan(ctx, variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, chunk_size,
+                         backend, use_qk_l2norm_in_kernel, gate_name, cu_seqlens, gate_range_check)
+        _plan.store(ctx, key, plan)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    cfg = plan.cfg(ctx, gate_range_check)
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.to(cfg.state_dtype).contiguous()
+    if variant == "dplr":  # per call: the rank's tier depends on its gates' values
+        _dplr_tiers(cfg, q, k, v, g, a, b, bool(gate_check))
+    last_stats["local_tier"] = {"forward": cfg.fwd_method, "backward": cfg.bwd_method, "why": cfg.tier_why}
+    if cfg.needs_grad:
+        o, ht = _CPFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
+    else:  # no backward can follow: no autograd node (the Function's forward runs without grad mode, so here too)
+        with torch.no_grad():
+            o, ht, _, _ = _cp_forward(cfg, q, k, v, g, beta, a, b, h0)
+    return o, (ht if cfg.output_final_state else None)
+
+
+def _new_plan(ctx, variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, chunk_size, backend,
+              use_qk_l2norm_in_kernel, gate_name, cu_seqlens, gate_range_check) -> _plan.Plan:
+    """cp_apply's checks of a problem not seen before (raising as they find an error) and its plan."""
     if cu_seqlens is not None:
         raise InvalidArgumentError("deltacp: argument 'cu_seqlens': do not pass cu_seqlens with cp_context; the rank-local "
                          "offsets come from the context (build_context takes the global ones)")
@@ -161,7 +192,6 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
         local_errors["q"] = (f"deltacp: argument 'q': expected device {ctx.device} (the context's), got "
                              f"{q.device}")
     N = ctx.num_seqs
-    h0 = None
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"deltacp: argument 'initial_state': expected a torch.Tensor, got "
@@ -196,11 +226,10 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
                 raise InvalidArgumentError(local_errors[name]) from exc
             raise
         raise InvalidArgumentError(next(iter(local_errors.values())))
-    # Started by the forward once its local work that needs no exchange is enqueued (_start_check), finished
-    # before the first exchange (_finish_check): the check overlaps that work and the pre-pass.
+    # The fingerprint check itself is started by the forward once its local work that needs no exchange is
+    # enqueued (_start_check), finished before the first exchange (_finish_check): the check overlaps that
+    # work and the pre-pass.
 
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
     cfg = _Cfg()
     cfg.variant = variant
     cfg.gate_name = gate_name
@@ -209,16 +238,14 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     cfg.output_final_state = bool(output_final_state)
     cfg.compute = "float64" if q.dtype == torch.float64 else "float32"
     cfg.state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    cfg.ctx = ctx
     cfg.device = q.device
     cfg.H, cfg.K = q.shape[2], q.shape[3]
     cfg.HV, cfg.V = v.shape[2], v.shape[3]
     cfg.num_seqs = N
-    if initial_state is not None:
-        h0 = initial_state.to(cfg.state_dtype).contiguous()
-    cfg.has_h0 = h0 is not None
-    cfg.check_fields, cfg.gate_range_check, cfg.pending_check = fields, gate_range_check, None
-    tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
+    cfg.has_h0 = initial_state is not None
+    cfg.check_fields = _plan.fingerprint(fields, gate_name, gate_range_check is not None)
+    # (the l2 norm, when asked for, and initial_state's conversion keep requires_grad: decided from the inputs)
+    tensors = [t for t in (q, k, v, g, beta, a, b, initial_state) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cfg.needs_grad = needs_grad  # the autograd Function's forward runs without grad mode: decided here
     cfg.fwd_method, cfg.bwd_method = _methods(variant, backend, q.device, needs_grad)
@@ -229,11 +256,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
         cfg.tier_why = f"the first CUDA tier among {_CUDA_TIERS} that implements {variant}"
     else:
         cfg.tier_why = f"backend={backend!r}"
-    if variant == "dplr":
-        _dplr_tiers(cfg, q, k, v, g, a, b, bool(gate_check))
-    last_stats["local_tier"] = {"forward": cfg.fwd_method, "backward": cfg.bwd_method, "why": cfg.tier_why}
-    o, ht = _CPFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
-    return o, (ht if cfg.output_final_state else None)
+    return _plan.Plan(cfg)
 
 
 def chunk_gated_delta_rule_cp(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
