@@ -275,6 +275,8 @@ def build_context(cu_seqlens, group=None, *, device=None, timeout: Optional[floa
         else:
             device = torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors made there name it
+        device = torch.device("cuda", torch.cuda.current_device())
 
     fingerprint = _hash62(("cu_seqlens", tuple(cu), world))
     agree({"cu_seqlens": tuple(cu), "world": world, "conv1d_kernel_size": conv1d_kernel_size}, group, rank, timeout,
