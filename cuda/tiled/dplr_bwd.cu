@@ -54,15 +54,17 @@
 //                           score gradients copied in during the last value block, the first terms and dL/dG_{n-1};
 //                           the second pair with the a columns once dq is out), dG, dgk (the reverse sum down the
 //                           chunk by four warps of 16 rows); writes dq (after the first pair), dk, da, db, dgk
-// On compute capability 9.0, for bf16 / fp16 at K = V = 64 and chunk 64, kernels 5 and 6 are replaced by one
-// Hopper kernel, dplr_bwd_local_wgmma.cuh (DELTACP_TILED_DPLR_BWD_LOCAL=0 keeps them; "1" requires it): one CTA of
-// 256 threads per (chunk, head), the same products as whole-chunk wgmma products, dUt' and the four score
-// gradients kept in shared memory (neither they nor the triangles go through HBM), and the gram gradients taken
-// about one reference per key column (the chunk's midpoint decay, c_d = G_{n-1,d} / 2) instead of the 16-row
-// reference blocks below: one product per score and side, with an element-by-element fp32 fallback for columns
-// whose span would leave the 16-bit range (steep gates). Its opening comment gives the algorithm and its speed
-// (H100, (4,4096,32,64): 1.17 ms where kernels 5 + 6 took 0.71 + 3.08). Everything else (fp32, other K / V, other GPUs, chunk sizes below 64) runs the six
-// kernels below.
+// On compute capability 9.0, for bf16 / fp16 at K = V = 64 or K = V = 128 and chunk 64, kernels 5 and 6 are
+// replaced by one Hopper kernel, dplr_bwd_local_wgmma.cuh (DELTACP_TILED_DPLR_BWD_LOCAL=0 keeps them; "1" requires
+// it, and is what selects it at K = 128 for now): one CTA of 256 threads per (chunk, head) at K = 64, one per (chunk, head, key half) at K = 128 (each forms
+// dUt' and the four score gradients whole, and its 64 key columns of dq, dk, da, db, dgk and value columns of
+// dv), the same products as whole-chunk wgmma products, dUt' and the four score gradients kept in shared memory
+// (neither they nor the triangles go through HBM), and the gram gradients taken about one reference per key column
+// (the chunk's midpoint decay, c_d = G_{n-1,d} / 2) instead of the 16-row reference blocks below: one product per
+// score and side, with an element-by-element fp32 fallback for columns whose span would leave the 16-bit range
+// (steep gates). Its opening comment gives the algorithm and its speed (H100, (4,4096,32,64): 1.17 ms where
+// kernels 5 + 6 took 0.71 + 3.08; (1,16384,16,128) with "1": 1.69 ms where they took 0.52 + 3.09). Everything else (fp32, other K / V, other GPUs, chunk
+// sizes below 64) runs the six kernels below.
 //
 // Intermediates (workspace, beyond the forward's): T, A_ak, P_qk, P_qb p.dtype [chunks, H, 64, 64]; q e^G
 // p.dtype [R, H, KP]; Ut, dUt, dUt' p.dtype [R, H, VP]; h_c, dh_c p.dtype [chunks, H, KP, VP]; the score
@@ -98,7 +100,8 @@
 // version: 128 / 128 and 250 / 234). Kernels 1-4 as in dplr_fwd.cu.
 // Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-27): forward + backward 3.75 ms at
 // (4,4096,32,64) and 4.05 at (2,8192,32,64) with the chunk-local kernel, 7.89 at (1,16384,16,128) with kernels 5
-// and 6: 1.65, 1.63 and 1.07x the speed of FLA's faster configuration (6.18, 6.61, 8.42 ms). With kernels 5 and 6
+// and 6 (measured before the chunk-local kernel covered K = 128; that shape now takes it, not yet timed): 1.65,
+// 1.63 and 1.07x the speed of FLA's faster configuration (6.18, 6.61, 8.42 ms). With kernels 5 and 6
 // everywhere: 6.33, 6.60 and 7.90 ms (0.98, 1.00 and 1.06x) in the run before; the first version took 12.5, 13.0 and 18.3 ms on the same GPU, the previous
 // one (kernel 6 at two CTAs per SM, 32-column scans) 7.10, 7.30 and 9.41. Kernel time per forward + backward
 // (bench/gpu/stage_times.py --variant dplr --backward): (2,8192,32,64) 6.67 ms: kernel 6 (dk) 3.06 (3.55 before),
@@ -617,7 +620,8 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
   // The chunk-local kernel (dplr_bwd_local_wgmma.cuh) in place of kernels 5 and 6 where it applies. Its
   // refusal depends on the number of chunks, which the table knows; the table is built only after the checks,
   // so the bound is taken from the sizes here (chunks <= B * T / 64 + num_seqs, rounded up). The switch is read for
-  // every dtype and K: its refusal covers fp32 and K = 128, so "1" names why such inputs cannot take the kernel.
+  // every dtype and K: its refusal covers fp32 and K / V other than 64 / 64 and 128 / 128, so "1" names why such
+  // inputs cannot take the kernel.
   const bool local = use_dplr_local(p, (p.B * p.T + 63) / 64 + p.num_seqs);
   check_dplr_smem<T, KP>(p, kDplrWy | kDplrScan | kDplrOut | kDplrDh0Scan | (local ? 0u : kDplrBwdDv | kDplrBwdDk));
   const ChunkTable table(p, p.chunk_size, stream);  // (after the checks: a refusal launches nothing)
@@ -681,7 +685,7 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
     dplr_launch_dh0_scan<T, KP>(p, VP, "reverse state-gradient scan", stream, x);
   }
   if (C > 0 && local) {
-    if constexpr (kIs16Bit<T> && KP == 64) launch_dplr_local<T>(p, x, C, stream);
+    if constexpr (kIs16Bit<T>) launch_dplr_local<T, KP / 64>(p, x, C, stream);
   } else if (C > 0) {
     dplr_launch(dplr_bwd_dv_kernel<T, KP>, BdvSmem<T, KP>::bytes, per_chunk, p, "backward dv stage", stream, x);
     dplr_launch(dplr_bwd_dk_kernel<T, KP>, BdkSmem<T>::bytes, per_key_block, p, "backward dk stage", stream, x);

@@ -1,8 +1,9 @@
 // cuda/tiled/dplr_bwd_local_wgmma.cuh — the tiled DPLR backward's chunk-local gradients (dplr_bwd.cu's kernels 5
 // and 6: dUt', dv, the four score gradients, dq, dk, da, db, dgk) as one kernel on Hopper's warpgroup products,
 // with every intermediate kept on chip. Launched instead of dplr_bwd_dv_kernel + dplr_bwd_dk_kernel for bf16 /
-// fp16 at K = V = 64, chunk 64, compute capability 9.0 (dplr_local_refusal says why not;
-// DELTACP_TILED_DPLR_BWD_LOCAL=0 keeps the two kernels).
+// fp16 at K = V = 64 and K = V = 128, chunk 64, compute capability 9.0 (dplr_local_refusal says why not;
+// DELTACP_TILED_DPLR_BWD_LOCAL=0 keeps the two kernels). K = V = 128: see "K = V = 128" below (the same kernel,
+// template parameter NV = K / 64, one CTA per key half).
 //
 // Notation of dplr_bwd.cu's opening comment. One CTA of two warpgroups (256 threads) per (chunk, head); every
 // product is one wgmma over the whole chunk (64 x 64 x 64), both operands in shared memory with the 128-byte
@@ -54,14 +55,31 @@
 // slack, one CTA per SM. dv is staged over T, the fallback's fp32 tiles lie over the phase-A/B inputs, the
 // staged dq, da, dk, db and the fp32 dG tiles over the dM, scaled operands and S, dS.
 //
-// K = V = 128 does not fit this layout (the tiles double and the F and R accumulators reach 256 registers);
-// it keeps kernels 5 and 6.
+// K = V = 128 (NV = 2). One CTA per (chunk, head) would not fit (the tiles double and the F and R accumulators
+// would reach 256 registers a thread), so the grid is (chunks, H, 2) and CTA kh owns key columns 64 kh .. 64 kh +
+// 63 of dq, dk, da, db, dgk and value columns 64 kh .. of dv, with the K = 64 kernel's warpgroup roles and
+// accumulators (the F and R products, the reference, the scaled operands, the span test, the fallback, the combine
+// and dG are per key column, so a key half is a K = 64 problem with its own 64 columns of q, k, a, b, G). What
+// contracts over all 128 value or key columns is formed whole in both CTAs of a chunk: dUt' = T^T dUt (wg0, both
+// value tiles, P1 and P2), dO V^T and dO Ut^T (wg1, 8 K steps), dA_ak and dA_ab (wg1), the K = values steps of the
+// F products (S and dS: the CTA's 64 key rows over all 128 value columns), and dv's Kd dS over all 128 keys (both
+// Kd tiles against this half's rows of dS and dSo, the other half's rows at this value half). Twice per chunk: dUt'
+// and the four score gradients (10 of the 30 products of 64 x 64 x 64 a CTA issues) and the loads of dO, V, Ut,
+// dUt, T, P_qk, A_ak, Kd. Shared memory (DplrLocalSmem<2>, 217,672 bytes, one CTA per SM): dO, V, Ut, dUt (two
+// tiles each), T, P_qk, A_ak, Kd (two), dSo on the first two mbarriers; this half's q, k, a, b on the third into
+// four tiles that S and dS (this half's rows, two tiles each, a fourth mbarrier issued once phase A's scaled
+// operands are built) take over for phase B; then q, k, a, b again (a fifth mbarrier, issued after phase B, awaited
+// by the fallback and the combine) over S and dS. dUt' lies over dUt (read by wg0 only, in phase A), dA_ak and
+// dA_ab over V (read by wg1 only), the fallback's tiles over Ut .. Kd, the staged outputs over dO and V, the fp32
+// dG tiles over Ut .. P_qk. wg0 issues phase B's products that need no S or dS rows of its half first (P_qk^T dO,
+// A_ak^T dUt', Kd dSo), wg1 dA_ak, dA_ab, while the fourth mbarrier's tiles land.
 //
 // Measured (NVIDIA H100, 2026-11-27, bf16, gates logsigmoid(randn) clamped to [-5, 0], bench/gpu/stage_times.py
 // --variant dplr --backend tiled --backward, kernel time per call): (4,4096,32,64) 1.17 ms where kernels 5 + 6
-// took 0.71 + 3.08; the forward + backward's kernels 6.42 -> 3.81 ms. ptxas (sm_90a): 189 registers, no spills;
-// it reports (C7520) that the per-warpgroup product branches serialise the wgmma instructions, so the products
-// of the two warpgroups do not overlap as they could.
+// took 0.71 + 3.08; the forward + backward's kernels 6.42 -> 3.81 ms. K = V = 128 (DELTACP_TILED_DPLR_BWD_LOCAL=1):
+// (1,16384,16,128) 1.69 ms where kernels 5 + 6 took 0.52 + 3.09; the forward + backward's kernels 8.10 -> 6.15 ms. ptxas (nvcc 13, sm_90a, bf16 and
+// fp16): 189 registers (NV = 1) and 191 (NV = 2), no spills; it reports (C7520) that the per-warpgroup product
+// branches serialise the wgmma instructions, so the products of the two warpgroups do not overlap as they could.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -77,7 +95,7 @@
 namespace deltacp::cuda::tiled {
 namespace {
 
-constexpr int kDLKeys = 64;  // K = V = 64
+constexpr int kDLCols = 64;  // key / value columns a CTA owns: K = V = 64 NV (NV = 1, 2), one CTA per key half
 
 // Where a key column takes the tensor-core gram: half its span at most kHalfMax (the factors' exponents) and
 // every scaled operand finite and at most kScaledMax after scaling.
@@ -92,17 +110,27 @@ struct DplrLocalBound<__half> {
 
 template <class T>
 struct DplrLocalArgs {
-  TileMap16 tm_q, tm_k, tm_a, tm_b, tm_v, tm_do;  // [B, T, H, 64] user tensors: 64 x 64 boxes
-  TileMap16 tm_kd, tm_ut, tm_dut;                 // [R, H, 64] workspaces
-  TileMap16 tm_T, tm_pk, tm_ak, tm_h, tm_dh;      // [chunks * H * 64, 64] per-chunk matrices
+  TileMap16 tm_q, tm_k, tm_a, tm_b, tm_v, tm_do;  // [B, T, H, 64 NV] user tensors: 64 x 64 boxes
+  TileMap16 tm_kd, tm_ut, tm_dut;                 // [R, H, 64 NV] workspaces
+  TileMap16 tm_T, tm_pk, tm_ak;                   // [chunks * H * 64, 64] per-chunk matrices
+  TileMap16 tm_h, tm_dh;                          // [chunks * H * 64 NV, 64 NV] chunk states (key rows)
   DplrArgs<T> x;
 };
 
-struct DplrLocalSmem {
+// Shared memory of a CTA at K = V = 64 NV (offsets from the 1024-aligned base; tiles of 64 x 64 16-bit elements,
+// 128-byte swizzled rows; a 64-row operand over 64 NV columns is NV tiles, column block after column block).
+// Names: the operands (dO, V, Ut, dUt over all value columns; Kd over all key columns; S, dS = the CTA's key rows
+// of S and dS over all value columns; dSo = the other key half's rows of dS at the CTA's value columns, NV = 2),
+// the CTA's key columns of q, k, a, b, dUt', the four score gradients, the scaled operands, G (65 fp32 rows) and
+// the per-column data; then what lies over dead bytes later (see the opening comment).
+template <int NV>
+struct DplrLocalSmem;
+template <>
+struct DplrLocalSmem<1> {
   static constexpr int kTile = 64 * 128;  // a 64 x 64 16-bit tile, 128-byte swizzled rows
   static constexpr int dO = 0, V = dO + kTile, Ut = V + kTile, dUt = Ut + kTile, T = dUt + kTile,
                        Pk = T + kTile, Ak = Pk + kTile, Kd = Ak + kTile;
-  static constexpr int S = Kd + kTile, dS = S + kTile;
+  static constexpr int S = Kd + kTile, dS = S + kTile, dSo = dS;  // (no other key half)
   static constexpr int q = dS + kTile, k = q + kTile, a = k + kTile, b = a + kTile;
   static constexpr int dUtp = b + kTile;
   static constexpr int Mqk = dUtp + kTile, Mqb = Mqk + kTile, Aak = Mqb + kTile, Aab = Aak + kTile;
@@ -116,8 +144,9 @@ struct DplrLocalSmem {
   static constexpr int nbad = badlist + 256;      // int (16 bytes)
   static constexpr int rs = nbad + 16;            // [64] rowsum(dS S) per key row
   static constexpr int colsum = rs + 256;         // [4 warps][64] wg1's colsum(k e^(Gn-G) F_k + b e^(Gn-G) F_b)
-  static constexpr int bar = colsum + 1024;       // three mbarriers
-  static constexpr int bytes = bar + 3 * 8 + 1024;  // + slack for the alignment
+  static constexpr int kBars = 3;                 // phase A's inputs, phase B's, q k a b
+  static constexpr int bar = colsum + 1024;
+  static constexpr int bytes = bar + kBars * 8 + 1024;  // + slack for the alignment
   // Over dead regions: dv staged over T (after phase A); the fallback's fp32 gram tiles (dq, da, dk, db parts,
   // 64 x 64 each) over dO .. Kd (after phase B); the staged 16-bit outputs dq, da, dk, db over the dM, the fp32
   // dG tiles over the scaled operands and S, dS (after phase C).
@@ -126,8 +155,42 @@ struct DplrLocalSmem {
   static constexpr int outStage = Mqk;                   // dq, da, dk, db: 4 tiles
   static constexpr int P0 = Qs, P1 = Ks, Pa = S;         // q dq, -k dk - b db, a da (fp32, 16 KB each)
 };
-static_assert(DplrLocalSmem::fb + 4 * DplrLocalSmem::kFbTile <= DplrLocalSmem::S, "fallback tiles over the inputs");
-static_assert(DplrLocalSmem::bytes == 209464, "the size the opening comment gives");
+static_assert(DplrLocalSmem<1>::fb + 4 * DplrLocalSmem<1>::kFbTile <= DplrLocalSmem<1>::S,
+              "fallback tiles over the inputs");
+static_assert(DplrLocalSmem<1>::bytes == 209464, "the size the opening comment gives");
+// K = V = 128, one key half a CTA. q, k, a, b come twice: for the scaled operands during phase A (then S and dS,
+// the CTA's key rows, take their bytes for phase B) and again after phase B (for the fallback, the combine and
+// dG). dUt' over dUt (wg0 alone reads dUt, in phase A), dA_ak and dA_ab over V (wg1 alone reads V, in phases A
+// and B), the fallback's fp32 tiles over Ut .. Kd, the staged outputs over dO and V, the fp32 dG tiles over
+// Ut .. P_qk.
+template <>
+struct DplrLocalSmem<2> {
+  static constexpr int kTile = 64 * 128;
+  static constexpr int dO = 0, V = dO + 2 * kTile, Ut = V + 2 * kTile, dUt = Ut + 2 * kTile, T = dUt + 2 * kTile,
+                       Pk = T + kTile, Ak = Pk + kTile, Kd = Ak + kTile, dSo = Kd + 2 * kTile;
+  static constexpr int X = dSo + kTile;  // 4 tiles: q, k, a, b (phase A; again from phase C) / S, dS (phase B)
+  static constexpr int q = X, k = q + kTile, a = k + kTile, b = a + kTile;
+  static constexpr int S = X, dS = X + 2 * kTile;
+  static constexpr int dUtp = dUt;
+  static constexpr int Mqk = X + 4 * kTile, Mqb = Mqk + kTile, Aak = V, Aab = V + kTile;
+  static constexpr int Qs = Mqb + kTile, As = Qs + kTile, Ks = As + kTile, Bs = Ks + kTile;
+  static constexpr int ldg = 68;
+  static constexpr int G = Bs + kTile;
+  static constexpr int cref = G + 65 * ldg * 4, egn = cref + 256, bad = egn + 256, badlist = bad + 256,
+                       nbad = badlist + 256, rs = nbad + 16, colsum = rs + 256;
+  static constexpr int kBars = 5;  // phase A's inputs, phase B's first, q k a b, S and dS, q k a b again
+  static constexpr int bar = colsum + 1024;
+  static constexpr int bytes = bar + kBars * 8 + 1024;
+  static constexpr int dvStage = T;
+  static constexpr int fb = Ut, kFbTile = 64 * 64 * 4;
+  static constexpr int outStage = dO;                    // dq, da, dk, db over dO, V
+  static constexpr int P0 = Ut, P1 = P0 + 4 * kTile / 2, Pa = P1 + 4 * kTile / 2;  // fp32 16 KB each
+};
+static_assert(DplrLocalSmem<2>::fb + 4 * DplrLocalSmem<2>::kFbTile <= DplrLocalSmem<2>::X,
+              "fallback tiles over dead inputs, clear of the second q, k, a, b");
+static_assert(DplrLocalSmem<2>::Pa + 2 * DplrLocalSmem<2>::kTile <= DplrLocalSmem<2>::G, "dG tiles below G");
+static_assert(DplrLocalSmem<2>::bytes == 217672, "the size the opening comment gives");
+static_assert(DplrLocalSmem<2>::bytes <= 227 * 1024, "one CTA per SM");
 
 #ifdef DELTACP_WGMMA_DEVICE
 // Byte offset of 16-bit element (r, c) / of the pair (r, c), (r, c + 1) inside a swizzled 64-column tile.
@@ -158,10 +221,11 @@ template <class T>
 __device__ __forceinline__ float dl_elem(const unsigned char* tile, int r, int c) {
   return to_f(*reinterpret_cast<const T*>(tile + dl_sw(r, c)));
 }
-// Rows < len of a staged swizzled tile to rows t0 .. of head h of a [B, T, H, 64] output: 16 bytes a thread
-// (element by element where the output's rows are not 16-byte aligned). nthr threads from thread `first`.
+// Rows < len of a staged swizzled tile to rows t0 .., columns col0 .. col0 + 63 of head h of a [B, T, H, D]
+// output: 16 bytes a thread (element by element where the output's rows are not 16-byte aligned). nthr threads
+// from thread `first`.
 template <class T>
-__device__ __forceinline__ void dl_store_tile(const DevRows<T>& out, int64_t b, int64_t t0, int64_t h,
+__device__ __forceinline__ void dl_store_tile(const DevRows<T>& out, int64_t b, int64_t t0, int64_t h, int col0,
                                               const unsigned char* src, int len, int first, int nthr) {
   const bool vec = reinterpret_cast<uintptr_t>(out.ptr) % 16 == 0 && (out.sb * 2) % 16 == 0 &&
                    (out.st * 2) % 16 == 0 && (out.sh * 2) % 16 == 0;
@@ -169,7 +233,7 @@ __device__ __forceinline__ void dl_store_tile(const DevRows<T>& out, int64_t b, 
     const int r = idx >> 3, p = idx & 7;
     if (r >= len) break;  // idx grows with r
     const unsigned char* at = src + r * 128 + ((p ^ (r & 7)) << 4);
-    T* dst = out.at(b, t0 + r, h) + 8 * p;
+    T* dst = out.at(b, t0 + r, h) + col0 + 8 * p;
     if (vec) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(at);
     } else {
@@ -180,10 +244,14 @@ __device__ __forceinline__ void dl_store_tile(const DevRows<T>& out, int64_t b, 
 }
 #endif
 
-template <class T>
+// NV = K / 64 = V / 64: grid (chunks, H, NV), blockIdx.z the CTA's key half kh (its key columns 64 kh .. and
+// value columns 64 kh .. of dv).
+template <class T, int NV>
 __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __grid_constant__ DplrLocalArgs<T> args) {
 #ifdef DELTACP_WGMMA_DEVICE
-  using L = DplrLocalSmem;
+  static_assert(NV == 1 || NV == 2, "K = V = 64 or 128");
+  using L = DplrLocalSmem<NV>;
+  constexpr int kTile = L::kTile, KP = 64 * NV;
   using Bound = DplrLocalBound<T>;
   constexpr int ldg = L::ldg;
   const DplrArgs<T>& x = args.x;
@@ -202,44 +270,55 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
   const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int64_t c = blockIdx.x, h = blockIdx.y, H = x.H;
+  const int kh = NV == 1 ? 0 : static_cast<int>(blockIdx.z), vh = kh, k0 = 64 * kh;
   const ChunkEntry ch = x.chunks[c];
   const int len = static_cast<int>(ch.len);
   const uint32_t base = smem_u32(smem);
   const float scale = x.scale;
 
   if (tid == 0) {
-    for (int i = 0; i < 3; ++i) mbar_init(bars + i, 1);
+    for (int i = 0; i < L::kBars; ++i) mbar_init(bars + i, 1);
     fence_mbar_init();
     const int t0 = static_cast<int>(ch.t0), b = static_cast<int>(ch.batch), hh = static_cast<int>(h);
     const int row0 = static_cast<int>(ch.row0), mrow = static_cast<int>((c * H + h) * 64);
-    // phase A's inputs, then phase B's, then q, k, a, b
-    mbar_expect_tx(bars, 5 * L::kTile);
+    const int srow = static_cast<int>((c * H + h) * KP);  // the chunk's S / dS rows
+    // phase A's inputs, then phase B's (NV = 2: all but S and dS, which come after phase A), then q, k, a, b
+    mbar_expect_tx(bars, (1 + 4 * NV) * kTile);
     tma_load_2d(smem + L::T, &args.tm_T.map, bars, 0, mrow);
-    tma_load_3d(smem + L::dUt, &args.tm_dut.map, bars, 0, hh, row0);
-    tma_load_4d(smem + L::dO, &args.tm_do.map, bars, 0, hh, t0, b);
-    tma_load_4d(smem + L::V, &args.tm_v.map, bars, 0, hh, t0, b);
-    tma_load_3d(smem + L::Ut, &args.tm_ut.map, bars, 0, hh, row0);
-    mbar_expect_tx(bars + 1, 5 * L::kTile);
+#pragma unroll
+    for (int vt = 0; vt < NV; ++vt) {
+      tma_load_3d(smem + L::dUt + vt * kTile, &args.tm_dut.map, bars, 64 * vt, hh, row0);
+      tma_load_4d(smem + L::dO + vt * kTile, &args.tm_do.map, bars, 64 * vt, hh, t0, b);
+      tma_load_4d(smem + L::V + vt * kTile, &args.tm_v.map, bars, 64 * vt, hh, t0, b);
+      tma_load_3d(smem + L::Ut + vt * kTile, &args.tm_ut.map, bars, 64 * vt, hh, row0);
+    }
+    mbar_expect_tx(bars + 1, 5 * kTile);
     tma_load_2d(smem + L::Pk, &args.tm_pk.map, bars + 1, 0, mrow);
-    tma_load_2d(smem + L::S, &args.tm_h.map, bars + 1, 0, mrow);
-    tma_load_2d(smem + L::dS, &args.tm_dh.map, bars + 1, 0, mrow);
+    if constexpr (NV == 1) {
+      tma_load_2d(smem + L::S, &args.tm_h.map, bars + 1, 0, mrow);
+      tma_load_2d(smem + L::dS, &args.tm_dh.map, bars + 1, 0, mrow);
+    } else {
+      tma_load_2d(smem + L::dSo, &args.tm_dh.map, bars + 1, 64 * vh, srow + 64 * (1 - kh));
+    }
     tma_load_2d(smem + L::Ak, &args.tm_ak.map, bars + 1, 0, mrow);
-    tma_load_3d(smem + L::Kd, &args.tm_kd.map, bars + 1, 0, hh, row0);
-    mbar_expect_tx(bars + 2, 4 * L::kTile);
-    tma_load_4d(smem + L::q, &args.tm_q.map, bars + 2, 0, hh, t0, b);
-    tma_load_4d(smem + L::k, &args.tm_k.map, bars + 2, 0, hh, t0, b);
-    tma_load_4d(smem + L::a, &args.tm_a.map, bars + 2, 0, hh, t0, b);
-    tma_load_4d(smem + L::b, &args.tm_b.map, bars + 2, 0, hh, t0, b);
+#pragma unroll
+    for (int kt = 0; kt < NV; ++kt)
+      tma_load_3d(smem + L::Kd + kt * kTile, &args.tm_kd.map, bars + 1, 64 * kt, hh, row0);
+    mbar_expect_tx(bars + 2, 4 * kTile);
+    tma_load_4d(smem + L::q, &args.tm_q.map, bars + 2, k0, hh, t0, b);
+    tma_load_4d(smem + L::k, &args.tm_k.map, bars + 2, k0, hh, t0, b);
+    tma_load_4d(smem + L::a, &args.tm_a.map, bars + 2, k0, hh, t0, b);
+    tma_load_4d(smem + L::b, &args.tm_b.map, bars + 2, k0, hh, t0, b);
   }
-  // G (the WY stage's fp32 [R, H, 64], rows < len) into rows 1..64; rows past len repeat G_{len-1} (finite
-  // factors on the zero rows); row 0 = 0 (Gp_0).
+  // G (the WY stage's fp32 [R, H, KP], rows < len, the CTA's key columns) into rows 1..64; rows past len repeat
+  // G_{len-1} (finite factors on the zero rows); row 0 = 0 (Gp_0).
   {
-    const float* pG = x.G + (ch.row0 * H + h) * kDLKeys;
+    const float* pG = x.G + (ch.row0 * H + h) * KP + k0;
     float4 v[4];
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
       const int idx = tid + 256 * it, i = idx >> 4, p = idx & 15;
-      v[it] = __ldg(reinterpret_cast<const float4*>(pG + int64_t(min(i, len - 1)) * H * kDLKeys) + p);
+      v[it] = __ldg(reinterpret_cast<const float4*>(pG + int64_t(min(i, len - 1)) * H * KP) + p);
     }
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
@@ -264,20 +343,27 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
       }
   };
   mbar_wait(bars, 0);
-  zero_tail(L::dO);
-  zero_tail(L::V);
-  zero_tail(L::Ut);
-  zero_tail(L::dUt);
+#pragma unroll
+  for (int vt = 0; vt < NV; ++vt) {
+    zero_tail(L::dO + vt * kTile);
+    zero_tail(L::V + vt * kTile);
+    zero_tail(L::Ut + vt * kTile);
+    zero_tail(L::dUt + vt * kTile);
+  }
   fence_proxy_async();
   __syncthreads();
 
   const uint32_t sdO = base + L::dO, sV = base + L::V, sUt = base + L::Ut, sdUt = base + L::dUt, sT = base + L::T;
-  const uint32_t sPk = base + L::Pk, sAk = base + L::Ak, sKd = base + L::Kd, sS = base + L::S, sdS = base + L::dS;
+  const uint32_t sPk = base + L::Pk, sAk = base + L::Ak, sKd = base + L::Kd, sS = base + L::S, sdS = base + L::dS,
+                 sdSo = base + L::dSo;
   const uint32_t sdUtp = base + L::dUtp, sMqk = base + L::Mqk, sMqb = base + L::Mqb, sAak = base + L::Aak,
                  sAab = base + L::Aab;
   const uint32_t sQs = base + L::Qs, sAs = base + L::As, sKs = base + L::Ks, sBs = base + L::Bs;
 
-  // ---- phase A: wg0 dUt' = T^T dUt; wg1 dO V^T, dO Ut^T ----------------------------------------------------
+  // Byte offset of K step kk (16 columns) in a K-major operand of NV column tiles.
+  auto kstep = [](int kk) { return (kk >> 2) * kTile + (kk & 3) * 32; };
+
+  // ---- phase A: wg0 dUt' = T^T dUt (NV = 2: value tiles into P1, P2); wg1 dO V^T, dO Ut^T ----------------
   float P1[32], P2[32];
   dl_zero(P1), dl_zero(P2);
   reg_fence(P1), reg_fence(P2);
@@ -286,11 +372,16 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)  // K = the 64 tokens j, 16 rows (2 KB) a step
       wgmma_ss<T, 64, 1, 1>(P1, dl_mnmajor(sT + kk * 2048), dl_mnmajor(sdUt + kk * 2048), 1);
+    if constexpr (NV == 2) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_ss<T, 64, 1, 1>(P2, dl_mnmajor(sT + kk * 2048), dl_mnmajor(sdUt + kTile + kk * 2048), 1);
+    }
   } else {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // K = the 64 value columns, 32 bytes a step
-      wgmma_ss<T, 64, 0, 0>(P1, dl_kmajor(sdO + kk * 32), dl_kmajor(sV + kk * 32), 1);
-      wgmma_ss<T, 64, 0, 0>(P2, dl_kmajor(sdO + kk * 32), dl_kmajor(sUt + kk * 32), 1);
+    for (int kk = 0; kk < 4 * NV; ++kk) {  // K = the value columns, 32 bytes a step
+      wgmma_ss<T, 64, 0, 0>(P1, dl_kmajor(sdO + kstep(kk)), dl_kmajor(sV + kstep(kk)), 1);
+      wgmma_ss<T, 64, 0, 0>(P2, dl_kmajor(sdO + kstep(kk)), dl_kmajor(sUt + kstep(kk)), 1);
     }
   }
   wg_commit();
@@ -327,19 +418,31 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
   }
   wg_wait<0>();
   reg_fence(P1), reg_fence(P2);
-  if (wg == 0) {  // dUt' (rows past len are zero: dUt's are, and T is unit lower triangular)
+  if (wg == 0) {  // dUt' (rows past len are zero: dUt's are, and T is unit lower triangular); NV = 2: over dUt
     dl_acc_to_tile<T>(smem + L::dUtp, P1, [](float v, int, int) { return v; });
+    if constexpr (NV == 2) dl_acc_to_tile<T>(smem + L::dUtp + kTile, P2, [](float v, int, int) { return v; });
   } else {
     dl_acc_to_tile<T>(smem + L::Mqk, P1, [&](float v, int i, int j) { return (j <= i && i < len) ? scale * v : 0.f; });
     dl_acc_to_tile<T>(smem + L::Mqb, P2, [&](float v, int i, int j) { return (j <= i && i < len) ? scale * v : 0.f; });
   }
   mbar_wait(bars + 1, 0);
-  zero_tail(L::Kd);
+#pragma unroll
+  for (int kt = 0; kt < NV; ++kt) zero_tail(L::Kd + kt * kTile);
   fence_proxy_async();
   __syncthreads();  // dUt', dM_qk, dM_qb, the scaled operands and every span / range flag are in place
   if (tid == 0) {   // the falling-back columns, in order (read after the next barrier)
+    if constexpr (NV == 2) {  // q, k, a, b are read: the CTA's key rows of S and dS over them
+      fence_proxy_async();
+      const int srow = static_cast<int>((c * H + h) * KP) + k0;
+      mbar_expect_tx(bars + 3, 4 * kTile);
+#pragma unroll
+      for (int vt = 0; vt < NV; ++vt) {
+        tma_load_2d(smem + L::S + vt * kTile, &args.tm_h.map, bars + 3, 64 * vt, srow);
+        tma_load_2d(smem + L::dS + vt * kTile, &args.tm_dh.map, bars + 3, 64 * vt, srow);
+      }
+    }
     int n = 0;
-    for (int d = 0; d < kDLKeys; ++d)
+    for (int d = 0; d < kDLCols; ++d)
       if (sbad[d]) sbadlist[n++] = d;
     *snbad = n;
   }
@@ -349,47 +452,87 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
   dl_zero(P1), dl_zero(P2), dl_zero(F1), dl_zero(F2);
   reg_fence(P1), reg_fence(P2), reg_fence(F1), reg_fence(F2);
   wg_fence();
+  // dv's value columns (NV = 2: the CTA's value half vh) and the CTA's key rows of S, dS.
+  const uint32_t sdOv = sdO + vh * kTile, sdUtpv = sdUtp + vh * kTile;
   if (wg == 0) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)  // P_qk^T dO (K = tokens)
-      wgmma_ss<T, 64, 1, 1>(P1, dl_mnmajor(sPk + kk * 2048), dl_mnmajor(sdO + kk * 2048), 1);
+      wgmma_ss<T, 64, 1, 1>(P1, dl_mnmajor(sPk + kk * 2048), dl_mnmajor(sdOv + kk * 2048), 1);
     wg_commit();
+    if constexpr (NV == 1) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)  // F_q = dO S^T (K = values)
-      wgmma_ss<T, 64, 0, 0>(F1, dl_kmajor(sdO + kk * 32), dl_kmajor(sS + kk * 32), 1);
-    wg_commit();
-    wg_wait<1>();
+      for (int kk = 0; kk < 4; ++kk)  // F_q = dO S^T (K = values)
+        wgmma_ss<T, 64, 0, 0>(F1, dl_kmajor(sdO + kk * 32), dl_kmajor(sS + kk * 32), 1);
+      wg_commit();
+      wg_wait<1>();
+    } else {
+      wg_wait<0>();
+    }
     reg_fence(P1);
 #pragma unroll
     for (int e = 0; e < 32; ++e) P1[e] *= scale;
     reg_fence(P1);
     wg_fence();
+    if constexpr (NV == 1) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      wgmma_ss<T, 64, 0, 1>(P1, dl_kmajor(sKd + kk * 32), dl_mnmajor(sdS + kk * 2048), 1);     // Kd dS (K = keys)
-      wgmma_ss<T, 64, 1, 1>(P1, dl_mnmajor(sAk + kk * 2048), dl_mnmajor(sdUtp + kk * 2048), 1);  // A_ak^T dUt'
-      wgmma_ss<T, 64, 0, 0>(F2, dl_kmajor(sdUtp + kk * 32), dl_kmajor(sS + kk * 32), 1);        // F_a = dUt' S^T
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_ss<T, 64, 0, 1>(P1, dl_kmajor(sKd + kk * 32), dl_mnmajor(sdS + kk * 2048), 1);     // Kd dS (K = keys)
+        wgmma_ss<T, 64, 1, 1>(P1, dl_mnmajor(sAk + kk * 2048), dl_mnmajor(sdUtp + kk * 2048), 1);  // A_ak^T dUt'
+        wgmma_ss<T, 64, 0, 0>(F2, dl_kmajor(sdUtp + kk * 32), dl_kmajor(sS + kk * 32), 1);        // F_a = dUt' S^T
+      }
+    } else {  // first what needs no S, dS rows of this key half, then the rest once they have landed
+      const uint32_t sKdo = sKd + (1 - kh) * kTile, sKdh = sKd + kh * kTile;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_ss<T, 64, 1, 1>(P1, dl_mnmajor(sAk + kk * 2048), dl_mnmajor(sdUtpv + kk * 2048), 1);  // A_ak^T dUt'
+        wgmma_ss<T, 64, 0, 1>(P1, dl_kmajor(sKdo + kk * 32), dl_mnmajor(sdSo + kk * 2048), 1);  // Kd dS, other keys
+      }
+      mbar_wait(bars + 3, 0);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)  // Kd dS, this half's keys
+        wgmma_ss<T, 64, 0, 1>(P1, dl_kmajor(sKdh + kk * 32), dl_mnmajor(sdS + vh * kTile + kk * 2048), 1);
+#pragma unroll
+      for (int kk = 0; kk < 4 * NV; ++kk) {  // K = values
+        wgmma_ss<T, 64, 0, 0>(F1, dl_kmajor(sdO + kstep(kk)), dl_kmajor(sS + kstep(kk)), 1);    // F_q = dO S^T
+        wgmma_ss<T, 64, 0, 0>(F2, dl_kmajor(sdUtp + kstep(kk)), dl_kmajor(sS + kstep(kk)), 1);  // F_a = dUt' S^T
+      }
     }
     wg_commit();
   } else {
+    if constexpr (NV == 1) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {  // K = values
-      wgmma_ss<T, 64, 0, 0>(P1, dl_kmajor(sdUtp + kk * 32), dl_kmajor(sV + kk * 32), 1);   // dUt' V^T
-      wgmma_ss<T, 64, 0, 0>(P2, dl_kmajor(sdUtp + kk * 32), dl_kmajor(sUt + kk * 32), 1);  // dUt' Ut^T
-      wgmma_ss<T, 64, 0, 0>(F1, dl_kmajor(sV + kk * 32), dl_kmajor(sdS + kk * 32), 1);     // F_k = V dS^T
-      wgmma_ss<T, 64, 0, 0>(F2, dl_kmajor(sUt + kk * 32), dl_kmajor(sdS + kk * 32), 1);    // F_b = Ut dS^T
+      for (int kk = 0; kk < 4; ++kk) {  // K = values
+        wgmma_ss<T, 64, 0, 0>(P1, dl_kmajor(sdUtp + kk * 32), dl_kmajor(sV + kk * 32), 1);   // dUt' V^T
+        wgmma_ss<T, 64, 0, 0>(P2, dl_kmajor(sdUtp + kk * 32), dl_kmajor(sUt + kk * 32), 1);  // dUt' Ut^T
+        wgmma_ss<T, 64, 0, 0>(F1, dl_kmajor(sV + kk * 32), dl_kmajor(sdS + kk * 32), 1);     // F_k = V dS^T
+        wgmma_ss<T, 64, 0, 0>(F2, dl_kmajor(sUt + kk * 32), dl_kmajor(sdS + kk * 32), 1);    // F_b = Ut dS^T
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4 * NV; ++kk) {  // K = values
+        wgmma_ss<T, 64, 0, 0>(P1, dl_kmajor(sdUtp + kstep(kk)), dl_kmajor(sV + kstep(kk)), 1);   // dUt' V^T
+        wgmma_ss<T, 64, 0, 0>(P2, dl_kmajor(sdUtp + kstep(kk)), dl_kmajor(sUt + kstep(kk)), 1);  // dUt' Ut^T
+      }
+      mbar_wait(bars + 3, 0);
+#pragma unroll
+      for (int kk = 0; kk < 4 * NV; ++kk) {
+        wgmma_ss<T, 64, 0, 0>(F1, dl_kmajor(sV + kstep(kk)), dl_kmajor(sdS + kstep(kk)), 1);   // F_k = V dS^T
+        wgmma_ss<T, 64, 0, 0>(F2, dl_kmajor(sUt + kstep(kk)), dl_kmajor(sdS + kstep(kk)), 1);  // F_b = Ut dS^T
+      }
     }
     wg_commit();
   }
-  // rowsum(dS S) per key row while the products run (both tiles share one layout: any order of the bytes of a
-  // row): four threads a row, two 16-byte pieces each.
+  // rowsum(dS S) per key row while the products run (both operands share one layout: any order of the bytes of
+  // a row): four threads a row, two 16-byte pieces of each of the NV tiles each.
+  if constexpr (NV == 2) mbar_wait(bars + 3, 0);
   {
     const int r = tid >> 2, p0 = 2 * (tid & 3);
     float acc = 0.f;
 #pragma unroll
-    for (int pp = 0; pp < 2; ++pp) {
-      const uint4 xs = *reinterpret_cast<const uint4*>(smem + L::S + r * 128 + (p0 + pp) * 16);
-      const uint4 zs = *reinterpret_cast<const uint4*>(smem + L::dS + r * 128 + (p0 + pp) * 16);
+    for (int pp = 0; pp < 2 * NV; ++pp) {
+      const int at = (pp >> 1) * kTile + r * 128 + (p0 + (pp & 1)) * 16;
+      const uint4 xs = *reinterpret_cast<const uint4*>(smem + L::S + at);
+      const uint4 zs = *reinterpret_cast<const uint4*>(smem + L::dS + at);
       const uint32_t xa[4] = {xs.x, xs.y, xs.z, xs.w}, za[4] = {zs.x, zs.y, zs.z, zs.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -406,13 +549,24 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
   if (wg == 0) {  // dv staged over T (read by phase A only), then out by this warpgroup
     dl_acc_to_tile<T>(smem + L::dvStage, P1, [](float v, int, int) { return v; });
     warpgroup_bar(0);
-    dl_store_tile<T>(x.dv, ch.batch, ch.t0, h, smem + L::dvStage, len, 0, 128);
-  } else {
+    dl_store_tile<T>(x.dv, ch.batch, ch.t0, h, 64 * vh, smem + L::dvStage, len, 0, 128);
+  } else {  // (NV = 2: over V, which only this warpgroup read)
     dl_acc_to_tile<T>(smem + L::Aak, P1, [&](float v, int i, int j) { return (j < i && i < len) ? v : 0.f; });
     dl_acc_to_tile<T>(smem + L::Aab, P2, [&](float v, int i, int j) { return (j < i && i < len) ? v : 0.f; });
   }
   fence_proxy_async();
   __syncthreads();  // dA_ak, dA_ab in place; dv is out; the phase-A/B inputs are dead
+  if constexpr (NV == 2) {  // q, k, a, b again, over S and dS, for the fallback and the combine
+    if (tid == 0) {
+      fence_proxy_async();
+      const int t0 = static_cast<int>(ch.t0), b = static_cast<int>(ch.batch), hh = static_cast<int>(h);
+      mbar_expect_tx(bars + 4, 4 * kTile);
+      tma_load_4d(smem + L::q, &args.tm_q.map, bars + 4, k0, hh, t0, b);
+      tma_load_4d(smem + L::k, &args.tm_k.map, bars + 4, k0, hh, t0, b);
+      tma_load_4d(smem + L::a, &args.tm_a.map, bars + 4, k0, hh, t0, b);
+      tma_load_4d(smem + L::b, &args.tm_b.map, bars + 4, k0, hh, t0, b);
+    }
+  }
 
   // ---- phase C: the gram gradients about the mid reference ---------------------------------------------------
   dl_zero(P1), dl_zero(P2);
@@ -444,6 +598,7 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
   // and 63 - idx. Every exponent is <= 0: G falls along the chunk and only pairs inside the masks are formed.
   const int nbad = *snbad;
   if (nbad > 0) {
+    if constexpr (NV == 2) mbar_wait(bars + 4, 0);  // the second q, k, a, b
     float* fq = reinterpret_cast<float*>(smem + L::fb);
     float* fa = fq + 64 * 64;
     float* fk = fa + 64 * 64;
@@ -497,6 +652,7 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
   }
   wg_wait<0>();
   reg_fence(P1), reg_fence(P2);
+  if constexpr (NV == 2) mbar_wait(bars + 4, 0);
   __syncthreads();  // the fallback's tiles are complete; the dM and scaled operands are dead
 
   // ---- combine ---------------------------------------------------------------------------------------------
@@ -598,7 +754,7 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
   {
     const int which = tid >> 6;  // 0 dq, 1 da, 2 dk, 3 db
     const DevRows<T>& out = which == 0 ? x.dq : which == 1 ? x.da : which == 2 ? x.dk : x.db;
-    dl_store_tile<T>(out, ch.batch, ch.t0, h, smem + L::outStage + which * L::kTile, len, 64 * which, 64);
+    dl_store_tile<T>(out, ch.batch, ch.t0, h, k0, smem + L::outStage + which * L::kTile, len, 64 * which, 64);
   }
   if (tid < 64) {
     const int d = tid;
@@ -609,7 +765,7 @@ __global__ void __launch_bounds__(256, 1) dplr_bwd_local_wgmma_kernel(const __gr
 #pragma unroll 1
     for (int i = len - 1; i >= 0; --i) {
       run += p0[i * 64 + d] + p1[i * 64 + d];
-      store_gate_grad(x, ch.batch, ch.t0 + i, h, d, run);
+      store_gate_grad(x, ch.batch, ch.t0 + i, h, k0 + d, run);
       run += pa[i * 64 + d];
     }
   }
@@ -627,10 +783,10 @@ inline const char* dplr_local_refusal(const Params& p, int64_t chunks) {
   return "this build has no sm_90a code";
 #else
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
-  if (p.K != kDLKeys || p.V != kDLKeys) return "it takes K = V = 64";
+  if (!((p.K == 64 && p.V == 64) || (p.K == 128 && p.V == 128))) return "it takes K = V = 64 or K = V = 128";
   if (p.chunk_size != 64) return "it takes chunk_size = 64";
   if (p.B * p.T >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (B * T < 2^31)";
-  if (chunks * p.H * 64 >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (chunks * H * 64 < 2^31)";
+  if (chunks * p.H * p.K >= (int64_t{1} << 31)) return "TMA coordinates are 32-bit (chunks * H * K < 2^31)";
   for (const TensorRef* r : {&p.q, &p.k, &p.a, &p.b, &p.v, &p.dout}) {
     if (!rows_aligned16(*r, 2))
       return "TMA reads q, k, a, b, v and dO in 16-byte pieces (a pointer or stride is not 16-byte aligned)";
@@ -640,44 +796,49 @@ inline const char* dplr_local_refusal(const Params& p, int64_t chunks) {
   if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
       device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
     return "it runs on compute capability 9.0 (H100 / H200) only";
-  if (max_smem_optin() < DplrLocalSmem::bytes) return "the GPU gives a block less shared memory than it needs";
+  const int need = p.K == 64 ? DplrLocalSmem<1>::bytes : DplrLocalSmem<2>::bytes;
+  if (max_smem_optin() < need) return "the GPU gives a block less shared memory than it needs";
   return nullptr;
 #endif
 }
 
 // DELTACP_TILED_DPLR_BWD_LOCAL (common/kernel_switch.h): unset = this kernel instead of kernels 5 and 6 where it
-// applies; 0 = kernels 5 and 6; 1 = required (an error names why it cannot run these inputs).
+// applies at K = V = 64; 0 = kernels 5 and 6; 1 = required (an error names why it cannot run these inputs), the
+// only way to K = V = 128: its one-key-half-per-CTA form has passed the C++ tier tests (bf16, fp16) and
+// compute-sanitizer on a GPU, but not yet the steep-gate and packed-sequence tests of test_dplr_cuda.py.
 inline bool use_dplr_local(const Params& p, int64_t chunks) {
   return kernel_switch("DELTACP_TILED_DPLR_BWD_LOCAL", "the DPLR chunk-local backward kernel",
-                       [&] { return dplr_local_refusal(p, chunks); });
+                       [&] { return dplr_local_refusal(p, chunks); }, /*unset_on=*/p.K == kDLCols);
 }
 
 // After the forward stages and the reverse scan have filled x's workspace (G, Kd, T, A_ak, P_qk, Ut, h, dh, dUt).
-template <class T>
+// NV = K / 64 (= V / 64 = KP / 64 = VP / 64: dplr_local_refusal admits nothing else).
+template <class T, int NV>
 void launch_dplr_local(const Params& p, const DplrArgs<T>& x, int64_t chunks, cudaStream_t stream) {
   if (chunks == 0) return;
+  constexpr int D = 64 * NV;
   const int64_t R = p.B * p.T, mats = chunks * p.H * 64;
   DplrLocalArgs<T> w;
   w.x = x;
-  w.tm_q = token_rows_map(p.q, p.B, p.T, p.H, kDLKeys, "q");
-  w.tm_k = token_rows_map(p.k, p.B, p.T, p.H, kDLKeys, "k");
-  w.tm_a = token_rows_map(p.a, p.B, p.T, p.H, kDLKeys, "a");
-  w.tm_b = token_rows_map(p.b, p.B, p.T, p.H, kDLKeys, "b");
-  w.tm_v = token_rows_map(p.v, p.B, p.T, p.H, kDLKeys, "v");
-  w.tm_do = token_rows_map(p.dout, p.B, p.T, p.H, kDLKeys, "do");
-  w.tm_kd = workspace_rows_map(x.Kd, R, p.H, kDLKeys, "Kd");
-  w.tm_ut = workspace_rows_map(x.Ut, R, p.H, kDLKeys, "Ut");
-  w.tm_dut = workspace_rows_map(x.dUt, R, p.H, kDLKeys, "dUt");
+  w.tm_q = token_rows_map(p.q, p.B, p.T, p.H, D, "q");
+  w.tm_k = token_rows_map(p.k, p.B, p.T, p.H, D, "k");
+  w.tm_a = token_rows_map(p.a, p.B, p.T, p.H, D, "a");
+  w.tm_b = token_rows_map(p.b, p.B, p.T, p.H, D, "b");
+  w.tm_v = token_rows_map(p.v, p.B, p.T, p.H, D, "v");
+  w.tm_do = token_rows_map(p.dout, p.B, p.T, p.H, D, "do");
+  w.tm_kd = workspace_rows_map(x.Kd, R, p.H, D, "Kd");
+  w.tm_ut = workspace_rows_map(x.Ut, R, p.H, D, "Ut");
+  w.tm_dut = workspace_rows_map(x.dUt, R, p.H, D, "dUt");
   w.tm_T = tile_map_16bit(x.Tg, {64, mats}, {64}, {64, 64}, "T");
   w.tm_pk = tile_map_16bit(x.Pk, {64, mats}, {64}, {64, 64}, "P_qk");
   w.tm_ak = tile_map_16bit(x.Akg, {64, mats}, {64}, {64, 64}, "A_ak");
-  w.tm_h = tile_map_16bit(x.h, {64, mats}, {64}, {64, 64}, "h");
-  w.tm_dh = tile_map_16bit(x.dh, {64, mats}, {64}, {64, 64}, "dh");
-  auto kernel = dplr_bwd_local_wgmma_kernel<T>;
-  opt_in_smem(kernel, DplrLocalSmem::bytes, "K", "the DPLR chunk-local backward needs ", DplrLocalSmem::bytes,
-              " bytes of shared memory");
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.H));
-  kernel<<<grid, 256, DplrLocalSmem::bytes, stream>>>(w);
+  w.tm_h = tile_map_16bit(x.h, {D, mats * NV}, {D}, {64, 64}, "h");
+  w.tm_dh = tile_map_16bit(x.dh, {D, mats * NV}, {D}, {64, 64}, "dh");
+  auto kernel = dplr_bwd_local_wgmma_kernel<T, NV>;
+  constexpr int bytes = DplrLocalSmem<NV>::bytes;
+  opt_in_smem(kernel, bytes, "K", "the DPLR chunk-local backward needs ", bytes, " bytes of shared memory");
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(p.H), NV);
+  kernel<<<grid, 256, bytes, stream>>>(w);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 

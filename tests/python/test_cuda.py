@@ -1154,23 +1154,29 @@ def test_fused_kda_prepare_wgmma_matches_kda_prepare_kernel(dtype, gate16, l2nor
 
 
 def test_fused_kda_prepare_wgmma_switch_values(monkeypatch):
-    """DELTACP_FUSED_KDA_PREPARE_WGMMA: anything but 0 / 1 raises naming the variable; unset is the wgmma stage on
-    compute capability 9.0 (the bits of =1, not those of =0); =1 ahead of DELTACP_FUSED_KDA_PREPARE=0 (the pair)
-    still runs the wgmma stage (its bits, not the pair's)."""
+    """DELTACP_FUSED_KDA_PREPARE_WGMMA: anything but 0 / 1 raises naming the variable; unset launches the wgmma
+    stage on compute capability 9.0 and =0 kda_prepare_kernel (seen in the profiler: on these inputs the two can give
+    the same bits); =1 ahead of DELTACP_FUSED_KDA_PREPARE=0 (the pair) still runs the wgmma stage (its bits)."""
     _need_wgmma_kda_prepare()
     s = _kda_wgmma_problem(torch.bfloat16, False, True, (2, 4))
     with pytest.raises(ValueError, match="DELTACP_FUSED_KDA_PREPARE_WGMMA"):
         _kda_fused_call(s, monkeypatch, "sometimes", False)
     o1, ht1 = _kda_fused_call(s, monkeypatch, "1", False)
-    o0, _ = _kda_fused_call(s, monkeypatch, "0", False)
-    monkeypatch.delenv("DELTACP_FUSED_KDA_PREPARE_WGMMA")
-    _poison_cache(64 << 20)
-    with torch.no_grad():
-        ou, htu = _call("kda", dict(s.t), initial_state=s.h0, output_final_state=True, cu_seqlens=s.cu,
-                        use_qk_l2norm_in_kernel=False, backend="fused")
-    torch.cuda.synchronize()
-    assert torch.equal(ou, o1) and torch.equal(htu, ht1), "unset is not the wgmma stage"
-    assert not torch.equal(o1, o0), "=0 and =1 gave the same bits (the switch did nothing)"
+
+    def kernels_run(value):  # the names of the CUDA kernels one fused forward launches with the switch at value
+        if value is None:
+            monkeypatch.delenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", raising=False)
+        else:
+            monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", value)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, torch.no_grad():
+            _call("kda", dict(s.t), initial_state=s.h0, output_final_state=True, cu_seqlens=s.cu,
+                  use_qk_l2norm_in_kernel=False, backend="fused")
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    unset, zero = kernels_run(None), kernels_run("0")
+    assert "kda_prepare_wgmma_kernel" in unset, "unset is not the wgmma stage"
+    assert "kda_prepare_wgmma_kernel" not in zero and "kda_prepare_kernel" in zero, "=0 still runs the wgmma stage"
     monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE", "0")
     o2, ht2 = _kda_fused_call(s, monkeypatch, "1", False)
     assert torch.equal(o1, o2) and torch.equal(ht1, ht2)

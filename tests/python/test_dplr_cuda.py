@@ -33,6 +33,8 @@ SHAPES = {
     "varlen": (1, None, 2, 64, 64, [0, 1, 64, 64, 129, 200, 201]),
     "T200": (1, 200, 2, 64, 64, None),
     "tiny_varlen": (1, None, 2, 64, 64, [0, 1, 3, 3, 8, 9, 25, 26, 30]),
+    "T1_K128": (2, 1, 2, 128, 128, None),
+    "varlen_K128": (1, None, 2, 128, 128, [0, 1, 64, 64, 129, 200, 201]),
 }
 
 
@@ -339,10 +341,12 @@ def test_tiled_state_only_modes(shape, dtype):
 
 
 # ---- the chunk-local kernel (dplr_bwd_local_wgmma.cuh) against kernels 5 + 6 -------------------------------------
-# 16-bit K = V = 64 on compute capability 9.0 runs kernels 5 and 6 as one Hopper kernel unless
-# DELTACP_TILED_DPLR_BWD_LOCAL=0; "1" requires it. Its gram takes a per-key-column mid reference where the column's
-# span allows and an element-by-element path elsewhere, so the gate families below cover both paths and their mix.
-LOCAL_SHAPES = ["T1", "T200", "varlen", "tiny_varlen"]  # K = V = 64; short last chunks, one-token chunks
+# 16-bit K = V = 64 or 128 on compute capability 9.0 runs kernels 5 and 6 as one Hopper kernel (at 128 one CTA per
+# key half) unless DELTACP_TILED_DPLR_BWD_LOCAL=0; "1" requires it. Its gram takes a per-key-column mid reference
+# where the column's span allows and an element-by-element path elsewhere, so the gate families below cover both
+# paths and their mix.
+LOCAL_SHAPES = ["T1", "T200", "varlen", "tiny_varlen",  # K = V = 64; short last chunks, one-token chunks
+                "T1_K128", "T130_K128_V128", "varlen_K128"]  # K = V = 128
 
 
 def _hopper():
@@ -411,23 +415,27 @@ def test_dplr_local_kernel_against_pair_and_reference(shape, dtype, gates, monke
 
 
 def test_dplr_local_kernel_switch(monkeypatch):
-    """Unset selects the chunk-local kernel on Hopper (the same bits as "1", and deterministic); "1" names why it
-    cannot run fp32 or K = 128 inputs; anything but 0 / 1 is an error."""
+    """Unset selects the chunk-local kernel on Hopper for 16-bit K = V = 64 (the same bits as "1", and
+    deterministic), kernels 5 + 6 at K = V = 128 (the same bits as "0"; "1" runs the kernel there); "1" names why
+    it cannot run fp32 inputs or other K / V; anything but 0 / 1 is an error."""
     if not _hopper():
         pytest.skip("the chunk-local kernel runs on compute capability 9.0 only")
-    p, t, h0, cu = _inputs("T200", torch.bfloat16, seed=91)
-    _gate_family(t, p, "mixed", 92)
-    do, dht = _upstream(p, torch.bfloat16, 93, True)
-    g_unset = _grads_with_switch(monkeypatch, None, t, h0, cu, do, dht)
-    g_one = _grads_with_switch(monkeypatch, "1", t, h0, cu, do, dht)
-    g_one2 = _grads_with_switch(monkeypatch, "1", t, h0, cu, do, dht)
-    g_zero = _grads_with_switch(monkeypatch, "0", t, h0, cu, do, dht)
-    for n in GRADS:
-        assert torch.equal(g_unset[n], g_one[n]), f"{n}: unset is not the chunk-local kernel"
-        assert torch.equal(g_one[n], g_one2[n]), f"{n}: not deterministic"
-    # a different summation and reference: the two paths differ somewhere (else the switch did nothing)
-    assert any(not torch.equal(g_one[n], g_zero[n]) for n in ("dq", "dk", "da", "db", "dgk"))
-    for dtype, shape in ((torch.float32, "T200"), (torch.bfloat16, "T130_K128_V128")):
+    for i, shape in enumerate(("T200", "T130_K128_V128")):
+        p, t, h0, cu = _inputs(shape, torch.bfloat16, seed=91 + 10 * i)
+        _gate_family(t, p, "mixed", 92 + 10 * i)
+        do, dht = _upstream(p, torch.bfloat16, 93 + 10 * i, True)
+        g_unset = _grads_with_switch(monkeypatch, None, t, h0, cu, do, dht)
+        g_one = _grads_with_switch(monkeypatch, "1", t, h0, cu, do, dht)
+        g_one2 = _grads_with_switch(monkeypatch, "1", t, h0, cu, do, dht)
+        g_zero = _grads_with_switch(monkeypatch, "0", t, h0, cu, do, dht)
+        unset_runs = g_one if shape == "T200" else g_zero  # K = V = 128: opt-in
+        for n in GRADS:
+            assert torch.equal(g_unset[n], unset_runs[n]), f"{shape} {n}: unset runs the wrong kernels"
+            assert torch.equal(g_one[n], g_one2[n]), f"{shape} {n}: not deterministic"
+        # a different summation and reference: the two paths differ somewhere (else the switch did nothing)
+        assert any(not torch.equal(g_one[n], g_zero[n]) for n in ("dq", "dk", "dv", "da", "db", "dgk")), shape
+    for dtype, shape in ((torch.float32, "T200"), (torch.float32, "T130_K128_V128"),
+                         (torch.bfloat16, "T65_K32_V48"), (torch.bfloat16, "K100_V33")):
         p2, t2, h02, cu2 = _inputs(shape, dtype, seed=94)
         do2, dht2 = _upstream(p2, dtype, 95, True)
         monkeypatch.setenv("DELTACP_TILED_DPLR_BWD_LOCAL", "1")
