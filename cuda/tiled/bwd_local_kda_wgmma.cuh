@@ -125,32 +125,7 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
   const int len = static_cast<int>(ch.len);
   const uint32_t base = smem_u32(smem);
 
-  if (tid == 0) {  // gdn's kernel's loads (bwd_local_wgmma.cuh), in the same order of first use
-    for (int i = 0; i < 3; ++i) mbar_init(bars + i, 1);
-    fence_mbar_init();
-    const int t0 = static_cast<int>(ch.t0), b = static_cast<int>(ch.batch), h = static_cast<int>(hk);
-    const int hvi = static_cast<int>(hv), srow = static_cast<int>((c * HV + hv) * kLocalKeys);
-    const int row0 = static_cast<int>(ch.row0);
-    mbar_expect_tx(bars, 6 * kBox);
-    tma_load_4d(smem + L::dO, &args.tm_do.map, bars, 0, hvi, t0, b);
-    tma_load_4d(smem + L::dO + kBox, &args.tm_do.map, bars, 64, hvi, t0, b);
-    for (int blk = 0; blk < 2; ++blk)
-      for (int rh = 0; rh < 2; ++rh)
-        tma_load_2d(smem + L::S + (2 * blk + rh) * kBox, &args.tm_h.map, bars, 64 * blk, srow + 64 * rh);
-    mbar_expect_tx(bars + 1, 6 * kBox);
-    tma_load_3d(smem + L::Vn, &args.tm_vn.map, bars + 1, 0, hvi, row0);
-    tma_load_3d(smem + L::Vn + kBox, &args.tm_vn.map, bars + 1, 64, hvi, row0);
-    for (int blk = 0; blk < 2; ++blk)
-      for (int rh = 0; rh < 2; ++rh)
-        tma_load_2d(smem + L::dS + (2 * blk + rh) * kBox, &args.tm_dh.map, bars + 1, 64 * blk, srow + 64 * rh);
-    mbar_expect_tx(bars + 2, 6 * kBox);
-    tma_load_4d(smem + L::v, &args.tm_v.map, bars + 2, 0, hvi, t0, b);
-    tma_load_4d(smem + L::v + kBox, &args.tm_v.map, bars + 2, 64, hvi, t0, b);
-    tma_load_4d(smem + L::q, &args.tm_q.map, bars + 2, 0, h, t0, b);
-    tma_load_4d(smem + L::q + kBox, &args.tm_q.map, bars + 2, 64, h, t0, b);
-    tma_load_4d(smem + L::k, &args.tm_k.map, bars + 2, 0, h, t0, b);
-    tma_load_4d(smem + L::k + kBox, &args.tm_k.map, bars + 2, 64, h, t0, b);
-  }
+  if (tid == 0) issue_local_loads<L>(smem, bars, args, ch, c, hv, HV, hk);  // gdn's kernel's loads
   // G (fp32 [R, HV, 128]): one cp.async group, in flight while dU and T load; rows past len repeat the last row,
   // so every exponent below stays finite.
   load_key_gate(Gt, PG, a.G, ch.row0, HV, hv, kLocalKeys, kLocalKeys, len);

@@ -168,6 +168,40 @@ __device__ __forceinline__ void zero_tail_rows(unsigned char* tile, int len, int
     }
 }
 
+// The chunk-local kernels' loads by TMA, issued by one thread in the order of first use: dO and h[c] on mbarrier 0,
+// Vn and dh[c] on 1, v, q and k on 2 (64 x 64 boxes; L is the kernel's shared-memory layout: its S, dS, dO, Vn, v,
+// q and k offsets).
+template <class L>
+__device__ __forceinline__ void issue_local_loads(unsigned char* smem, uint64_t* bars, const LocalWgArgs& args,
+                                                  const ChunkEntry& ch, int64_t c, int64_t hv, int64_t HV,
+                                                  int64_t hk) {
+  constexpr int kBox = L::kBox;
+  for (int i = 0; i < 3; ++i) mbar_init(bars + i, 1);
+  fence_mbar_init();
+  const int t0 = static_cast<int>(ch.t0), b = static_cast<int>(ch.batch), h = static_cast<int>(hk);
+  const int hvi = static_cast<int>(hv), srow = static_cast<int>((c * HV + hv) * kLocalKeys);
+  const int row0 = static_cast<int>(ch.row0);
+  mbar_expect_tx(bars, 6 * kBox);
+  tma_load_4d(smem + L::dO, &args.tm_do.map, bars, 0, hvi, t0, b);
+  tma_load_4d(smem + L::dO + kBox, &args.tm_do.map, bars, 64, hvi, t0, b);
+  for (int blk = 0; blk < 2; ++blk)
+    for (int rh = 0; rh < 2; ++rh)
+      tma_load_2d(smem + L::S + (2 * blk + rh) * kBox, &args.tm_h.map, bars, 64 * blk, srow + 64 * rh);
+  mbar_expect_tx(bars + 1, 6 * kBox);
+  tma_load_3d(smem + L::Vn, &args.tm_vn.map, bars + 1, 0, hvi, row0);
+  tma_load_3d(smem + L::Vn + kBox, &args.tm_vn.map, bars + 1, 64, hvi, row0);
+  for (int blk = 0; blk < 2; ++blk)
+    for (int rh = 0; rh < 2; ++rh)
+      tma_load_2d(smem + L::dS + (2 * blk + rh) * kBox, &args.tm_dh.map, bars + 1, 64 * blk, srow + 64 * rh);
+  mbar_expect_tx(bars + 2, 6 * kBox);
+  tma_load_4d(smem + L::v, &args.tm_v.map, bars + 2, 0, hvi, t0, b);
+  tma_load_4d(smem + L::v + kBox, &args.tm_v.map, bars + 2, 64, hvi, t0, b);
+  tma_load_4d(smem + L::q, &args.tm_q.map, bars + 2, 0, h, t0, b);
+  tma_load_4d(smem + L::q + kBox, &args.tm_q.map, bars + 2, 64, h, t0, b);
+  tma_load_4d(smem + L::k, &args.tm_k.map, bars + 2, 0, h, t0, b);
+  tma_load_4d(smem + L::k + kBox, &args.tm_k.map, bars + 2, 64, h, t0, b);
+}
+
 // Byte offset of the 16-bit pair (row r, columns c, c + 1; c even, < 64) inside a swizzled 64-column block.
 __device__ __forceinline__ int sw_pair(int r, int c) { return r * 128 + ((((c >> 3) ^ r) & 7) << 4) + (c & 7) * 2; }
 
@@ -311,32 +345,7 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
   const bool gated = a.gated;
   const uint32_t base = smem_u32(smem);
 
-  if (tid == 0) {
-    for (int i = 0; i < 3; ++i) mbar_init(bars + i, 1);
-    fence_mbar_init();
-    const int t0 = static_cast<int>(ch.t0), b = static_cast<int>(ch.batch), h = static_cast<int>(hk);
-    const int hvi = static_cast<int>(hv), srow = static_cast<int>((c * HV + hv) * kLocalKeys);
-    const int row0 = static_cast<int>(ch.row0);
-    mbar_expect_tx(bars, 6 * kBox);
-    tma_load_4d(smem + L::dO, &args.tm_do.map, bars, 0, hvi, t0, b);
-    tma_load_4d(smem + L::dO + kBox, &args.tm_do.map, bars, 64, hvi, t0, b);
-    for (int blk = 0; blk < 2; ++blk)
-      for (int rh = 0; rh < 2; ++rh)
-        tma_load_2d(smem + L::S + (2 * blk + rh) * kBox, &args.tm_h.map, bars, 64 * blk, srow + 64 * rh);
-    mbar_expect_tx(bars + 1, 6 * kBox);
-    tma_load_3d(smem + L::Vn, &args.tm_vn.map, bars + 1, 0, hvi, row0);
-    tma_load_3d(smem + L::Vn + kBox, &args.tm_vn.map, bars + 1, 64, hvi, row0);
-    for (int blk = 0; blk < 2; ++blk)
-      for (int rh = 0; rh < 2; ++rh)
-        tma_load_2d(smem + L::dS + (2 * blk + rh) * kBox, &args.tm_dh.map, bars + 1, 64 * blk, srow + 64 * rh);
-    mbar_expect_tx(bars + 2, 6 * kBox);
-    tma_load_4d(smem + L::v, &args.tm_v.map, bars + 2, 0, hvi, t0, b);
-    tma_load_4d(smem + L::v + kBox, &args.tm_v.map, bars + 2, 64, hvi, t0, b);
-    tma_load_4d(smem + L::q, &args.tm_q.map, bars + 2, 0, h, t0, b);
-    tma_load_4d(smem + L::q + kBox, &args.tm_q.map, bars + 2, 64, h, t0, b);
-    tma_load_4d(smem + L::k, &args.tm_k.map, bars + 2, 0, h, t0, b);
-    tma_load_4d(smem + L::k + kBox, &args.tm_k.map, bars + 2, 64, h, t0, b);
-  }
+  if (tid == 0) issue_local_loads<L>(smem, bars, args, ch, c, hv, HV, hk);
   {
     DuTPieces pieces;
     load_du_t(pieces, a, ch, hv, HV, len, tid);
