@@ -182,35 +182,11 @@ __device__ __forceinline__ void zero_tail_rows(unsigned char* tile, int len, int
     }
 }
 
-// l2norm_rows_128's arithmetic on row r of a swizzled tile: the same 32 partial sums in the same order, the same
-// tree, the same rsqrtf and rounding, so the row gets the bits that function (and cuda/common/l2norm.cu) gives.
+// l2norm_rows_128's arithmetic (tiled_fwd.cu's l2norm_row_pieces) on row r of a swizzled tile, so the row gets the
+// bits that function (and cuda/common/l2norm.cu) gives.
 template <class T>
 __device__ __forceinline__ void l2norm_row(unsigned char* tile, int r) {
-  float a[32];
-#pragma unroll
-  for (int l = 0; l < 32; ++l) a[l] = 0.f;
-#pragma unroll
-  for (int pc = 0; pc < 16; ++pc) {
-    float x[8];
-    load8(reinterpret_cast<const T*>(tile + piece_at(64, r, pc)), x);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a[(8 * pc + e) & 31] = fmaf(x[e], x[e], a[(8 * pc + e) & 31]);
-  }
-#pragma unroll
-  for (int step = 0; step < 5; ++step)
-#pragma unroll
-    for (int l = 0; l < 16; ++l)
-      if (l < (16 >> step)) a[l] += a[l + (16 >> step)];
-  const float rn = rsqrtf(a[0] + kQkL2normEps);
-#pragma unroll
-  for (int pc = 0; pc < 16; ++pc) {
-    T* p = reinterpret_cast<T*>(tile + piece_at(64, r, pc));
-    float x[8];
-    load8(p, x);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] *= rn;
-    store8(p, x);
-  }
+  l2norm_row_pieces<T>([&](int pc) { return reinterpret_cast<T*>(tile + piece_at(64, r, pc)); });
 }
 
 // This warp's 16 rows of X scaled around its reference row r = 16 w, X_id e^(G_id - G_rd) rounded to T, as the

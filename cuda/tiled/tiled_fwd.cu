@@ -405,18 +405,16 @@ __device__ __forceinline__ void chunk_sum_gate(float* Gk, int ldg, const FwdArgs
 // here one thread forms the same 32 sums from 16-byte pieces and adds them in the butterfly's tree, so the rows
 // get the bits that pass writes. Threads thread0 .. thread0 + 63 take a row each. (A warp per row, 16 rows a
 // warp in turn, cost 0.28 ms of the fused kda forward at (2,16384,16,128) on an H100.)
-template <class T>
-__device__ __forceinline__ void l2norm_rows_128(T* tile, int ld, int thread0) {
-  const int r = static_cast<int>(threadIdx.x) - thread0;
-  if (r < 0 || r >= kBT) return;
-  T* row = tile + r * ld;
+// One row of 128 keys whose 8-key pieces lie at piece(pc), pc = 0 .. 15 (plain or swizzled rows).
+template <class T, class Piece>
+__device__ __forceinline__ void l2norm_row_pieces(Piece piece) {
   float a[32];
 #pragma unroll
   for (int l = 0; l < 32; ++l) a[l] = 0.f;
 #pragma unroll
   for (int pc = 0; pc < 16; ++pc) {
     float x[8];
-    load8(row + 8 * pc, x);
+    load8(piece(pc), x);
 #pragma unroll
     for (int e = 0; e < 8; ++e) a[(8 * pc + e) & 31] = fmaf(x[e], x[e], a[(8 * pc + e) & 31]);
   }
@@ -428,12 +426,20 @@ __device__ __forceinline__ void l2norm_rows_128(T* tile, int ld, int thread0) {
   const float rn = rsqrtf(a[0] + kQkL2normEps);
 #pragma unroll
   for (int pc = 0; pc < 16; ++pc) {
+    T* p = piece(pc);
     float x[8];
-    load8(row + 8 * pc, x);
+    load8(p, x);
 #pragma unroll
     for (int e = 0; e < 8; ++e) x[e] *= rn;
-    store8(row + 8 * pc, x);
+    store8(p, x);
   }
+}
+template <class T>
+__device__ __forceinline__ void l2norm_rows_128(T* tile, int ld, int thread0) {
+  const int r = static_cast<int>(threadIdx.x) - thread0;
+  if (r < 0 || r >= kBT) return;
+  T* row = tile + r * ld;
+  l2norm_row_pieces<T>([&](int pc) { return row + 8 * pc; });
 }
 
 // ============================================================================================
