@@ -54,8 +54,8 @@
 // two CTAs per SM (16 warps) on an H100/H200.
 //
 // Measured (NVIDIA H100, 2026-11-27, bf16, bench/gpu/stage_times.py --variant kda --backend fused, kernel time
-// per forward): (2,16384,16,128) 0.597 ms where kda_prepare_kernel takes 1.009 (its bytes alone, 3210 per token
-// and head, are about 0.56 ms at 3 TB/s); the fused kda forward 1.431 -> 1.017 ms of kernels. Beside FLA (same
+// per forward): (2,16384,16,128) 0.597 ms where kda_prepare_kernel takes 1.009 (its bytes alone, 2442 per token
+// and head, are about 0.43 ms at 3 TB/s); the fused kda forward 1.431 -> 1.017 ms of kernels. Beside FLA (same
 // run, bench_gpu.py): kda forward 1.155 ms at (2,16384,16,128) (FLA 2.274), 1.520 at (1,8192,96,128) (3.231),
 // 2.014 at (4,4096,64,128) (4.236), 0.324 at (4,2048,16,128) (1.298).
 #pragma once
