@@ -153,17 +153,7 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
   zero(qg), zero(wa), zero(mi), zero(y), zero(dp);
   reg_fence(qg), reg_fence(wa), reg_fence(mi), reg_fence(y), reg_fence(dp);
   wg_fence();
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {  // K = the 128 value columns: block kk / 4, 32 bytes a step inside it
-    const uint32_t ko = (kk >> 2) * kBox + (kk & 3) * 32, kS = (kk >> 2) * 2 * kBox + wg * kBox + (kk & 3) * 32;
-    wgmma_ss<T, 64, 0, 0>(qg, kmajor(sdO + ko), kmajor(sS + kS), 1);               // dO S^T
-    wgmma_ss<T, 64, 0, 0>(wa, kmajor(sdU + ko), kmajor(sS + kS), 1);               // dU S^T
-    wgmma_ss<T, 64, 0, 0>(mi, kmajor(sVn + ko), kmajor(sdS + kS), 1);              // Vn dS'^T
-    wgmma_ss<T, 32, 0, 0>(dp, kmajor(sdO + ko), kmajor(sVn + ko + wg * 4096), 1);  // dO Vn^T
-  }
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)  // T^T dU: K = the 64 tokens, 16 rows (2 KB) a step
-    wgmma_ss<T, 64, 1, 1>(y, mnmajor(sT + kk * 2048), mnmajor(sdU + wg * kBox + kk * 2048), 1);
+  issue_v_side<T>(qg, wa, mi, y, dp, sS, sdS, sdO, sVn, sdU, sT, wg);
   wg_commit();
   mbar_wait(bars + 2, 0);
   zero_tail_rows<256>(smem + L::v, len, tid);

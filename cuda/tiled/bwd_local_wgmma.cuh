@@ -275,6 +275,27 @@ __device__ __forceinline__ void store_staged_rows(const TensorRef& out, int64_t 
 __device__ __forceinline__ uint64_t kmajor(uint32_t at) { return wg_desc(at, 16, 1024); }
 __device__ __forceinline__ uint64_t mnmajor(uint32_t at) { return wg_desc(at, 8192, 1024); }
 
+// The V side's products, issued and not waited for: dO S^T, dU S^T and Vn dS'^T (this warpgroup's 64 columns of
+// each) and dO Vn^T (its 32 columns) over the 128 value columns, T^T dU over the 64 tokens. Addresses are of the
+// tiles in shared memory (S and dS': two 16 KB blocks of 64 key columns; the others 64 x 128, two 8 KB blocks).
+template <class T>
+__device__ __forceinline__ void issue_v_side(float (&qg)[32], float (&wa)[32], float (&mi)[32], float (&y)[32],
+                                             float (&dp)[16], uint32_t sS, uint32_t sdS, uint32_t sdO, uint32_t sVn,
+                                             uint32_t sdU, uint32_t sT, int wg) {
+  constexpr int kBox = 64 * 128;  // LocalWgSmem::kBox and LocalKdaSmem::kBox
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {  // K = the 128 value columns: block kk / 4, 32 bytes a step inside it
+    const uint32_t ko = (kk >> 2) * kBox + (kk & 3) * 32, kS = (kk >> 2) * 2 * kBox + wg * kBox + (kk & 3) * 32;
+    wgmma_ss<T, 64, 0, 0>(qg, kmajor(sdO + ko), kmajor(sS + kS), 1);         // dO S^T
+    wgmma_ss<T, 64, 0, 0>(wa, kmajor(sdU + ko), kmajor(sS + kS), 1);         // dU S^T
+    wgmma_ss<T, 64, 0, 0>(mi, kmajor(sVn + ko), kmajor(sdS + kS), 1);        // Vn dS'^T
+    wgmma_ss<T, 32, 0, 0>(dp, kmajor(sdO + ko), kmajor(sVn + ko + wg * 4096), 1);  // dO Vn^T
+  }
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)  // T^T dU: K = the 64 tokens, 16 rows (2 KB) a step
+    wgmma_ss<T, 64, 1, 1>(y, mnmajor(sT + kk * 2048), mnmajor(sdU + wg * kBox + kk * 2048), 1);
+}
+
 // The WY side's last two products, in both chunk-local kernels (this one and kda's): -dA = (T^T dT) T^T, the 32
 // columns of warpgroup wg, into da. dT (64 x 64, 16-bit, 128B-swizzled) is at smem offset dT_at, T at sT; T^T dT
 // passes through M1_at (16-bit, both warpgroups' halves). Entered right after dT is staged (it synchronises the
@@ -374,17 +395,7 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
   zero(qg), zero(wa), zero(mi), zero(y), zero(dp), zero(dt1);
   reg_fence(qg), reg_fence(wa), reg_fence(mi), reg_fence(y), reg_fence(dp), reg_fence(dt1);
   wg_fence();
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {  // K = the 128 value columns: block kk / 4, 32 bytes a step inside it
-    const uint32_t ko = (kk >> 2) * kBox + (kk & 3) * 32, kS = (kk >> 2) * 2 * kBox + wg * kBox + (kk & 3) * 32;
-    wgmma_ss<T, 64, 0, 0>(qg, kmajor(sdO + ko), kmajor(sS + kS), 1);         // dO S^T
-    wgmma_ss<T, 64, 0, 0>(wa, kmajor(sdU + ko), kmajor(sS + kS), 1);         // dU S^T
-    wgmma_ss<T, 64, 0, 0>(mi, kmajor(sVn + ko), kmajor(sdS + kS), 1);        // Vn dS'^T
-    wgmma_ss<T, 32, 0, 0>(dp, kmajor(sdO + ko), kmajor(sVn + ko + wg * 4096), 1);  // dO Vn^T
-  }
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk)  // T^T dU: K = the 64 tokens, 16 rows (2 KB) a step
-    wgmma_ss<T, 64, 1, 1>(y, mnmajor(sT + kk * 2048), mnmajor(sdU + wg * kBox + kk * 2048), 1);
+  issue_v_side<T>(qg, wa, mi, y, dp, sS, sdS, sdO, sVn, sdU, sT, wg);
   wg_commit();
   mbar_wait(bars + 2, 0);
   zero_tail_rows<256>(smem + L::v, len, tid);
