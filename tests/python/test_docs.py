@@ -35,6 +35,19 @@ def test_results_carry_gpu_and_date():
         assert data.get("gpu") and data.get("date"), f"{path.name}: expected 'gpu' and 'date'"
 
 
+def _stages_to_json(tmp_path, log, *args):
+    """Runs bench/gpu/stages_to_json.py with args on log into a fresh results file (a GPU and date, no rows); returns
+    that file's path once the script has succeeded."""
+    import json
+
+    results = tmp_path / "perf.json"
+    results.write_text(json.dumps({"gpu": "G", "date": "D", "rows": []}))
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "stages_to_json.py"), str(results), str(log),
+                        *args, "--date", "2026-11-27"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return results
+
+
 def test_stages_to_json_takes_the_named_variants_blocks(tmp_path):
     """bench/gpu/stages_to_json.py: from a stages.log holding gdn and kda blocks (with and without setting prefixes),
     --variant kda --setting S keeps the kda block of S alone, its kernels under their labels (the unlabelled ones
@@ -55,12 +68,7 @@ def test_stages_to_json_takes_the_named_variants_blocks(tmp_path):
         "[S=0] kda fused fwd+bwd (2, 16384, 16, 128): 9.000 ms of kernels per call, 9.400 ms elapsed",
         "[S=0]      1.400 ms  void deltacp::cuda::tiled::bwd::bwd_dqkg_kernel<__nv_bfloat16, 128>",
     ]) + "\n")
-    results = tmp_path / "perf.json"
-    results.write_text(json.dumps({"gpu": "G", "date": "D", "rows": []}))
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "stages_to_json.py"), str(results), str(log),
-                        "--variant", "kda", "--setting", "S=1", "--date", "2026-11-27"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
+    results = _stages_to_json(tmp_path, log, "--variant", "kda", "--setting", "S=1")
     data = json.loads(results.read_text())
     assert data["gpu"] == "G" and "stages_backward_gdn" not in data
     section = data["stages_backward_kda"]
@@ -83,11 +91,7 @@ def test_stages_to_json_names_dplr_kernels_and_its_backend(tmp_path):
         "     0.251 ms  void deltacp::cuda::tiled::(anonymous namespace)::dplr_dh0_scan_kernel",
         "     0.487 ms  void deltacp::cuda::tiled::(anonymous namespace)::dplr_scan_kernel<__n",
     ]) + "\n")
-    results = tmp_path / "perf.json"
-    results.write_text(json.dumps({"gpu": "G", "date": "D", "rows": []}))
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "stages_to_json.py"), str(results), str(log),
-                        "--variant", "dplr", "--date", "2026-11-27"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
+    results = _stages_to_json(tmp_path, log, "--variant", "dplr")
     section = json.loads(results.read_text())["stages_backward_dplr"]
     assert section["backend"] == "tiled forward and backward" and "--backend tiled" in section["source"]
     assert section["shapes"]["4,4096,32,64"]["kernels_ms"] == {
