@@ -52,7 +52,8 @@ struct Args {
   bool gated = false;       // gdn and kda: a log decay g exists
   bool g_fp32 = false;      // g and dg are fp32 (Params::g_fp32), whatever the input dtype
   bool dh0_only = false;    // Params::dh0_only: stages B0 and B1 only, B1 writes dh0 and nothing else
-  bool dv_local_done = false;  // the recompute's WY stage wrote B0's dVn_local (wy_wgmma.cuh): B0 is skipped
+  bool dv_local_done = false;  // the recompute wrote B0's dVn_local (wy_wgmma.cuh; kda: kda_prepare_wgmma.cuh's
+                               // backward mode, which also writes Q e^G): B0 is skipped
   // Inputs and outputs: [B, T, heads, D] views in the input dtype (see params.h).
   TensorRef q, k, v, g, beta, dout;
   TensorRef dq, dk, dv, dg, dbeta;
@@ -78,8 +79,8 @@ struct Args {
   // B1 (the Hopper dh scan) writes dVn in the input dtype over the bytes of its fp32 input, and the chunk-local
   // kernel reads it so (tiled_bwd.cu, local_inputs_16bit): dvn16_at(r, c) below. Only with both of those kernels.
   bool dvn16 = false;
-  // The WY stage (wy_wgmma.cuh) wrote T in the input dtype, in the first 128 bytes of each 256-byte row of Tinv,
-  // which the chunk-local kernel reads (local_inputs_16bit).
+  // The WY stage (wy_wgmma.cuh, or kda's wgmma recompute) wrote T in the input dtype, in the first 128 bytes of
+  // each 256-byte row of Tinv, which the chunk-local kernel reads (local_inputs_16bit).
   bool t16 = false;
   void* dW = nullptr;      // input dtype [R, HV, K]: B3 reads it only as a tensor-core operand
   float* dP = nullptr;     // [num_chunks, HV, 64, 64]: scale * dO Vn^T, masked to i >= j

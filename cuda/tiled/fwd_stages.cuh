@@ -101,6 +101,15 @@ struct WyDone {
 WyDone launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
                        float* Tinv, cudaStream_t stream, float* dv_local = nullptr, bool t16 = false);
 
+// The kda backward's recompute on Hopper's warpgroup products (kda_prepare_wgmma.cuh, kda_prepare_wgmma_kernel in
+// its backward mode), in place of launch_chunk_cumsum, launch_chunk_wy and stage B0: from the raw gate p.g, q, k, v,
+// beta and dO, G (every row, [R, HV, K] fp32: the cumsum's bits), W, U, Kd, T ([R, HV, 64]: fp32, or with t16 rounded
+// to the input dtype in the first 128 bytes of each row), Q e^G ([R, HV, 128], B0's) and B0's scale P^T dO (dvl,
+// [R, HV, 128] fp32). kda_bwd_recompute_refusal: why it cannot run p (nullptr: it can).
+const char* kda_bwd_recompute_refusal(const Params& p);
+void launch_kda_bwd_recompute(const Params& p, const ChunkTable& table, float* G, void* W, void* U, void* Kd,
+                              float* Tinv, bool t16, void* Qg, float* dvl, cudaStream_t stream);
+
 // Where a state scan reads its per-row intermediates when they were made for another problem: the
 // staged forward's pieces (api.h StagedForward) scan rows [row0, row0 + p.T) of the prepared problem's
 // G, W, U, Kd, whose U is u_width columns wide (padded); the state's first u_cols columns (a multiple

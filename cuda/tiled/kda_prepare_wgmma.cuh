@@ -48,10 +48,31 @@
 // difference where the fp32 sums differ in their last bits), not bit for bit; Kd, Qg and G's last row are
 // bit-identical (the same element expressions on the same inputs).
 //
+// Backward recompute (kda_prepare_wgmma_kernel<T, true>, launch_kda_bwd_recompute_wgmma; the tiled backward's
+// default on Hopper, DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA=0 keeps the three kernels, tiled_bwd.cu): in place of the backward's gate cumsum,
+// chunk_wy_kernel<T, true> and stage B0 (bwd_dv_local.cuh), the same kernel over the backward's chunk table writes
+//   G        every row (fp32 [R, HV, 128]; the cumsum's bits: chunk_sum_gate sums in its order), by warpgroup 1 in
+//            phase 3 beside Q e^G and Kd (the forward writes G's last row only)
+//   T        fp32 [R, HV, 64] rows < len, or (t16, for the chunk-local kernel) rounded to 16 bits in the first 128
+//            bytes of each row: warpgroup 0 right after the solve
+//   Qg, Kd, W, U   as the forward (Q e^G is B0's write, which B1 reads)
+//   dVn      B0's scale P^T dO (fp32 [R, HV, 128] rows < len): P's rows (all 64: those past len are zero, q's rows
+//            are) go to a 64 x 64 16-bit block in shared memory (128-byte swizzle) instead of global memory, with the
+//            rounding B0 gives them; dO (two 64 x 64 boxes by TMA, a third mbarrier) lands in A's bytes as soon as
+//            warpgroup 0 has solved T, so its load runs under phases 3 and 4; phase 5: warpgroup h computes columns
+//            64 h .. 64 h + 63, 4 x wgmma m64n64k16 with P^T read M-major and dO's block h MN-major (dO's rows past
+//            len zeroed first, as B0's masked loads leave them)
+// q and k are read as given (the backward takes them normalised: no qk_l2norm) and no P goes to global memory.
+// Against the three kernels it replaces: G, Kd and Q e^G are the same bits; A, P, W, U and dVn accumulate in wgmma's
+// k order (as the forward stage against kda_prepare_kernel); the contract is agreement within the bf16 / fp16
+// tolerances, and on the GPU tests the gradients came out the same bits. Measured (H100, bf16, (2,16384,16,128),
+// stage_times.py --variant kda --backward): 0.81 ms where cumsum + chunk_wy + B0 took 0.22 + 0.86 + 0.53.
+//
 // Shared memory (bytes from a 1024-byte aligned base; KdaPrepWgSmem): Q 16 KB (later V), K 16 KB (later K e^G),
 // Yr 20 KB (later T, 17 KB), G 34 KB (rows of 136 floats; later the W and U staging), A 17 KB (64 x 68 fp32),
 // beta, the diagonal blocks' range flags and two mbarriers: 105,760 bytes, with the alignment slack 106,784:
-// two CTAs per SM (16 warps) on an H100/H200.
+// two CTAs per SM (16 warps) on an H100/H200. The backward mode adds P's block (8 KB, after A) and a third mbarrier:
+// 113,960 bytes, 114,984 with the slack, still two CTAs per SM.
 //
 // Measured (NVIDIA H100, 2026-11-27, bf16, bench/gpu/stage_times.py --variant kda --backend fused, kernel time
 // per forward): (2,16384,16,128) 0.597 ms where kda_prepare_kernel takes 1.009 (its bytes alone, 2442 per token
@@ -86,12 +107,22 @@ struct KdaPrepWgArgs {
   T* W = nullptr;              // [R, HV, 128]
   T* U = nullptr;              // [R, HV, 128]
   T* Kd = nullptr;             // [R, HV, 128]
-  T* P = nullptr;              // [R, HV, 64]
+  T* P = nullptr;              // [R, HV, 64] (the forward; the backward's recompute keeps P in shared memory)
   T* Qg = nullptr;             // [R, HV, 128]
+  // The backward's recompute (kda_prepare_wgmma_kernel<T, true>): every row of G, T and B0's scale P^T dO.
+  TileMap16 tm_do;             // dO [B, T, HV, 128]: boxes of 64 columns x 64 tokens
+  float* G = nullptr;          // [R, HV, 128] fp32: G of every token (the cumsum stage's bits)
+  float* Tinv = nullptr;       // [R, HV, 64] fp32: row i of the chunk's T (t16: rounded, the first 128 bytes)
+  float* dvl = nullptr;        // [R, HV, 128] fp32: scale P^T dO
+  float scale = 1.f;
+  bool t16 = false;
 };
 
-// Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
-struct KdaPrepWgSmem {
+// Byte offsets of the shared-memory regions (from the 1024-byte aligned base). kBwd (the backward's recompute) adds
+// P's 64 x 64 block (16-bit, 128-byte swizzle: B0's A operand, read M-major) after A and a third mbarrier (dO);
+// dO lands in A's bytes once T is solved.
+template <bool kBwd = false>
+struct KdaPrepWgSmemT {
   static constexpr int kBox = 64 * 128;           // one 64 x 64 box of 16-bit elements
   static constexpr int kLdg = 136;                // G's rows (floats)
   static constexpr int kLdA = 68;                 // A and T rows (floats): 4 mod 32, as wy_solve.cuh wants
@@ -100,17 +131,24 @@ struct KdaPrepWgSmem {
   static constexpr int k = q + 2 * kBox;          // K tile; K e^G after phase 3
   static constexpr int yr = k + 2 * kBox;         // Yr; T after phase 2
   static constexpr int g = yr + kYrBytes;         // G (fp32); W and U staged after phase 3
-  static constexpr int a = g + 64 * kLdg * 4;     // A (fp32; the solve's N in place)
-  static constexpr int beta = a + 64 * kLdA * 4;  // beta per row (0 past the chunk)
+  static constexpr int a = g + 64 * kLdg * 4;     // A (fp32; the solve's N in place); dO after the solve (kBwd)
+  static constexpr int p = a + 64 * kLdA * 4;     // P (kBwd only)
+  static constexpr int beta = p + (kBwd ? kBox : 0);  // beta per row (0 past the chunk)
   static constexpr int flags = beta + 256;        // bit a: block (a, a) left the tensor cores' safe range
-  static constexpr int bar = flags + 16;          // two mbarriers: Q and K, then V
-  static constexpr int bytes = bar + 16 + 1024;   // plus the alignment slack
-  static constexpr int v = q, t = yr, w_stage = g, u_stage = g + 2 * kBox;
+  static constexpr int bar = flags + 16;          // mbarriers: Q and K, then V (then dO)
+  static constexpr int bytes = bar + (kBwd ? 24 : 16) + 1024;  // plus the alignment slack
+  static constexpr int v = q, t = yr, w_stage = g, u_stage = g + 2 * kBox, dO = a;
 };
+using KdaPrepWgSmem = KdaPrepWgSmemT<false>;
 static_assert(64 * KdaPrepWgSmem::kLdA * 4 <= KdaPrepWgSmem::kYrBytes, "T must fit in Yr's region");
 static_assert(4 * KdaPrepWgSmem::kBox <= 64 * KdaPrepWgSmem::kLdg * 4, "the W and U staging must fit in G's region");
 static_assert(KdaPrepWgSmem::bytes == 106784, "the size the opening comment gives");
 static_assert(2 * (KdaPrepWgSmem::bytes + 1024) <= 228 * 1024, "two CTAs per SM on sm_90");
+static_assert(KdaPrepWgSmemT<true>::dO % 1024 == 0 && KdaPrepWgSmemT<true>::p % 1024 == 0,
+              "the dO tile and P's block take the 128-byte swizzle: 1024-byte aligned");
+static_assert(2 * KdaPrepWgSmem::kBox <= 64 * KdaPrepWgSmem::kLdA * 4, "dO must fit in A's region");
+static_assert(KdaPrepWgSmemT<true>::bytes == 114984, "the size the opening comment gives (backward)");
+static_assert(2 * (KdaPrepWgSmemT<true>::bytes + 1024) <= 228 * 1024, "two CTAs per SM on sm_90 (backward)");
 
 
 #ifdef DELTACP_WGMMA_DEVICE
@@ -164,6 +202,17 @@ __device__ __forceinline__ void wgmma_rs_kmajor(float (&d)[N / 2], const uint32_
 #ifdef DELTACP_WGMMA_DEVICE
 namespace kda_prep_wg {
 constexpr int kLdg = KdaPrepWgSmem::kLdg, kLdA = KdaPrepWgSmem::kLdA;
+
+// Where P's element (i, j) goes: row i of the chunk's P in global memory (rows p_ld apart), or (kPs, the backward)
+// the swizzled 64 x 64 block in shared memory (row i at 128 i, 16-byte piece j / 8 at ((j / 8) ^ i) % 8).
+template <bool kPs, class T>
+__device__ __forceinline__ T* p_at(T* Pc, int p_ld, int i, int j) {
+  if constexpr (kPs)
+    return reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(Pc) + i * 128 + ((((j >> 3) ^ i) & 7) << 4) +
+                                (j & 7) * 2);
+  else
+    return Pc + static_cast<int64_t>(i) * p_ld + j;
+}
 
 // Byte offset of the 16-byte piece pc (keys 8 pc .. 8 pc + 7) of row r in a swizzled tile of n rows x 128 keys
 // (two blocks of n rows x 64 keys, n * 128 bytes apart): the piece's place in its 128-byte row is pc ^ (r % 8).
@@ -285,8 +334,9 @@ __device__ __forceinline__ void score_round(uint32_t (&xf)[8][4], uint32_t yr, f
 
 // Row block a = N / 16 - 1 of A (warpgroup 0: As[i][j] = beta_i x, strict) or of P (warpgroup 1: rows < len to
 // global, 16-bit, inclusive, zeros right of the diagonal block) from the product with Yr_a, by warp a. The diagonal
-// block's columns are written here only when it went through the tensor cores (tc_diag).
-template <class T, int N>
+// block's columns are written here only when it went through the tensor cores (tc_diag). kPs: P into the
+// shared-memory block (p_at).
+template <class T, int N, bool kPs = false>
 __device__ __forceinline__ void score_rows_out(const float (&acc)[N / 2], int wg, bool tc_diag, float* As,
                                                const float* bs, T* Pc, int p_ld, int len, int g, int t) {
   constexpr int a = N / 16 - 1;
@@ -311,7 +361,6 @@ __device__ __forceinline__ void score_rows_out(const float (&acc)[N / 2], int wg
     for (int rr = 0; rr < 2; ++rr) {
       const int i = rr ? i1 : i0;
       if (i >= len) continue;
-      T* row = Pc + static_cast<int64_t>(i) * p_ld;
 #pragma unroll
       for (int nb = 0; nb < 8; ++nb) {
         const int j = 8 * nb + 2 * t;
@@ -322,7 +371,7 @@ __device__ __forceinline__ void score_rows_out(const float (&acc)[N / 2], int wg
           if (!tc_diag) continue;  // element by element below
           v = pack2<T>(j <= i ? acc[4 * nb + 2 * rr] : 0.f, j + 1 <= i ? acc[4 * nb + 2 * rr + 1] : 0.f);
         }
-        *reinterpret_cast<uint32_t*>(row + j) = v;
+        *reinterpret_cast<uint32_t*>(p_at<kPs>(Pc, p_ld, i, j)) = v;
       }
     }
   }
@@ -330,8 +379,8 @@ __device__ __forceinline__ void score_rows_out(const float (&acc)[N / 2], int wg
 
 // Diagonal block (a, a) element by element: kda_scores.cuh's loop (lane: row 16 a + lane % 16, half the keys;
 // the same fmaf order and e^(G_id - G_jd) masked to 0 before the exponential above the diagonal), X = K and the
-// strict mask into A (warpgroup 0) or X = Q and the inclusive mask into P (warpgroup 1).
-template <class T>
+// strict mask into A (warpgroup 0) or X = Q and the inclusive mask into P (warpgroup 1; kPs: p_at).
+template <class T, bool kPs = false>
 __device__ __forceinline__ void diag_block_elementwise(const unsigned char* X, const unsigned char* Y, const float* G,
                                                        int a, int lane, int len, int wg, float* As, const float* bs,
                                                        T* Pc, int p_ld) {
@@ -369,7 +418,7 @@ __device__ __forceinline__ void diag_block_elementwise(const unsigned char* X, c
       if (wg == 0) {
         As[i * kLdA + 16 * a + j] = bs[i] * x;
       } else if (i < len) {
-        Pc[static_cast<int64_t>(i) * p_ld + 16 * a + j] = from_f<T>(x);
+        *p_at<kPs>(Pc, p_ld, i, 16 * a + j) = from_f<T>(x);
       }
     }
   }
@@ -392,10 +441,11 @@ __device__ __forceinline__ void store_staged_rows(T* dst, const unsigned char* s
 }  // namespace kda_prep_wg
 #endif  // DELTACP_WGMMA_DEVICE
 
-template <class T>
+// kBwd: the backward's recompute (the opening comment's "Backward recompute").
+template <class T, bool kBwd = false>
 __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_constant__ KdaPrepWgArgs<T> a) {
 #ifdef DELTACP_WGMMA_DEVICE
-  using S = KdaPrepWgSmem;
+  using S = KdaPrepWgSmemT<kBwd>;
   using namespace kda_prep_wg;
   constexpr bool kDiagTc = std::is_same<T, __nv_bfloat16>::value;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -418,6 +468,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   if (tid == 0) {
     mbar_init(bars, 1);
     mbar_init(bars + 1, 1);
+    if constexpr (kBwd) mbar_init(bars + 2, 1);
     fence_mbar_init();
     *flags = 0u;
     const int h = static_cast<int>(hk);
@@ -446,8 +497,11 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   __syncthreads();
 
   // ---- phase 2: A (warpgroup 0, X = K) and P (warpgroup 1, X = Q) ----
-  T* Pc = a.P + (ce.row0 * HV + hv) * 64;        // row i of the chunk's P at Pc + i * p_ld
+  // Row i of the chunk's P at Pc + i * p_ld; the backward's in the shared-memory block (p_at), every row (those
+  // past len are zero: q's rows are), as B0's product reads them all.
+  T* Pc = kBwd ? reinterpret_cast<T*>(smem + S::p) : a.P + (ce.row0 * HV + hv) * 64;
   const int p_ld = static_cast<int>(HV * 64);    // HV <= 65535: 64 rows of it stay below 2^31
+  const int plen = kBwd ? 64 : len;
   const uint32_t yr = smem_u32(smem + S::yr);
   {
     const unsigned bad = scale_y_round<T, 3, 0>(smem + S::yr, smem + S::k, Gt, tid);
@@ -459,8 +513,8 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
     float accB[32], accS[8];
     score_round<T, 3, 0>(xf, yr, accB, accS);
     const unsigned wide = *flags;
-    if (wi == 3) score_rows_out<T, 64>(accB, wg, kDiagTc && !((wide >> 3) & 1u), As, bs, Pc, p_ld, len, g, t);
-    if (wi == 0) score_rows_out<T, 16>(accS, wg, kDiagTc && !(wide & 1u), As, bs, Pc, p_ld, len, g, t);
+    if (wi == 3) score_rows_out<T, 64, kBwd>(accB, wg, kDiagTc && !((wide >> 3) & 1u), As, bs, Pc, p_ld, plen, g, t);
+    if (wi == 0) score_rows_out<T, 16, kBwd>(accS, wg, kDiagTc && !(wide & 1u), As, bs, Pc, p_ld, plen, g, t);
   }
   __syncthreads();  // both warpgroups' products have read Yr
   {
@@ -473,19 +527,49 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
     float accB[24], accS[16];
     score_round<T, 2, 1>(xf, yr, accB, accS);
     const unsigned wide = *flags;
-    if (wi == 2) score_rows_out<T, 48>(accB, wg, kDiagTc && !((wide >> 2) & 1u), As, bs, Pc, p_ld, len, g, t);
-    if (wi == 1) score_rows_out<T, 32>(accS, wg, kDiagTc && !((wide >> 1) & 1u), As, bs, Pc, p_ld, len, g, t);
+    if (wi == 2) score_rows_out<T, 48, kBwd>(accB, wg, kDiagTc && !((wide >> 2) & 1u), As, bs, Pc, p_ld, plen, g, t);
+    if (wi == 1) score_rows_out<T, 32, kBwd>(accS, wg, kDiagTc && !((wide >> 1) & 1u), As, bs, Pc, p_ld, plen, g, t);
   }
   {  // the diagonal blocks that stayed off the tensor cores (fp16: all of them)
     const unsigned wide = *flags;
     if (!kDiagTc || ((wide >> wi) & 1u))
-      diag_block_elementwise<T>(smem + (wg == 0 ? S::k : S::q), smem + S::k, Gt, wi, lane, len, wg, As, bs, Pc, p_ld);
+      diag_block_elementwise<T, kBwd>(smem + (wg == 0 ? S::k : S::q), smem + S::k, Gt, wi, lane, wg == 0 ? len : plen,
+                                      wg, As, bs, Pc, p_ld);
   }
+  if constexpr (kBwd) fence_proxy_async();  // P's block: read by B0's products
   __syncthreads();  // A is complete; Yr, and Q and K as the scores read them, are dead
 
   // ---- phase 3: T (warpgroup 0) beside Q e^G, Kd out and K <- K e^G (warpgroup 1), then V ----
   if (wg == 0) {
-    unit_lower_inverse_64_tf32(As, Ts, kLdA, thr, [] { warpgroup_bar(0); });
+    unit_lower_inverse_64_tf32(As, Ts, kLdA, thr, [] { warpgroup_bar(0); });  // ends on the warpgroup's barrier
+    if constexpr (kBwd) {
+      fence_proxy_async();
+      warpgroup_bar(0);  // every read of A is done: dO may land there
+      if (thr == 0) {
+        mbar_expect_tx(bars + 2, 2 * S::kBox);
+        tma_load_4d(smem + S::dO, &a.tm_do.map, bars + 2, 0, static_cast<int>(hv), t0, b);
+        tma_load_4d(smem + S::dO + S::kBox, &a.tm_do.map, bars + 2, 64, static_cast<int>(hv), t0, b);
+      }
+      // T's rows < len (B3 / the chunk-local kernel): fp32, or rounded (t16) in the first 128 bytes of each row.
+      if (a.t16) {
+        for (int idx = thr; idx < 64 * 8; idx += 128) {
+          const int r = idx >> 3, c8 = idx & 7;
+          if (r < len) {
+            const float4 x = *reinterpret_cast<const float4*>(Ts + r * kLdA + 8 * c8);
+            const float4 y = *reinterpret_cast<const float4*>(Ts + r * kLdA + 8 * c8 + 4);
+            *reinterpret_cast<uint4*>(reinterpret_cast<char*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64) + 16 * c8) =
+                make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+          }
+        }
+      } else {
+        for (int idx = thr; idx < 64 * 16; idx += 128) {
+          const int r = idx >> 4, c4 = idx & 15;
+          if (r < len)
+            *reinterpret_cast<float4*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64 + 4 * c4) =
+                *reinterpret_cast<const float4*>(Ts + r * kLdA + 4 * c4);
+        }
+      }
+    }
   } else {
     const float* Glast = Gt + (len - 1) * kLdg;
     const int pc = thr & 15;
@@ -508,6 +592,11 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
         const int64_t row = (ce.row0 + i) * HV + hv;
         store8(a.Qg + row * 128 + 8 * pc, qv);
         store8(a.Kd + row * 128 + 8 * pc, kd);
+        if constexpr (kBwd) {  // G's row (the cumsum stage's bits: chunk_sum_gate sums in its order)
+          float4* gd = reinterpret_cast<float4*>(a.G + row * 128 + 8 * pc);
+          gd[0] = make_float4(gv[0], gv[1], gv[2], gv[3]);
+          gd[1] = make_float4(gv[4], gv[5], gv[6], gv[7]);
+        }
       }
       store8(reinterpret_cast<T*>(smem + S::k + o), kv);
     }
@@ -559,6 +648,39 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   stage_rows_128<T>(stage, acc);
   warpgroup_bar(wg);
   store_staged_rows<T>(wg == 0 ? a.W : a.U, stage, ce.row0, HV, hv, len, thr);
+
+  // ---- phase 5 (the backward): B0's dVn_local = scale P^T dO, warpgroup wg the value columns 64 wg .. 64 wg + 63:
+  // A = P^T (P's block read M-major), B = dO's block wg (MN-major), K = the chunk's 64 tokens ----
+  if constexpr (kBwd) {
+    unsigned char* dob = smem + S::dO + wg * S::kBox;
+    mbar_wait(bars + 2, 0);
+    if (len < 64)  // rows past the chunk: zero, as B0's masked loads leave them (P's rows there are zero too)
+      for (int idx = thr; idx < 64 * 8; idx += 128)
+        if ((idx >> 3) >= len) *reinterpret_cast<uint4*>(dob + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
+    fence_proxy_async();
+    warpgroup_bar(wg);
+    float dv[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dv[i] = 0.f;
+    wg_fence();
+    reg_fence(dv);
+    const uint32_t p_addr = smem_u32(smem + S::p), do_addr = smem_u32(dob);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma_ss<T, 64, 1, 1>(dv, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024), 1);
+    wg_commit();
+    wg_wait_all();
+    reg_fence(dv);
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * wi + g + 8 * h;
+        if (r < len)
+          *reinterpret_cast<float2*>(a.dvl + ((ce.row0 + r) * HV + hv) * 128 + 64 * wg + 8 * nb + 2 * t) =
+              make_float2(a.scale * dv[4 * nb + 2 * h], a.scale * dv[4 * nb + 2 * h + 1]);
+      }
+  }
 #else
   __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
 #endif
@@ -612,6 +734,53 @@ void launch_kda_prepare_wgmma(const Params& p, const ChunkTable& table, const Fw
               " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
   kernel<<<grid, 256, KdaPrepWgSmem::bytes, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+// Why kda_prepare_wgmma_kernel<T, true> (the backward's recompute) cannot run p (nullptr: it can): the forward
+// stage's limits, and dO read through a tensor map (B0's operand).
+inline const char* kda_bwd_recompute_wgmma_refusal(const Params& p) {
+  if (const char* why = kda_prepare_wgmma_refusal(p)) return why;
+  if (p.dout.ptr == nullptr) return "it folds in stage B0, which reads do (none given)";
+  if (!rows_aligned16(p.dout, dtype_size(p.dtype)) || !steps_forward(p.dout, p.B, p.T, p.HV))
+    return "it reads do by TMA (its pointer and strides must be 16-byte aligned and positive)";
+  return nullptr;
+}
+
+// The kda backward's recompute over every chunk of the table: G (every row, fp32), W, U, Kd, T (fp32, or 16-bit
+// with t16), Q e^G and stage B0's scale P^T dO into dvl ([R, HV, 128] fp32), from the raw gate p.g (q and k as
+// given: the backward takes them normalised).
+template <class T>
+void launch_kda_bwd_recompute_wgmma(const Params& p, const ChunkTable& table, float* G, T* W, T* U, T* Kd,
+                                    float* Tinv, bool t16, T* Qg, float* dvl, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  KdaPrepWgArgs<T> a;
+  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
+  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, 128, "k");
+  a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, 128, "v");
+  a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
+  a.f = make_args<T>(p, table);
+  if (p.g_fp32) {
+    a.f.g32 = dev_rows<const float>(p.g);
+  } else {
+    a.f.g16 = dev_rows<const T>(p.g);
+  }
+  a.f.g_last = nullptr;  // every row goes to G
+  a.f.qk_l2norm = false;
+  a.W = W;
+  a.U = U;
+  a.Kd = Kd;
+  a.Qg = Qg;
+  a.G = G;
+  a.Tinv = Tinv;
+  a.t16 = t16;
+  a.dvl = dvl;
+  a.scale = static_cast<float>(p.scale);
+  using S = KdaPrepWgSmemT<true>;
+  auto kernel = kda_prepare_wgmma_kernel<T, true>;
+  opt_in_smem(kernel, S::bytes, "K", "the wgmma kda recompute needs ", S::bytes, " bytes of shared memory");
+  const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+  kernel<<<grid, 256, S::bytes, stream>>>(a);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 

@@ -19,7 +19,10 @@
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
 //             W, U, and the chunk-start states h and v_new from h0 (W, U and T on Hopper's warpgroup
 //             products for 16-bit gdn / delta at K = V = 128: wy_wgmma.cuh, which then also does B0 from
-//             the P it forms anyway, so B0 is not launched). Where B1's grid is narrow the one-shot backward
+//             the P it forms anyway, so B0 is not launched; for 16-bit kda at K = V = 128
+//             (DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA=0 keeps the three kernels), kda_prepare_wgmma.cuh's kernel in
+//             its backward mode: G of every row, W, U, Kd, T, Q e^G and B0 in one kernel from the raw gate, no cumsum and no B0 launched).
+//             Where B1's grid is narrow the one-shot backward
 //             runs the state scan beside B1, B1 on a second stream (beside_b1_switch)
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
 //   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
@@ -69,7 +72,7 @@
 //   region 2, W, Kd, Q e^G until B1, then the buffers of one slice of the chunks for B2..B5
 //   W          bf16    WY -> B1                 256   256
 //   Kd         bf16    WY -> B1                   -   256
-//   Q e^G      bf16    B0 -> B1                   -   256
+//   Q e^G      bf16    B0 -> B1                   -   256   (the kda wgmma recompute writes it in B0's place)
 //   slice: dW (bf16; was fp32 512) 256, dP 256, dA 256, dq_w 512, dk_w 512, dG_w (kda) 512, dG rows (gdn) 4,
 //          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice: all the chunks when that is at
 //          most 256 MiB, else at least 16 * SMs / HV chunks (16 waves of B2's CTAs), or as many as fit
@@ -516,7 +519,8 @@ ScanPlan dh_piece_plan(const Params& p, const std::vector<SeqEntry>& seqs);  // 
 // scan, the WY stage). Measured (H100, bf16 gdn, fused forward + backward kernels per call): (1,8192,96,128)
 // 4.64 -> 4.48 ms (elapsed 4.98 -> 4.71); (2,16384,16,128) 4.24 -> 4.24 (the local kernel overlaps the state
 // scan there; elapsed within noise). kda's chunk-local kernel (bwd_local_kda_wgmma.cuh) reads them the same way;
-// for kda only dVn applies (its WY stage is the mma.sync one, which writes T in fp32).
+// for kda only dVn applies where its WY stage is the mma.sync one (which writes T in fp32), both with the wgmma
+// recompute (DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA).
 bool local_inputs_16bit(const Params& p, bool local) {
   if (p.dh0_only()) return false;  // no chunk-local stage
   return kernel_switch("DELTACP_TILED_BWD_LOCAL16", "the chunk-local kernel's inputs in 16 bits",
@@ -526,6 +530,20 @@ bool local_inputs_16bit(const Params& p, bool local) {
                                                   "which does not run these inputs";
                        },
                        /*unset_on=*/true);
+}
+
+// DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA (common/kernel_switch.h): unset = on where it applies (16-bit kda, K = V =
+// 128, compute capability 9.0): kda's recompute on Hopper's warpgroup products, kda_prepare_wgmma.cuh's kernel in
+// its backward mode (launch_kda_bwd_recompute, fwd_stages.cuh), one kernel in place of the gate cumsum,
+// chunk_wy_kernel<T, true> and stage B0 (it sums the gate, writes every row of G, and forms P and Q e^G anyway, so
+// B0's scale P^T dO is one more product in the same CTA); 1 = required (an error names why it cannot run these
+// inputs); 0 = the three kernels. A, P, W, U and dVn accumulate in wgmma's k order, which on the GPU tests gave the
+// mma.sync path's bits. Measured (H100, bf16, (2,16384,16,128), bench/gpu/stage_times.py --variant kda
+// --backward): 0.81 ms where the three kernels took 0.22 + 0.86 + 0.53; kda's forward + backward kernels
+// 7.03 -> 6.04 ms.
+bool use_kda_recompute_wgmma(const Params& p) {
+  return kernel_switch("DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA", "the wgmma kda recompute",
+                       [&] { return kda_bwd_recompute_refusal(p); }, /*unset_on=*/true);
 }
 
 bool b1_grid_narrow(const Params& p, const ChunkTable& table) {
@@ -602,9 +620,19 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   void* h = ws.at<void>(oh, bh);
 
   float* dvnew = ws.at<float>(odvn, bdvn);
-  launch_chunk_cumsum(p, table, G, stream);
+  void* Qg = ws.at<void>(oQg, bQg);
   const bool local16 = local_inputs_16bit(p, state->local || state->local_kda);
-  const WyDone wy = launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream, dvnew, local16);
+  WyDone wy;
+  if (use_kda_recompute_wgmma(p)) {  // (=1 for gdn / delta raises: the refusal says it implements kda)
+    // T in 16 bits only for the chunk-local kernel (B3's fallback reads it in fp32): local16 implies it for kda.
+    const bool t16 = local16 && state->local_kda;
+    launch_kda_bwd_recompute(p, table, G, W, U, Kd, Tinv, t16, Qg, dvnew, stream);
+    wy.dv_local = true;
+    wy.t16 = t16;
+  } else {
+    launch_chunk_cumsum(p, table, G, stream);
+    wy = launch_chunk_wy(p, table, G, W, U, Kd, Tinv, stream, dvnew, local16);
+  }
   state->U = U;
   state->h = h;
   state->vnew = vnew;
@@ -638,7 +666,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   a.vnew = vnew;
   a.h = h;
   a.Kd = Kd;
-  a.Qg = ws.at<void>(oQg, bQg);
+  a.Qg = Qg;
   a.chunk_size = p.chunk_size;
   a.dh = ws.at<void>(odh, bdh);  // null in the dh0-only mode (bdh = 0)
   a.dh0_only = dh0_only;

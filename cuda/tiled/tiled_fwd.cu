@@ -66,7 +66,9 @@
 //                                       kda_chain_operands_kernel in one
 //   kda_prepare_wgmma_kernel  256 thr   104.3 KB (2 CTAs/SM)     127 regs (fp16 126), no spills (nvcc 13.0, sm_90a):
 //                                       the same stage on wgmma (kda_prepare_wgmma.cuh; the default on
-//                                       compute capability 9.0, DELTACP_FUSED_KDA_PREPARE_WGMMA=0 turns it off)
+//                                       compute capability 9.0, DELTACP_FUSED_KDA_PREPARE_WGMMA=0 turns it off);
+//                                       its backward mode (the kda backward's recompute with B0): 112.3 KB
+//                                       (2 CTAs/SM), 127 regs (fp16 124), no spills
 // fp32 inputs need about twice the shared memory (the scan then runs one load stage); fp32 with
 // K or V = 256 does not fit an sm_80 (an Error names K). bf16/fp16 fit up to K = V = 256.
 //
@@ -1545,6 +1547,21 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
     } else {
       throw_error("dtype", "expected bf16 or fp16 for the fused forward's kda stage, got ", to_string(p.dtype));
     }
+  });
+}
+
+const char* kda_bwd_recompute_refusal(const Params& p) { return kda_bwd_recompute_wgmma_refusal(p); }
+
+void launch_kda_bwd_recompute(const Params& p, const ChunkTable& table, float* G, void* W, void* U, void* Kd,
+                              float* Tinv, bool t16, void* Qg, float* dvl, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  if (const char* why = kda_bwd_recompute_wgmma_refusal(p))
+    throw_error("variant", "the wgmma kda recompute cannot run: ", why);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (kIs16Bit<T>)
+      launch_kda_bwd_recompute_wgmma<T>(p, table, G, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Kd), Tinv,
+                                        t16, static_cast<T*>(Qg), dvl, stream);
   });
 }
 

@@ -6,6 +6,7 @@ docs/design.md section 7: fp32 inputs 1e-5 relative, bf16 1e-2. Skipped without 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -998,6 +999,10 @@ class _Switched:
         torch.cuda.synchronize()
         return {"o": o.detach(), "ht": ht.detach(), "dh0": h.grad, **{"d" + n: x[n].grad for n in self.names}}
 
+    def kernels(self, monkeypatch, env, value):
+        """The names of the CUDA kernels one run (forward and backward) launches with env at value."""
+        return _kernels_launched(lambda: self.run(monkeypatch, env, value))
+
     def reference(self):
         rounded = dict(self.p, **{n: self.t[n].double().cpu().numpy() for n in self.names},
                        initial_state=self.h0.double().cpu().numpy())
@@ -1005,6 +1010,15 @@ class _Switched:
         grads = ref_backward(ref, self.variant, rounded, self.do.double().cpu().numpy(),
                              dht=self.dht.double().cpu().numpy())
         return dict(grads, o=o, ht=ht)
+
+
+def _kernels_launched(fn):
+    """The names of the CUDA kernels fn() launches, space-separated (torch.profiler): the way to tell two kernel
+    paths apart where both give the same bits."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events())
 
 
 def _assert_close(got, other, want, tol_other, tol_want, what):
@@ -1168,11 +1182,9 @@ def test_fused_kda_prepare_wgmma_switch_values(monkeypatch):
             monkeypatch.delenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", raising=False)
         else:
             monkeypatch.setenv("DELTACP_FUSED_KDA_PREPARE_WGMMA", value)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, torch.no_grad():
-            _call("kda", dict(s.t), initial_state=s.h0, output_final_state=True, cu_seqlens=s.cu,
-                  use_qk_l2norm_in_kernel=False, backend="fused")
-            torch.cuda.synchronize()
-        return " ".join(e.name for e in prof.events())
+        with torch.no_grad():
+            return _kernels_launched(lambda: _call("kda", dict(s.t), initial_state=s.h0, output_final_state=True,
+                                                   cu_seqlens=s.cu, use_qk_l2norm_in_kernel=False, backend="fused"))
 
     unset, zero = kernels_run(None), kernels_run("0")
     assert "kda_prepare_wgmma_kernel" in unset, "unset is not the wgmma stage"
@@ -1400,3 +1412,126 @@ def test_dh_scan_in_pieces_matches_the_whole_scan(variant, dtype, monkeypatch):
                   5e-3 if dtype == torch.bfloat16 else 1e-5, TOL[dtype], "B1 in pieces vs whole")
     with pytest.raises(ValueError, match=env):
         s.run(monkeypatch, env, "lots")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gate_dtype", ["fp32", "16bit"])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)], ids=["one_value_head", "grouped"])
+@pytest.mark.parametrize("gates", ["mild", "steep"])
+def test_kda_wgmma_recompute_matches_the_three_kernels(dtype, gate_dtype, heads, gates, monkeypatch):
+    """kda's backward recompute on Hopper's warpgroup products (cuda/tiled/kda_prepare_wgmma.cuh in its backward
+    mode, DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA=1: G of every row, W, U, Kd, T, Q e^G and stage B0's scale P^T dO in
+    one kernel) against the gate cumsum, chunk_wy_kernel and B0 (=0) and the fp64 reference: every gradient and dh0;
+    packed sequences of 1, 63, 64, 65 and 207 tokens (short chunks), a non-zero dht and h0; g in fp32 or in the input
+    dtype; one value head per key head and grouped value heads; make_problem's mild gates, or every third block of
+    16 tokens decaying by 8 per token and key (diagonal blocks off the tensor cores). The products accumulate in
+    wgmma's k order (the GPU has given the same bits as =0; the test asks only for agreement within tolerance and
+    tells the paths apart by the kernels launched); o and ht (the forward, untouched) are the same bits. Then: unset
+    launches the recompute and gives =1's bits (the default on Hopper), and a second run, slices of two chunks
+    (DELTACP_BWD_SLICE_CHUNKS), T and dVn handed to the chunk-local kernel in fp32 (DELTACP_TILED_BWD_LOCAL16=0) give
+    the same bits; the mma.sync B2 / B3 (DELTACP_TILED_BWD_LOCAL_KDA=0, reading this kernel's fp32 T) and B1 in
+    pieces of 128 tokens agree within tolerance; a bad value, and fp32 inputs or gdn with =1, raise naming why."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kda recompute runs on compute capability 9.0 only")
+    H, HV = heads
+    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=101, rng_seed=37, H=H, HV=HV)
+    if gate_dtype == "16bit":
+        s.t["g"] = s.t["g"].to(dtype)
+    if gates == "steep":
+        tokens = s.t["g"].shape[1]
+        steep = (torch.arange(tokens, device="cuda") // 16) % 3 == 1
+        s.t["g"][:, steep] = -8.0
+    s.p["g"] = s.t["g"].double().cpu().numpy()
+    env = "DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA"
+    on = s.run(monkeypatch, env, "1")
+    off = s.run(monkeypatch, env, "0")
+    assert on["dg"].dtype == s.t["g"].dtype
+    want = s.reference()
+    _assert_close(on, off, want, 5e-3, 1e-2, "wgmma recompute vs cumsum + chunk_wy + B0")
+    assert torch.equal(on["o"], off["o"]) and torch.equal(on["ht"], off["ht"]), "the forward changed"
+    # On these inputs the two paths can give the same bits (the same products in the same k order), so the
+    # profiler tells them apart: =1 launches the prepare kernel in its backward mode and none of the three kernels
+    names_on, names_off = s.kernels(monkeypatch, env, "1"), s.kernels(monkeypatch, env, "0")
+    assert re.search(r"kda_prepare_wgmma_kernel<[^>]*, true>", names_on), "=1 did not run the wgmma recompute"
+    assert "bwd_dv_local_kernel" not in names_on and "bwd_dv_local_kernel" in names_off, "B0 ran with =1"
+    assert not re.search(r"kda_prepare_wgmma_kernel<[^>]*, true>", names_off), "=0 ran the wgmma recompute"
+    monkeypatch.delenv(env)
+    unset = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "0")  # 0: the slicing heuristic, as unset
+    names_unset = s.kernels(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "0")
+    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
+    assert re.search(r"kda_prepare_wgmma_kernel<[^>]*, true>", names_unset), "unset is not the wgmma recompute"
+    for name, x in on.items():
+        assert torch.equal(x, unset[name]), f"{name}: unset differs from =1 (the default on Hopper)"
+    again = s.run(monkeypatch, env, "1")
+    fp32_hand_offs = s.run(monkeypatch, "DELTACP_TILED_BWD_LOCAL16", "0")
+    monkeypatch.delenv("DELTACP_TILED_BWD_LOCAL16")
+    sliced = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "2")
+    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
+    for name, x in on.items():
+        assert torch.equal(x, again[name]), f"{name}: a second run differs"
+        assert torch.equal(x, fp32_hand_offs[name]), f"{name}: T and dVn in fp32 differ from 16 bits"
+        assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
+    two_stages = s.run(monkeypatch, "DELTACP_TILED_BWD_LOCAL_KDA", "0")
+    monkeypatch.delenv("DELTACP_TILED_BWD_LOCAL_KDA")
+    _assert_close(two_stages, on, want, 5e-3, 1e-2, "mma.sync B2, B3 on the wgmma recompute")
+    pieces = s.run(monkeypatch, "DELTACP_TILED_DH_PIECE", "128")
+    monkeypatch.delenv("DELTACP_TILED_DH_PIECE")
+    _assert_close(pieces, on, want, 5e-3, 1e-2, "B1 in pieces on the wgmma recompute")
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "sometimes")
+    monkeypatch.setenv(env, "1")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        _call("kda", {n: v.float().requires_grad_(True) for n, v in s.t.items()}, cu_seqlens=s.cu,
+              backend="tiled")[0].sum().backward()
+    g = _Switched("gdn", dtype, [0, 1, 64, 128, 193, 400], seed=101, rng_seed=37, H=H, HV=HV)
+    with pytest.raises(ValueError, match="implements kda"):
+        g.run(monkeypatch, env, "1")
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_kda_wgmma_recompute_dh0_only_equals_the_full_run(value, monkeypatch):
+    """The dh0-only kda backward (the CP pre-pass: stages B0 and B1 only) with the wgmma recompute on (=1) and off
+    (=0) gives the full backward's dh0 bit for bit (the same recompute and B1, only stores skipped), and the two
+    settings agree within tolerance. bf16, K = V = 128, packed sequences [0, 1, 64, 130, 300), grouped value heads."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kda recompute runs on compute capability 9.0 only")
+    from deltacp import _core
+    from deltacp._describe import torch_desc
+
+    p = make_problem("kda", cu_seqlens=[0, 1, 64, 130, 300], H=2, HV=4, K=128, V=128, seed=63)
+    t = {n: torch.as_tensor(np.ascontiguousarray(p[n])).to("cuda") for n in ("q", "k", "v", "g", "beta")}
+    t = {n: (x.bfloat16() if n != "g" else x.float()) for n, x in t.items()}
+    h0 = torch.as_tensor(p["initial_state"]).float().cuda()
+    cu = torch.as_tensor(np.asarray(p["cu_seqlens"], dtype=np.int64)).cuda()
+    d = {n: torch_desc(x, n) for n, x in t.items()}
+    d["h0"] = torch_desc(h0, "initial_state")
+    d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
+    cu_host = cu.cpu()
+    d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    do = torch.randn(t["v"].shape, device="cuda", generator=gen).bfloat16()
+    dht = torch.randn(tuple(h0.shape), device="cuda", generator=gen)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def dh0_of(with_grads, setting):
+        monkeypatch.setenv("DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA", setting)
+        _poison_cache(64 << 20)
+        dd = dict(d)
+        dh0 = torch.full(tuple(h0.shape), float("nan"), device="cuda")
+        dd.update(dout=torch_desc(do, "do"), dht=torch_desc(dht, "dht"), dh0=torch_desc(dh0, "dh0"))
+        keep = []
+        if with_grads:
+            for n, x in t.items():
+                keep.append(torch.empty_like(x))
+                dd["d" + n] = torch_desc(keep[-1], "d" + n)
+        _core.run("backward", "kda", "tiled", "float32", dd, None, 64, None, stream, False)
+        torch.cuda.synchronize()
+        return dh0
+
+    full, only = dh0_of(True, value), dh0_of(False, value)
+    assert torch.isfinite(full).all()
+    assert torch.equal(only, full)
+    other = dh0_of(False, "1" if value == "0" else "0")
+    assert rel_err(only.double().cpu().numpy(), other.double().cpu().numpy()) < 5e-3
