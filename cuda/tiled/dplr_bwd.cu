@@ -56,7 +56,7 @@
 //                           chunk by four warps of 16 rows); writes dq (after the first pair), dk, da, db, dgk
 // On compute capability 9.0, for bf16 / fp16 at K = V = 64 or K = V = 128 and chunk 64, kernels 5 and 6 are
 // replaced by one Hopper kernel, dplr_bwd_local_wgmma.cuh (DELTACP_TILED_DPLR_BWD_LOCAL=0 keeps them; "1" requires
-// it, and is what selects it at K = 128 for now): one CTA of 256 threads per (chunk, head) at K = 64, one per (chunk, head, key half) at K = 128 (each forms
+// it): one CTA of 256 threads per (chunk, head) at K = 64, one per (chunk, head, key half) at K = 128 (each forms
 // dUt' and the four score gradients whole, and its 64 key columns of dq, dk, da, db, dgk and value columns of
 // dv), the same products as whole-chunk wgmma products, dUt' and the four score gradients kept in shared memory
 // (neither they nor the triangles go through HBM), and the gram gradients taken about one reference per key column

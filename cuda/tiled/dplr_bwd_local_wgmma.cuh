@@ -76,7 +76,7 @@
 //
 // Measured (NVIDIA H100, 2026-11-27, bf16, gates logsigmoid(randn) clamped to [-5, 0], bench/gpu/stage_times.py
 // --variant dplr --backend tiled --backward, kernel time per call): (4,4096,32,64) 1.17 ms where kernels 5 + 6
-// took 0.71 + 3.08; the forward + backward's kernels 6.42 -> 3.81 ms. K = V = 128 (DELTACP_TILED_DPLR_BWD_LOCAL=1):
+// took 0.71 + 3.08; the forward + backward's kernels 6.42 -> 3.81 ms. K = V = 128:
 // (1,16384,16,128) 1.69 ms where kernels 5 + 6 took 0.52 + 3.09; the forward + backward's kernels 8.10 -> 6.15 ms. ptxas (nvcc 13, sm_90a, bf16 and
 // fp16): 189 registers (NV = 1) and 191 (NV = 2), no spills; it reports (C7520) that the per-warpgroup product
 // branches serialise the wgmma instructions, so the products of the two warpgroups do not overlap as they could.
@@ -802,13 +802,11 @@ inline const char* dplr_local_refusal(const Params& p, int64_t chunks) {
 #endif
 }
 
-// DELTACP_TILED_DPLR_BWD_LOCAL (common/kernel_switch.h): unset = this kernel instead of kernels 5 and 6 where it
-// applies at K = V = 64; 0 = kernels 5 and 6; 1 = required (an error names why it cannot run these inputs), the
-// only way to K = V = 128: its one-key-half-per-CTA form has passed the C++ tier tests (bf16, fp16) and
-// compute-sanitizer on a GPU, but not yet the steep-gate and packed-sequence tests of test_dplr_cuda.py.
+// DELTACP_TILED_DPLR_BWD_LOCAL (common/kernel_switch.h): unset = this kernel instead of kernels 5 and 6 wherever
+// it applies (K = V = 64 or 128); 0 = kernels 5 and 6; 1 = required (an error names why it cannot run these inputs).
 inline bool use_dplr_local(const Params& p, int64_t chunks) {
   return kernel_switch("DELTACP_TILED_DPLR_BWD_LOCAL", "the DPLR chunk-local backward kernel",
-                       [&] { return dplr_local_refusal(p, chunks); }, /*unset_on=*/p.K == kDLCols);
+                       [&] { return dplr_local_refusal(p, chunks); }, /*unset_on=*/true);
 }
 
 // After the forward stages and the reverse scan have filled x's workspace (G, Kd, T, A_ak, P_qk, Ut, h, dh, dUt).
