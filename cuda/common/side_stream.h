@@ -5,6 +5,8 @@
 //                          priority, so the serial chain given to it takes its SMs first and the token-parallel
 //                          work beside it fills the rest (the fused forward's windows, the tiled backward's dh
 //                          scan beside the recompute's state scan).
+//   ForkJoin               a fork of the side stream from the caller's (it waits for all queued there) and the
+//                          join back, also on an exception.
 // One per device for the process: callers on several threads share it (correct, by events; their work on it
 // is ordered, so two callers' side work does not overlap). The callers keep their work on the caller's stream
 // while it is captured into a CUDA graph (tiled/chunk_table.cuh stream_capturing), so that a captured graph
@@ -35,5 +37,47 @@ inline cudaStream_t side_stream() {
   }
   return streams[static_cast<size_t>(dev)];
 }
+
+// A fork of `side` from `main` (side waits for everything queued on main so far) and the join back (main waits
+// for everything queued on side): join() checks the two calls; the destructor joins when join() did not run or
+// failed (an exception between the two), so that whatever main frees afterwards, stream-ordered, outlives the
+// side stream's use of it. A pending event may be destroyed: its resources go once it completes.
+class ForkJoin {
+ public:
+  ForkJoin(cudaStream_t main, cudaStream_t side) : main_(main), side_(side) {
+    DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    const cudaError_t err = cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      (void)cudaEventDestroy(fork_);
+      DELTACP_CUDA_CHECK(err);
+    }
+    const cudaError_t rec = cudaEventRecord(fork_, main_);
+    const cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(side_, fork_, 0) : rec;
+    if (wait != cudaSuccess) {
+      destroy();
+      DELTACP_CUDA_CHECK(wait);
+    }
+  }
+  void join() {
+    DELTACP_CUDA_CHECK(cudaEventRecord(join_, side_));
+    DELTACP_CUDA_CHECK(cudaStreamWaitEvent(main_, join_, 0));
+    joined_ = true;
+  }
+  ~ForkJoin() {
+    if (!joined_ && cudaEventRecord(join_, side_) == cudaSuccess) (void)cudaStreamWaitEvent(main_, join_, 0);
+    destroy();
+  }
+  ForkJoin(const ForkJoin&) = delete;
+  ForkJoin& operator=(const ForkJoin&) = delete;
+
+ private:
+  void destroy() {
+    (void)cudaEventDestroy(fork_);
+    (void)cudaEventDestroy(join_);
+  }
+  cudaStream_t main_, side_;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  bool joined_ = false;
+};
 
 }  // namespace deltacp::cuda

@@ -98,20 +98,22 @@
 // Registers (nvcc 13 -Xptxas -v, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at 16 bits,
 // 207-214 at fp32 (unchanged); dk 168 / 168 at 16 bits (its cap for three CTAs), 226 / 224 at fp32 (previous
 // version: 128 / 128 and 250 / 234). Kernels 1-4 as in dplr_fwd.cu.
-// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-27): forward + backward 3.75 ms at
-// (4,4096,32,64) and 4.05 at (2,8192,32,64) with the chunk-local kernel, 7.89 at (1,16384,16,128) with kernels 5
-// and 6 (measured before the chunk-local kernel covered K = 128; that shape now takes it, not yet timed): 1.65,
-// 1.63 and 1.07x the speed of FLA's faster configuration (6.18, 6.61, 8.42 ms). With kernels 5 and 6
-// everywhere: 6.33, 6.60 and 7.90 ms (0.98, 1.00 and 1.06x) in the run before; the first version took 12.5, 13.0 and 18.3 ms on the same GPU, the previous
+// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-28): forward + backward 3.78 ms at
+// (4,4096,32,64), 3.90 at (2,8192,32,64) and 5.73 at (1,16384,16,128) with the chunk-local kernel and the two scans
+// side by side: 1.64, 1.69 and 1.47x the speed of FLA's faster configuration (6.20, 6.60, 8.41 ms); with the scans
+// in order 3.73, 4.02 and 6.13 the run before. With kernels 5 and 6 everywhere: 6.33, 6.60 and 7.90 ms (0.98,
+// 1.00 and 1.06x) on 2026-11-26; the first version took 12.5, 13.0 and 18.3 ms on the same GPU, the previous
 // one (kernel 6 at two CTAs per SM, 32-column scans) 7.10, 7.30 and 9.41. Kernel time per forward + backward
-// (bench/gpu/stage_times.py --variant dplr --backward): (2,8192,32,64) 6.67 ms: kernel 6 (dk) 3.06 (3.55 before),
-// the wy stage's two launches 1.13, the output stage 0.76, kernel 5 (dv) 0.71, the scan 0.64, the reverse scan
-// 0.36; (1,16384,16,128) 8.09 ms: dk 3.10, the scan 1.46, wy 1.24, output 0.90, the reverse scan 0.84, dv 0.53.
-// Kernel 6 is still half the backward. Still as before: kernel 5 passes over the value blocks twice (four 64 x 64
+// (bench/gpu/stage_times.py --variant dplr --backward, scans in order, 2026-11-28): (1,16384,16,128) 6.17 ms: the
+// chunk-local kernel 1.71, the scan's two launches 1.46, wy 1.23, output 0.89, the reverse scan 0.85; side by side
+// the elapsed time per call went 6.43 -> 6.09 ms. Kernels 5 and 6 (where the chunk-local kernel does not run)
+// as before: kernel 5 passes over the value blocks twice (four 64 x 64
 // accumulators at once would hold 128 registers per thread); kernel 6 loads every value tile once per 32 key
 // columns (4 times at K = 128, through L2: the key blocks of a chunk are neighbours in the grid); the workspace
 // holds 10 per-chunk intermediates in HBM (the forward's, plus T, A_ak, P_qk, dh_c, dUt, dUt' and the score
 // gradients).
+#include "../common/kernel_switch.h"
+#include "../common/side_stream.h"
 #include "dplr_bwd_local_wgmma.cuh"
 #include "dplr_stages.cuh"
 
@@ -614,6 +616,24 @@ __global__ void __launch_bounds__(kDThreads, kIs16Bit<T> ? 3 : 2) dplr_bwd_dk_ke
 }
 
 // ---- host ------------------------------------------------------------------------------------------------------
+// Kernels 2 and 4 are chains over a sequence's chunks whose grids leave SMs idle where few sequences x heads run,
+// and neither reads what the other writes (kernel 4 takes W, Bd, D_n from kernel 1 and q e^G, P_qb from kernel 3;
+// kernel 2 writes h_c and Ut for kernels 5-6), so after kernel 3 they run side by side: the reverse scan on the
+// side stream of common/side_stream.h (the higher priority: the longer chain), the forward scan on the caller's,
+// joined before kernels 5-6; both at 32 columns where their two grids together leave half the GPU's CTA slots
+// free (dplr_scan_narrow with grids = 2). The gradients are the same arithmetic per value column either way.
+// DELTACP_TILED_DPLR_BWD_BESIDE (common/kernel_switch.h): unset = side by side; 0 = one after the other (kernels
+// 1, 2, 3, 4); 1 = required (an error where the stream is being captured into a CUDA graph: the captured graph
+// would hold a fork the caller did not ask for; unset runs in order there).
+bool dplr_scans_beside(const Params& p) {
+  return kernel_switch("DELTACP_TILED_DPLR_BWD_BESIDE", "the DPLR backward's scans side by side",
+                       [&]() -> const char* {
+                         if (stream_capturing(static_cast<cudaStream_t>(p.stream)))
+                           return "the stream is being captured into a CUDA graph (the backward then runs in order)";
+                         return nullptr;
+                       });
+}
+
 template <class T, int KP>
 void run_dplr_backward(const Params& p, cudaStream_t stream) {
   check_dplr_grid(p);
@@ -623,6 +643,7 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
   // every dtype and K: its refusal covers fp32 and K / V other than 64 / 64 and 128 / 128, so "1" names why such
   // inputs cannot take the kernel.
   const bool local = use_dplr_local(p, (p.B * p.T + 63) / 64 + p.num_seqs);
+  const bool beside = dplr_scans_beside(p);
   check_dplr_smem<T, KP>(p, kDplrWy | kDplrScan | kDplrOut | kDplrDh0Scan | (local ? 0u : kDplrBwdDv | kDplrBwdDk));
   const ChunkTable table(p, p.chunk_size, stream);  // (after the checks: a refusal launches nothing)
   const int64_t R = p.B * p.T, H = p.H, C = table.num_chunks();
@@ -675,14 +696,26 @@ void run_dplr_backward(const Params& p, cudaStream_t stream) {
   if (C > 0) {
     dplr_launch(dplr_wy_kernel<T, KP>, WySmem<T, KP>::bytes, per_chunk, p, "WY stage", stream, x);
   }
-  if (p.num_seqs > 0) {
-    dplr_launch_scan<T, KP>(p, VP, stream, x);
-  }
-  if (C > 0) {
-    dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
-  }
-  if (p.num_seqs > 0) {
-    dplr_launch_dh0_scan<T, KP>(p, VP, "reverse state-gradient scan", stream, x);
+  if (beside) {  // kernel 3 first, then the two scans side by side (the reverse one on the side stream)
+    if (C > 0) {
+      dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
+    }
+    if (p.num_seqs > 0) {
+      ForkJoin fork(stream, side_stream());  // on an exception, its destructor still joins
+      dplr_launch_dh0_scan<T, KP>(p, VP, "reverse state-gradient scan", side_stream(), x, /*grids=*/2);
+      dplr_launch_scan<T, KP>(p, VP, stream, x, /*grids=*/2);
+      fork.join();
+    }
+  } else {
+    if (p.num_seqs > 0) {
+      dplr_launch_scan<T, KP>(p, VP, stream, x);
+    }
+    if (C > 0) {
+      dplr_launch(dplr_output_kernel<T, KP>, OutSmem<T, KP>::bytes, per_chunk, p, "output stage", stream, x);
+    }
+    if (p.num_seqs > 0) {
+      dplr_launch_dh0_scan<T, KP>(p, VP, "reverse state-gradient scan", stream, x);
+    }
   }
   if (C > 0 && local) {
     if constexpr (kIs16Bit<T>) launch_dplr_local<T, KP / 64>(p, x, C, stream);

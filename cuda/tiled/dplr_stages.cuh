@@ -912,20 +912,21 @@ void dplr_launch(Kernel kernel, int64_t bytes, dim3 grid, const Params& p, const
 // CTAs, each with half the products per chunk (its chain of chunks is the critical path), at the price of every
 // CTA copying the chunk's W, Kd, Bd (and W, Bd, q e^G, P_qb) tiles, shared by twice as many CTAs through L2.
 // Narrow where twice the 32-column grid still fits the GPU's resident CTA slots for the 32-column layout, and the
-// 16-column layout fits this GPU's opt-in limit.
-inline bool dplr_scan_narrow(const Params& p, int VP, int64_t wide_bytes, int64_t narrow_bytes) {
+// 16-column layout fits this GPU's opt-in limit. `grids` scans of this size running side by side (the full
+// backward's two, dplr_bwd.cu) count together: narrow only where twice all their 32-column CTAs fit.
+inline bool dplr_scan_narrow(const Params& p, int VP, int64_t wide_bytes, int64_t narrow_bytes, int grids = 1) {
   const int64_t wide = p.num_seqs * p.H * (VP / kDBV);
   if (wide <= 0 || VP / 16 > 65535 || narrow_bytes > max_smem_optin()) return false;
-  return 2 * wide <= int64_t(sm_count()) * ctas_per_sm(static_cast<size_t>(wide_bytes));
+  return 2 * grids * wide <= int64_t(sm_count()) * ctas_per_sm(static_cast<size_t>(wide_bytes));
 }
 
-// The forward state scan, grid (N * H, VP / BV) with BV from dplr_scan_narrow.
+// The forward state scan, grid (N * H, VP / BV) with BV from dplr_scan_narrow (`grids`: see there).
 template <class T, int KP>
-void dplr_launch_scan(const Params& p, int VP, cudaStream_t stream, const DplrArgs<T>& x) {
+void dplr_launch_scan(const Params& p, int VP, cudaStream_t stream, const DplrArgs<T>& x, int grids = 1) {
   using Wide = ScanSmem<T, KP, kDBV>;
   using Narrow = ScanSmem<T, KP, 16>;
   const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
-  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes)) {
+  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes, grids)) {
     dplr_launch(dplr_scan_kernel<T, KP, 16>, Narrow::bytes, dim3(nh, static_cast<unsigned>(VP / 16)), p,
                 "state scan", stream, x);
   } else {
@@ -935,11 +936,12 @@ void dplr_launch_scan(const Params& p, int VP, cudaStream_t stream, const DplrAr
 }
 // The reverse state-gradient scan, the same way.
 template <class T, int KP>
-void dplr_launch_dh0_scan(const Params& p, int VP, const char* stage, cudaStream_t stream, const DplrArgs<T>& x) {
+void dplr_launch_dh0_scan(const Params& p, int VP, const char* stage, cudaStream_t stream, const DplrArgs<T>& x,
+                          int grids = 1) {
   using Wide = Dh0Smem<T, KP, kDBV>;
   using Narrow = Dh0Smem<T, KP, 16>;
   const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
-  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes)) {
+  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes, grids)) {
     dplr_launch(dplr_dh0_scan_kernel<T, KP, 16>, Narrow::bytes, dim3(nh, static_cast<unsigned>(VP / 16)), p, stage,
                 stream, x);
   } else {

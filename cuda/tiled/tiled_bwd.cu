@@ -821,48 +821,6 @@ void with_config(const Params& p, F&& f) {
   });
 }
 
-// A fork of `side` from `main` (side waits for everything queued on main so far) and the join back (main waits
-// for everything queued on side): join() checks the two calls; the destructor joins when join() did not run or
-// failed (an exception between the two), so that whatever main frees afterwards, stream-ordered, outlives the
-// side stream's use of it. A pending event may be destroyed: its resources go once it completes.
-class ForkJoin {
- public:
-  ForkJoin(cudaStream_t main, cudaStream_t side) : main_(main), side_(side) {
-    DELTACP_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-    const cudaError_t err = cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
-    if (err != cudaSuccess) {
-      (void)cudaEventDestroy(fork_);
-      DELTACP_CUDA_CHECK(err);
-    }
-    const cudaError_t rec = cudaEventRecord(fork_, main_);
-    const cudaError_t wait = rec == cudaSuccess ? cudaStreamWaitEvent(side_, fork_, 0) : rec;
-    if (wait != cudaSuccess) {
-      destroy();
-      DELTACP_CUDA_CHECK(wait);
-    }
-  }
-  void join() {
-    DELTACP_CUDA_CHECK(cudaEventRecord(join_, side_));
-    DELTACP_CUDA_CHECK(cudaStreamWaitEvent(main_, join_, 0));
-    joined_ = true;
-  }
-  ~ForkJoin() {
-    if (!joined_ && cudaEventRecord(join_, side_) == cudaSuccess) (void)cudaStreamWaitEvent(main_, join_, 0);
-    destroy();
-  }
-  ForkJoin(const ForkJoin&) = delete;
-  ForkJoin& operator=(const ForkJoin&) = delete;
-
- private:
-  void destroy() {
-    (void)cudaEventDestroy(fork_);
-    (void)cudaEventDestroy(join_);
-  }
-  cudaStream_t main_, side_;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
-  bool joined_ = false;
-};
-
 // B0 and B1 as `which` says, then (all, after_b0) B2..B5 slice after slice, on the prepared stream. With
 // beside_b1 (the one-shot backward's state scan), B1 runs on the side stream (common/side_stream.h) after
 // everything before it, beside_b1() on the prepared stream meanwhile, and B2.. after both.

@@ -35,6 +35,7 @@ SHAPES = {
     "tiny_varlen": (1, None, 2, 64, 64, [0, 1, 3, 3, 8, 9, 25, 26, 30]),
     "T1_K128": (2, 1, 2, 128, 128, None),
     "varlen_K128": (1, None, 2, 128, 128, [0, 1, 64, 64, 129, 200, 201]),
+    "H16_K128": (1, 200, 16, 128, 128, None),  # 64 scan CTAs of 32 columns: 16 in order, 32 side by side
 }
 
 
@@ -455,3 +456,38 @@ def test_dplr_local_switch_off_elsewhere(monkeypatch):
     g_zero = _grads_with_switch(monkeypatch, "0", t, h0, cu, do, dht)
     for n in GRADS:
         assert torch.equal(g_unset[n], g_zero[n]), n
+
+
+@pytest.mark.parametrize("shape", ["varlen", "varlen_K128", "H16_K128"])
+def test_dplr_backward_scans_beside(shape, monkeypatch):
+    """The full backward's forward and reverse scans side by side (dplr_bwd.cu, DELTACP_TILED_DPLR_BWD_BESIDE: the
+    reverse scan on the side stream after the output stage) against the four kernels one after the other (=0):
+    both within the bf16 tolerance of the fp64 reference and within 1e-3 of each other (the same arithmetic per
+    value column; at H16_K128 the two modes take different column widths); unset is =1 bit for bit, =1 is
+    deterministic, and anything but 0 / 1 is an error naming the variable."""
+    var = "DELTACP_TILED_DPLR_BWD_BESIDE"
+    p, t, h0, cu = _inputs(shape, torch.bfloat16, seed=zlib.crc32(f"beside/{shape}".encode()))
+    do, dht = _upstream(p, torch.bfloat16, zlib.crc32(f"besideup/{shape}".encode()), True)
+    g_ref = _ref_grads(p, do, dht, True)
+
+    def grads(value):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+        g, tier = _tiled_grads(t, h0, cu, "tiled", do, dht)
+        assert tier == "tiled"
+        return g
+
+    g_on, g_on2, g_off, g_unset = grads("1"), grads("1"), grads("0"), grads(None)
+    for n in GRADS:
+        on, off = g_on[n].double().cpu().numpy(), g_off[n].double().cpu().numpy()
+        assert np.isfinite(on).all(), f"{n}: not finite side by side"
+        assert rel_err(on, g_ref[n]) < TOL[torch.bfloat16], f"{n}: side by side vs the reference"
+        assert rel_err(off, g_ref[n]) < TOL[torch.bfloat16], f"{n}: in order vs the reference"
+        assert rel_err(on, off) < 1e-3, f"{n}: side by side vs in order {rel_err(on, off):.2e}"
+        assert torch.equal(g_on[n], g_on2[n]), f"{n}: side by side is not deterministic"
+        assert torch.equal(g_on[n], g_unset[n]), f"{n}: unset is not side by side"
+    monkeypatch.setenv(var, "2")
+    with pytest.raises(Exception, match=var):
+        _tiled_grads(t, h0, cu, "tiled", do, dht)
