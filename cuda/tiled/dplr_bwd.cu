@@ -63,8 +63,8 @@
 // (the chunk's midpoint decay, c_d = G_{n-1,d} / 2) instead of the 16-row reference blocks below: one product per
 // score and side, with an element-by-element fp32 fallback for columns whose span would leave the 16-bit range
 // (steep gates). Its opening comment gives the algorithm and its speed (H100, (4,4096,32,64): 1.17 ms where
-// kernels 5 + 6 took 0.71 + 3.08; (1,16384,16,128) with "1": 1.69 ms where they took 0.52 + 3.09). Everything else (fp32, other K / V, other GPUs, chunk
-// sizes below 64) runs the six kernels below.
+// kernels 5 + 6 took 0.71 + 3.08; (1,16384,16,128): 1.69 ms where they took 0.52 + 3.09). Everything else (fp32,
+// other K / V, other GPUs, chunk sizes below 64) runs the six kernels below.
 //
 // Intermediates (workspace, beyond the forward's): T, A_ak, P_qk, P_qb p.dtype [chunks, H, 64, 64]; q e^G
 // p.dtype [R, H, KP]; Ut, dUt, dUt' p.dtype [R, H, VP]; h_c, dh_c p.dtype [chunks, H, KP, VP]; the score
@@ -100,18 +100,17 @@
 // version: 128 / 128 and 250 / 234). Kernels 1-4 as in dplr_fwd.cu.
 // Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-28): forward + backward 3.78 ms at
 // (4,4096,32,64), 3.90 at (2,8192,32,64) and 5.73 at (1,16384,16,128) with the chunk-local kernel and the two scans
-// side by side: 1.64, 1.69 and 1.47x the speed of FLA's faster configuration (6.20, 6.60, 8.41 ms); with the scans
-// in order 3.73, 4.02 and 6.13 the run before. With kernels 5 and 6 everywhere: 6.33, 6.60 and 7.90 ms (0.98,
-// 1.00 and 1.06x) on 2026-11-26; the first version took 12.5, 13.0 and 18.3 ms on the same GPU, the previous
-// one (kernel 6 at two CTAs per SM, 32-column scans) 7.10, 7.30 and 9.41. Kernel time per forward + backward
-// (bench/gpu/stage_times.py --variant dplr --backward, scans in order, 2026-11-28): (1,16384,16,128) 6.17 ms: the
-// chunk-local kernel 1.71, the scan's two launches 1.46, wy 1.23, output 0.89, the reverse scan 0.85; side by side
-// the elapsed time per call went 6.43 -> 6.09 ms. Kernels 5 and 6 (where the chunk-local kernel does not run)
-// as before: kernel 5 passes over the value blocks twice (four 64 x 64
-// accumulators at once would hold 128 registers per thread); kernel 6 loads every value tile once per 32 key
-// columns (4 times at K = 128, through L2: the key blocks of a chunk are neighbours in the grid); the workspace
-// holds 10 per-chunk intermediates in HBM (the forward's, plus T, A_ak, P_qk, dh_c, dUt, dUt' and the score
-// gradients).
+// side by side: 1.64, 1.69 and 1.47x the speed of FLA's faster configuration (6.20, 6.60, 8.41 ms); with the scans in
+// order 3.73, 4.02 and 6.13 the run before. With kernels 5 and 6 everywhere: 6.33, 6.60 and 7.90 ms (0.98, 1.00 and
+// 1.06x) on 2026-11-27, before the chunk-local kernel; the first version took 12.5, 13.0 and 18.3 ms on the same GPU,
+// the previous one (kernel 6 at two CTAs per SM, 32-column scans) 7.10, 7.30 and 9.41. Kernel time per forward +
+// backward (bench/gpu/stage_times.py --variant dplr --backward, scans in order, 2026-11-28): (1,16384,16,128) 6.17 ms:
+// the chunk-local kernel 1.71, the scan's two launches 1.46, wy 1.23, output 0.89, the reverse scan 0.85; side by side
+// the elapsed time per call went 6.43 -> 6.09 ms. Kernels 5 and 6 (where the chunk-local kernel does not run) as
+// before: kernel 5 passes over the value blocks twice (four 64 x 64 accumulators at once would hold 128 registers per
+// thread); kernel 6 loads every value tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a
+// chunk are neighbours in the grid); the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T,
+// A_ak, P_qk, dh_c, dUt, dUt' and the score gradients).
 #include "../common/kernel_switch.h"
 #include "../common/side_stream.h"
 #include "dplr_bwd_local_wgmma.cuh"
