@@ -1012,6 +1012,22 @@ class _Switched:
         return dict(grads, o=o, ht=ht)
 
 
+def _kda_gate_family_problem(dtype, gate_dtype, heads, gates, seed, rng_seed):
+    """A _Switched kda problem over packed sequences of 1, 63, 64, 65 and 207 tokens with g in fp32 or the input
+    dtype ("16bit"), and make_problem's mild gates or ("steep") every third block of 16 tokens decaying by 8 per
+    token and key (diagonal blocks off the tensor cores)."""
+    H, HV = heads
+    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=seed, rng_seed=rng_seed, H=H, HV=HV)
+    if gate_dtype == "16bit":
+        s.t["g"] = s.t["g"].to(dtype)
+    if gates == "steep":
+        tokens = s.t["g"].shape[1]
+        steep = (torch.arange(tokens, device="cuda") // 16) % 3 == 1
+        s.t["g"][:, steep] = -8.0
+    s.p["g"] = s.t["g"].double().cpu().numpy()
+    return s
+
+
 def _kernels_launched(fn):
     """The names of the CUDA kernels fn() launches, space-separated (torch.profiler): the way to tell two kernel
     paths apart where both give the same bits."""
@@ -1297,15 +1313,7 @@ def test_kda_local_backward_matches_the_two_stages(dtype, gate_dtype, heads, gat
     _require_cuda_build()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the kda chunk-local backward runs on compute capability 9.0 only")
-    H, HV = heads
-    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=97, rng_seed=29, H=H, HV=HV)
-    if gate_dtype == "16bit":
-        s.t["g"] = s.t["g"].to(dtype)
-    if gates == "steep":
-        tokens = s.t["g"].shape[1]
-        steep = (torch.arange(tokens, device="cuda") // 16) % 3 == 1
-        s.t["g"][:, steep] = -8.0
-    s.p["g"] = s.t["g"].double().cpu().numpy()
+    s = _kda_gate_family_problem(dtype, gate_dtype, heads, gates, seed=97, rng_seed=29)
     env = "DELTACP_TILED_BWD_LOCAL_KDA"
     local = s.run(monkeypatch, env, "1")
     off = s.run(monkeypatch, env, "0")
@@ -1434,15 +1442,7 @@ def test_kda_wgmma_recompute_matches_the_three_kernels(dtype, gate_dtype, heads,
     _require_cuda_build()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kda recompute runs on compute capability 9.0 only")
-    H, HV = heads
-    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=101, rng_seed=37, H=H, HV=HV)
-    if gate_dtype == "16bit":
-        s.t["g"] = s.t["g"].to(dtype)
-    if gates == "steep":
-        tokens = s.t["g"].shape[1]
-        steep = (torch.arange(tokens, device="cuda") // 16) % 3 == 1
-        s.t["g"][:, steep] = -8.0
-    s.p["g"] = s.t["g"].double().cpu().numpy()
+    s = _kda_gate_family_problem(dtype, gate_dtype, heads, gates, seed=101, rng_seed=37)
     env = "DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA"
     on = s.run(monkeypatch, env, "1")
     off = s.run(monkeypatch, env, "0")
