@@ -72,10 +72,15 @@ def timed(perf, variant, direction, impl):
             and x["impl"] == impl and "ms" in x}
 
 
+def same_run(perf, a, b):
+    """True when rows a and b come from one run: a row kept from an earlier run carries that run's date."""
+    return a.get("date", perf["date"]) == b.get("date", perf["date"])
+
+
 def ratios(perf, variant, direction, impl):
-    """{shape: impl time / FLA time} over the shapes both timed."""
+    """{shape: impl time / FLA time} over the shapes both timed in the same run."""
     mine, fla = timed(perf, variant, direction, impl), timed(perf, variant, direction, "fla")
-    return {s: mine[s]["ms"] / fla[s]["ms"] for s in mine if s in fla}
+    return {s: mine[s]["ms"] / fla[s]["ms"] for s in mine if s in fla and same_run(perf, mine[s], fla[s])}
 
 
 def rows_date(perf, variant):
@@ -141,7 +146,7 @@ def readme_table(res):
                         newest[key] = perf
         for variant in perf.get("accuracy", {}):
             key = ("accuracy", variant)
-            if key not in newest or rows_date(perf, variant) > rows_date(newest[key], variant):
+            if key not in newest or perf["date"] > newest[key]["date"]:
                 newest[key] = perf
     lines = ["| measure | result | where, when |", "|---|---|---|"]
     for perf in res["perf"]:
@@ -216,7 +221,7 @@ def readme_table(res):
             if cells:
                 lines.append(f"| bf16 accuracy, {variant.upper()}: worst relative error of o, ht and every gradient "
                              f"against fp64 | " + ", ".join(cells) + f" | {gpu_short(perf['gpu'])}, "
-                             f"{rows_date(perf, variant)} |")
+                             f"{perf['date']} |")  # the accuracy block is the latest run's
     return lines
 
 
@@ -284,7 +289,8 @@ def perf_md(res, plots):
                     cells = [f"{by[n]['ms']:.3f}" if n in by and "ms" in by[n] else ("error" if n in by else "-")
                              for n in impls]
                     fla = by.get("fla", {})
-                    rat = [f"{by[n]['ms'] / fla['ms']:.2f}x" if "ms" in by.get(n, {}) and "ms" in fla else "-"
+                    rat = [f"{by[n]['ms'] / fla['ms']:.2f}x"
+                           if "ms" in by.get(n, {}) and "ms" in fla and same_run(perf, by[n], fla) else "-"
                            for n in ours]
                     best = next((by[n] for n in ours if "ms" in by.get(n, {})), None)
                     extra = ([f"{best['TFLOPs']:.0f}", f"{best['TBps']:.2f}", f"{best['roofline_fraction']:.0%}"]

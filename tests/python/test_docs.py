@@ -97,3 +97,24 @@ def test_stages_to_json_names_dplr_kernels_and_its_backend(tmp_path):
     assert section["shapes"]["4,4096,32,64"]["kernels_ms"] == {
         "dplr_bwd_local_wgmma (5-6)": 1.173, "dplr_wy (1, both)": 1.122, "dplr_scan (2, both)": 0.487,
         "dplr_dh0_scan (4)": 0.251}
+
+
+def test_ratios_only_against_fla_of_the_same_run():
+    """A row kept from an earlier run (its own date) is shown, but divided only by FLA's row of that run: beside
+    FLA's row of the latest run its ratio is '-' and it enters no README range."""
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    try:
+        import make_docs
+    finally:
+        sys.path.pop(0)
+
+    def row(impl, ms, **kw):
+        return dict(variant="gdn", impl=impl, B=1, T=64, H=1, D=128, direction="fwd", ms=ms, **kw)
+
+    perf = {"gpu": "G", "date": "2026-11-28",
+            "rows": [row("fla", 2.0), row("deltacp-tiled", 1.0), row("deltacp-naive", 8.0, date="2026-11-27")]}
+    assert make_docs.ratios(perf, "gdn", "fwd", "deltacp-tiled") == {(1, 64, 1, 128): 0.5}
+    assert make_docs.ratios(perf, "gdn", "fwd", "deltacp-naive") == {}
+    perf["rows"].append(row("fla", 4.0, date="2026-11-27"))  # that run's FLA row: the naive row's ratio is back
+    perf["rows"] = [r for r in perf["rows"] if r["impl"] != "deltacp-tiled" and r.get("date")]
+    assert make_docs.ratios(perf, "gdn", "fwd", "deltacp-naive") == {(1, 64, 1, 128): 2.0}
