@@ -212,6 +212,10 @@ def main():
                 "heads": a.heads, "head_dim": a.head_dim, "dtype": a.dtype, "repeat": a.repeat,
                 "source": "bench/cp/cp_timeline.py, FLA's benchmark keywords", "versions": step.versions()},
                 f"{a.variant} {direction}", [timings for _, timings in gathered])
+    # Every rank past its last collective before any tears the group down: a rank that destroyed it while
+    # rank 0 was still writing the results aborted at exit under gloo ("terminate called without an active
+    # exception"), about one run in five on a 2-core machine.
+    ranks.barrier()
     dist.destroy_process_group()
 
 
