@@ -1028,6 +1028,21 @@ def _kda_gate_family_problem(dtype, gate_dtype, heads, gates, seed, rng_seed):
     return s
 
 
+def _assert_kda_switch_refusals(s, monkeypatch, env, gdn_reason, dtype, heads, seed, rng_seed):
+    """A kda-only kernel switch `env`: a bad value raises naming it; "1" with fp32 inputs raises naming the dtypes
+    the kernel takes, and "1" for gdn (the same packed problem) raises with gdn_reason."""
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "sometimes")
+    monkeypatch.setenv(env, "1")
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        _call("kda", {n: v.float().requires_grad_(True) for n, v in s.t.items()}, cu_seqlens=s.cu,
+              backend="tiled")[0].sum().backward()
+    H, HV = heads
+    g = _Switched("gdn", dtype, [0, 1, 64, 128, 193, 400], seed=seed, rng_seed=rng_seed, H=H, HV=HV)
+    with pytest.raises(ValueError, match=gdn_reason):
+        g.run(monkeypatch, env, "1")
+
+
 def _kernels_launched(fn):
     """The names of the CUDA kernels fn() launches, space-separated (torch.profiler): the way to tell two kernel
     paths apart where both give the same bits."""
@@ -1332,15 +1347,7 @@ def test_kda_local_backward_matches_the_two_stages(dtype, gate_dtype, heads, gat
         assert torch.equal(x, again[name]), f"{name}: a second run differs"
         assert torch.equal(x, fp32_dvn[name]), f"{name}: dVn in fp32 differs from dVn in 16 bits"
         assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
-    with pytest.raises(ValueError, match=env):
-        s.run(monkeypatch, env, "sometimes")
-    monkeypatch.setenv(env, "1")
-    with pytest.raises(ValueError, match="bf16 or fp16"):
-        _call("kda", {n: v.float().requires_grad_(True) for n, v in s.t.items()}, cu_seqlens=s.cu,
-              backend="tiled")[0].sum().backward()
-    g = _Switched("gdn", dtype, [0, 1, 64, 128, 193, 400], seed=97, rng_seed=29, H=H, HV=HV)
-    with pytest.raises(ValueError, match="per-key gate"):
-        g.run(monkeypatch, env, "1")
+    _assert_kda_switch_refusals(s, monkeypatch, env, "per-key gate", dtype, heads, seed=97, rng_seed=29)
 
 
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
@@ -1478,15 +1485,7 @@ def test_kda_wgmma_recompute_matches_the_three_kernels(dtype, gate_dtype, heads,
     pieces = s.run(monkeypatch, "DELTACP_TILED_DH_PIECE", "128")
     monkeypatch.delenv("DELTACP_TILED_DH_PIECE")
     _assert_close(pieces, on, want, 5e-3, 1e-2, "B1 in pieces on the wgmma recompute")
-    with pytest.raises(ValueError, match=env):
-        s.run(monkeypatch, env, "sometimes")
-    monkeypatch.setenv(env, "1")
-    with pytest.raises(ValueError, match="bf16 or fp16"):
-        _call("kda", {n: v.float().requires_grad_(True) for n, v in s.t.items()}, cu_seqlens=s.cu,
-              backend="tiled")[0].sum().backward()
-    g = _Switched("gdn", dtype, [0, 1, 64, 128, 193, 400], seed=101, rng_seed=37, H=H, HV=HV)
-    with pytest.raises(ValueError, match="implements kda"):
-        g.run(monkeypatch, env, "1")
+    _assert_kda_switch_refusals(s, monkeypatch, env, "implements kda", dtype, heads, seed=101, rng_seed=37)
 
 
 @pytest.mark.parametrize("value", ["0", "1"])
