@@ -1028,6 +1028,20 @@ def _kda_gate_family_problem(dtype, gate_dtype, heads, gates, seed, rng_seed):
     return s
 
 
+def _assert_rerun_fp32_and_sliced_same_bits(s, monkeypatch, env, want, hand_offs):
+    """With `env` at 1: a second run, the chunk-local kernel's hand-offs in fp32 (DELTACP_TILED_BWD_LOCAL16=0) and
+    slices of two chunks (DELTACP_BWD_SLICE_CHUNKS=2) each give want's bits."""
+    again = s.run(monkeypatch, env, "1")
+    fp32 = s.run(monkeypatch, "DELTACP_TILED_BWD_LOCAL16", "0")
+    monkeypatch.delenv("DELTACP_TILED_BWD_LOCAL16")
+    sliced = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "2")
+    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
+    for name, x in want.items():
+        assert torch.equal(x, again[name]), f"{name}: a second run differs"
+        assert torch.equal(x, fp32[name]), f"{name}: {hand_offs} in fp32 differ from 16 bits"
+        assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
+
+
 def _assert_kda_switch_refusals(s, monkeypatch, env, gdn_reason, dtype, heads, seed, rng_seed):
     """A kda-only kernel switch `env`: a bad value raises naming it; "1" with fp32 inputs raises naming the dtypes
     the kernel takes, and "1" for gdn (the same packed problem) raises with gdn_reason."""
@@ -1338,15 +1352,7 @@ def test_kda_local_backward_matches_the_two_stages(dtype, gate_dtype, heads, gat
     default = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "0")  # 0: the slicing heuristic, as unset
     for name, x in local.items():
         assert torch.equal(x, default[name]), f"{name}: unset differs from =1 (the kernel is the default)"
-    again = s.run(monkeypatch, env, "1")
-    fp32_dvn = s.run(monkeypatch, "DELTACP_TILED_BWD_LOCAL16", "0")
-    monkeypatch.delenv("DELTACP_TILED_BWD_LOCAL16")
-    sliced = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "2")
-    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
-    for name, x in local.items():
-        assert torch.equal(x, again[name]), f"{name}: a second run differs"
-        assert torch.equal(x, fp32_dvn[name]), f"{name}: dVn in fp32 differs from dVn in 16 bits"
-        assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
+    _assert_rerun_fp32_and_sliced_same_bits(s, monkeypatch, env, local, "dVn")
     _assert_kda_switch_refusals(s, monkeypatch, env, "per-key gate", dtype, heads, seed=97, rng_seed=29)
 
 
@@ -1470,15 +1476,7 @@ def test_kda_wgmma_recompute_matches_the_three_kernels(dtype, gate_dtype, heads,
     assert re.search(r"kda_prepare_wgmma_kernel<[^>]*, true>", names_unset), "unset is not the wgmma recompute"
     for name, x in on.items():
         assert torch.equal(x, unset[name]), f"{name}: unset differs from =1 (the default on Hopper)"
-    again = s.run(monkeypatch, env, "1")
-    fp32_hand_offs = s.run(monkeypatch, "DELTACP_TILED_BWD_LOCAL16", "0")
-    monkeypatch.delenv("DELTACP_TILED_BWD_LOCAL16")
-    sliced = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "2")
-    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
-    for name, x in on.items():
-        assert torch.equal(x, again[name]), f"{name}: a second run differs"
-        assert torch.equal(x, fp32_hand_offs[name]), f"{name}: T and dVn in fp32 differ from 16 bits"
-        assert torch.equal(x, sliced[name]), f"{name}: slices of two chunks differ"
+    _assert_rerun_fp32_and_sliced_same_bits(s, monkeypatch, env, on, "T and dVn")
     two_stages = s.run(monkeypatch, "DELTACP_TILED_BWD_LOCAL_KDA", "0")
     monkeypatch.delenv("DELTACP_TILED_BWD_LOCAL_KDA")
     _assert_close(two_stages, on, want, 5e-3, 1e-2, "mma.sync B2, B3 on the wgmma recompute")
