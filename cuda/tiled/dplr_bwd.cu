@@ -98,17 +98,17 @@
 // Registers (nvcc 13 -Xptxas -v, sm_80 / sm_90a, no spills): dv 140 / 142 (KP 64), 188 / 186 (KP 128) at 16 bits,
 // 207-214 at fp32 (unchanged); dk 168 / 168 at 16 bits (its cap for three CTAs), 226 / 224 at fp32 (previous
 // version: 128 / 128 and 250 / 234). Kernels 1-4 as in dplr_fwd.cu.
-// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-28): forward + backward 3.78 ms at
-// (4,4096,32,64), 3.90 at (2,8192,32,64) and 5.73 at (1,16384,16,128) with the chunk-local kernel and the two scans
-// side by side: 1.64, 1.69 and 1.47x the speed of FLA's faster configuration (6.20, 6.60, 8.41 ms); with the scans in
-// order 3.73, 4.02 and 6.13 the run before. With kernels 5 and 6 everywhere: 6.33, 6.60 and 7.90 ms (0.98, 1.00 and
-// 1.06x) on 2026-11-27, before the chunk-local kernel; the first version took 12.5, 13.0 and 18.3 ms on the same GPU,
-// the previous one (kernel 6 at two CTAs per SM, 32-column scans) 7.10, 7.30 and 9.41. Kernel time per forward +
-// backward (bench/gpu/stage_times.py --variant dplr --backward, scans in order, 2026-11-28): (1,16384,16,128) 6.17 ms:
-// the chunk-local kernel 1.71, the scan's two launches 1.46, wy 1.23, output 0.89, the reverse scan 0.85; side by side
-// the elapsed time per call went 6.43 -> 6.09 ms. Kernels 5 and 6 (where the chunk-local kernel does not run) as
-// before: kernel 5 passes over the value blocks twice (four 64 x 64 accumulators at once would hold 128 registers per
-// thread); kernel 6 loads every value tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a
+// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2, 2026-11-28): forward + backward 3.76 ms at
+// (4,4096,32,64), 3.88 at (2,8192,32,64) and 5.21 at (1,16384,16,128) with the chunk-local kernel, the two scans side
+// by side and, at K = 128, on 8 warps: 1.65, 1.70 and 1.60x the speed of FLA's faster configuration (6.19, 6.62, 8.35
+// ms); at (1,16384,16,128) 5.73 ms with the scans on 4 warps, 6.13 with them in order as well. With kernels 5 and 6
+// everywhere: 6.33, 6.60 and 7.90 ms (0.98, 1.00 and 1.06x) on 2026-11-27, before the chunk-local kernel; the first
+// version took 12.5, 13.0 and 18.3 ms on the same GPU, the previous one (kernel 6 at two CTAs per SM, 32-column scans)
+// 7.10, 7.30 and 9.41. Kernel time per forward + backward (bench/gpu/stage_times.py --variant dplr --backward, scans in
+// order, 2026-11-28): (1,16384,16,128) 6.17 ms: the chunk-local kernel 1.71, the scan's two launches 1.46, wy 1.23,
+// output 0.89, the reverse scan 0.85 (all on 4 warps); side by side the elapsed time per call went 6.43 -> 6.09 ms.
+// Kernels 5 and 6 (where the chunk-local kernel does not run) as before: kernel 5 passes over the value blocks twice
+// (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads every value tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a
 // chunk are neighbours in the grid); the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T,
 // A_ak, P_qk, dh_c, dUt, dUt' and the score gradients).
 #include "../common/kernel_switch.h"

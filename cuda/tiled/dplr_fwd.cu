@@ -60,12 +60,14 @@
 //                                                   fp32); W, T A_ak, U on the tensor cores, each row block over
 //                                                   T's nonzero columns only
 //   2 dplr_scan_kernel    grid (N * H, VP / BV)     sequential over a sequence's chunks; the state's BV
-//                                                   columns stay in fp32 registers (warp w: rows
-//                                                   [w KP/4, (w+1) KP/4)); writes h_c (chunk-start state)
-//                                                   and Ut; ht. Two stages of the per-chunk tiles (W, Kd, Bd,
-//                                                   U, V, D_n) where they fit the configuration's budget (all
-//                                                   but fp32 K > 64): the next chunk's copies are in flight
-//                                                   during this chunk's products. BV = 32, or 16 where the
+//                                                   columns stay in fp32 registers; 8 warps at K = 128
+//                                                   (each a 16-row tile of the state), 4 at K <= 64
+//                                                   (dplr_stages.cuh ScanWarps, dplr_scan_warps); writes h_c
+//                                                   (chunk-start state) and Ut; ht. Two stages of the
+//                                                   per-chunk tiles (W, Kd, Bd, U, V, D_n) where they fit
+//                                                   the configuration's budget (all but fp32 K > 64): the
+//                                                   next chunk's copies are in flight during this chunk's
+//                                                   products. BV = 32, or 16 where the
 //                                                   32-column grid would fill at most half the GPU's resident
 //                                                   CTA slots (dplr_scan_narrow: a few long sequences, e.g.
 //                                                   (1,16384,16,128): 64 CTAs of 32 columns on a 132-SM GPU,
@@ -132,14 +134,16 @@
 // 16-bit KP 128 sm_90a 40-48 bytes (ptxas holds it to 64 registers there); dh0 scan fp32 KP 128 sm_90a 4 bytes;
 // none elsewhere. (The first version: wy 72-80 / 63-79, scan 94-127 / 80-123, output 80 / 66-72, dh0 scan
 // 122-128 / 80-96, with 4-8 byte spills in some wy and output kernels.)
-// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2's chunk_dplr_delta_rule, 2026-11-27): forward
-// 1.23 ms at (4,4096,32,64), 1.29 at (2,8192,32,64), 1.84 at (1,16384,16,128): 1.50, 1.56 and 1.53x the speed of
-// FLA's faster configuration (chunk 64 with safe_gate: 1.83, 2.01, 2.81 ms). The first version took 3.15, 3.25
-// and 5.67 ms on the same GPU; with 32-column scans only, 1.38, 1.40 and 2.23 ms. Kernel time of one forward +
+// Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2's chunk_dplr_delta_rule, 2026-11-28): forward
+// 1.23 ms at (4,4096,32,64), 1.29 at (2,8192,32,64), 1.63 at (1,16384,16,128): 1.48, 1.56 and 1.72x the speed of
+// FLA's faster configuration (chunk 64 with safe_gate: 1.83, 2.01, 2.81 ms); at (1,16384,16,128) 1.82 ms with the
+// scans on 4 warps. The first version took 3.15, 3.25 and 5.67 ms on the same GPU; with 32-column scans only,
+// 1.38, 1.40 and 2.23 ms. Kernel time of one forward +
 // backward (bench/gpu/stage_times.py --variant dplr --backward; each of these stages runs in the forward and again
 // in the backward's recompute): (2,8192,32,64) the wy stage 1.13 ms (the first version 4.72 on an H200), the
-// output stage 0.76, the scan 0.64; (1,16384,16,128) the scan 1.46 ms (128 CTAs of 16 columns, 1.85 ms as 64 of
-// 32: one long sequence leaves the grid narrow either way), the wy stage 1.24, the output stage 0.90.
+// output stage 0.76, the scan 0.64; (1,16384,16,128) the scan 1.46 ms on 4 warps (128 CTAs of 16 columns, 1.85 ms
+// as 64 of 32: one long sequence leaves the grid narrow either way; on 8 warps, with the backward's scans side by
+// side, 1.14 ms against 1.65 in one run), the wy stage 1.24, the output stage 0.90.
 #include "dplr_stages.cuh"
 
 namespace deltacp::cuda::tiled {

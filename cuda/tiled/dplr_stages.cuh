@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "../common/check.h"
 #include "../common/dev_rows.cuh"
 #include "../common/device_info.h"
+#include "../common/kernel_switch.h"
 #include "../common/load_store.cuh"
 #include "../common/workspace_pool.h"
 #include "chunk_table.cuh"
@@ -80,10 +82,10 @@ __device__ __forceinline__ void decay_rows_to_end(const T* tile, int ld, const f
 // A chunk's rows [wrow, wrow + len) of a [R, H, KP] workspace (W, Kd, Bd, q e^G: rows ldg = H * KP apart) into
 // a 64-row shared tile of leading dimension ldk, zeros past len (cp.async; the caller commits): the scans'
 // per-chunk key-side tiles.
-template <class T, int KP>
+template <class T, int KP, int NThreads = kDThreads>
 __device__ __forceinline__ void load_key_rows(T* dst, int ldk, const T* ws, int64_t wrow, int64_t ldg, int len) {
   const T* src = ws + wrow * KP;
-  load_tile<T, kDThreads>(dst, ldk, src, ldg, len, kDRows, KP, KP, vec_ok(src, ldg));
+  load_tile<T, NThreads>(dst, ldk, src, ldg, len, kDRows, KP, KP, vec_ok(src, ldg));
 }
 __host__ __device__ constexpr int64_t align16(int64_t x) { return (x + 15) / 16 * 16; }
 
@@ -437,11 +439,40 @@ __device__ __forceinline__ ScanChunk scan_chunk(const ChunkEntry* chunks, int64_
   return ScanChunk{e.batch, e.t0, e.row0, static_cast<int>(e.len)};
 }
 
-template <class T, int KP, int BV>
-__global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> x) {
+// The scans' warps (NW = 4 or 8; dplr_scan_warps): which part of the state and of the chunk's 64 rows each warp
+// owns. The state's KP x BV block: KP / 16 row tiles of 16 when NW = 8 and KP = 128 (one per warp), else four row
+// groups of KP / 4 rows, times NW / 4 column groups. The chunk's 64 x BV low-rank read-outs (Ut, dUt): four row
+// blocks of 16 tokens, times two column halves when NW = 8 and BV = 32; with NW = 8 and BV = 16 only warps 0-3
+// make them (a half of 16 columns would be one 8-column tile), and warps 4-7 make the state's part that does not
+// wait for them meanwhile. Every element's products run over the same k-steps in the same order for either NW,
+// so both give the same bits.
+template <int NW, int KP, int BV>
+struct ScanWarps {
+  static_assert(NW == 4 || NW == 8, "the scans run 4 or 8 warps");
+  static constexpr int kThreads = 32 * NW;
+  static constexpr int kRowGroups = (NW == 8 && KP == 128) ? 8 : 4;
+  static constexpr int kColGroups = NW / kRowGroups;
+  static constexpr int MT = KP / (16 * kRowGroups);  // 16-row tiles of the state per warp
+  static constexpr int NT = BV / (8 * kColGroups);   // 8-column tiles of the state per warp
+  static constexpr int kUtCols = (NW == 8 && BV == 32) ? 2 : 1;
+  static constexpr int kUtWarps = 4 * kUtCols;
+  static constexpr int NTU = BV / (8 * kUtCols);     // 8-column tiles of the read-outs per warp
+  __device__ static int m0(int warp) { return (warp % kRowGroups) * (KP / kRowGroups); }
+  __device__ static int c0(int warp) { return (warp / kRowGroups) * (BV / kColGroups); }
+  __device__ static int u0(int warp) { return (warp / 4) * (BV / kUtCols); }
+};
+
+// The forward scan, NW warps (ScanWarps). Per chunk: S to shared memory (and h_c out); then, after one barrier,
+// Ut = U + W S, and meanwhile S <- D_n S + Kd^T V (neither reads the other's result); after a second barrier,
+// S += Bd^T Ut. With two stages the next chunk's copies are issued right after the first barrier: every warp has
+// then finished the previous chunk, the last reader of the stage they overwrite, so a chunk takes two barriers
+// (three before: the copies went out at the top, and a barrier at the end kept them off the stage still being
+// read). With one stage the copies go out at the top and the chunk ends with that third barrier.
+template <class T, int KP, int BV, int NW>
+__global__ void __launch_bounds__(32 * NW) dplr_scan_kernel(const DplrArgs<T> x) {
   using L = ScanSmem<T, KP, BV>;
-  constexpr int MT = KP / 64;  // 16-row tiles of the state per warp
-  constexpr int NT = BV / 8;   // 8-column tiles of the state's block
+  using Wp = ScanWarps<NW, KP, BV>;
+  constexpr int MT = Wp::MT, NT = Wp::NT, NTU = Wp::NTU, kThreads = Wp::kThreads;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sUt = smem_at<T>(smem, L::Ut);
   T* sS = smem_at<T>(smem, L::S);
@@ -449,7 +480,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t nh = blockIdx.x, n = nh / x.H, h = nh - n * x.H;
   const int v0 = blockIdx.y * BV;
-  const int m0 = warp * (KP / 4);  // this warp's first state row
+  const int m0 = Wp::m0(warp), c0 = Wp::c0(warp);  // this warp's first state row and column (within the block)
+  const int t0 = 16 * (warp & 3), u0 = Wp::u0(warp);  // and its read-outs' first token row and column
+  const bool makes_ut = warp < Wp::kUtWarps;
   const SeqEntry seq = x.seqs[n];
   const int64_t state0 = (n * x.H + h) * x.K * x.V;
   const int64_t ldk_g = x.H * KP, ldv_g = x.H * x.VP;
@@ -458,25 +491,24 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
   auto issue = [&](const ScanChunk& ch, int64_t c, int st) {
     unsigned char* base = smem + st * L::stage;
     const int64_t wrow = ch.row0 * x.H + h;
-    load_key_rows<T, KP>(smem_at<T>(base, L::W), L::ldk, x.W, wrow, ldk_g, ch.len);
-    load_key_rows<T, KP>(smem_at<T>(base, L::Kd), L::ldk, x.Kd, wrow, ldk_g, ch.len);
-    load_key_rows<T, KP>(smem_at<T>(base, L::Bd), L::ldk, x.Bd, wrow, ldk_g, ch.len);
-    load_tile<T, kDThreads>(smem_at<T>(base, L::U), L::ldv, x.U + wrow * x.VP + v0, ldv_g, ch.len, kDRows, BV,
-                            BV, vec_ok(x.U + wrow * x.VP + v0, ldv_g));
+    load_key_rows<T, KP, kThreads>(smem_at<T>(base, L::W), L::ldk, x.W, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP, kThreads>(smem_at<T>(base, L::Kd), L::ldk, x.Kd, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP, kThreads>(smem_at<T>(base, L::Bd), L::ldk, x.Bd, wrow, ldk_g, ch.len);
+    load_tile<T, kThreads>(smem_at<T>(base, L::U), L::ldv, x.U + wrow * x.VP + v0, ldv_g, ch.len, kDRows, BV, BV,
+                           vec_ok(x.U + wrow * x.VP + v0, ldv_g));
     const T* pv = x.v.at(ch.batch, ch.t0, h) + v0;
-    load_tile<T, kDThreads>(smem_at<T>(base, L::V), L::ldv, pv, x.v.st, ch.len, kDRows, static_cast<int>(x.V) - v0,
-                            BV, vec_ok(pv, x.v.st));
+    load_tile<T, kThreads>(smem_at<T>(base, L::V), L::ldv, pv, x.v.st, ch.len, kDRows, static_cast<int>(x.V) - v0,
+                           BV, vec_ok(pv, x.v.st));
     const float* pdn = x.Dn + (c * x.H + h) * KP;
-    load_tile<float, kDThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
+    load_tile<float, kThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
     cp_async_commit();
   };
 
   float S[MT][NT][4];
-  load_acc(S, x.h0 == nullptr ? nullptr : x.h0 + state0 + v0, x.V, m0, static_cast<int>(x.K),
-           static_cast<int>(x.V) - v0);
+  load_acc(S, x.h0 == nullptr ? nullptr : x.h0 + state0 + v0 + c0, x.V, m0, static_cast<int>(x.K),
+           static_cast<int>(x.V) - v0 - c0);
 
-  // Two stages: chunk ci + 1's copies are issued before chunk ci's products; the chunk fields run one further
-  // ahead (a register load in flight during a chunk's work).
+  // The chunk fields run one chunk ahead of the copies (a register load in flight during a chunk's work).
   ScanChunk cur{}, nxt{};
   if (seq.num_chunks > 0) cur = scan_chunk(x.chunks, seq.first_chunk);
   if (seq.num_chunks > 1) nxt = scan_chunk(x.chunks, seq.first_chunk + 1);
@@ -488,11 +520,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
     const bool more = ci + 1 < seq.num_chunks;
     ScanChunk after{};
     if (ci + 2 < seq.num_chunks) after = scan_chunk(x.chunks, c + 2);
-    if (L::kStages == 1) {
-      issue(cur, c, 0);
-    } else if (more) {
-      issue(nxt, c + 1, st ^ 1);  // that stage was last read by chunk ci - 1, which ended with __syncthreads
-    }
+    if (L::kStages == 1) issue(cur, c, 0);
     unsigned char* base = smem + st * L::stage;
     const T* sW = smem_at<T>(base, L::W);
     const T* sKd = smem_at<T>(base, L::Kd);
@@ -504,7 +532,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
     const int64_t wrow = (cur.row0 * x.H + h);
     // The chunk-start state: a T operand in shared memory, and h_c in the workspace (for the output stage and
     // the backward; a final-state-only run, the CP pre-pass's maps, keeps none: x.h null).
-    T* hc = x.h == nullptr ? nullptr : x.h + (c * x.H + h) * KP * x.VP + v0;
+    T* hc = x.h == nullptr ? nullptr : x.h + (c * x.H + h) * KP * x.VP + v0 + c0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -512,50 +540,49 @@ __global__ void __launch_bounds__(kDThreads) dplr_scan_kernel(const DplrArgs<T> 
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int r = m0 + acc_row(mt, e), col = acc_col(nt, e);
-          store_pair(sS + r * L::ldv + col, S[mt][nt][e], S[mt][nt][e + 1]);
+          store_pair(sS + r * L::ldv + c0 + col, S[mt][nt][e], S[mt][nt][e + 1]);
           if (hc != nullptr) store_pair(hc + int64_t(r) * x.VP + col, S[mt][nt][e], S[mt][nt][e + 1]);
         }
-    if (L::kStages == 2 && more) {
-      cp_async_wait<1>();  // chunk ci's group (chunk ci + 1's may stay in flight)
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<0>();  // chunk ci's group (the only one in flight)
     __syncthreads();
+    if (L::kStages == 2 && more) issue(nxt, c + 1, st ^ 1);
 
-    // Ut = U + W S: warp w owns rows [16 w, 16 w + 16).
-    {
-      float acc[1][NT][4];
+    // Ut = U + W S: rows [t0, t0 + 16), columns [u0, u0 + 8 NTU).
+    if (makes_ut) {
+      float acc[1][NTU][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTU; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[0][nt][e] = to_f(sU[(16 * warp + acc_row(0, e)) * L::ldv + acc_col(nt, e)]);
-      warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, sW, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
-      T* ut = x.Ut == nullptr ? nullptr : x.Ut + wrow * x.VP + v0;  // null: final-state-only, as h
+        for (int e = 0; e < 4; ++e) acc[0][nt][e] = to_f(sU[(t0 + acc_row(0, e)) * L::ldv + u0 + acc_col(nt, e)]);
+      warp_mma<T, 1, NTU, Lay::rowmajor, Lay::rowmajor>(acc, sW, L::ldk, t0, sS, L::ldv, u0, 0, KP);
+      T* ut = x.Ut == nullptr ? nullptr : x.Ut + wrow * x.VP + v0 + u0;  // null: final-state-only, as h
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTU; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
-          const int i = 16 * warp + acc_row(0, e), col = acc_col(nt, e);
-          store_pair(sUt + i * L::ldv + col, acc[0][nt][e], acc[0][nt][e + 1]);
+          const int i = t0 + acc_row(0, e), col = acc_col(nt, e);
+          store_pair(sUt + i * L::ldv + u0 + col, acc[0][nt][e], acc[0][nt][e + 1]);
           if (ut != nullptr && i < len) store_pair(ut + int64_t(i) * ldv_g + col, acc[0][nt][e], acc[0][nt][e + 1]);
         }
     }
-    __syncthreads();
-
-    // S' = D_n S + Kd^T V + Bd^T Ut (Kd, Bd read as [key, token]: column-major A operands).
+    // S <- D_n S + Kd^T V (Kd read as [key, token]: a column-major A operand), beside Ut.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= sDn[m0 + acc_row(mt, e)];
-    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sKd, L::ldk, m0, sV, L::ldv, 0, 0, kDRows);
-    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sBd, L::ldk, m0, sUt, L::ldv, 0, 0, kDRows);
-    __syncthreads();  // the next copies overwrite this stage's tiles, the next chunk rewrites S and Ut
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sKd, L::ldk, m0, sV, L::ldv, c0, 0, kDRows);
+    __syncthreads();  // Ut
+
+    // S += Bd^T Ut.
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sBd, L::ldk, m0, sUt, L::ldv, c0, 0, kDRows);
+    if (L::kStages == 1) __syncthreads();  // the next chunk's copies overwrite this stage at the top
     cur = nxt;
     nxt = after;
   }
-  if (x.ht != nullptr) store_acc(S, x.ht + state0 + v0, x.V, m0, static_cast<int>(x.K), static_cast<int>(x.V) - v0);
+  if (x.ht != nullptr)
+    store_acc(S, x.ht + state0 + v0 + c0, x.V, m0, static_cast<int>(x.K), static_cast<int>(x.V) - v0 - c0);
 }
 
 // ---- stage 3: the output -------------------------------------------------------------------------------------
@@ -696,11 +723,15 @@ struct Dh0Smem {
   static constexpr int64_t bytes = S + align16(int64_t(KP) * ldv * sizeof(T));
 };
 
-template <class T, int KP, int BV>
-__global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs<T> x) {
+// The reverse scan, NW warps (ScanWarps, as the forward scan). Per chunk: dS to shared memory (and dh_c out);
+// after one barrier, dO scaled in place; after a second, dUt = P_qb^T (scale dO) + Bd dS, and meanwhile
+// dS <- D_n dS + (q e^G)^T (scale dO); after a third, dS += W^T dUt. The next chunk's copies go out after the
+// first barrier, as in the forward scan.
+template <class T, int KP, int BV, int NW>
+__global__ void __launch_bounds__(32 * NW) dplr_dh0_scan_kernel(const DplrArgs<T> x) {
   using L = Dh0Smem<T, KP, BV>;
-  constexpr int MT = KP / 64;
-  constexpr int NT = BV / 8;
+  using Wp = ScanWarps<NW, KP, BV>;
+  constexpr int MT = Wp::MT, NT = Wp::NT, NTU = Wp::NTU, kThreads = Wp::kThreads;
   extern __shared__ __align__(16) unsigned char smem[];
   T* sdUt = smem_at<T>(smem, L::dUt);
   T* sS = smem_at<T>(smem, L::S);
@@ -708,7 +739,9 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
   const int tid = threadIdx.x, warp = tid >> 5;
   const int64_t nh = blockIdx.x, n = nh / x.H, h = nh - n * x.H;
   const int v0 = blockIdx.y * BV;
-  const int m0 = warp * (KP / 4);
+  const int m0 = Wp::m0(warp), c0 = Wp::c0(warp);
+  const int t0 = 16 * (warp & 3), u0 = Wp::u0(warp);
+  const bool makes_ut = warp < Wp::kUtWarps;
   const SeqEntry seq = x.seqs[n];
   const int64_t state0 = (n * x.H + h) * x.K * x.V;
   const int K = static_cast<int>(x.K), Vleft = static_cast<int>(x.V) - v0;
@@ -718,22 +751,22 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
   auto issue = [&](const ScanChunk& ch, int64_t c, int st) {
     unsigned char* base = smem + st * L::stage;
     const int64_t wrow = ch.row0 * x.H + h;
-    load_key_rows<T, KP>(smem_at<T>(base, L::W), L::ldk, x.W, wrow, ldk_g, ch.len);
-    load_key_rows<T, KP>(smem_at<T>(base, L::Bd), L::ldk, x.Bd, wrow, ldk_g, ch.len);
-    load_key_rows<T, KP>(smem_at<T>(base, L::QG), L::ldk, x.QG, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP, kThreads>(smem_at<T>(base, L::W), L::ldk, x.W, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP, kThreads>(smem_at<T>(base, L::Bd), L::ldk, x.Bd, wrow, ldk_g, ch.len);
+    load_key_rows<T, KP, kThreads>(smem_at<T>(base, L::QG), L::ldk, x.QG, wrow, ldk_g, ch.len);
     const T* pP = x.Pb + (c * x.H + h) * kDRows * kDRows;
-    load_tile<T, kDThreads>(smem_at<T>(base, L::P), L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows,
-                            vec_ok(pP, kDRows));
+    load_tile<T, kThreads>(smem_at<T>(base, L::P), L::ld64, pP, kDRows, kDRows, kDRows, kDRows, kDRows,
+                           vec_ok(pP, kDRows));
     const T* pdo = x.dout.at(ch.batch, ch.t0, h) + v0;
-    load_tile<T, kDThreads>(smem_at<T>(base, L::dO), L::ldv, pdo, x.dout.st, ch.len, kDRows, Vleft, BV,
-                            vec_ok(pdo, x.dout.st));
+    load_tile<T, kThreads>(smem_at<T>(base, L::dO), L::ldv, pdo, x.dout.st, ch.len, kDRows, Vleft, BV,
+                           vec_ok(pdo, x.dout.st));
     const float* pdn = x.Dn + (c * x.H + h) * KP;
-    load_tile<float, kDThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
+    load_tile<float, kThreads>(smem_at<float>(base, L::Dn), KP, pdn, KP, 1, 1, KP, KP, vec_ok(pdn, KP));
     cp_async_commit();
   };
 
-  float S[MT][NT][4];  // dL/dS, rows [m0, m0 + KP/4), BV columns from v0
-  load_acc(S, x.dht == nullptr ? nullptr : x.dht + state0 + v0, x.V, m0, K, Vleft);
+  float S[MT][NT][4];  // dL/dS: this warp's rows from m0, columns from v0 + c0
+  load_acc(S, x.dht == nullptr ? nullptr : x.dht + state0 + v0 + c0, x.V, m0, K, Vleft - c0);
 
   // From the last chunk back; two stages as in dplr_scan_kernel (the next chunk down in flight).
   const int64_t last = seq.first_chunk + seq.num_chunks - 1;
@@ -748,11 +781,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
     const bool more = k + 1 < seq.num_chunks;
     ScanChunk after{};
     if (k + 2 < seq.num_chunks) after = scan_chunk(x.chunks, c - 2);
-    if (L::kStages == 1) {
-      issue(cur, c, 0);
-    } else if (more) {
-      issue(nxt, c - 1, st ^ 1);  // that stage was last read by the chunk above, which ended with __syncthreads
-    }
+    if (L::kStages == 1) issue(cur, c, 0);
     unsigned char* base = smem + st * L::stage;
     const T* sW = smem_at<T>(base, L::W);
     const T* sBd = smem_at<T>(base, L::Bd);
@@ -763,7 +792,7 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
     const int len = cur.len;
     const int64_t wrow = cur.row0 * x.H + h;
     // dS at the chunk's end: a T operand in shared memory and, for the full backward, dh_c in the workspace.
-    T* dhc = x.dh == nullptr ? nullptr : x.dh + (c * x.H + h) * KP * x.VP + v0;
+    T* dhc = x.dh == nullptr ? nullptr : x.dh + (c * x.H + h) * KP * x.VP + v0 + c0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -771,54 +800,53 @@ __global__ void __launch_bounds__(kDThreads) dplr_dh0_scan_kernel(const DplrArgs
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
           const int r = m0 + acc_row(mt, e), col = acc_col(nt, e);
-          store_pair(sS + r * L::ldv + col, S[mt][nt][e], S[mt][nt][e + 1]);
+          store_pair(sS + r * L::ldv + c0 + col, S[mt][nt][e], S[mt][nt][e + 1]);
           if (dhc != nullptr) store_pair(dhc + int64_t(r) * x.VP + col, S[mt][nt][e], S[mt][nt][e + 1]);
         }
-    if (L::kStages == 2 && more) {
-      cp_async_wait<1>();  // this chunk's group (the next one's may stay in flight)
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<0>();  // this chunk's group (the only one in flight)
     __syncthreads();
-    for (int idx = tid; idx < kDRows * BV; idx += kDThreads) {  // scale dO, in place
+    if (L::kStages == 2 && more) issue(nxt, c - 1, st ^ 1);
+    for (int idx = tid; idx < kDRows * BV; idx += kThreads) {  // scale dO, in place
       T* e = sdO + (idx / BV) * L::ldv + (idx % BV);
       *e = from_f<T>(x.scale * to_f(*e));
     }
     __syncthreads();
 
-    // dUt = P_qb^T (scale dO) + Bd dS: warp w owns rows [16 w, 16 w + 16) (P_qb read as [j, i]: column-major).
-    {
-      float acc[1][NT][4];
+    // dUt = P_qb^T (scale dO) + Bd dS: rows [t0, t0 + 16), columns [u0, u0 + 8 NTU) (P_qb read as [j, i]:
+    // column-major).
+    if (makes_ut) {
+      float acc[1][NTU][4];
       zero_acc(acc);
-      warp_mma<T, 1, NT, Lay::colmajor, Lay::rowmajor>(acc, sP, L::ld64, 16 * warp, sdO, L::ldv, 0, 0, kDRows);
-      warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, sBd, L::ldk, 16 * warp, sS, L::ldv, 0, 0, KP);
-      T* dut = x.dUt == nullptr ? nullptr : x.dUt + wrow * x.VP + v0;  // the full backward keeps dUt
+      warp_mma<T, 1, NTU, Lay::colmajor, Lay::rowmajor>(acc, sP, L::ld64, t0, sdO, L::ldv, u0, 0, kDRows);
+      warp_mma<T, 1, NTU, Lay::rowmajor, Lay::rowmajor>(acc, sBd, L::ldk, t0, sS, L::ldv, u0, 0, KP);
+      T* dut = x.dUt == nullptr ? nullptr : x.dUt + wrow * x.VP + v0 + u0;  // the full backward keeps dUt
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NTU; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
-          const int i = 16 * warp + acc_row(0, e), col = acc_col(nt, e);
-          store_pair(sdUt + i * L::ldv + col, acc[0][nt][e], acc[0][nt][e + 1]);
+          const int i = t0 + acc_row(0, e), col = acc_col(nt, e);
+          store_pair(sdUt + i * L::ldv + u0 + col, acc[0][nt][e], acc[0][nt][e + 1]);
           if (dut != nullptr && i < len)
             store_pair(dut + int64_t(i) * x.H * x.VP + col, acc[0][nt][e], acc[0][nt][e + 1]);
         }
     }
-    __syncthreads();
-
-    // dS <- D_n dS + (q e^G)^T (scale dO) + W^T dUt.
+    // dS <- D_n dS + (q e^G)^T (scale dO), beside dUt.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= sDn[m0 + acc_row(mt, e)];
-    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sQG, L::ldk, m0, sdO, L::ldv, 0, 0, kDRows);
-    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sW, L::ldk, m0, sdUt, L::ldv, 0, 0, kDRows);
-    __syncthreads();  // the next copies overwrite this stage's tiles, the next chunk rewrites S and dUt
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sQG, L::ldk, m0, sdO, L::ldv, c0, 0, kDRows);
+    __syncthreads();  // dUt
+
+    // dS += W^T dUt.
+    warp_mma<T, MT, NT, Lay::colmajor, Lay::rowmajor>(S, sW, L::ldk, m0, sdUt, L::ldv, c0, 0, kDRows);
+    if (L::kStages == 1) __syncthreads();  // the next chunk's copies overwrite this stage at the top
     cur = nxt;
     nxt = after;
   }
-  if (x.dh0 != nullptr) store_acc(S, x.dh0 + state0 + v0, x.V, m0, K, Vleft);
+  if (x.dh0 != nullptr) store_acc(S, x.dh0 + state0 + v0 + c0, x.V, m0, K, Vleft - c0);
 }
 
 // ---- the full backward's local stages (dplr_bwd.cu): shared-memory layouts ----------------------------------
@@ -896,12 +924,13 @@ void dplr_prepare_smem(Kernel kernel, int64_t bytes, const Params& p, const char
               " and dtype ", to_string(p.dtype), " (use the naive tier, or 16-bit inputs)");
 }
 
-// One stage: its shared memory checked and opted into (dplr_prepare_smem), then launched with kDThreads threads.
+// One stage: its shared memory checked and opted into (dplr_prepare_smem), then launched with kDThreads threads
+// (the scans: ScanWarps' count).
 template <class Kernel, class Args>
 void dplr_launch(Kernel kernel, int64_t bytes, dim3 grid, const Params& p, const char* stage, cudaStream_t stream,
-                 const Args& x) {
+                 const Args& x, int threads = kDThreads) {
   dplr_prepare_smem(kernel, bytes, p, stage);
-  kernel<<<grid, kDThreads, static_cast<size_t>(bytes), stream>>>(x);
+  kernel<<<grid, threads, static_cast<size_t>(bytes), stream>>>(x);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 
@@ -920,34 +949,66 @@ inline bool dplr_scan_narrow(const Params& p, int VP, int64_t wide_bytes, int64_
   return 2 * grids * wide <= int64_t(sm_count()) * ctas_per_sm(static_cast<size_t>(wide_bytes));
 }
 
+// The scans' warps: 8 (ScanWarps) at K > 64, else 4. A scan's CTA walks its chain of chunks alone, and at K = 128
+// the grids are small and their CTAs large (one per SM at (1, 16384, 16, 128)), so with four warps each SM
+// sub-partition holds one warp of the chain and waits out every latency of it; eight halve each warp's products
+// per chunk and give every sub-partition a second warp. Measured (H100, bf16, (1, 16384, 16, 128), kernel time
+// per forward + backward): forward scans 1.65 -> 1.14 ms, reverse scan 1.18 -> 0.82 ms. At K = 64 two or three
+// CTAs share an SM already and eight warps gained nothing ((4, 4096, 32, 64): forward scans 0.510 -> 0.515 ms,
+// reverse 0.459 -> 0.528 ms), so unset keeps four there. DELTACP_TILED_DPLR_SCAN8 (common/kernel_switch.h):
+// unset = as above, 0 = 4 warps, 1 = 8 or an Error where the layout does not apply: K <= 64 with 16-column blocks,
+// where a warp's half of the state's columns would be one 8-column tile, below what the 16-bit products take.
+inline int dplr_scan_warps(int KP, int BV) {
+  const char* env = std::getenv("DELTACP_TILED_DPLR_SCAN8");
+  if (KP <= 64 && (env == nullptr || *env == '\0')) return 4;
+  return kernel_switch("DELTACP_TILED_DPLR_SCAN8", "the 8-warp DPLR scans", [&]() -> const char* {
+    return (KP <= 64 && BV < 32) ? "K <= 64 with 16-column state blocks (few sequences and heads)" : nullptr;
+  }) ? 8 : 4;
+}
+
+// Launches a scan kernel template Kernel<BV, NW> (a generic lambda taking the two as integral constants) with the
+// column block from dplr_scan_narrow and the warps from dplr_scan_warps.
+template <class T, class Smem16, class Smem32, class Launch>
+void dplr_launch_scan_kernel(const Params& p, int KP, int VP, int grids, Launch launch) {
+  const bool narrow = dplr_scan_narrow(p, VP, Smem32::bytes, Smem16::bytes, grids);
+  const int nw = dplr_scan_warps(KP, narrow ? 16 : kDBV);
+  if (narrow) {
+    if (nw == 8) launch(std::integral_constant<int, 16>{}, std::integral_constant<int, 8>{});
+    else launch(std::integral_constant<int, 16>{}, std::integral_constant<int, 4>{});
+  } else {
+    if (nw == 8) launch(std::integral_constant<int, kDBV>{}, std::integral_constant<int, 8>{});
+    else launch(std::integral_constant<int, kDBV>{}, std::integral_constant<int, 4>{});
+  }
+}
+
 // The forward state scan, grid (N * H, VP / BV) with BV from dplr_scan_narrow (`grids`: see there).
 template <class T, int KP>
 void dplr_launch_scan(const Params& p, int VP, cudaStream_t stream, const DplrArgs<T>& x, int grids = 1) {
-  using Wide = ScanSmem<T, KP, kDBV>;
-  using Narrow = ScanSmem<T, KP, 16>;
   const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
-  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes, grids)) {
-    dplr_launch(dplr_scan_kernel<T, KP, 16>, Narrow::bytes, dim3(nh, static_cast<unsigned>(VP / 16)), p,
-                "state scan", stream, x);
-  } else {
-    dplr_launch(dplr_scan_kernel<T, KP, kDBV>, Wide::bytes, dim3(nh, static_cast<unsigned>(VP / kDBV)), p,
-                "state scan", stream, x);
-  }
+  dplr_launch_scan_kernel<T, ScanSmem<T, KP, 16>, ScanSmem<T, KP, kDBV>>(p, KP, VP, grids, [&](auto bv, auto nw) {
+    constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
+    if constexpr (NW == 8 && KP <= 64 && BV < 32) {
+      DELTACP_CHECK(false, "DELTACP_TILED_DPLR_SCAN8", "internal: no 8-warp scan at K <= 64 with 16 columns");
+    } else {
+      dplr_launch(dplr_scan_kernel<T, KP, BV, NW>, ScanSmem<T, KP, BV>::bytes, dim3(nh, static_cast<unsigned>(VP / BV)),
+                  p, "state scan", stream, x, 32 * NW);
+    }
+  });
 }
 // The reverse state-gradient scan, the same way.
 template <class T, int KP>
 void dplr_launch_dh0_scan(const Params& p, int VP, const char* stage, cudaStream_t stream, const DplrArgs<T>& x,
                           int grids = 1) {
-  using Wide = Dh0Smem<T, KP, kDBV>;
-  using Narrow = Dh0Smem<T, KP, 16>;
   const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
-  if (dplr_scan_narrow(p, VP, Wide::bytes, Narrow::bytes, grids)) {
-    dplr_launch(dplr_dh0_scan_kernel<T, KP, 16>, Narrow::bytes, dim3(nh, static_cast<unsigned>(VP / 16)), p, stage,
-                stream, x);
-  } else {
-    dplr_launch(dplr_dh0_scan_kernel<T, KP, kDBV>, Wide::bytes, dim3(nh, static_cast<unsigned>(VP / kDBV)), p,
-                stage, stream, x);
-  }
+  dplr_launch_scan_kernel<T, Dh0Smem<T, KP, 16>, Dh0Smem<T, KP, kDBV>>(p, KP, VP, grids, [&](auto bv, auto nw) {
+    constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
+    if constexpr (NW == 8 && KP <= 64 && BV < 32) {
+      DELTACP_CHECK(false, "DELTACP_TILED_DPLR_SCAN8", "internal: no 8-warp scan at K <= 64 with 16 columns");
+    } else {
+      dplr_launch(dplr_dh0_scan_kernel<T, KP, BV, NW>, Dh0Smem<T, KP, BV>::bytes,
+                  dim3(nh, static_cast<unsigned>(VP / BV)), p, stage, stream, x, 32 * NW);
+    }
+  });
 }
 
 // The stages a run launches (DplrStage bits), each stage's shared memory against the GPU's opt-in limit, before

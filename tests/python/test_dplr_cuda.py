@@ -36,6 +36,7 @@ SHAPES = {
     "T1_K128": (2, 1, 2, 128, 128, None),
     "varlen_K128": (1, None, 2, 128, 128, [0, 1, 64, 64, 129, 200, 201]),
     "H16_K128": (1, 200, 16, 128, 128, None),  # 64 scan CTAs of 32 columns: 16 in order, 32 side by side
+    "H72": (1, 130, 72, 64, 64, None),  # 144 scan CTAs of 32 columns on a 132-SM GPU: K = 64 with 32 (8 warps)
 }
 
 
@@ -491,3 +492,44 @@ def test_dplr_backward_scans_beside(shape, monkeypatch):
     monkeypatch.setenv(var, "2")
     with pytest.raises(Exception, match=var):
         _tiled_grads(t, h0, cu, "tiled", do, dht)
+
+
+@pytest.mark.parametrize("shape", ["varlen_K128", "H16_K128", "H72"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dplr_scans_8_warps(shape, dtype, monkeypatch):
+    """The scans on 8 warps (dplr_stages.cuh ScanWarps, DELTACP_TILED_DPLR_SCAN8=1; unset = 8 at K = 128, 4 at
+    K = 64) against 4 (=0): every element's products run over the same k-steps in the same order, so the forward's
+    o and ht and every gradient are the same bits; the 8-warp results are within the tolerance of the fp64
+    reference. =1 where the layout does not apply (K = 64 with 16-column blocks: two heads) and anything but 0 / 1
+    are errors naming the variable."""
+    var = "DELTACP_TILED_DPLR_SCAN8"
+    p, t, h0, cu = _inputs(shape, dtype, seed=zlib.crc32(f"scan8/{shape}/{dtype}".encode()))
+    do, dht = _upstream(p, dtype, zlib.crc32(f"scan8up/{shape}/{dtype}".encode()), True)
+
+    def run(value):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+        o, ht = _run(t, h0, cu, "tiled", 64)
+        g, tier = _tiled_grads(t, h0, cu, "tiled", do, dht)
+        assert tier == "tiled"
+        return dict(g, o=o, ht=ht)
+
+    eight, four, unset = run("1"), run("0"), run(None)
+    o_ref, ht_ref = ref.dplr(p["q"], p["k"], p["v"], p["a"], p["b"], p["g"], initial_state=p["initial_state"],
+                             cu_seqlens=p["cu_seqlens"])
+    g_ref = dict(_ref_grads(p, do, dht, True), o=o_ref, ht=ht_ref)
+    for n in GRADS + ("o", "ht"):
+        got = eight[n].double().cpu().numpy()
+        assert np.isfinite(got).all(), f"{n}: not finite on 8 warps"
+        assert rel_err(got, g_ref[n]) < TOL[dtype], f"{n}: 8 warps vs the reference {rel_err(got, g_ref[n]):.2e}"
+        assert torch.equal(eight[n], four[n]), f"{n}: 8 warps and 4 differ"
+        assert torch.equal(eight[n], unset[n]), f"{n}: unset differs"
+    p2, t2, h02, cu2 = _inputs("varlen", torch.bfloat16, seed=5)
+    monkeypatch.setenv(var, "1")
+    with pytest.raises(Exception, match=var):
+        _run(t2, h02, cu2, "tiled", 64)
+    monkeypatch.setenv(var, "2")
+    with pytest.raises(Exception, match=var):
+        _run(t, h0, cu, "tiled", 64)
