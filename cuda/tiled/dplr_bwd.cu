@@ -108,9 +108,9 @@
 // order, 2026-11-28): (1,16384,16,128) 6.17 ms: the chunk-local kernel 1.71, the scan's two launches 1.46, wy 1.23,
 // output 0.89, the reverse scan 0.85 (all on 4 warps); side by side the elapsed time per call went 6.43 -> 6.09 ms.
 // Kernels 5 and 6 (where the chunk-local kernel does not run) as before: kernel 5 passes over the value blocks twice
-// (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads every value tile once per 32 key columns (4 times at K = 128, through L2: the key blocks of a
-// chunk are neighbours in the grid); the workspace holds 10 per-chunk intermediates in HBM (the forward's, plus T,
-// A_ak, P_qk, dh_c, dUt, dUt' and the score gradients).
+// (four 64 x 64 accumulators at once would hold 128 registers per thread); kernel 6 loads every value tile once per 32
+// key columns (4 times at K = 128, through L2: the key blocks of a chunk are neighbours in the grid); the workspace
+// holds 10 per-chunk intermediates in HBM (the forward's, plus T, A_ak, P_qk, dh_c, dUt, dUt' and the score gradients).
 #include "../common/kernel_switch.h"
 #include "../common/side_stream.h"
 #include "dplr_bwd_local_wgmma.cuh"
