@@ -967,17 +967,21 @@ inline int dplr_scan_warps(int KP, int BV) {
 }
 
 // Launches a scan kernel template Kernel<BV, NW> (a generic lambda taking the two as integral constants) with the
-// column block from dplr_scan_narrow and the warps from dplr_scan_warps.
-template <class T, class Smem16, class Smem32, class Launch>
-void dplr_launch_scan_kernel(const Params& p, int KP, int VP, int grids, Launch launch) {
+// column block from dplr_scan_narrow and the warps from dplr_scan_warps (never 8 warps on 16 columns at K <= 64).
+template <int KP, class Smem16, class Smem32, class Launch>
+void dplr_launch_scan_kernel(const Params& p, int VP, int grids, Launch launch) {
+  using std::integral_constant;
   const bool narrow = dplr_scan_narrow(p, VP, Smem32::bytes, Smem16::bytes, grids);
-  const int nw = dplr_scan_warps(KP, narrow ? 16 : kDBV);
+  const bool eight = dplr_scan_warps(KP, narrow ? 16 : kDBV) == 8;
   if (narrow) {
-    if (nw == 8) launch(std::integral_constant<int, 16>{}, std::integral_constant<int, 8>{});
-    else launch(std::integral_constant<int, 16>{}, std::integral_constant<int, 4>{});
+    if constexpr (KP > 64) {
+      if (eight) return launch(integral_constant<int, 16>{}, integral_constant<int, 8>{});
+    }
+    launch(integral_constant<int, 16>{}, integral_constant<int, 4>{});
+  } else if (eight) {
+    launch(integral_constant<int, kDBV>{}, integral_constant<int, 8>{});
   } else {
-    if (nw == 8) launch(std::integral_constant<int, kDBV>{}, std::integral_constant<int, 8>{});
-    else launch(std::integral_constant<int, kDBV>{}, std::integral_constant<int, 4>{});
+    launch(integral_constant<int, kDBV>{}, integral_constant<int, 4>{});
   }
 }
 
@@ -985,14 +989,10 @@ void dplr_launch_scan_kernel(const Params& p, int KP, int VP, int grids, Launch 
 template <class T, int KP>
 void dplr_launch_scan(const Params& p, int VP, cudaStream_t stream, const DplrArgs<T>& x, int grids = 1) {
   const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
-  dplr_launch_scan_kernel<T, ScanSmem<T, KP, 16>, ScanSmem<T, KP, kDBV>>(p, KP, VP, grids, [&](auto bv, auto nw) {
+  dplr_launch_scan_kernel<KP, ScanSmem<T, KP, 16>, ScanSmem<T, KP, kDBV>>(p, VP, grids, [&](auto bv, auto nw) {
     constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
-    if constexpr (NW == 8 && KP <= 64 && BV < 32) {
-      DELTACP_CHECK(false, "DELTACP_TILED_DPLR_SCAN8", "internal: no 8-warp scan at K <= 64 with 16 columns");
-    } else {
-      dplr_launch(dplr_scan_kernel<T, KP, BV, NW>, ScanSmem<T, KP, BV>::bytes, dim3(nh, static_cast<unsigned>(VP / BV)),
-                  p, "state scan", stream, x, 32 * NW);
-    }
+    dplr_launch(dplr_scan_kernel<T, KP, BV, NW>, ScanSmem<T, KP, BV>::bytes,
+                dim3(nh, static_cast<unsigned>(VP / BV)), p, "state scan", stream, x, 32 * NW);
   });
 }
 // The reverse state-gradient scan, the same way.
@@ -1000,14 +1000,10 @@ template <class T, int KP>
 void dplr_launch_dh0_scan(const Params& p, int VP, const char* stage, cudaStream_t stream, const DplrArgs<T>& x,
                           int grids = 1) {
   const unsigned nh = static_cast<unsigned>(p.num_seqs * p.H);
-  dplr_launch_scan_kernel<T, Dh0Smem<T, KP, 16>, Dh0Smem<T, KP, kDBV>>(p, KP, VP, grids, [&](auto bv, auto nw) {
+  dplr_launch_scan_kernel<KP, Dh0Smem<T, KP, 16>, Dh0Smem<T, KP, kDBV>>(p, VP, grids, [&](auto bv, auto nw) {
     constexpr int BV = decltype(bv)::value, NW = decltype(nw)::value;
-    if constexpr (NW == 8 && KP <= 64 && BV < 32) {
-      DELTACP_CHECK(false, "DELTACP_TILED_DPLR_SCAN8", "internal: no 8-warp scan at K <= 64 with 16 columns");
-    } else {
-      dplr_launch(dplr_dh0_scan_kernel<T, KP, BV, NW>, Dh0Smem<T, KP, BV>::bytes,
-                  dim3(nh, static_cast<unsigned>(VP / BV)), p, stage, stream, x, 32 * NW);
-    }
+    dplr_launch(dplr_dh0_scan_kernel<T, KP, BV, NW>, Dh0Smem<T, KP, BV>::bytes,
+                dim3(nh, static_cast<unsigned>(VP / BV)), p, stage, stream, x, 32 * NW);
   });
 }
 
