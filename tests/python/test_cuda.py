@@ -925,20 +925,15 @@ def test_wgmma_dh_scan_switch_names_what_it_cannot_run(monkeypatch):
         o.float().sum().backward()
 
 
-@pytest.mark.parametrize("wg", ["1", "2"])
-def test_wgmma_dh_scan_dh0_only_equals_the_full_run(wg, monkeypatch):
-    """The dh0-only backward (the CP pre-pass: no input gradient, no dh or dVn stored) on the Hopper dh scan
-    gives the full backward's dh0 bit for bit: the same chain of products, only the stores skipped. bf16 gdn,
-    K = V = 128, packed sequences [0, 1, 64, 130, 300), one and two warpgroups per CTA."""
-    _require_cuda_build()
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma dh scan runs on compute capability 9.0 only")
+def _packed_dh0_run(variant, seed, upstream_seed):
+    """A bf16 problem of the variant (K = V = 128, packed sequences [0, 1, 64, 130, 300), H = 2, HV = 4) with h0, do
+    and dht, for the tests that check the dh0-only backward (the CP pre-pass) against the full one: returns
+    dh0_of(with_grads) -> dh0 of one tiled backward through the C++ entry point, with every input gradient
+    requested or none."""
     from deltacp import _core
     from deltacp._describe import torch_desc
 
-    monkeypatch.setenv("DELTACP_TILED_DH_WGMMA", "1")
-    monkeypatch.setenv("DELTACP_TILED_DH_WG", wg)
-    p = make_problem("gdn", cu_seqlens=[0, 1, 64, 130, 300], H=2, HV=4, K=128, V=128, seed=61)
+    p = make_problem(variant, cu_seqlens=[0, 1, 64, 130, 300], H=2, HV=4, K=128, V=128, seed=seed)
     t = {n: torch.as_tensor(np.ascontiguousarray(p[n])).to("cuda") for n in ("q", "k", "v", "g", "beta")}
     t = {n: (x.bfloat16() if n != "g" else x.float()) for n, x in t.items()}
     h0 = torch.as_tensor(p["initial_state"]).float().cuda()
@@ -948,24 +943,38 @@ def test_wgmma_dh_scan_dh0_only_equals_the_full_run(wg, monkeypatch):
     d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
     cu_host = cu.cpu()  # the CUDA tiers plan their chunk table from a host copy of the offsets
     d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
-    gen = torch.Generator(device="cuda").manual_seed(5)
+    gen = torch.Generator(device="cuda").manual_seed(upstream_seed)
     do = torch.randn(t["v"].shape, device="cuda", generator=gen).bfloat16()
     dht = torch.randn(tuple(h0.shape), device="cuda", generator=gen)
     stream = torch.cuda.current_stream().cuda_stream
+    offsets = (cu, cu_host)  # d holds their addresses only: dh0_of keeps them (and t, h0, do, dht) alive
 
     def dh0_of(with_grads):
         dd = dict(d)
         dh0 = torch.full(tuple(h0.shape), float("nan"), device="cuda")
         dd.update(dout=torch_desc(do, "do"), dht=torch_desc(dht, "dht"), dh0=torch_desc(dh0, "dh0"))
-        keep = []
+        keep = [offsets]
         if with_grads:
             for n, x in t.items():
                 keep.append(torch.empty_like(x))
                 dd["d" + n] = torch_desc(keep[-1], "d" + n)
-        _core.run("backward", "gdn", "tiled", "float32", dd, None, 64, None, stream, False)
+        _core.run("backward", variant, "tiled", "float32", dd, None, 64, None, stream, False)
         torch.cuda.synchronize()
         return dh0
+    return dh0_of
 
+
+@pytest.mark.parametrize("wg", ["1", "2"])
+def test_wgmma_dh_scan_dh0_only_equals_the_full_run(wg, monkeypatch):
+    """The dh0-only backward (the CP pre-pass: no input gradient, no dh or dVn stored) on the Hopper dh scan
+    gives the full backward's dh0 bit for bit: the same chain of products, only the stores skipped. bf16 gdn,
+    K = V = 128, packed sequences [0, 1, 64, 130, 300), one and two warpgroups per CTA."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma dh scan runs on compute capability 9.0 only")
+    monkeypatch.setenv("DELTACP_TILED_DH_WGMMA", "1")
+    monkeypatch.setenv("DELTACP_TILED_DH_WG", wg)
+    dh0_of = _packed_dh0_run("gdn", seed=61, upstream_seed=5)
     full, only = dh0_of(True), dh0_of(False)
     assert torch.isfinite(full).all()
     assert torch.equal(only, full)
@@ -1494,38 +1503,12 @@ def test_kda_wgmma_recompute_dh0_only_equals_the_full_run(value, monkeypatch):
     _require_cuda_build()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kda recompute runs on compute capability 9.0 only")
-    from deltacp import _core
-    from deltacp._describe import torch_desc
-
-    p = make_problem("kda", cu_seqlens=[0, 1, 64, 130, 300], H=2, HV=4, K=128, V=128, seed=63)
-    t = {n: torch.as_tensor(np.ascontiguousarray(p[n])).to("cuda") for n in ("q", "k", "v", "g", "beta")}
-    t = {n: (x.bfloat16() if n != "g" else x.float()) for n, x in t.items()}
-    h0 = torch.as_tensor(p["initial_state"]).float().cuda()
-    cu = torch.as_tensor(np.asarray(p["cu_seqlens"], dtype=np.int64)).cuda()
-    d = {n: torch_desc(x, n) for n, x in t.items()}
-    d["h0"] = torch_desc(h0, "initial_state")
-    d["cu_seqlens"] = torch_desc(cu, "cu_seqlens")
-    cu_host = cu.cpu()
-    d["cu_seqlens_host"] = torch_desc(cu_host, "cu_seqlens")
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    do = torch.randn(t["v"].shape, device="cuda", generator=gen).bfloat16()
-    dht = torch.randn(tuple(h0.shape), device="cuda", generator=gen)
-    stream = torch.cuda.current_stream().cuda_stream
+    run = _packed_dh0_run("kda", seed=63, upstream_seed=7)
 
     def dh0_of(with_grads, setting):
         monkeypatch.setenv("DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA", setting)
         _poison_cache(64 << 20)
-        dd = dict(d)
-        dh0 = torch.full(tuple(h0.shape), float("nan"), device="cuda")
-        dd.update(dout=torch_desc(do, "do"), dht=torch_desc(dht, "dht"), dh0=torch_desc(dh0, "dh0"))
-        keep = []
-        if with_grads:
-            for n, x in t.items():
-                keep.append(torch.empty_like(x))
-                dd["d" + n] = torch_desc(keep[-1], "d" + n)
-        _core.run("backward", "kda", "tiled", "float32", dd, None, 64, None, stream, False)
-        torch.cuda.synchronize()
-        return dh0
+        return run(with_grads)
 
     full, only = dh0_of(True, value), dh0_of(False, value)
     assert torch.isfinite(full).all()
