@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "../common/check.h"
@@ -959,11 +958,10 @@ inline bool dplr_scan_narrow(const Params& p, int VP, int64_t wide_bytes, int64_
 // unset = as above, 0 = 4 warps, 1 = 8 or an Error where the layout does not apply: K <= 64 with 16-column blocks,
 // where a warp's half of the state's columns would be one 8-column tile, below what the 16-bit products take.
 inline int dplr_scan_warps(int KP, int BV) {
-  const char* env = std::getenv("DELTACP_TILED_DPLR_SCAN8");
-  if (KP <= 64 && (env == nullptr || *env == '\0')) return 4;
-  return kernel_switch("DELTACP_TILED_DPLR_SCAN8", "the 8-warp DPLR scans", [&]() -> const char* {
+  const auto why_not = [&]() -> const char* {
     return (KP <= 64 && BV < 32) ? "K <= 64 with 16-column state blocks (few sequences and heads)" : nullptr;
-  }) ? 8 : 4;
+  };
+  return kernel_switch("DELTACP_TILED_DPLR_SCAN8", "the 8-warp DPLR scans", why_not, /*unset_on=*/KP > 64) ? 8 : 4;
 }
 
 // Launches a scan kernel template Kernel<BV, NW> (a generic lambda taking the two as integral constants) with the
