@@ -76,8 +76,12 @@
 //                                                   per-chunk W, Kd, Bd copies (through L2) and halves the
 //                                                   products on each CTA's chain of chunks
 //   3 dplr_output_kernel  grid (chunks, H)          G by cp.async; P_qk, P_qb (scores; only the blocks above the
-//                                                   block diagonal zeroed first), then O over 32-column blocks
-//                                                   (P's row blocks over their nonzero columns only)
+//                                                   block diagonal zeroed first), then O over 64-column blocks
+//                                                   (32 for fp32 K > 64, where three 64-column tiles do not
+//                                                   fit over k, b and the scratch; P's row blocks over their
+//                                                   nonzero columns only). At V = 64 the h, V and Ut tiles
+//                                                   come in one round of copies: (4,4096,32,64) on an H100,
+//                                                   0.41 -> 0.37 ms a launch against two 32-column rounds
 //
 // The dh0-only backward (Params::dh0_only: the CP backward pre-pass; also the reverse scan of the full backward,
 // dplr_bwd.cu), from the reference's chunk backward: with dS = dL/dS at a chunk's end (dht at the sequence's end),
@@ -135,13 +139,14 @@
 // none elsewhere. (The first version: wy 72-80 / 63-79, scan 94-127 / 80-123, output 80 / 66-72, dh0 scan
 // 122-128 / 80-96, with 4-8 byte spills in some wy and output kernels.)
 // Speed (NVIDIA H100, bf16, bench/gpu/bench_dplr.py beside FLA 0.5.2's chunk_dplr_delta_rule, 2026-11-28): forward
-// 1.23 ms at (4,4096,32,64), 1.29 at (2,8192,32,64), 1.63 at (1,16384,16,128): 1.48, 1.56 and 1.72x the speed of
-// FLA's faster configuration (chunk 64 with safe_gate: 1.83, 2.01, 2.81 ms); at (1,16384,16,128) 1.82 ms with the
-// scans on 4 warps. The first version took 3.15, 3.25 and 5.67 ms on the same GPU; with 32-column scans only,
-// 1.38, 1.40 and 2.23 ms. Kernel time of one forward +
-// backward (bench/gpu/stage_times.py --variant dplr --backward; each of these stages runs in the forward and again
-// in the backward's recompute): (2,8192,32,64) the wy stage 1.13 ms (the first version 4.72 on an H200), the
-// output stage 0.76, the scan 0.64; (1,16384,16,128) the scan 1.46 ms on 4 warps (128 CTAs of 16 columns, 1.85 ms
+// 1.20 ms at (4,4096,32,64), 1.29 at (2,8192,32,64), 1.60 at (1,16384,16,128): 1.53, 1.56 and 1.76x the speed of
+// FLA's faster configuration (chunk 64 with safe_gate: 1.83, 2.01, 2.82 ms); at (1,16384,16,128) 1.82 ms with the
+// scans on 4 warps, at (4,4096,32,64) 1.23 ms with the output stage's 32-column value blocks. The first version
+// took 3.15, 3.25 and 5.67 ms on the same GPU; with 32-column scans only, 1.38, 1.40 and 2.23 ms. Kernel time of
+// one forward + backward (bench/gpu/stage_times.py --variant dplr --backward; each of these stages runs in the
+// forward and again in the backward's recompute): (2,8192,32,64) the wy stage 1.13 ms (the first version 4.72 on
+// an H200), the output stage 0.76 (32-column blocks), the scan 0.64; (4,4096,32,64) the output stage 0.74 (0.82
+// with 32-column blocks); (1,16384,16,128) the scan 1.46 ms on 4 warps (128 CTAs of 16 columns, 1.85 ms
 // as 64 of 32: one long sequence leaves the grid narrow either way; on 8 warps, with the backward's scans side by
 // side, 1.14 ms against 1.65 in one run), the wy stage 1.24, the output stage 0.90.
 #include "dplr_stages.cuh"

@@ -199,11 +199,20 @@ struct ScanSmem {
 // P_qb; per value block the h, V and Ut tiles over k, b and the scratch (free once the scores are made). At
 // KP = 128 k and b share one tile, b copied in once P_qk is made (kShareKB: 108,800 bytes at 16 bits, two CTAs
 // per H100 / H200 SM instead of one, for one more exposed copy per CTA; at KP = 64 three CTAs fit either way).
+// A value block is kBV = 64 columns where its three tiles fit over k, b and the scratch (all but fp32 KP = 128),
+// else 32: at V = 64 one round of copies, one wait and one barrier instead of two.
 template <class T, int KP>
 struct OutSmem {
-  static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kDBV), ldg = gate_ld(KP);
   static constexpr bool kShareKB = KP > 64;
   static constexpr int kYRows = dplr_scores_y_rows<T>();
+  static constexpr int64_t value_tiles_bytes(int bv) {  // h (KP rows), V, Ut (64 rows), bv columns
+    return align16(int64_t(KP) * tile_ld<T>(bv) * sizeof(T)) + align16(int64_t(kDRows) * tile_ld<T>(bv) * sizeof(T)) +
+           int64_t(kDRows) * tile_ld<T>(bv) * sizeof(T);
+  }
+  static constexpr int64_t kValueSpace = (kShareKB ? 1 : 2) * align16(int64_t(kDRows) * tile_ld<T>(KP) * sizeof(T)) +
+                                         align16(int64_t(16 + kYRows) * tile_ld<T>(KP) * sizeof(T));
+  static constexpr int kBV = value_tiles_bytes(64) <= kValueSpace ? 64 : kDBV;
+  static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kBV), ldg = gate_ld(KP);
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
   static constexpr int64_t q = 0, k = q + tileK, b = kShareKB ? k : k + tileK;
   static constexpr int64_t scratch = b + tileK;
@@ -671,23 +680,25 @@ __global__ void __launch_bounds__(kDThreads) dplr_output_kernel(const DplrArgs<T
   const T* pv = x.v.at(ch.batch, ch.t0, h);
   const T* put = x.Ut + wrow * x.VP;
   const int64_t ldk_g = x.H * KP, ldv_g = x.H * x.VP;
+  constexpr int BV = L::kBV, NT = BV / 8;
 #pragma unroll 1
-  for (int v0 = 0; v0 < x.VP; v0 += kDBV) {
-    load_tile<T, kDThreads>(sh, L::ldv, hc + v0, x.VP, KP, KP, kDBV, kDBV, vec_ok(hc + v0, x.VP));
-    load_tile<T, kDThreads>(sv, L::ldv, pv + v0, x.v.st, len, kDRows, static_cast<int>(x.V) - v0, kDBV,
+  for (int v0 = 0; v0 < x.VP; v0 += BV) {
+    const int cols = min(BV, x.VP - v0);  // h and Ut have VP columns; V's past x.V are zero
+    load_tile<T, kDThreads>(sh, L::ldv, hc + v0, x.VP, KP, KP, cols, BV, vec_ok(hc + v0, x.VP));
+    load_tile<T, kDThreads>(sv, L::ldv, pv + v0, x.v.st, len, kDRows, static_cast<int>(x.V) - v0, BV,
                             vec_ok(pv + v0, x.v.st));
-    load_tile<T, kDThreads>(sut, L::ldv, put + v0, ldv_g, len, kDRows, kDBV, kDBV, vec_ok(put + v0, ldv_g));
+    load_tile<T, kDThreads>(sut, L::ldv, put + v0, ldv_g, len, kDRows, cols, BV, vec_ok(put + v0, ldv_g));
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    float acc[1][4][4];
+    float acc[1][NT][4];
     zero_acc(acc);
-    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, sq, L::ldk, 16 * warp, sh, L::ldv, 0, 0, KP);
+    warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, sq, L::ldk, 16 * warp, sh, L::ldv, 0, 0, KP);
     // P_qk, P_qb: row block w is zero right of column 16 (w + 1)
-    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Pk, L::ld64, 16 * warp, sv, L::ldv, 0, 0, 16 * (warp + 1));
-    warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(acc, Pb, L::ld64, 16 * warp, sut, L::ldv, 0, 0, 16 * (warp + 1));
+    warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, Pk, L::ld64, 16 * warp, sv, L::ldv, 0, 0, 16 * (warp + 1));
+    warp_mma<T, 1, NT, Lay::rowmajor, Lay::rowmajor>(acc, Pb, L::ld64, 16 * warp, sut, L::ldv, 0, 0, 16 * (warp + 1));
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * warp + acc_row(0, e), col = v0 + acc_col(nt, e);

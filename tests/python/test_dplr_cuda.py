@@ -37,6 +37,7 @@ SHAPES = {
     "varlen_K128": (1, None, 2, 128, 128, [0, 1, 64, 64, 129, 200, 201]),
     "H16_K128": (1, 200, 16, 128, 128, None),  # 64 scan CTAs of 32 columns: 16 in order, 32 side by side
     "H72": (1, 130, 72, 64, 64, None),  # 144 scan CTAs of 32 columns on a 132-SM GPU: K = 64 with 32 (8 warps)
+    "T70_V96": (1, 70, 2, 64, 96, None),  # the output stage's 64-column value blocks: one full, one of 32
 }
 
 
@@ -92,7 +93,7 @@ def test_tiled_forward_gate_fp32_no_states_and_state_v_first():
 
 
 # ---- the tiled backward ------------------------------------------------------------------------------------------
-BWD_SHAPES = ["T1", "T63", "T65_K32_V48", "T130_K128_V128", "T200", "K100_V33", "varlen", "tiny_varlen"]
+BWD_SHAPES = ["T1", "T63", "T65_K32_V48", "T130_K128_V128", "T200", "K100_V33", "varlen", "tiny_varlen", "T70_V96"]
 GRADS = ("dq", "dk", "dv", "da", "db", "dgk", "dh0")
 
 
