@@ -205,14 +205,7 @@ template <class T, int KP>
 struct OutSmem {
   static constexpr bool kShareKB = KP > 64;
   static constexpr int kYRows = dplr_scores_y_rows<T>();
-  static constexpr int64_t value_tiles_bytes(int bv) {  // h (KP rows), V, Ut (64 rows), bv columns
-    return align16(int64_t(KP) * tile_ld<T>(bv) * sizeof(T)) + align16(int64_t(kDRows) * tile_ld<T>(bv) * sizeof(T)) +
-           int64_t(kDRows) * tile_ld<T>(bv) * sizeof(T);
-  }
-  static constexpr int64_t kValueSpace = (kShareKB ? 1 : 2) * align16(int64_t(kDRows) * tile_ld<T>(KP) * sizeof(T)) +
-                                         align16(int64_t(16 + kYRows) * tile_ld<T>(KP) * sizeof(T));
-  static constexpr int kBV = value_tiles_bytes(64) <= kValueSpace ? 64 : kDBV;
-  static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldv = tile_ld<T>(kBV), ldg = gate_ld(KP);
+  static constexpr int ldk = tile_ld<T>(KP), ld64 = tile_ld<T>(64), ldg = gate_ld(KP);
   static constexpr int64_t tileK = align16(int64_t(kDRows) * ldk * sizeof(T));
   static constexpr int64_t q = 0, k = q + tileK, b = kShareKB ? k : k + tileK;
   static constexpr int64_t scratch = b + tileK;
@@ -220,11 +213,18 @@ struct OutSmem {
   static constexpr int64_t Pk = G + align16(int64_t(kDRows) * ldg * 4);
   static constexpr int64_t Pb = Pk + align16(int64_t(kDRows) * ld64 * sizeof(T));
   static constexpr int64_t bytes = Pb + align16(int64_t(kDRows) * ld64 * sizeof(T));
-  // per value block, from the k tile on
+  // per value block of bv columns, from the k tile on: h (KP rows), V, Ut (64 rows)
+  static constexpr int64_t value_end(int bv) {
+    const int64_t row = int64_t(tile_ld<T>(bv)) * sizeof(T);
+    return k + align16(KP * row) + align16(kDRows * row) + kDRows * row;
+  }
+  static constexpr int kBV = value_end(64) <= G ? 64 : kDBV;
+  static constexpr int ldv = tile_ld<T>(kBV);
   static constexpr int64_t hS = k;
   static constexpr int64_t vS = hS + align16(int64_t(KP) * ldv * sizeof(T));
   static constexpr int64_t utS = vS + align16(int64_t(kDRows) * ldv * sizeof(T));
-  static_assert(utS + int64_t(kDRows) * ldv * sizeof(T) <= G, "the value-block tiles must fit over k, b, scratch");
+  static_assert(utS + int64_t(kDRows) * ldv * sizeof(T) == value_end(kBV) && value_end(kBV) <= G,
+                "the value-block tiles must fit over k, b, scratch");
 };
 
 template <class P>
