@@ -2,7 +2,8 @@
 
 Measures, on the GPU it runs on:
   * the two ceilings: device copy bandwidth (bytes read + written) and the bf16 matmul rate;
-  * for FLA's benchmark shapes (B, T, H, D): forward and forward+backward time of each deltacp
+  * for FLA's benchmark shapes (B, T, H, D; or B, T, H, K, V where the value head differs from the key
+    head): forward and forward+backward time of each deltacp
     tier (naive, tiled) and of FLA (when its source is on PYTHONPATH), median of do_bench;
   * from counted bytes and FLOPs (see floor_bytes / chunked_flops below): TB/s, TFLOP/s and the
     fraction of the roofline floor max(bytes / copy_bw, flops / matmul_rate) / time;
@@ -33,26 +34,28 @@ SHAPES = [(4, 2048, 16, 128), (1, 8192, 96, 128), (2, 16384, 16, 128), (4, 4096,
 CHUNK = 64
 
 
-# ---- counted work (per token and head, K = V = D) -------------------------------------------
-def floor_bytes(B, T, H, D, variant, backward):
+# ---- counted work (per token and head, K = D, V = D unless given) -----------------------------
+def floor_bytes(B, T, H, D, variant, backward, V=None):
     """Fewest bytes a kernel must move: every input read once, every output written once (bf16
     tensors, fp32 gates). Forward: q, k, v, g, beta in, o out. Backward adds do in and dq, dk, dv,
     dg, dbeta out (q, k, v, g, beta are read again)."""
+    V = V or D
     g_elems = D if variant == "kda" else 1
-    fwd = (3 * D * 2) + g_elems * 4 + 2 + D * 2
+    qkv = (2 * D + V) * 2
+    fwd = qkv + g_elems * 4 + 2 + V * 2
     if not backward:
         return B * T * H * fwd
-    bwd = (3 * D * 2 + g_elems * 4 + 2 + D * 2) + (3 * D * 2 + g_elems * 4 + 2)
+    bwd = (qkv + g_elems * 4 + 2 + V * 2) + (qkv + g_elems * 4 + 2)
     return B * T * H * (fwd + bwd)
 
 
-def chunked_flops(B, T, H, D, backward):
+def chunked_flops(B, T, H, D, backward, V=None):
     """FLOPs of the chunked forward (C = 64), counted as the dense products the tiled tier issues:
     per chunk 3 state products (W S, K^T v_new, Q S: 2 C K V each), 3 C x C x K products (K K^T,
     T (Beta K e^G), Q K^T) and 2 C x C x V (T (Beta V), P v_new), plus the triangular solve C^3/3.
     The backward pass is counted as a forward recompute plus 2x the forward (the usual rule for
     matmul-bound layers), so forward+backward = 4x the forward; stated here so it can be redone."""
-    C, K, V = CHUNK, D, D
+    C, K, V = CHUNK, D, V or D
     per_chunk = 3 * 2 * C * K * V + 3 * 2 * C * C * K + 2 * 2 * C * C * V + C ** 3 / 3
     fwd = B * H * math.ceil(T / C) * per_chunk
     return fwd * (4 if backward else 1)
@@ -135,16 +138,16 @@ def measure_ceilings():
     return copy_tbs, mm_tflops
 
 
-def time_impl(fn, B, T, H, D, variant, backward, l2_bytes):
+def time_impl(fn, B, T, H, D, variant, backward, l2_bytes, V=None):
     # Rotate input sets when one set would fit in L2, so the timing is not of the cache.
-    one = floor_bytes(B, T, H, D, variant, False)
+    one = floor_bytes(B, T, H, D, variant, False, V)
     nsets = 1 if one > 3 * l2_bytes else 3
-    sets = [make_inputs(B, T, H, D, variant, seed=s) for s in range(nsets)]
+    sets = [make_inputs(B, T, H, D, variant, seed=s, V=V) for s in range(nsets)]
     if backward:
         for x in sets:
             for name in ("q", "k", "v", "g", "beta"):
                 x[name].requires_grad_(True)
-        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(B, T, H, V or D, device="cuda", dtype=torch.bfloat16)
     it = [0]
 
     def step():
@@ -159,7 +162,7 @@ def time_impl(fn, B, T, H, D, variant, backward, l2_bytes):
 
 
 # ---- the fused forward's serial chain -------------------------------------------------------
-def chain_profile(fn, B, T, H, D, variant, reps=5):
+def chain_profile(fn, B, T, H, D, variant, reps=5, V=None):
     """The fused forward's chain kernel from a torch.profiler trace of `reps` calls: {chain_ms: its time per
     call, chain_ctas: its grid, chain_waves: ceil(CTAs / SMs) (one CTA per SM), chain_chunks_per_cta: the
     chunks the longest sequence or piece walks (fixed-length inputs: ceil(T / 64) over the pieces per
@@ -167,7 +170,7 @@ def chain_profile(fn, B, T, H, D, variant, reps=5):
     pieces' pass 1 (the chain kernel's map mode; 0 over whole sequences)}."""
     import os
     import tempfile
-    x = make_inputs(B, T, H, D, variant, seed=11)
+    x = make_inputs(B, T, H, D, variant, seed=11, V=V)
     with torch.no_grad():
         fn(x)
         torch.cuda.synchronize()
@@ -207,16 +210,16 @@ def chain_profile(fn, B, T, H, D, variant, reps=5):
 
 
 # ---- memory ---------------------------------------------------------------------------------
-def step_memory(fn, B, T, H, D, variant):
+def step_memory(fn, B, T, H, D, variant, V=None):
     """Peak bytes of one forward + backward step above its inputs (q, k, v, g, beta, do): (through torch,
     outside torch). Through torch: torch.cuda.max_memory_allocated over the step minus what was allocated
     before it (the outputs, the gradients and every workspace taken from torch's caching allocator). Outside
     torch: deltacp's own workspace pool's mapped high-water mark over the step (released before it, so only
     this step's), 0 for FLA. Run after the timing, so autotuning and compilation are not in it."""
-    x = make_inputs(B, T, H, D, variant, seed=7)
+    x = make_inputs(B, T, H, D, variant, seed=7, V=V)
     for name in ("q", "k", "v", "g", "beta"):
         x[name].requires_grad_(True)
-    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, T, H, V or D, device="cuda", dtype=torch.bfloat16)
     try:
         import deltacp
         stats = getattr(deltacp, "cuda_workspace_stats", None)
@@ -292,7 +295,8 @@ def main():
     ap.add_argument("--skip-naive-backward-above", type=int, default=4 * 2048 * 16,
                     help="skip the naive tier's fwd+bwd when B*T*H exceeds this (it is a token loop)")
     ap.add_argument("--shapes", default=None,
-                    help="B,T,H,D shapes to time, ';'-separated (default: the four shapes of SHAPES below the imports)")
+                    help="B,T,H,D (K = V = D) or B,T,H,K,V shapes to time, ';'-separated (default: the four shapes "
+                         "of SHAPES below the imports)")
     ap.add_argument("--plain-call", action="store_true",
                     help="time both sides without FLA's benchmark keywords (FLA_BENCH_KWARGS: in-kernel l2 norm, "
                          "KDA's safe gate)")
@@ -333,7 +337,9 @@ def main():
         save()
         if variant not in timed:
             continue
-        for si, (B, T, H, D) in enumerate(shapes):
+        for si, shape in enumerate(shapes):
+            B, T, H, D = shape[:4]
+            V = shape[4] if len(shape) > 4 else D
             for backward in (False, True):
                 for name, fn in impls.items():
                     if fn is None:
@@ -341,22 +347,22 @@ def main():
                     if name == "deltacp-naive" and (si >= args.naive_shapes or
                                                     (backward and B * T * H > args.skip_naive_backward_above)):
                         continue
-                    row = dict(variant=variant, impl=name, B=B, T=T, H=H, D=D,
+                    row = dict(variant=variant, impl=name, B=B, T=T, H=H, D=D, V=V,
                                direction="fwd+bwd" if backward else "fwd")
                     try:
-                        ms = time_impl(fn, B, T, H, D, variant, backward, l2)
-                        byts = floor_bytes(B, T, H, D, variant, backward)
-                        flops = chunked_flops(B, T, H, D, backward)
+                        ms = time_impl(fn, B, T, H, D, variant, backward, l2, V)
+                        byts = floor_bytes(B, T, H, D, variant, backward, V)
+                        flops = chunked_flops(B, T, H, D, backward, V)
                         floor_ms = max(byts / (copy_tbs * 1e12), flops / (mm_tflops * 1e12)) * 1e3
                         row.update(ms=ms, TBps=byts / (ms * 1e-3) / 1e12, TFLOPs=flops / (ms * 1e-3) / 1e12,
                                    floor_ms=floor_ms, roofline_fraction=floor_ms / ms)
                         if name == "deltacp-fused" and not backward:
                             try:
-                                row.update(chain_profile(fn, B, T, H, D, variant))
+                                row.update(chain_profile(fn, B, T, H, D, variant, V=V))
                             except Exception as e:  # the timing stands without it
                                 row.update(chain_error=str(e)[:300])
                         if backward:
-                            through, outside = step_memory(fn, B, T, H, D, variant)
+                            through, outside = step_memory(fn, B, T, H, D, variant, V)
                             row.update(peak_MiB=(through + outside) / 2**20, peak_torch_MiB=through / 2**20,
                                        peak_outside_torch_MiB=outside / 2**20,
                                        peak_bytes_per_token_head=(through + outside) / (B * T * H))
@@ -370,25 +376,28 @@ def main():
     # Short table last (a remote run's log is often read from its tail).
     names = [f"deltacp-{t}" for t in args.tiers.split(",")] + ["fla"]
     print(f"\n{'variant':6} {'shape':22} {'dir':8} " + " ".join(f"{n:>16}" for n in names))
+    def key(x):
+        return (x["B"], x["T"], x["H"], x["D"]) + ((x["V"],) if x.get("V", x["D"]) != x["D"] else ())
+
     for variant in args.variants.split(","):
-        for (B, T, H, D) in shapes:
+        for shape in shapes:
             for d in ("fwd", "fwd+bwd"):
                 cells = []
                 for n in names:
                     r = [x for x in res["rows"] if x["variant"] == variant and x["impl"] == n and
-                         (x["B"], x["T"], x["H"], x["D"]) == (B, T, H, D) and x["direction"] == d]
+                         key(x) == shape and x["direction"] == d]
                     cells.append(f"{r[0]['ms']:>13.3f} ms" if r and "ms" in r[0] else f"{'-':>16}")
-                print(f"{variant:6} {str((B, T, H, D)):22} {d:8} " + " ".join(cells))
+                print(f"{variant:6} {str(shape):22} {d:8} " + " ".join(cells))
     # Peak memory of forward+backward (through torch + outside torch), MiB, same run.
     print(f"\n{'variant':6} {'shape':22} {'peak MiB':8} " + " ".join(f"{n:>16}" for n in names))
     for variant in args.variants.split(","):
-        for (B, T, H, D) in shapes:
+        for shape in shapes:
             cells = []
             for n in names:
                 r = [x for x in res["rows"] if x["variant"] == variant and x["impl"] == n and
-                     (x["B"], x["T"], x["H"], x["D"]) == (B, T, H, D) and x["direction"] == "fwd+bwd"]
+                     key(x) == shape and x["direction"] == "fwd+bwd"]
                 cells.append(f"{r[0]['peak_MiB']:>12.0f} MiB" if r and "peak_MiB" in r[0] else f"{'-':>16}")
-            print(f"{variant:6} {str((B, T, H, D)):22} {'fwd+bwd':8} " + " ".join(cells))
+            print(f"{variant:6} {str(shape):22} {'fwd+bwd':8} " + " ".join(cells))
 
 
 if __name__ == "__main__":

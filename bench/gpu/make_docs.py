@@ -64,7 +64,8 @@ def tiers(perf):
 
 
 def shape_of(x):
-    return (x["B"], x["T"], x["H"], x["D"])
+    """(B, T, H, D) with K = V = D, or (B, T, H, K, V) where the value head is wider."""
+    return (x["B"], x["T"], x["H"], x["D"]) + ((x["V"],) if x.get("V", x["D"]) != x["D"] else ())
 
 
 def timed(perf, variant, direction, impl):
@@ -274,6 +275,8 @@ def perf_md(res, plots):
                 fcols = ["fused B per token-head", "fused chain us per chunk"] if fused else []
                 lines += [f"### {variant.upper()} {'forward' if d == 'fwd' else 'forward + backward'}", "",
                           f"Measured {rows_date(perf, variant)}; both sides called with: {call_of(perf, variant)}.", ""]
+                if any(len(s) == 5 for s in shapes):
+                    lines += ["A shape of five numbers is (B, T, H, K, V): a value head wider than the key head.", ""]
                 if fused:
                     lines += ["The fused chain's step: its kernel time per call (`bench_gpu.py` chain_profile, "
                               "torch.profiler) over the waves of CTAs (one per SM) times the chunks each CTA walks; "
@@ -298,7 +301,7 @@ def perf_md(res, plots):
                     if fused:
                         fr = by.get("deltacp-fused", {})
                         counted = bpt.get(variant, bpt if variant == "gdn" else {})  # gdn's at the top level
-                        extra.append(str(counted.get("deltacp-fused", "-")))
+                        extra.append(str(counted.get("deltacp-fused", "-")) if len(s) == 4 else "-")  # K = V = 128
                         extra.append(f"{fr['chain_us_per_chunk']:.2f} ({fr['chain_ctas']} CTAs, {fr['chain_waves']} "
                                      f"wave(s), {fr['chain_chunks_per_cta']} chunks each)" if "chain_us_per_chunk" in fr
                                      else "-")

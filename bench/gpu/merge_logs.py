@@ -31,7 +31,8 @@ def main():
                 if line.startswith("{"):
                     new.append(json.loads(line))
         for row in new:
-            rows[(row["variant"], row["impl"], row["B"], row["T"], row["H"], row["D"], row["direction"])] = row
+            rows[(row["variant"], row["impl"], row["B"], row["T"], row["H"], row["D"], row.get("V", row["D"]),
+                  row["direction"])] = row
     res["rows"] = list(rows.values())
     json.dump(res, open(out, "w"), indent=1)
     print(f"{len(res['rows'])} rows -> {out}")

@@ -83,6 +83,7 @@ struct ChainArgs {
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
   float* ht = nullptr;       // the same shape, or nullptr; the map mode: [N, HV, K, V + K]
   int64_t Tlen = 0, HV = 0, group = 1;
+  int V = 128;  // value columns of the state: 128 or 256 (the map mode's state is V + K wide)
   int chunk_size = 64;
   float scale = 1.f;
 };
@@ -152,8 +153,8 @@ __device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const u
 // One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns), sequential over
 // the sequence's chunks (the file comment gives the steps).
 //
-// kMap: the map mode, the pieces' pass 1 of intra-card CP. A piece entered with [0 | I] (a state V + K = 256
-// columns wide: the value columns from zero, then the identity) leaves with [H | M], so that entered with S it
+// kMap: the map mode, the pieces' pass 1 of intra-card CP. A piece entered with [0 | I] (a state V + K columns
+// wide, 256 or 384: the value columns from zero, then the identity) leaves with [H | M], so that entered with S it
 // leaves with M S + H (cuda/tiled/scan_split.cu has the algebra). The same chain step without the output:
 // no Q or P tile, no output products; the identity columns' CTAs (v0 >= V) see U = 0 and load no U. The
 // start state is made in registers and [H | M] goes to ht, rows V + K apart.
@@ -181,8 +182,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
   const SeqEntry se = args.seqs[n];
   const int cs = args.chunk_size;
   const bool has_gate = args.G != nullptr;
-  const bool u_zero = kMap && v0 >= kKeys;  // the map mode's identity columns
-  constexpr int64_t kStateCols = kMap ? 2 * kKeys : kKeys;
+  const bool u_zero = kMap && v0 >= args.V;  // the map mode's identity columns
+  const int64_t state_cols = kMap ? args.V + kKeys : args.V;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(bars + s, 1);
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 
   // S^T in the m64n128 accumulator layout: S[4 nb + e] = state (key row 8 nb + 2 t + (e & 1),
   // column vw + jr + 8 (e >> 1)).
-  const int64_t state0 = (n * HV + hv) * kKeys * kStateCols;
+  const int64_t state0 = (n * HV + hv) * kKeys * state_cols;
   float S[64];
 #pragma unroll
   for (int nb = 0; nb < 16; ++nb)
@@ -206,9 +207,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     for (int e = 0; e < 4; ++e) {
       const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
       if constexpr (kMap) {
-        S[4 * nb + e] = col - kKeys == d ? 1.f : 0.f;
+        S[4 * nb + e] = col - args.V == d ? 1.f : 0.f;
       } else {
-        S[4 * nb + e] = args.h0 != nullptr ? args.h0[state0 + d * kKeys + col] : 0.f;
+        S[4 * nb + e] = args.h0 != nullptr ? args.h0[state0 + d * state_cols + col] : 0.f;
       }
     }
   __syncthreads();  // the barriers are initialised
@@ -448,7 +449,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
-        args.ht[state0 + d * kStateCols + col] = S[4 * nb + e];
+        args.ht[state0 + d * state_cols + col] = S[4 * nb + e];
       }
   }
 #else
@@ -466,14 +467,14 @@ inline int warpgroups_from_env() {
 }
 
 // Warpgroups per CTA: two share one copy of each chunk's tiles; one doubles the CTAs, which pays where
-// two per CTA would leave SMs idle. DELTACP_FUSED_WG forces it.
-inline int chain_warpgroups(int64_t seqs_x_heads, int sms) {
+// two per CTA would leave SMs idle (V / 64 column tiles per sequence and head). DELTACP_FUSED_WG forces it.
+inline int chain_warpgroups(int64_t seqs_x_heads, int64_t V, int sms) {
   const int env = warpgroups_from_env();
   if (env != 0) return env;
-  return 2 * seqs_x_heads >= sms ? 2 : 1;
+  return (V / kCols) * seqs_x_heads >= sms ? 2 : 1;
 }
 
-// The token-parallel operands of the chain, [R, HV, width] rows (16-bit) unless said otherwise: W, U (128
+// The token-parallel operands of the chain, [R, HV, width] rows (16-bit) unless said otherwise: W (128), U (V
 // wide), P (64) from the WY stage (gdn, delta: wgmma_wy.cuh; kda: chunk_wy_kernel and
 // kda_chain_operands_kernel); G ([R, HV] fp32 for gdn, [R, HV, 128] for kda, ignored for delta); kda only:
 // Kd = K e^(G_n - G) and Qg = Q e^G (128 wide; the other variants read k and q themselves); rq / rk:
@@ -499,7 +500,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   ChainArgs<T> a;
   if (R > 0) {  // else no sequence has a chunk: the kernel only carries h0 to ht and never reads a map
     a.tm_w = workspace_rows_map(in.W, R, HV, kKeys, "W");
-    a.tm_u = workspace_rows_map(in.U, R, HV, kKeys, "U");
+    a.tm_u = workspace_rows_map(in.U, R, HV, p.V, "U");
     a.tm_k = kKda ? workspace_rows_map(in.Kd, R, HV, kKeys, "Kd") : token_rows_map(p.k, p.B, p.T, p.H, kKeys, "k");
     if (!kMap) {
       a.tm_p = workspace_rows_map(in.P, R, HV, 64, "P");
@@ -516,6 +517,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   a.Tlen = p.T;
   a.HV = p.HV;
   a.group = p.HV / p.H;
+  a.V = static_cast<int>(p.V);
   a.chunk_size = p.chunk_size;
   a.scale = static_cast<float>(p.scale);
   if (stages == 0) stages = chain_stages(nwg, kMap);
@@ -525,7 +527,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   auto kernel = nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap), kKda>
                          : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2, kKda> : fused_chain_kernel<T, 1, kMap, 3, kKda>);
   opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");
-  const int64_t cols = kMap ? 2 * kKeys : kKeys;
+  const int64_t cols = kMap ? p.V + kKeys : p.V;
   const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
                   static_cast<unsigned>(cols / (kCols * nwg)));
   kernel<<<grid, 128 * nwg, L.bytes, stream>>>(a);
@@ -537,7 +539,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
 template <class T>
 void launch_chain(const Params& p, const tiled::ChunkTable& table, const ChainOperands& in, const float* h0,
                   float* ht, cudaStream_t stream, int stages = 0) {
-  const int nwg = chain_warpgroups(table.num_seqs() * p.HV, sm_count());
+  const int nwg = chain_warpgroups(table.num_seqs() * p.HV, p.V, sm_count());
   if (p.variant == Variant::kda) {
     launch_chain_kernel<T, false, true>(p, table, in, h0, ht, nwg, nwg == 1 ? stages : 0, stream);
   } else {

@@ -45,7 +45,8 @@
 // (launch_kda_fused_prepare; DELTACP_FUSED_KDA_PREPARE=0 runs that pair of kernels instead, with the same bits);
 // the chain runs its kda mode on them (fused_chain.cuh).
 //
-// Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128; q, k, v, o 16-byte aligned rows with positive
+// Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = 128 and V = 128 (gdn and delta also V = 256: the WY
+// stage makes U in two rounds of 128 columns, the chain has four 64-column tiles); q, k, v, o 16-byte aligned rows with positive
 // strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
 // says why not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name,
 // raises an error with the reason).
@@ -62,6 +63,9 @@
 // 88 KB per chunk and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back:
 // a kernel that keeps W, U and P on chip (the WY work of the next chunk done by a warpgroup of the chain's
 // CTA) is what would remove those bytes.
+// K = 128, V = 256 (NVIDIA H100, 2026-11-28, bf16 gdn, B = 8, T = 2048, H = 32, bench_gpu.py beside FLA): 1.025 ms
+// end to end (FLA 1.778; the tiled tier 1.849), of which the chain 0.527 (512 CTAs of two warpgroups in 4 waves, 32
+// chunks each: 4.12 us a chunk).
 // kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.17 ms = the WY stage 0.99 +
 // kda_chain_operands_kernel 0.76 + chain 0.41 (the gate summed and q, k normalised inside the first two: the
 // cumsum kernel's 0.22 ms and the l2 norm's pass over q and k are gone), against the tiled tier's 2.66 (its
@@ -107,16 +111,16 @@ using tiled::SeqEntry;
 // The time model of the piece choice, in microseconds, for the sequences seqs cut into pieces of L chunks
 // (L = 0: whole sequences). A chain step is one chunk of one CTA; the kernels run one CTA per SM, so CTAs
 // beyond the SM count run in further waves.
-//   chain (whole or every piece):  waves(pieces x HV x column tiles) x L x step_us(warpgroups per CTA)
-//   pass 1 (maps of all but each sequence's last piece: the chain's map mode, a state V + K = 256 columns
-//          wide, two CTAs of 128 columns per piece and head):  waves(maps x HV x 2) x L x map_step_us
+//   chain (whole or every piece):  waves(pieces x HV x V / (64 x warpgroups)) x L x step_us(warpgroups per CTA)
+//   pass 1 (maps of all but each sequence's last piece: the chain's map mode, a state V + K columns wide,
+//          CTAs of 128 columns):  waves(maps x HV x (V + K) / 128) x L x map_step_us
 //   fold:  (most pieces - 1) x fold_us
 // The steps as measured on an H200 (bench/gpu/stage_times.py, bf16 gdn, 2026-11-25): the chain 1.73 us a
 // chunk with one warpgroup per CTA ((2,16384,16,128) whole: 0.442 ms over 256 chunks on 64 CTAs; 2.0 us on
 // 128 CTAs), 2.9 us with two (pieces of 4096 tokens at (2,16384,16,128) and (1,65536,8,128): 0.185 ms over
 // 64 chunks); the map mode 1.6 us a chunk per wave (0.205 ms: 64 chunks in 2 waves); the fold 3.8 us a piece
 // (the tiled tier's, cuda/tiled/scan_split.cu).
-double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t L, int sms) {
+double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t V, int64_t L, int sms) {
   constexpr double map_step_us = 1.6, fold_us = 3.8;
   int64_t pieces = 0, maps = 0, most = 1, longest = 0;
   for (const SeqEntry& s : seqs) {
@@ -127,10 +131,11 @@ double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t
     longest = std::max(longest, L > 0 ? std::min(L, s.num_chunks) : s.num_chunks);
   }
   auto waves = [&](int64_t ctas) { return static_cast<double>((ctas + sms - 1) / sms); };
-  const int nwg = chain_warpgroups(pieces * HV, sms);
+  const int nwg = chain_warpgroups(pieces * HV, V, sms);
   const double step_us = nwg == 1 ? 1.9 : 2.9;
-  const double chain = waves(pieces * HV * (2 / nwg)) * static_cast<double>(longest) * step_us;
-  const double pass1 = maps > 0 ? waves(maps * HV * 2) * static_cast<double>(longest) * map_step_us : 0.0;
+  const double chain = waves(pieces * HV * (V / (kCols * nwg))) * static_cast<double>(longest) * step_us;
+  const double pass1 =
+      maps > 0 ? waves(maps * HV * ((V + kKeys) / (2 * kCols))) * static_cast<double>(longest) * map_step_us : 0.0;
   return chain + pass1 + fold_us * static_cast<double>(most - 1);
 }
 
@@ -168,12 +173,12 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
     return most > L ? L : 0;
   }
   const int sms = sm_count();
-  const double whole = fused_predicted_us(seqs, p.HV, 0, sms);
+  const double whole = fused_predicted_us(seqs, p.HV, p.V, 0, sms);
   int64_t best_L = 0;
   double best = 0.75 * whole;  // cut only for a clear predicted gain (pass 1, the fold and the piece tables cost launches too)
   for (int64_t L : {8, 16, 32, 64, 128, 256}) {
     if (L >= most) break;
-    const double us = fused_predicted_us(seqs, p.HV, L, sms);
+    const double us = fused_predicted_us(seqs, p.HV, p.V, L, sms);
     if (us < best) best = us, best_L = L;
   }
   return best_L;
@@ -203,7 +208,7 @@ std::array<int64_t, kWindowParts> window_buffer_sizes(const Params& p, int64_t R
   const int64_t es = dtype_size(p.dtype), rows = R * p.HV, scales = p.qk_l2norm && !kda ? rows * 4 : 0;
   const int64_t G = p.variant == Variant::gdn ? rows * 4 : (kda ? rows * kKeys * 4 : 0);
   const int64_t tile = rows * kKeys * es, kda_tile = kda ? tile : 0;
-  return {G, tile, tile, rows * 64 * es, scales, scales, kda_tile, kda_tile};
+  return {G, tile, rows * p.V * es, rows * 64 * es, scales, scales, kda_tile, kda_tile};
 }
 int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
 int64_t window_buffers_bytes(const Params& p) {

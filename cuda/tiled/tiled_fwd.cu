@@ -15,7 +15,7 @@
 //   1 chunk_cumsum_kernel      grid (chunks, ceil(HV*Dg/128))  G = cumsum g per chunk (Dg = 1 gdn, K kda)
 //   2 chunk_wy_kernel          grid (chunks, HV)               A -> T (blocked forward substitution in
 //                                                              fp32) -> W, U (and Kd for kda)
-//     (or, on Hopper for 16-bit gdn / delta at K = V = 128, wy_wgmma_kernel in
+//     (or, on Hopper for 16-bit gdn / delta at K = 128, V = 128 or 256, wy_wgmma_kernel in
 //     wy_wgmma.cuh: TMA tiles and warpgroup products, the fused forward's token-parallel stage)
 //   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks
 //     (or, on Hopper with wide grids, chunk_state_scan_wgmma_kernel in scan_wgmma.cuh; with a few long
@@ -1261,7 +1261,7 @@ const char* wy_wgmma_refusal(const Params& p) {
   if (p.variant != Variant::gdn && p.variant != Variant::delta)
     return "it implements gdn and delta (kda and dplr run on the tiled and naive tiers)";
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
-  if (p.K != 128 || p.V != 128) return "it takes K = V = 128";
+  if (p.K != 128 || (p.V != 128 && p.V != 256)) return "it takes K = 128 and V = 128 or 256";
   if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
   const int64_t es = dtype_size(p.dtype);
   if (!rows_aligned16(p.q, es)) return "it reads q in 16-byte pieces (q's pointer or strides are not 16-byte aligned)";
@@ -1289,8 +1289,8 @@ bool use_wy_wgmma(const Params& p) {
 WyDone launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
                        float* Tinv, cudaStream_t stream, float* dv_local, bool t16) {
   if (table.num_chunks() == 0) return {};
-  if (use_wy_wgmma(p)) {  // 16-bit gdn / delta at K = V = 128 on Hopper (as the fused forward's stage: 0.45 -> 0.26
-                          // ms at (2,16384,16,128), H200)
+  if (use_wy_wgmma(p)) {  // 16-bit gdn / delta at K = 128, V = 128 or 256 on Hopper (as the fused forward's stage:
+                          // 0.45 -> 0.26 ms at (2,16384,16,128), H200)
     float* dvl = dv_local != nullptr && wy_wgmma_takes_dout(p) ? dv_local : nullptr;
     dispatch_dtype(p.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;

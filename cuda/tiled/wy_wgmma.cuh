@@ -1,7 +1,7 @@
 // cuda/tiled/wy_wgmma.cuh — the WY stage on Hopper's warpgroup products: for every (chunk, value head) at once,
 // the WY representation W, U (and T), and the decayed scores P, from one read of the chunk's q, k and v. The
-// tiled tier's forward and its backward's recompute run it where it applies (16-bit gdn / delta at K = V = 128
-// on sm_90a: wy_wgmma_refusal); the fused forward runs it as its token-parallel stage.
+// tiled tier's forward and its backward's recompute run it where it applies (16-bit gdn / delta at K = 128 and
+// V = 128 or 256 on sm_90a: wy_wgmma_refusal); the fused forward runs it as its token-parallel stage.
 //
 // For a chunk of n <= 64 tokens, G the within-chunk cumulative log decay (zero for delta):
 //
@@ -22,7 +22,8 @@
 //             per token and head) when asked for (the tiled backward's stage B3 reads it)
 //   W, U      each 4 x wgmma m64n128k16, A = T Beta (e^G) as 16-bit register fragments (each warp's 16 rows
 //             of T), B = the K or V tile read MN-major; staged in shared memory (16-byte pieces swizzled
-//             by row) and stored as whole rows
+//             by row) and stored as whole rows. At V = 256, U in two rounds of 128 columns through the one V
+//             tile: the second half's copy goes out once the first round's products have read the tile
 // With qk_l2norm (FLA's use_qk_l2norm_in_kernel, no gradient: params.h) each row's 1 / sqrt(|x|^2 + eps) is
 // summed from the tiles while Q K^T and K K^T run and folded into P (rq_i rk_j), A (rk_i rk_j) and W's
 // operand (rk_j); the scales go out (8 bytes per token and head) for the fused chain and its map mode (the
@@ -68,7 +69,7 @@ struct WyWgmmaArgs {
   const tiled::ChunkEntry* chunks = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
   T* W = nullptr;            // [R, HV, 128]
-  T* U = nullptr;            // [R, HV, 128]
+  T* U = nullptr;            // [R, HV, V], V = 128 or 256 (U in rounds of 128 columns through one V tile)
   T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P (nullptr: not stored)
   float* Tinv = nullptr;     // [R, HV, 64] fp32: row i of its chunk's T (nullptr: not stored)
   bool t16 = false;          // T rounded to T's type instead, in the first 128 bytes of each 256-byte row
@@ -123,17 +124,17 @@ __device__ __forceinline__ void stage_rows_128(unsigned char* dst, const float (
           tiled::pack2<T>(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
     }
 }
-// The first len staged rows to rows row0 .. row0 + len - 1 of a [R, HV, 128] tensor (head hv), 16 bytes a
-// thread, whole rows per 16 threads.
+// The first len staged rows to columns col0 .. col0 + 127 of rows row0 .. row0 + len - 1 of a [R, HV, ld]
+// tensor (head hv), 16 bytes a thread, whole rows per 16 threads.
 template <class T>
 __device__ __forceinline__ void store_rows_128(T* dst, const unsigned char* src, int64_t row0, int64_t HV,
-                                               int64_t hv, int len) {
+                                               int64_t hv, int len, int ld = 128, int col0 = 0) {
   const int piece = static_cast<int>(threadIdx.x) & 15, r0 = static_cast<int>(threadIdx.x) >> 4;
 #pragma unroll
   for (int it = 0; it < 8; ++it) {
     const int r = r0 + 8 * it;
     if (r < len)
-      *reinterpret_cast<uint4*>(dst + ((row0 + r) * HV + hv) * 128 + piece * 8) =
+      *reinterpret_cast<uint4*>(dst + ((row0 + r) * HV + hv) * ld + col0 + piece * 8) =
           *reinterpret_cast<const uint4*>(src + r * 256 + ((piece ^ (r & 7)) << 4));
   }
 }
@@ -159,8 +160,11 @@ __device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
 }
 #endif
 
-template <class T, bool kDvLocal>
+// kRounds: V / 128, the rounds of U's product (a compile-time count: with a runtime one the V = 128 kernels took
+// 148 and 255 registers instead of 128 and 174).
+template <class T, bool kDvLocal, int kRounds>
 __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ WyWgmmaArgs<T> a) {
+  static_assert(kRounds == 1 || (kRounds == 2 && !kDvLocal), "B0's product is made at V = 128 only");
 #ifdef DELTACP_WGMMA_DEVICE
   using S = WyWgmmaSmem;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -345,44 +349,68 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   reg_fence(acc);
   reg_fence(fw);
   stage_rows_128<T>(smem + S::q, acc);
+  // U = (T Beta) V in rounds of 128 value columns (one round at V = 128): the V tile holds columns 128 vb ..
+  // 128 vb + 127; the next round's copy goes out once every warp's products have read the tile, and lands while
+  // this round's rows are staged and stored.
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  wg_fence();
-  reg_fence(acc);
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fu[kk], wg_desc(v_addr + kk * 2048, 8192, 1024));
-  wg_commit();
-  wg_wait_all();
-  reg_fence(acc);
-  reg_fence(fu);
-  stage_rows_128<T>(smem + S::t, acc);
-  if constexpr (kDvLocal) {
-    // dVn_local = scale P^T dO (stage B0 of the backward): A = P^T (the P block read M-major), B = dO (MN-major,
-    // its two 64-column blocks 8 KB apart), K = the chunk's 64 tokens.
+  for (int vb = 0; vb < kRounds; ++vb) {
+    if (vb > 0) {
+      mbar_wait(bars + 1, static_cast<uint32_t>(vb & 1));
+      zero_tail_rows(smem + S::v);
+      fence_proxy_async();
+      __syncthreads();
+    }
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    reg_fence(acc);
     wg_fence();
-    const uint32_t p_addr = smem_u32(smem + S::p), do_addr = smem_u32(smem + S::dO);
+    reg_fence(acc);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss<T, 128, 1, 1>(acc, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024), 1);
+    for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fu[kk], wg_desc(v_addr + kk * 2048, 8192, 1024));
     wg_commit();
     wg_wait_all();
     reg_fence(acc);
-#pragma unroll
-    for (int nb = 0; nb < 16; ++nb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = 16 * wi + g + 8 * h;
-        if (r < len)
-          *reinterpret_cast<float2*>(a.dvl + ((ce.row0 + r) * HV + hv) * 128 + 8 * nb + 2 * t) =
-              make_float2(a.scale * acc[4 * nb + 2 * h], a.scale * acc[4 * nb + 2 * h + 1]);
+    reg_fence(fu);
+    if (vb + 1 < kRounds) {
+      __syncthreads();  // every warp's products have read the V tile
+      if (tid == 0) {
+        fence_proxy_async();  // the zeroed rows (generic writes) before the copy
+        const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch), hvi = static_cast<int>(hv);
+        mbar_expect_tx(bars + 1, 2 * 8192);
+        tma_load_4d(smem + S::v, &a.tm_v.map, bars + 1, 128 * (vb + 1), hvi, t0, b);
+        tma_load_4d(smem + S::v + 8192, &a.tm_v.map, bars + 1, 128 * (vb + 1) + 64, hvi, t0, b);
       }
+    }
+    stage_rows_128<T>(smem + S::t, acc);
+    if constexpr (kDvLocal) {  // (one round: V = 128)
+      // dVn_local = scale P^T dO (stage B0 of the backward): A = P^T (the P block read M-major), B = dO (MN-major,
+      // its two 64-column blocks 8 KB apart), K = the chunk's 64 tokens.
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      reg_fence(acc);
+      wg_fence();
+      const uint32_t p_addr = smem_u32(smem + S::p), do_addr = smem_u32(smem + S::dO);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_ss<T, 128, 1, 1>(acc, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024),
+                               1);
+      wg_commit();
+      wg_wait_all();
+      reg_fence(acc);
+#pragma unroll
+      for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * wi + g + 8 * h;
+          if (r < len)
+            *reinterpret_cast<float2*>(a.dvl + ((ce.row0 + r) * HV + hv) * 128 + 8 * nb + 2 * t) =
+                make_float2(a.scale * acc[4 * nb + 2 * h], a.scale * acc[4 * nb + 2 * h + 1]);
+        }
+    }
+    __syncthreads();
+    if (vb == 0) store_rows_128<T>(a.W, smem + S::q, ce.row0, HV, hv, len);
+    store_rows_128<T>(a.U, smem + S::t, ce.row0, HV, hv, len, 128 * kRounds, 128 * vb);
+    if (vb + 1 < kRounds) __syncthreads();  // the staged rows are read before the next round stages its own
   }
-  __syncthreads();
-  store_rows_128<T>(a.W, smem + S::q, ce.row0, HV, hv, len);
-  store_rows_128<T>(a.U, smem + S::t, ce.row0, HV, hv, len);
 #else
   __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
 #endif
@@ -394,10 +422,10 @@ const char* wy_wgmma_refusal(const Params& p);
 
 // Whether wy_wgmma_kernel can also compute the backward's B0 for p: dO read through a tensor map.
 inline bool wy_wgmma_takes_dout(const Params& p) {
-  return p.dout.ptr != nullptr && rows_aligned16(p.dout, 2) && steps_forward(p.dout, p.B, p.T, p.HV);
+  return p.V == 128 && p.dout.ptr != nullptr && rows_aligned16(p.dout, 2) && steps_forward(p.dout, p.B, p.T, p.HV);
 }
 
-// Launches wy_wgmma_kernel over every chunk of the table (K = V = 128, 16-bit T; G from the tiled tier's
+// Launches wy_wgmma_kernel over every chunk of the table (K = 128, V = 128 or 256, 16-bit T; G from the tiled tier's
 // stage 1, nullptr for delta; P and Tinv as in WyWgmmaArgs; rq, rk as there: nullptr without p.qk_l2norm). With
 // dvl (the backward's recompute, wy_wgmma_takes_dout(p)), it also writes stage B0's scale P^T dO there.
 template <class T>
@@ -407,7 +435,7 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
   WyWgmmaArgs<T> a;
   a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
   a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, 128, "k");
-  a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, 128, "v");
+  a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, p.V, "v");
   a.beta = dev_rows<const T>(p.beta);
   a.chunks = table.chunks();
   a.G = p.variant == Variant::delta ? nullptr : G;
@@ -425,13 +453,15 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
     a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
     a.dvl = dvl;
     a.scale = static_cast<float>(p.scale);
-    opt_in_smem(wy_wgmma_kernel<T, true>, WyWgmmaSmem::bytes_dvl, "K", "the wgmma WY stage needs ",
+    DELTACP_CHECK(p.V == 128, "v", "internal: the WY stage makes B0's product at V = 128 only, got V = ", p.V);
+    opt_in_smem(wy_wgmma_kernel<T, true, 1>, WyWgmmaSmem::bytes_dvl, "K", "the wgmma WY stage needs ",
                 WyWgmmaSmem::bytes_dvl, " bytes of shared memory");
-    wy_wgmma_kernel<T, true><<<grid, 128, WyWgmmaSmem::bytes_dvl, stream>>>(a);
+    wy_wgmma_kernel<T, true, 1><<<grid, 128, WyWgmmaSmem::bytes_dvl, stream>>>(a);
   } else {
-    opt_in_smem(wy_wgmma_kernel<T, false>, WyWgmmaSmem::bytes, "K", "the wgmma WY stage needs ", WyWgmmaSmem::bytes,
+    auto kernel = p.V == 256 ? wy_wgmma_kernel<T, false, 2> : wy_wgmma_kernel<T, false, 1>;
+    opt_in_smem(kernel, WyWgmmaSmem::bytes, "K", "the wgmma WY stage needs ", WyWgmmaSmem::bytes,
                 " bytes of shared memory");
-    wy_wgmma_kernel<T, false><<<grid, 128, WyWgmmaSmem::bytes, stream>>>(a);
+    kernel<<<grid, 128, WyWgmmaSmem::bytes, stream>>>(a);
   }
   DELTACP_CUDA_CHECK_LAUNCH();
 }
