@@ -301,7 +301,7 @@ def perf_md(res, plots):
                     if fused:
                         fr = by.get("deltacp-fused", {})
                         counted = bpt.get(variant, bpt if variant == "gdn" else {})  # gdn's at the top level
-                        extra.append(str(counted.get("deltacp-fused", "-")) if len(s) == 4 else "-")  # K = V = 128
+                        extra.append(str(counted.get("deltacp-fused", "-")) if s[3:] == (128,) else "-")  # K = V = 128
                         extra.append(f"{fr['chain_us_per_chunk']:.2f} ({fr['chain_ctas']} CTAs, {fr['chain_waves']} "
                                      f"wave(s), {fr['chain_chunks_per_cta']} chunks each)" if "chain_us_per_chunk" in fr
                                      else "-")

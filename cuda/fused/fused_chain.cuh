@@ -12,6 +12,9 @@
 //             128 threads, each owning 64 state columns (all 128 key rows) as an fp32 wgmma accumulator
 //             (64 registers per thread), written transposed (S^T) so that every product that reads S takes
 //             it straight from registers as the A operand
+//   K = 64    (gdn and delta, V = 64: KK = 64) the same steps on 64 key rows: one 64-column box per W, K and Q
+//             tile, S^T an m64n64 accumulator (32 registers), half the k-steps in (1) and n64 products in (3);
+//             one warpgroup per CTA (one column tile), two in the map mode (V + K = 128 columns)
 //   loads     by TMA (../common/tma.cuh), kStages deep (3 with one warpgroup, 2 with two: what fits in
 //             shared memory): thread 0 issues a chunk's W, K, Q tiles (64 tokens x 128 keys, 16-bit, as two
 //             64 x 64 boxes with the 128-byte swizzle the wgmma descriptors read), its P box (64 x 64) and U's
@@ -64,7 +67,7 @@
 
 namespace deltacp::cuda::fused {
 
-constexpr int kKeys = 128;   // K: key rows of the state
+constexpr int kKeys = 128;   // K: key rows of the state (kda; gdn and delta also 64)
 constexpr int kCols = 64;    // state columns per warpgroup
 constexpr int kLdStage = 72; // leading dimension (elements) of the output staging tile
 
@@ -89,8 +92,8 @@ struct ChainArgs {
 };
 
 // Shared memory of one CTA (offsets from a 1024-byte aligned base: the swizzled boxes need it). Within a
-// stage the boxes are consecutive 64-row blocks of 128-byte rows: W (2), K (2), Q (2), P (1), U (nwg); the
-// map mode has no Q, P or output staging.
+// stage the boxes are consecutive 64-row blocks of 128-byte rows: W (K / 64), K (K / 64), Q (K / 64), P (1),
+// U (nwg); the map mode has no Q, P or output staging.
 struct ChainLayout {
   int w, k, q, p, u, g, rq, rk;  // stage 0's buffers; stage s adds s * stage
   int blocks;                    // 64-row blocks of a stage, from offset 0
@@ -99,16 +102,17 @@ struct ChainLayout {
   int bar;    // the stages' mbarriers
   int bytes;  // everything, plus 1024 bytes of slack for the alignment
 };
-__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map, int stages) {
+__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map, int stages, int K = kKeys) {
   auto up = [](int x, int a) { return (x + a - 1) / a * a; };
   constexpr int kBlock = 64 * 128;
+  const int kb = K / 64;  // 64-column boxes of a W, K or Q tile
   ChainLayout L;
   L.w = 0;
-  L.k = 2 * kBlock;
-  L.q = map ? -1 : 4 * kBlock;
-  L.p = map ? -1 : 6 * kBlock;
-  L.u = (map ? 4 : 7) * kBlock;
-  L.blocks = (map ? 4 : 7) + nwg;
+  L.k = kb * kBlock;
+  L.q = map ? -1 : 2 * kb * kBlock;
+  L.p = map ? -1 : 3 * kb * kBlock;
+  L.u = (map ? 2 * kb : 3 * kb + 1) * kBlock;
+  L.blocks = (map ? 2 * kb : 3 * kb + 1) + nwg;
   int o = L.blocks * kBlock;
   L.g = o;  // gdn: G of the chunk's 64 rows; kda: G of its last row (128 keys)
   o += 128 * 4;
@@ -157,19 +161,21 @@ __device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const u
 // wide, 256 or 384: the value columns from zero, then the identity) leaves with [H | M], so that entered with S it
 // leaves with M S + H (cuda/tiled/scan_split.cu has the algebra). The same chain step without the output:
 // no Q or P tile, no output products; the identity columns' CTAs (v0 >= V) see U = 0 and load no U. The
-// start state is made in registers and [H | M] goes to ht, rows V + K apart.
+// start state is made in registers and [H | M] goes to ht, rows V + K apart. A CTA covers 64 NWG of the V + K
+// columns (two CTAs at K = V = 128, three at V = 256, one at K = V = 64).
 //
 // KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of the wgmma WY stage
 // beside the chain's, which the windows' overlap in fused_fwd.cu needs). kKda: tm_q and tm_k are the rows of
 // Q e^G and K e^(G_n - G) ([R, HV, 128]), and the decay is per key (the file comment).
-template <class T, int NWG, bool kMap, int KS, bool kKda>
+template <class T, int NWG, bool kMap, int KS, bool kKda, int KK>
 __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using namespace tiled;
-  constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = KS;
+  static_assert(KK == 128 || (KK == 64 && !kKda), "K = 128, or K = 64 for gdn and delta");
+  constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = KS, kKB = KK / 64;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  const ChainLayout L = chain_layout(NWG, sizeof(T), kMap, KS);
+  const ChainLayout L = chain_layout(NWG, sizeof(T), kMap, KS, KK);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L.bar);
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5, lane = tid & 31;
@@ -182,8 +188,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
   const SeqEntry se = args.seqs[n];
   const int cs = args.chunk_size;
   const bool has_gate = args.G != nullptr;
-  const bool u_zero = kMap && v0 >= args.V;  // the map mode's identity columns
-  const int64_t state_cols = kMap ? args.V + kKeys : args.V;
+  // The map mode's identity columns (v >= V) see U = 0: this warpgroup's, and the U boxes the CTA loads (those of
+  // its warpgroups' value columns; at K = V = 64 one CTA holds both kinds).
+  const bool u_zero = kMap && vw >= args.V;
+  const int u_boxes = kMap ? max(0, min(NWG, (args.V - v0) / kCols)) : NWG;
+  const int64_t state_cols = kMap ? args.V + KK : args.V;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(bars + s, 1);
@@ -197,12 +206,12 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     tma_prefetch_map(&args.tm_q.map);
   }
 
-  // S^T in the m64n128 accumulator layout: S[4 nb + e] = state (key row 8 nb + 2 t + (e & 1),
+  // S^T in the m64nK accumulator layout: S[4 nb + e] = state (key row 8 nb + 2 t + (e & 1),
   // column vw + jr + 8 (e >> 1)).
-  const int64_t state0 = (n * HV + hv) * kKeys * state_cols;
-  float S[64];
+  const int64_t state0 = (n * HV + hv) * KK * state_cols;
+  float S[KK / 2];
 #pragma unroll
-  for (int nb = 0; nb < 16; ++nb)
+  for (int nb = 0; nb < KK / 8; ++nb)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
@@ -223,13 +232,13 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     const int s = static_cast<int>(c % kStages);
     unsigned char* st = smem + s * L.stage;
     if (tid == 0) {
-      const uint32_t bytes = (4 + (kMap ? 0 : 3) + (u_zero ? 0 : NWG)) * 8192;
+      const uint32_t bytes = (2 * kKB + (kMap ? 0 : kKB + 1) + u_boxes) * 8192;
       const int r = static_cast<int>(row0), tt = static_cast<int>(t0), b = static_cast<int>(se.batch);
       const int h = static_cast<int>(hv);
       fence_proxy_async();  // the zeroed rows of this stage's last use (generic writes) before the copies
       mbar_expect_tx(bars + s, bytes);
-      tma_load_3d(st + L.w, &args.tm_w.map, bars + s, 0, h, r);
-      tma_load_3d(st + L.w + 8192, &args.tm_w.map, bars + s, 64, h, r);
+#pragma unroll
+      for (int x = 0; x < kKB; ++x) tma_load_3d(st + L.w + x * 8192, &args.tm_w.map, bars + s, 64 * x, h, r);
       if constexpr (kKda) {  // K e^(G_n - G) and Q e^G: rows of the value head
         tma_load_3d(st + L.k, &args.tm_k.map, bars + s, 0, h, r);
         tma_load_3d(st + L.k + 8192, &args.tm_k.map, bars + s, 64, h, r);
@@ -238,17 +247,14 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
           tma_load_3d(st + L.q + 8192, &args.tm_q.map, bars + s, 64, h, r);
         }
       } else {
-        tma_load_4d(st + L.k, &args.tm_k.map, bars + s, 0, hk, tt, b);
-        tma_load_4d(st + L.k + 8192, &args.tm_k.map, bars + s, 64, hk, tt, b);
-        if constexpr (!kMap) {
-          tma_load_4d(st + L.q, &args.tm_q.map, bars + s, 0, hk, tt, b);
-          tma_load_4d(st + L.q + 8192, &args.tm_q.map, bars + s, 64, hk, tt, b);
+#pragma unroll
+        for (int x = 0; x < kKB; ++x) {
+          tma_load_4d(st + L.k + x * 8192, &args.tm_k.map, bars + s, 64 * x, hk, tt, b);
+          if constexpr (!kMap) tma_load_4d(st + L.q + x * 8192, &args.tm_q.map, bars + s, 64 * x, hk, tt, b);
         }
       }
       if constexpr (!kMap) tma_load_3d(st + L.p, &args.tm_p.map, bars + s, 0, h, r);
-      if (!u_zero)
-#pragma unroll
-        for (int u = 0; u < NWG; ++u) tma_load_3d(st + L.u + u * 8192, &args.tm_u.map, bars + s, v0 + 64 * u, h, r);
+      for (int u = 0; u < u_boxes; ++u) tma_load_3d(st + L.u + u * 8192, &args.tm_u.map, bars + s, v0 + 64 * u, h, r);
     }
     float* gbuf = reinterpret_cast<float*>(st + L.g);
     if constexpr (kKda) {  // G of the chunk's last row: e^(G_n) per key (qk_l2norm is applied before kda's stages)
@@ -332,16 +338,16 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     float Va[32], Oa[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) Va[i] = Oa[i] = 0.f;
-    uint32_t sa[8][4];
+    uint32_t sa[KK / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
+    for (int kk = 0; kk < KK / 16; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) sa[kk][r] = pack2<T>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
     wg_fence();
     reg_fence(Va);
     if constexpr (!kMap) reg_fence(Oa);
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < KK / 16; ++kk) {
       const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
       wgmma_n64_rs<T>(Va, sa[kk], wg_desc(w_addr + off, 16, 1024), kk > 0);
       if constexpr (!kMap) wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
@@ -406,13 +412,13 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     } else {
       const float eg = exp_t<T>(gbuf[len - 1]);
 #pragma unroll
-      for (int i = 0; i < 64; ++i) S[i] *= eg;
+      for (int i = 0; i < KK / 2; ++i) S[i] *= eg;
     }
     wg_fence();
     reg_fence(S);
     if constexpr (!kMap) reg_fence(Oa);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(S, va[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, KK>(S, va[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
     if constexpr (!kMap)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Oa, vo[kk], wg_desc(p_addr + kk * 32, 16, 1024), 1);
@@ -445,7 +451,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 
   if (args.ht != nullptr) {
 #pragma unroll
-    for (int nb = 0; nb < 16; ++nb)
+    for (int nb = 0; nb < KK / 8; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t col = vw + jr + 8 * (e >> 1), d = 8 * nb + 2 * t + (e & 1);
@@ -467,8 +473,10 @@ inline int warpgroups_from_env() {
 }
 
 // Warpgroups per CTA: two share one copy of each chunk's tiles; one doubles the CTAs, which pays where
-// two per CTA would leave SMs idle (V / 64 column tiles per sequence and head). DELTACP_FUSED_WG forces it.
+// two per CTA would leave SMs idle (V / 64 column tiles per sequence and head). DELTACP_FUSED_WG forces it where
+// there are two tiles or more (V = 64: one warpgroup).
 inline int chain_warpgroups(int64_t seqs_x_heads, int64_t V, int sms) {
+  if (V < 2 * kCols) return 1;
   const int env = warpgroups_from_env();
   if (env != 0) return env;
   return (V / kCols) * seqs_x_heads >= sms ? 2 : 1;
@@ -490,6 +498,24 @@ struct ChainOperands {
   const float* rk = nullptr;
 };
 
+// The kernel of nwg warpgroups per CTA and `stages` load stages (stages as launch_chain_kernel checks them). At
+// K = V = 64 the state is one 64-column tile: one warpgroup per CTA, and two in the map mode (V + K = 128 columns).
+template <class T, bool kMap, bool kKda, int KK>
+auto chain_kernel(int nwg, int stages) {
+  if constexpr (KK == 64) {
+    if constexpr (kMap) {
+      return fused_chain_kernel<T, 2, true, chain_stages(2, true), kKda, 64>;
+    } else {
+      DELTACP_CHECK(nwg == 1, "DELTACP_FUSED_WG", "expected one warpgroup per CTA at V = 64, got ", nwg);
+      return stages == 2 ? fused_chain_kernel<T, 1, false, 2, kKda, 64> : fused_chain_kernel<T, 1, false, 3, kKda, 64>;
+    }
+  } else {
+    return nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap), kKda, 128>
+                    : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2, kKda, 128>
+                                   : fused_chain_kernel<T, 1, kMap, 3, kKda, 128>);
+  }
+}
+
 // The chain kernel over the table's sequences (or pieces), h0 / ht per table entry (the map mode: h0 unused,
 // ht = the maps [N, HV, K, V + K]).
 template <class T, bool kMap, bool kKda>
@@ -499,12 +525,12 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   const int64_t R = p.B * p.T, HV = p.HV;
   ChainArgs<T> a;
   if (R > 0) {  // else no sequence has a chunk: the kernel only carries h0 to ht and never reads a map
-    a.tm_w = workspace_rows_map(in.W, R, HV, kKeys, "W");
+    a.tm_w = workspace_rows_map(in.W, R, HV, p.K, "W");
     a.tm_u = workspace_rows_map(in.U, R, HV, p.V, "U");
-    a.tm_k = kKda ? workspace_rows_map(in.Kd, R, HV, kKeys, "Kd") : token_rows_map(p.k, p.B, p.T, p.H, kKeys, "k");
+    a.tm_k = kKda ? workspace_rows_map(in.Kd, R, HV, p.K, "Kd") : token_rows_map(p.k, p.B, p.T, p.H, p.K, "k");
     if (!kMap) {
       a.tm_p = workspace_rows_map(in.P, R, HV, 64, "P");
-      a.tm_q = kKda ? workspace_rows_map(in.Qg, R, HV, kKeys, "Qg") : token_rows_map(p.q, p.B, p.T, p.H, kKeys, "q");
+      a.tm_q = kKda ? workspace_rows_map(in.Qg, R, HV, p.K, "Qg") : token_rows_map(p.q, p.B, p.T, p.H, p.K, "q");
     }
   }
   if (!kMap) a.o = dev_rows<T>(p.o);
@@ -523,11 +549,16 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   if (stages == 0) stages = chain_stages(nwg, kMap);
   DELTACP_CHECK(stages == chain_stages(nwg, kMap) || (!kMap && nwg == 1 && stages == 2), "stages",
                 "expected ", chain_stages(nwg, kMap), kMap || nwg == 2 ? "" : " or 2", " load stages, got ", stages);
-  const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages);
-  auto kernel = nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap), kKda>
-                         : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2, kKda> : fused_chain_kernel<T, 1, kMap, 3, kKda>);
+  const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages, static_cast<int>(p.K));
+  auto kernel = [&] {
+    if constexpr (kKda) {
+      return chain_kernel<T, kMap, true, 128>(nwg, stages);
+    } else {
+      return p.K == 64 ? chain_kernel<T, kMap, false, 64>(nwg, stages) : chain_kernel<T, kMap, false, 128>(nwg, stages);
+    }
+  }();
   opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");
-  const int64_t cols = kMap ? p.V + kKeys : p.V;
+  const int64_t cols = kMap ? p.V + p.K : p.V;
   const dim3 grid(static_cast<unsigned>(table.num_seqs()), static_cast<unsigned>(p.HV),
                   static_cast<unsigned>(cols / (kCols * nwg)));
   kernel<<<grid, 128 * nwg, L.bytes, stream>>>(a);
@@ -548,7 +579,7 @@ void launch_chain(const Params& p, const tiled::ChunkTable& table, const ChainOp
 }
 
 // The map mode over the pieces of `table`: maps [pieces, HV, K, V + K] = [H | M] of each (two warpgroups per
-// CTA, two CTAs per piece and head: one shared copy of each chunk's W and K per 128 columns).
+// CTA, (V + K) / 128 CTAs per piece and head: one shared copy of each chunk's W and K per 128 columns).
 template <class T>
 void launch_chain_maps(const Params& p, const tiled::ChunkTable& table, const ChainOperands& in, float* maps,
                        cudaStream_t stream) {

@@ -45,8 +45,10 @@
 // (launch_kda_fused_prepare; DELTACP_FUSED_KDA_PREPARE=0 runs that pair of kernels instead, with the same bits);
 // the chain runs its kda mode on them (fused_chain.cuh).
 //
-// Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = 128 and V = 128 (gdn and delta also V = 256: the WY
-// stage makes U in two rounds of 128 columns, the chain has four 64-column tiles); q, k, v, o 16-byte aligned rows with positive
+// Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128; gdn and delta also K = 128 with V = 256 (the WY
+// stage makes U in two rounds of 128 columns, the chain has four 64-column tiles) and K = V = 64 (the same kernels
+// on one 64-column box per tile, the state a 64 x 64 accumulator of one warpgroup); q, k, v, o 16-byte aligned
+// rows with positive
 // strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
 // says why not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name,
 // raises an error with the reason).
@@ -65,7 +67,9 @@
 // CTA) is what would remove those bytes.
 // K = 128, V = 256 (NVIDIA H100, 2026-11-28, bf16 gdn, B = 8, T = 2048, H = 32, bench_gpu.py beside FLA): 1.025 ms
 // end to end (FLA 1.778; the tiled tier 1.849), of which the chain 0.527 (512 CTAs of two warpgroups in 4 waves, 32
-// chunks each: 4.12 us a chunk).
+// chunks each: 4.12 us a chunk). K = V = 64 (same GPU and run conditions, (4,4096,32,64)): 0.467 ms (FLA 0.704; the
+// tiled tier 0.761), of which the chain 0.173 (128 CTAs of one warpgroup, 64 chunks each: 2.70 us a chunk, its
+// loads and stores at about 2.3 TB/s across the GPU).
 // kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.17 ms = the WY stage 0.99 +
 // kda_chain_operands_kernel 0.76 + chain 0.41 (the gate summed and q, k normalised inside the first two: the
 // cumsum kernel's 0.22 ms and the l2 norm's pass over q and k are gone), against the tiled tier's 2.66 (its
@@ -120,7 +124,7 @@ using tiled::SeqEntry;
 // 128 CTAs), 2.9 us with two (pieces of 4096 tokens at (2,16384,16,128) and (1,65536,8,128): 0.185 ms over
 // 64 chunks); the map mode 1.6 us a chunk per wave (0.205 ms: 64 chunks in 2 waves); the fold 3.8 us a piece
 // (the tiled tier's, cuda/tiled/scan_split.cu).
-double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t V, int64_t L, int sms) {
+double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t K, int64_t V, int64_t L, int sms) {
   constexpr double map_step_us = 1.6, fold_us = 3.8;
   int64_t pieces = 0, maps = 0, most = 1, longest = 0;
   for (const SeqEntry& s : seqs) {
@@ -135,7 +139,7 @@ double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t
   const double step_us = nwg == 1 ? 1.9 : 2.9;
   const double chain = waves(pieces * HV * (V / (kCols * nwg))) * static_cast<double>(longest) * step_us;
   const double pass1 =
-      maps > 0 ? waves(maps * HV * ((V + kKeys) / (2 * kCols))) * static_cast<double>(longest) * map_step_us : 0.0;
+      maps > 0 ? waves(maps * HV * ((V + K) / (2 * kCols))) * static_cast<double>(longest) * map_step_us : 0.0;
   return chain + pass1 + fold_us * static_cast<double>(most - 1);
 }
 
@@ -173,12 +177,12 @@ int64_t fused_piece_chunks(const Params& p, const std::vector<SeqEntry>& seqs) {
     return most > L ? L : 0;
   }
   const int sms = sm_count();
-  const double whole = fused_predicted_us(seqs, p.HV, p.V, 0, sms);
+  const double whole = fused_predicted_us(seqs, p.HV, p.K, p.V, 0, sms);
   int64_t best_L = 0;
   double best = 0.75 * whole;  // cut only for a clear predicted gain (pass 1, the fold and the piece tables cost launches too)
   for (int64_t L : {8, 16, 32, 64, 128, 256}) {
     if (L >= most) break;
-    const double us = fused_predicted_us(seqs, p.HV, p.V, L, sms);
+    const double us = fused_predicted_us(seqs, p.HV, p.K, p.V, L, sms);
     if (us < best) best = us, best_L = L;
   }
   return best_L;
@@ -207,8 +211,8 @@ std::array<int64_t, kWindowParts> window_buffer_sizes(const Params& p, int64_t R
   const bool kda = p.variant == Variant::kda;
   const int64_t es = dtype_size(p.dtype), rows = R * p.HV, scales = p.qk_l2norm && !kda ? rows * 4 : 0;
   const int64_t G = p.variant == Variant::gdn ? rows * 4 : (kda ? rows * kKeys * 4 : 0);
-  const int64_t tile = rows * kKeys * es, kda_tile = kda ? tile : 0;
-  return {G, tile, rows * p.V * es, rows * 64 * es, scales, scales, kda_tile, kda_tile};
+  const int64_t kda_tile = kda ? rows * kKeys * es : 0;
+  return {G, rows * p.K * es, rows * p.V * es, rows * 64 * es, scales, scales, kda_tile, kda_tile};
 }
 int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
 int64_t window_buffers_bytes(const Params& p) {

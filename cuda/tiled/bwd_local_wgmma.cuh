@@ -233,7 +233,7 @@ __device__ __forceinline__ float2 block_pair(const unsigned char* blk, int r, in
   return unpack2<T>(*reinterpret_cast<const uint32_t*>(blk + sw_pair(r, c)));
 }
 // This warpgroup's 64 columns of a 64 x 128 result as 16-bit rows of 256 bytes, 16-byte piece p of row r at
-// p ^ (r % 8) (stage_rows_128's layout in wy_wgmma.cuh, which stages a whole m64n128 accumulator); f(value, row).
+// p ^ (r % 8) (stage_rows' layout in wy_wgmma.cuh, which stages a whole m64n128 accumulator); f(value, row).
 template <class T, class F>
 __device__ __forceinline__ void stage_half_rows(unsigned char* dst, const float (&d)[32], int wg, F&& f) {
   const int lane = static_cast<int>(threadIdx.x) & 31, wi = (static_cast<int>(threadIdx.x) >> 5) & 3;

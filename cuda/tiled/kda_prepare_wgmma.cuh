@@ -424,7 +424,7 @@ __device__ __forceinline__ void diag_block_elementwise(const unsigned char* X, c
   }
 }
 
-// The first len rows staged by stage_rows_128 (wy_wgmma.cuh's layout) to rows row0 .. of a [R, HV, 128] tensor,
+// The first len rows staged by stage_rows<T, 128> (wy_wgmma.cuh's layout) to rows row0 .. of a [R, HV, 128] tensor,
 // by one warpgroup (thr = 0 .. 127 within it): 16 bytes a thread, whole rows per 16 threads.
 template <class T>
 __device__ __forceinline__ void store_staged_rows(T* dst, const unsigned char* src, int64_t row0, int64_t HV,
@@ -645,7 +645,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   reg_fence(acc);
   reg_fence(fr);
   unsigned char* stage = smem + (wg == 0 ? S::w_stage : S::u_stage);
-  stage_rows_128<T>(stage, acc);
+  stage_rows<T, 128>(stage, acc);
   warpgroup_bar(wg);
   store_staged_rows<T>(wg == 0 ? a.W : a.U, stage, ce.row0, HV, hv, len, thr);
 

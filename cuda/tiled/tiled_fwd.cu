@@ -15,7 +15,7 @@
 //   1 chunk_cumsum_kernel      grid (chunks, ceil(HV*Dg/128))  G = cumsum g per chunk (Dg = 1 gdn, K kda)
 //   2 chunk_wy_kernel          grid (chunks, HV)               A -> T (blocked forward substitution in
 //                                                              fp32) -> W, U (and Kd for kda)
-//     (or, on Hopper for 16-bit gdn / delta at K = 128, V = 128 or 256, wy_wgmma_kernel in
+//     (or, on Hopper for 16-bit gdn / delta at K = 128 with V = 128 or 256 and at K = V = 64, wy_wgmma_kernel in
 //     wy_wgmma.cuh: TMA tiles and warpgroup products, the fused forward's token-parallel stage)
 //   3 chunk_state_scan_kernel  grid (seqs, HV, Vp/BV)          sequential over the sequence's chunks
 //     (or, on Hopper with wide grids, chunk_state_scan_wgmma_kernel in scan_wgmma.cuh; with a few long
@@ -1253,6 +1253,25 @@ void launch_chunk_cumsum(const Params& p, const ChunkTable& table, float* G, cud
   });
 }
 
+#ifdef DELTACP_HAVE_SM90A
+namespace {
+// What every Hopper kernel that reads k through 16-byte pieces or tensor maps needs beyond its shapes: gdn and delta
+// read k itself (kda its scaled rows), and the GPU is compute capability 9.0.
+const char* k_rows_and_gpu_refusal(const Params& p) {
+  if (p.variant != Variant::kda) {
+    const int64_t es = dtype_size(p.dtype);
+    if (reinterpret_cast<uintptr_t>(p.k.ptr) % 16 != 0 || (p.k.stride_t * es) % 16 != 0 ||
+        (p.k.stride_h * es) % 16 != 0 || (p.k.stride_b * es) % 16 != 0)
+      return "it reads k in 16-byte pieces (k's pointer and strides are not 16-byte aligned)";
+  }
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
+      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
+    return "it runs on compute capability 9.0 (H100 / H200) only";
+  return nullptr;
+}
+}  // namespace
+#endif
+
 const char* wy_wgmma_refusal(const Params& p) {
 #ifndef DELTACP_HAVE_SM90A
   (void)p;
@@ -1261,7 +1280,8 @@ const char* wy_wgmma_refusal(const Params& p) {
   if (p.variant != Variant::gdn && p.variant != Variant::delta)
     return "it implements gdn and delta (kda and dplr run on the tiled and naive tiers)";
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
-  if (p.K != 128 || (p.V != 128 && p.V != 256)) return "it takes K = 128 and V = 128 or 256";
+  if (!((p.K == 128 && (p.V == 128 || p.V == 256)) || (p.K == 64 && p.V == 64)))
+    return "it takes K = 128 with V = 128 or 256, or K = V = 64";
   if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
   const int64_t es = dtype_size(p.dtype);
   if (!rows_aligned16(p.q, es)) return "it reads q in 16-byte pieces (q's pointer or strides are not 16-byte aligned)";
@@ -1272,8 +1292,7 @@ const char* wy_wgmma_refusal(const Params& p) {
   for (const TensorRef* r : {&p.q, &p.k, &p.v})
     if (!steps_forward(*r, p.B, p.T, r == &p.v ? p.HV : p.H))
       return "it reads q, k and v through TMA tensor maps, which need positive strides";
-  // k's alignment and the GPU: what the wgmma state scan (the fused forward's pass 1 of the pieces) needs too.
-  return wgmma_scan_refusal(p, /*h_and_vnew_agree=*/true);
+  return k_rows_and_gpu_refusal(p);
 #endif
 }
 
@@ -1289,8 +1308,8 @@ bool use_wy_wgmma(const Params& p) {
 WyDone launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G, void* W, void* U, void* Kd,
                        float* Tinv, cudaStream_t stream, float* dv_local, bool t16) {
   if (table.num_chunks() == 0) return {};
-  if (use_wy_wgmma(p)) {  // 16-bit gdn / delta at K = 128, V = 128 or 256 on Hopper (as the fused forward's stage:
-                          // 0.45 -> 0.26 ms at (2,16384,16,128), H200)
+  if (use_wy_wgmma(p)) {  // 16-bit gdn / delta at K = 128 (V = 128, 256), K = V = 64 on Hopper (as the fused
+                          // forward's stage: 0.45 -> 0.26 ms at (2,16384,16,128), H200)
     float* dvl = dv_local != nullptr && wy_wgmma_takes_dout(p) ? dv_local : nullptr;
     dispatch_dtype(p.dtype, [&](auto tag) {
       using T = typename decltype(tag)::type;
@@ -1342,16 +1361,7 @@ const char* wgmma_scan_refusal(const Params& p, bool h_and_vnew_agree) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
   if (p.K != kWgKeys) return "it takes K = 128";
   if (!h_and_vnew_agree) return "it stores h and v_new together or neither";
-  if (p.variant != Variant::kda) {  // gdn / delta read k itself in 16-byte pieces
-    const int64_t es = dtype_size(p.dtype);
-    if (reinterpret_cast<uintptr_t>(p.k.ptr) % 16 != 0 || (p.k.stride_t * es) % 16 != 0 ||
-        (p.k.stride_h * es) % 16 != 0 || (p.k.stride_b * es) % 16 != 0)
-      return "it reads k in 16-byte pieces (k's pointer and strides are not 16-byte aligned)";
-  }
-  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
-      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
-    return "it runs on compute capability 9.0 (H100 / H200) only";
-  return nullptr;
+  return k_rows_and_gpu_refusal(p);
 #endif
 }
 

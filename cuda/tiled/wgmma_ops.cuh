@@ -7,6 +7,8 @@
 //   wgmma_n64_rs             D (64 x 64 fp32) += A (64 x 16, registers) B (16 x 64, K-major in shared memory)
 //   wgmma_n64_ss             D (64 x 64 fp32) += A (64 x 16, K-major) B (16 x 64, K-major), both in shared memory
 //   wgmma_n128_rs_tb         D (64 x 128 fp32) += A (registers) B (16 x 128, MN-major)
+//   wgmma_n64_rs_tb          D (64 x 64 fp32) += A (registers) B (16 x 64, MN-major)
+//   wgmma_rs_tb<T, N>        either of the two by N
 //   wgmma_ss<T, N, TA, TB>   D (64 x N fp32, N = 32, 64, 128) += A B, both in shared memory, each K-major or
 //                            transposed (A M-major, B MN-major)
 //   stmatrix_x4_trans, pack2, unpack2, reg_fence, fence_proxy_async, warpgroup_bar
@@ -145,6 +147,33 @@ __device__ __forceinline__ void wgmma_n128_rs_tb(float (&d)[64], const uint32_t 
                  ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
                  : DELTACP_WGMMA_D64
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+}
+// d (64 x 64, fp32) += A (64 x 16, registers) B (16 x 64, MN-major descriptor: imm-trans-b = 1).
+template <class T>
+__device__ __forceinline__ void wgmma_n64_rs_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " DELTACP_WGMMA_R32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : DELTACP_WGMMA_D32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " DELTACP_WGMMA_R32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : DELTACP_WGMMA_D32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+  }
+}
+// d (64 x N) += A (64 x 16, registers) B (16 x N, MN-major descriptor), N = 64 or 128.
+template <class T, int N>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (N == 128) {
+    wgmma_n128_rs_tb<T>(d, a, b);
+  } else {
+    static_assert(N == 64, "m64n64k16 or m64n128k16");
+    wgmma_n64_rs_tb<T>(d, a, b);
   }
 }
 #define DELTACP_WGMMA_D16                                                                                    \

@@ -109,44 +109,47 @@ static_assert(64 * WyWgmmaSmem::kLdA * 4 <= WyWgmmaSmem::k, "A must fit in the Q
 static_assert(WyWgmmaSmem::bytes_dvl == 95240 + 1024, "the size the opening comment gives");
 
 #ifdef DELTACP_WGMMA_DEVICE
-// An m64n128 accumulator (this warpgroup's 64 rows x 128 columns) as 16-bit rows of 256 bytes, the 16-byte
-// piece nb of row r at piece nb ^ (r % 8): a warp's 4-byte stores of one n-block land on 32 distinct banks.
-template <class T>
-__device__ __forceinline__ void stage_rows_128(unsigned char* dst, const float (&acc)[64]) {
+// An m64nN accumulator (this warpgroup's 64 rows x N columns, N = 64 or 128) as 16-bit rows of 2N bytes, the
+// 16-byte piece nb of row r at piece nb ^ (r % 8): a warp's 4-byte stores of one n-block land on 32 distinct banks.
+template <class T, int N>
+__device__ __forceinline__ void stage_rows(unsigned char* dst, const float (&acc)[N / 2]) {
+  static_assert(N == 64 || N == 128, "rows of 8 or 16 pieces");
   const int lane = static_cast<int>(threadIdx.x) & 31, wi = (static_cast<int>(threadIdx.x) >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int nb = 0; nb < 16; ++nb)
+  for (int nb = 0; nb < N / 8; ++nb)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = 16 * wi + g + 8 * h;
-      *reinterpret_cast<uint32_t*>(dst + r * 256 + ((nb ^ (r & 7)) << 4) + 4 * t) =
+      *reinterpret_cast<uint32_t*>(dst + r * (2 * N) + ((nb ^ (r & 7)) << 4) + 4 * t) =
           tiled::pack2<T>(acc[4 * nb + 2 * h], acc[4 * nb + 2 * h + 1]);
     }
 }
-// The first len staged rows to columns col0 .. col0 + 127 of rows row0 .. row0 + len - 1 of a [R, HV, ld]
-// tensor (head hv), 16 bytes a thread, whole rows per 16 threads.
-template <class T>
-__device__ __forceinline__ void store_rows_128(T* dst, const unsigned char* src, int64_t row0, int64_t HV,
-                                               int64_t hv, int len, int ld = 128, int col0 = 0) {
-  const int piece = static_cast<int>(threadIdx.x) & 15, r0 = static_cast<int>(threadIdx.x) >> 4;
+// The first len rows staged by stage_rows<T, N> to columns col0 .. col0 + N - 1 of rows row0 .. row0 + len - 1 of
+// a [R, HV, ld] tensor (head hv), 16 bytes a thread, whole rows per N / 8 threads.
+template <class T, int N>
+__device__ __forceinline__ void store_rows(T* dst, const unsigned char* src, int64_t row0, int64_t HV, int64_t hv,
+                                           int len, int ld, int col0 = 0) {
+  constexpr int kPieces = N / 8, kRowsPerPass = 128 / kPieces;
+  const int piece = static_cast<int>(threadIdx.x) % kPieces, r0 = static_cast<int>(threadIdx.x) / kPieces;
 #pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int r = r0 + 8 * it;
+  for (int it = 0; it < 64 / kRowsPerPass; ++it) {
+    const int r = r0 + kRowsPerPass * it;
     if (r < len)
       *reinterpret_cast<uint4*>(dst + ((row0 + r) * HV + hv) * ld + col0 + piece * 8) =
-          *reinterpret_cast<const uint4*>(src + r * 256 + ((piece ^ (r & 7)) << 4));
+          *reinterpret_cast<const uint4*>(src + r * (2 * N) + ((piece ^ (r & 7)) << 4));
   }
 }
-// 1 / sqrt(|x_r|^2 + eps) of row r = tid / 2 of a swizzled 64 x 128 tile: each of the row's two threads sums
-// the squares of one 64-column block (the swizzle only permutes a row's pieces inside its block).
-template <class T>
+// 1 / sqrt(|x_r|^2 + eps) of row r = tid / 2 of a swizzled 64 x kK tile (kK = 128: two 64-column blocks; 64: one):
+// each of the row's two threads sums the squares of one block at kK = 128, of half the row's pieces at kK = 64
+// (the swizzle only permutes a row's pieces inside its block).
+template <class T, int kK>
 __device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
   const int r = static_cast<int>(threadIdx.x) >> 1, h = static_cast<int>(threadIdx.x) & 1;
-  const unsigned char* row = tile + h * 8192 + r * 128;
+  const unsigned char* row = kK == 128 ? tile + h * 8192 + r * 128 : tile + r * 128 + h * 64;
   float ss = 0.f;
 #pragma unroll
-  for (int pc = 0; pc < 8; ++pc) {
+  for (int pc = 0; pc < kK / 16; ++pc) {
     const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * pc);
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -160,11 +163,14 @@ __device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
 }
 #endif
 
-// kRounds: V / 128, the rounds of U's product (a compile-time count: with a runtime one the V = 128 kernels took
-// 148 and 255 registers instead of 128 and 174).
-template <class T, bool kDvLocal, int kRounds>
+// kK, kV: K and V, (128, 128), (128, 256) or (64, 64). U's product runs in kV / kK rounds of kK columns (a
+// compile-time count: with a runtime one the V = 128 kernels took 148 and 255 registers instead of 128 and 174).
+template <class T, bool kDvLocal, int kK, int kV>
 __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ WyWgmmaArgs<T> a) {
-  static_assert(kRounds == 1 || (kRounds == 2 && !kDvLocal), "B0's product is made at V = 128 only");
+  static_assert((kK == 128 && (kV == 128 || kV == 256)) || (kK == 64 && kV == 64),
+                "K = 128 with V = 128 or 256, or K = V = 64");
+  static_assert(!kDvLocal || (kK == 128 && kV == 128), "B0's product is made at K = V = 128 only");
+  constexpr int kRounds = kV / kK, kBoxes = kK / 64;  // U's rounds; 64-column boxes of a q, k, v or U tile
 #ifdef DELTACP_WGMMA_DEVICE
   using S = WyWgmmaSmem;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -191,24 +197,23 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
     fence_mbar_init();
     const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch);
     const int h = static_cast<int>(hk), hvi = static_cast<int>(hv);
-    mbar_expect_tx(bars, 4 * 8192);
-    tma_load_4d(smem + S::q, &a.tm_q.map, bars, 0, h, t0, b);
-    tma_load_4d(smem + S::q + 8192, &a.tm_q.map, bars, 64, h, t0, b);
-    tma_load_4d(smem + S::k, &a.tm_k.map, bars, 0, h, t0, b);
-    tma_load_4d(smem + S::k + 8192, &a.tm_k.map, bars, 64, h, t0, b);
-    mbar_expect_tx(bars + 1, 2 * 8192);
-    tma_load_4d(smem + S::v, &a.tm_v.map, bars + 1, 0, hvi, t0, b);
-    tma_load_4d(smem + S::v + 8192, &a.tm_v.map, bars + 1, 64, hvi, t0, b);
+    mbar_expect_tx(bars, 2 * kBoxes * 8192);
+    for (int x = 0; x < kBoxes; ++x) {
+      tma_load_4d(smem + S::q + x * 8192, &a.tm_q.map, bars, 64 * x, h, t0, b);
+      tma_load_4d(smem + S::k + x * 8192, &a.tm_k.map, bars, 64 * x, h, t0, b);
+    }
+    mbar_expect_tx(bars + 1, kBoxes * 8192);
+    for (int x = 0; x < kBoxes; ++x) tma_load_4d(smem + S::v + x * 8192, &a.tm_v.map, bars + 1, 64 * x, hvi, t0, b);
     if constexpr (kDvLocal) {
       mbar_expect_tx(bar_do, 2 * 8192);
       tma_load_4d(smem + S::dO, &a.tm_do.map, bar_do, 0, hvi, t0, b);
       tma_load_4d(smem + S::dO + 8192, &a.tm_do.map, bar_do, 64, hvi, t0, b);
     }
   }
-  // Rows len .. 63 of the two 64-row blocks at tile: zero (after the box has landed).
-  auto zero_tail_rows = [&](unsigned char* tile) {
+  // Rows len .. 63 of the `boxes` 64-row blocks at tile: zero (after the boxes have landed).
+  auto zero_tail_rows = [&](unsigned char* tile, int boxes) {
     if (len < 64)
-      for (int idx = tid; idx < 2 * 64 * 8; idx += 128) {
+      for (int idx = tid; idx < boxes * 64 * 8; idx += 128) {
         const int row = (idx >> 3) & 63;
         if (row >= len) *reinterpret_cast<uint4*>(tile + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -222,8 +227,8 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   }
   __syncthreads();  // the barriers are initialised
   mbar_wait(bars, 0);  // Q and K (V may still be in flight)
-  zero_tail_rows(smem + S::q);
-  zero_tail_rows(smem + S::k);
+  zero_tail_rows(smem + S::q, kBoxes);
+  zero_tail_rows(smem + S::k, kBoxes);
   fence_proxy_async();
   __syncthreads();
 
@@ -236,7 +241,7 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   reg_fence(Pacc);
   reg_fence(Aacc);
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
+  for (int kk = 0; kk < kK / 16; ++kk) {
     const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
     const uint64_t kd = wg_desc(k_addr + off, 16, 1024);
     wgmma_n64_ss<T>(Pacc, wg_desc(q_addr + off, 16, 1024), kd, kk > 0);
@@ -246,7 +251,7 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   // qk_l2norm: the rows' scales while the products run (published by the barrier below). With
   // q_n = rq q and k_n = rk k, every product below takes them as row and column scales.
   {
-    const float sq = l2 ? row_rnorm<T>(smem + S::q) : 1.f, sk = l2 ? row_rnorm<T>(smem + S::k) : 1.f;
+    const float sq = l2 ? row_rnorm<T, kK>(smem + S::q) : 1.f, sk = l2 ? row_rnorm<T, kK>(smem + S::k) : 1.f;
     const int r = tid >> 1;
     if ((tid & 1) == 0) {
       rqs[r] = sq;
@@ -293,10 +298,10 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
         make_float2(j < i1 ? b1 * e10 * Aacc[4 * nb + 2] : 0.f, j + 1 < i1 ? b1 * e11 * Aacc[4 * nb + 3] : 0.f);
   }
   mbar_wait(bars + 1, 0);  // the V tile
-  zero_tail_rows(smem + S::v);
+  zero_tail_rows(smem + S::v, kBoxes);
   if constexpr (kDvLocal) {
     mbar_wait(bar_do, 0);
-    zero_tail_rows(smem + S::dO);
+    zero_tail_rows(smem + S::dO, 2);
   }
   fence_proxy_async();
   __syncthreads();
@@ -337,35 +342,35 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
     }
   __syncthreads();  // every warp has read T: U's staging takes its place
 
-  float acc[64];
+  float acc[kK / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < kK / 2; ++i) acc[i] = 0.f;
   wg_fence();
   reg_fence(acc);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fw[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, kK>(acc, fw[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
   wg_commit();
   wg_wait_all();
   reg_fence(acc);
   reg_fence(fw);
-  stage_rows_128<T>(smem + S::q, acc);
-  // U = (T Beta) V in rounds of 128 value columns (one round at V = 128): the V tile holds columns 128 vb ..
-  // 128 vb + 127; the next round's copy goes out once every warp's products have read the tile, and lands while
+  stage_rows<T, kK>(smem + S::q, acc);
+  // U = (T Beta) V in rounds of kK value columns (one round unless V = 256): the V tile holds columns kK vb ..
+  // kK vb + kK - 1; the next round's copy goes out once every warp's products have read the tile, and lands while
   // this round's rows are staged and stored.
 #pragma unroll
   for (int vb = 0; vb < kRounds; ++vb) {
     if (vb > 0) {
       mbar_wait(bars + 1, static_cast<uint32_t>(vb & 1));
-      zero_tail_rows(smem + S::v);
+      zero_tail_rows(smem + S::v, kBoxes);
       fence_proxy_async();
       __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int i = 0; i < kK / 2; ++i) acc[i] = 0.f;
     wg_fence();
     reg_fence(acc);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fu[kk], wg_desc(v_addr + kk * 2048, 8192, 1024));
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, kK>(acc, fu[kk], wg_desc(v_addr + kk * 2048, 8192, 1024));
     wg_commit();
     wg_wait_all();
     reg_fence(acc);
@@ -375,13 +380,13 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
       if (tid == 0) {
         fence_proxy_async();  // the zeroed rows (generic writes) before the copy
         const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch), hvi = static_cast<int>(hv);
-        mbar_expect_tx(bars + 1, 2 * 8192);
-        tma_load_4d(smem + S::v, &a.tm_v.map, bars + 1, 128 * (vb + 1), hvi, t0, b);
-        tma_load_4d(smem + S::v + 8192, &a.tm_v.map, bars + 1, 128 * (vb + 1) + 64, hvi, t0, b);
+        mbar_expect_tx(bars + 1, kBoxes * 8192);
+        for (int x = 0; x < kBoxes; ++x)
+          tma_load_4d(smem + S::v + x * 8192, &a.tm_v.map, bars + 1, kK * (vb + 1) + 64 * x, hvi, t0, b);
       }
     }
-    stage_rows_128<T>(smem + S::t, acc);
-    if constexpr (kDvLocal) {  // (one round: V = 128)
+    stage_rows<T, kK>(smem + S::t, acc);
+    if constexpr (kDvLocal) {  // (one round: K = V = 128)
       // dVn_local = scale P^T dO (stage B0 of the backward): A = P^T (the P block read M-major), B = dO (MN-major,
       // its two 64-column blocks 8 KB apart), K = the chunk's 64 tokens.
 #pragma unroll
@@ -407,8 +412,8 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
         }
     }
     __syncthreads();
-    if (vb == 0) store_rows_128<T>(a.W, smem + S::q, ce.row0, HV, hv, len);
-    store_rows_128<T>(a.U, smem + S::t, ce.row0, HV, hv, len, 128 * kRounds, 128 * vb);
+    if (vb == 0) store_rows<T, kK>(a.W, smem + S::q, ce.row0, HV, hv, len, kK);
+    store_rows<T, kK>(a.U, smem + S::t, ce.row0, HV, hv, len, kV, kK * vb);
     if (vb + 1 < kRounds) __syncthreads();  // the staged rows are read before the next round stages its own
   }
 #else
@@ -422,7 +427,8 @@ const char* wy_wgmma_refusal(const Params& p);
 
 // Whether wy_wgmma_kernel can also compute the backward's B0 for p: dO read through a tensor map.
 inline bool wy_wgmma_takes_dout(const Params& p) {
-  return p.V == 128 && p.dout.ptr != nullptr && rows_aligned16(p.dout, 2) && steps_forward(p.dout, p.B, p.T, p.HV);
+  return p.K == 128 && p.V == 128 && p.dout.ptr != nullptr && rows_aligned16(p.dout, 2) &&
+         steps_forward(p.dout, p.B, p.T, p.HV);
 }
 
 // Launches wy_wgmma_kernel over every chunk of the table (K = 128, V = 128 or 256, 16-bit T; G from the tiled tier's
@@ -433,8 +439,8 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
                      float* rq, float* rk, cudaStream_t stream, float* dvl = nullptr, bool t16 = false) {
   if (table.num_chunks() == 0) return;
   WyWgmmaArgs<T> a;
-  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
-  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, 128, "k");
+  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, p.K, "q");
+  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, p.K, "k");
   a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, p.V, "v");
   a.beta = dev_rows<const T>(p.beta);
   a.chunks = table.chunks();
@@ -453,12 +459,15 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
     a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
     a.dvl = dvl;
     a.scale = static_cast<float>(p.scale);
-    DELTACP_CHECK(p.V == 128, "v", "internal: the WY stage makes B0's product at V = 128 only, got V = ", p.V);
-    opt_in_smem(wy_wgmma_kernel<T, true, 1>, WyWgmmaSmem::bytes_dvl, "K", "the wgmma WY stage needs ",
+    DELTACP_CHECK(p.K == 128 && p.V == 128, "v", "internal: the WY stage makes B0's product at K = V = 128 only, got K = ",
+                  p.K, ", V = ", p.V);
+    opt_in_smem(wy_wgmma_kernel<T, true, 128, 128>, WyWgmmaSmem::bytes_dvl, "K", "the wgmma WY stage needs ",
                 WyWgmmaSmem::bytes_dvl, " bytes of shared memory");
-    wy_wgmma_kernel<T, true, 1><<<grid, 128, WyWgmmaSmem::bytes_dvl, stream>>>(a);
+    wy_wgmma_kernel<T, true, 128, 128><<<grid, 128, WyWgmmaSmem::bytes_dvl, stream>>>(a);
   } else {
-    auto kernel = p.V == 256 ? wy_wgmma_kernel<T, false, 2> : wy_wgmma_kernel<T, false, 1>;
+    auto kernel = p.K == 64    ? wy_wgmma_kernel<T, false, 64, 64>
+                  : p.V == 256 ? wy_wgmma_kernel<T, false, 128, 256>
+                               : wy_wgmma_kernel<T, false, 128, 128>;
     opt_in_smem(kernel, WyWgmmaSmem::bytes, "K", "the wgmma WY stage needs ", WyWgmmaSmem::bytes,
                 " bytes of shared memory");
     kernel<<<grid, 128, WyWgmmaSmem::bytes, stream>>>(a);

@@ -78,11 +78,11 @@ def _check_tier(variant, tier, shape_name, dtype, gate_dtype):
     p = _problem(variant, shape_name, seed=40)
     K, V = p["q"].shape[-1], p["v"].shape[-1]
     if tier == "fused":
-        # The fused kernels take bf16 / fp16, K = 128 and V = 128 (gdn, delta also 256) on compute capability
-        # 9.0; elsewhere asking for them by name is an error that says why (tests/python/test_cuda_fused.py covers
-        # the tier itself).
+        # The fused kernels take bf16 / fp16, K = V = 128 (gdn, delta also K = 128 with V = 256 and K = V = 64)
+        # on compute capability 9.0; elsewhere asking for them by name is an error that says why
+        # (tests/python/test_cuda_fused.py covers the tier itself).
         with_backward = True  # its gradients run on the tiled backward
-        fits = K == 128 and (V == 128 or (V == 256 and variant != "kda"))
+        fits = (K, V) == (128, 128) or ((K, V) in ((128, 256), (64, 64)) and variant != "kda")
         if not (fits and dtype != torch.float32 and torch.cuda.get_device_capability() == (9, 0)):
             t = {name: torch.tensor(p[name], dtype=dtype, device="cuda") for name in input_names(variant)}
             with pytest.raises(ValueError, match="fused tier cannot run"):
@@ -983,21 +983,21 @@ def test_wgmma_dh_scan_dh0_only_equals_the_full_run(wg, monkeypatch):
 
 
 class _Switched:
-    """A packed problem (K = 128, V = 128 unless given; grouped value heads by default: H = 2, HV = 4) with h0, dht
+    """A packed problem (K = V = 128 unless given; grouped value heads by default: H = 2, HV = 4) with h0, dht
     and do, for the
     tests that run the tiled tier with a kernel switch one way and the other: run(env, value) -> o, ht and every
     gradient with dh0 (the allocator's free blocks poisoned with NaN first, so an unwritten element shows);
     reference() -> the same from the fp64 reference on the rounded inputs."""
 
-    def __init__(self, variant, dtype, cu_seqlens, seed, rng_seed, H=2, HV=4, V=128):
+    def __init__(self, variant, dtype, cu_seqlens, seed, rng_seed, H=2, HV=4, K=128, V=128):
         self.variant, self.names = variant, input_names(variant)
-        self.p = make_problem(variant, cu_seqlens=cu_seqlens, H=H, HV=HV, K=128, V=V, seed=seed)
+        self.p = make_problem(variant, cu_seqlens=cu_seqlens, H=H, HV=HV, K=K, V=V, seed=seed)
         self.t = {n: torch.tensor(self.p[n], dtype=torch.float32 if n == "g" else dtype, device="cuda")
                   for n in self.names}
         rng = np.random.default_rng(rng_seed)
         n_seqs, tokens = len(cu_seqlens) - 1, cu_seqlens[-1]
-        self.h0 = torch.tensor(rng.standard_normal((n_seqs, HV, 128, V)) * 0.1, dtype=torch.float32, device="cuda")
-        self.dht = torch.tensor(rng.standard_normal((n_seqs, HV, 128, V)), dtype=torch.float32, device="cuda")
+        self.h0 = torch.tensor(rng.standard_normal((n_seqs, HV, K, V)) * 0.1, dtype=torch.float32, device="cuda")
+        self.dht = torch.tensor(rng.standard_normal((n_seqs, HV, K, V)), dtype=torch.float32, device="cuda")
         self.do = torch.tensor(rng.standard_normal((1, tokens, HV, V)), dtype=dtype, device="cuda")
         self.cu = torch.tensor(self.p["cu_seqlens"], device="cuda")
 
@@ -1286,17 +1286,17 @@ def test_fused_kda_staged_forward_with_the_wgmma_stage(dtype, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("V", [128, 256])
-def test_wgmma_wy_stage_matches_the_mma_sync_one(variant, dtype, V, monkeypatch):
+@pytest.mark.parametrize("K,V", [(128, 128), (128, 256), (64, 64)])
+def test_wgmma_wy_stage_matches_the_mma_sync_one(variant, dtype, K, V, monkeypatch):
     """The Hopper WY stage (cuda/tiled/wy_wgmma.cuh, DELTACP_TILED_WY_WGMMA) in the tiled forward and in the
-    backward's recompute (where it also writes T for stage B3 and, at V = 128, does stage B0, scale P^T dO) against
+    backward's recompute (where it also writes T for stage B3 and, at K = V = 128, does stage B0, scale P^T dO) against
     the mma.sync stage and B0 (=0) and the fp64 reference: o, ht, every gradient and dh0, packed sequences of 1, 63,
-    64, 65 and 207 tokens (short chunks), grouped value heads, K = 128, V = 128 and 256 (U in two rounds of 128
-    columns), a non-zero dht."""
+    64, 65 and 207 tokens (short chunks), grouped value heads, K = V = 128, K = 128 with V = 256 (U in two rounds of
+    128 columns) and K = V = 64, a non-zero dht."""
     _require_cuda_build()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma WY stage runs on compute capability 9.0 only")
-    s = _Switched(variant, dtype, [0, 1, 64, 128, 193, 400], seed=87, rng_seed=13, V=V)
+    s = _Switched(variant, dtype, [0, 1, 64, 128, 193, 400], seed=87, rng_seed=13, K=K, V=V)
     env = "DELTACP_TILED_WY_WGMMA"
     _assert_close(s.run(monkeypatch, env, "1"), s.run(monkeypatch, env, "0"), s.reference(), 5e-3, 1e-2,
                   "wgmma WY vs mma.sync WY")

@@ -73,19 +73,20 @@ CASES = {
 }
 
 
-# K = 128 with V = 128 for every variant, and V = 256 for gdn and delta (the WY stage's U in two rounds of 128
-# columns, four 64-column tiles of the state in the chain).
-VARIANT_V = [("gdn", 128), ("kda", 128), ("delta", 128), ("gdn", 256), ("delta", 256)]
+# K = V = 128 for every variant; for gdn and delta also K = 128 with V = 256 (the WY stage's U in two rounds of 128
+# columns, four 64-column tiles of the state in the chain) and K = V = 64 (one 64-column box per tile).
+VARIANT_KV = [("gdn", 128, 128), ("kda", 128, 128), ("delta", 128, 128), ("gdn", 128, 256), ("delta", 128, 256),
+              ("gdn", 64, 64), ("delta", 64, 64)]
 
 
-@pytest.mark.parametrize("variant,V", VARIANT_V)
+@pytest.mark.parametrize("variant,K,V", VARIANT_KV)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_against_reference_and_tiled(variant, V, dtype, case, monkeypatch):
+def test_fused_against_reference_and_tiled(variant, K, V, dtype, case, monkeypatch):
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")  # whole sequences here; the pieces are tested below
     B, T, H, HV, cu, with_h0 = CASES[case]
-    p = make_problem(variant, B=B, T=T or 0, H=H, HV=HV, K=128, V=V, cu_seqlens=cu, h0=with_h0, seed=7)
+    p = make_problem(variant, B=B, T=T or 0, H=H, HV=HV, K=K, V=V, cu_seqlens=cu, h0=with_h0, seed=7)
     t, h0, cu_t = _tensors(p, variant, dtype)
     o_ref, ht_ref = _reference(variant, p, t, h0)
     _poison()
@@ -101,15 +102,15 @@ def test_fused_against_reference_and_tiled(variant, V, dtype, case, monkeypatch)
     assert rel_err(ht.double().cpu().numpy(), ht_t.double().cpu().numpy()) < 5e-3
 
 
-@pytest.mark.parametrize("variant,V", [("gdn", 128), ("kda", 128), ("gdn", 256)])
+@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("gdn", 64, 64)])
 @pytest.mark.parametrize("piece", [64, 100, 256])
-def test_fused_intra_card_pieces_are_exact(variant, V, piece, monkeypatch):
+def test_fused_intra_card_pieces_are_exact(variant, K, V, piece, monkeypatch):
     """Sequences cut into pieces (DELTACP_FUSED_PIECE tokens, rounded up to whole chunks), each run from the
     start state the fold of the pieces' maps gives it: the same answer as whole sequences to rounding, at
     packed-sequence boundaries, with sequences shorter than a piece and last pieces shorter than a chunk."""
     _need_fused()
     cu = [0, 1, 65, 300, 301, 1000, 1100]
-    p = make_problem(variant, B=1, H=2, HV=4, K=128, V=V, cu_seqlens=cu, seed=11)
+    p = make_problem(variant, B=1, H=2, HV=4, K=K, V=V, cu_seqlens=cu, seed=11)
     t, h0, cu_t = _tensors(p, variant, torch.bfloat16)
     o_ref, ht_ref = _reference(variant, p, t, h0)
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
@@ -145,23 +146,23 @@ def test_fused_default_dispatch_says_which_tier_ran_and_why():
         _run(variant, t, h0, cu, None)
         tier, why = deltacp.last_cuda_tier()
         assert tier == "fused", (variant, why)
-    p = make_problem("gdn", B=1, T=100, H=2, K=64, V=64, seed=3)
+    p = make_problem("gdn", B=1, T=100, H=2, K=64, V=32, seed=3)
     t, h0, cu = _tensors(p, "gdn", torch.bfloat16)
     _run("gdn", t, h0, cu, None)
     tier, why = deltacp.last_cuda_tier()
-    assert tier == "tiled" and "K = 128 and V = 128 or 256" in why
+    assert tier == "tiled" and "or K = V = 64" in why
     t32, h0, cu = _tensors(make_problem("gdn", B=1, T=100, H=2, K=128, V=128, seed=3), "gdn", torch.float32)
     _run("gdn", t32, h0, cu, None)
     tier, why = deltacp.last_cuda_tier()
     assert tier == "tiled" and "bf16 or fp16" in why
 
 
-@pytest.mark.parametrize("what", ["K64", "fp32", "kda_V64", "kda_V256", "V192", "unaligned_q"])
+@pytest.mark.parametrize("what", ["K64_V128", "fp32", "kda_V64", "kda_V256", "V192", "unaligned_q"])
 def test_fused_by_name_refuses_with_the_reason(what):
     _need_fused()
     variant = "kda" if what.startswith("kda") else "gdn"
-    K = 64 if what == "K64" else 128
-    V = {"kda_V64": 64, "kda_V256": 256, "V192": 192}.get(what, K)
+    K = 64 if what == "K64_V128" else 128
+    V = {"kda_V64": 64, "kda_V256": 256, "V192": 192}.get(what, 128)
     p = make_problem(variant, B=1, T=80, H=1, K=K, V=V, seed=5)
     t, h0, cu = _tensors(p, variant, torch.float32 if what == "fp32" else torch.bfloat16)
     if what == "unaligned_q":  # rows of q 8 bytes off a 16-byte boundary
@@ -169,8 +170,9 @@ def test_fused_by_name_refuses_with_the_reason(what):
         q = buf[4:].view_as(t["q"])
         q.copy_(t["q"])
         t["q"] = q
-    expect = {"K64": "K = 128 and V = 128 or 256", "fp32": "bf16 or fp16", "kda_V64": "K = V = 128",
-              "kda_V256": "K = V = 128", "V192": "K = 128 and V = 128 or 256", "unaligned_q": "q's pointer"}[what]
+    shapes = "K = 128 with V = 128 or 256, or K = V = 64"
+    expect = {"K64_V128": shapes, "fp32": "bf16 or fp16", "kda_V64": "K = V = 128", "kda_V256": "K = V = 128",
+              "V192": shapes, "unaligned_q": "q's pointer"}[what]
     args = [t["q"], t["k"], t["v"], t["g"], t["beta"]]
     op = deltacp.chunk_kda if variant == "kda" else deltacp.chunk_gated_delta_rule
     with pytest.raises(ValueError, match="fused") as info:
@@ -319,8 +321,8 @@ def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
 @pytest.mark.parametrize("window", [64, 128, 192])
 @pytest.mark.parametrize("l2", [False, True])
 @pytest.mark.parametrize("overlap", ["0", "1"])
-@pytest.mark.parametrize("variant,V", [("gdn", 128), ("kda", 128), ("gdn", 256)])
-def test_fused_windows_along_time_equal_one_window(variant, V, window, l2, overlap, monkeypatch):
+@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("gdn", 64, 64)])
+def test_fused_windows_along_time_equal_one_window(variant, K, V, window, l2, overlap, monkeypatch):
     """A fixed-length batch run as windows of whole chunks (DELTACP_FUSED_WINDOW tokens), each from the fp32
     state the last one left: over whole sequences the same kernels see the same chunks and states, so o and
     ht equal the one-window call bit for bit (T = 300: a short last window); also with the next window's WY
@@ -328,7 +330,7 @@ def test_fused_windows_along_time_equal_one_window(variant, V, window, l2, overl
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
     monkeypatch.setenv("DELTACP_FUSED_OVERLAP", overlap)
-    p = make_problem(variant, B=2, T=300, H=2, HV=4, K=128, V=V, h0=True, seed=23)
+    p = make_problem(variant, B=2, T=300, H=2, HV=4, K=K, V=V, h0=True, seed=23)
     t, h0, _ = _tensors(p, variant, torch.bfloat16)
     raw = _raw_qk(t) if l2 else {"q": t["q"], "k": t["k"]}
     kw = dict(use_qk_l2norm_in_kernel=True) if l2 else {}

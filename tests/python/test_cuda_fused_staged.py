@@ -4,7 +4,8 @@ one-shot fused forward's o and ht bit for bit, with the sequences whole (DELTACP
 pieces (DELTACP_FUSED_PIECE=128); scan_pieces(method="fused") gives the chain's cut; a cut sequence's maps,
 composed (staged_forward_composed_map, the CP pre-pass), are [H | M] with H the final state from zero and
 M h0 + H the final state from h0 (bf16 products: 2e-2), and equal compose_state_maps of the copied maps
-(staged_forward_piece_maps) bit for bit; at V = 128 and, for gdn, V = 256 (maps 384 columns wide). A fused state has no state-only pieces, and a sequence the chain
+(staged_forward_piece_maps) bit for bit; at K = V = 128 and, for gdn, K = 128 with V = 256 (maps 384 columns wide)
+and K = V = 64 (128). A fused state has no state-only pieces, and a sequence the chain
 does not cut has no maps: both raise naming the argument. Skipped without a compute capability 9.0 GPU.
 """
 
@@ -20,10 +21,10 @@ from deltacp_testutil import make_problem, require_fused_gpu  # noqa: E402
 CU = (0, 1, 64, 130, 400)  # four sequences; the last (270 tokens) is cut at 128 tokens: [0, 128, 256, 270]
 
 
-def _problem(variant, V=128):
+def _problem(variant, K=128, V=128):
     from deltacp._describe import torch_desc
 
-    p = make_problem(variant, cu_seqlens=list(CU), H=2, HV=2, K=128, V=V, seed=5)
+    p = make_problem(variant, cu_seqlens=list(CU), H=2, HV=2, K=K, V=V, seed=5)
     t = {n: torch.as_tensor(np.ascontiguousarray(p[n])).to("cuda") for n in ("q", "k", "v", "g", "beta")
          if p.get(n) is not None}
     t = {n: (x.to(torch.bfloat16) if n != "g" else x.float()) for n, x in t.items()}
@@ -50,15 +51,16 @@ def _problem(variant, V=128):
 
 
 @pytest.mark.parametrize("piece", ["0", "128"])
-@pytest.mark.parametrize("variant,V", [("gdn", 128), ("kda", 128), ("delta", 128), ("gdn", 256)])
-def test_staged_fused_forward_equals_the_one_shot_forward(variant, V, piece, monkeypatch):
+@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("delta", 128, 128), ("gdn", 128, 256),
+                                         ("gdn", 64, 64)])
+def test_staged_fused_forward_equals_the_one_shot_forward(variant, K, V, piece, monkeypatch):
     require_fused_gpu()
     from deltacp import _core
 
     if not _core.cuda_supports(variant, "fused", False):
         pytest.skip(f"the fused tier has no {variant} forward in this build")
     monkeypatch.setenv("DELTACP_FUSED_PIECE", piece)
-    t, h0, descs = _problem(variant, V)
+    t, h0, descs = _problem(variant, K, V)
     N, HV, K, V = h0.shape
     stream = torch.cuda.current_stream().cuda_stream
 
