@@ -76,8 +76,8 @@ __host__ __device__ constexpr int chain_stages(int nwg, bool map) { return map |
 
 template <class T>
 struct ChainArgs {
-  TileMap16 tm_w, tm_u, tm_p;  // [R, HV, 128], [R, HV, 128], [R, HV, 64]: boxes of 64 columns x 64 rows
-  TileMap16 tm_k, tm_q;        // [B, T, H, 128] as the caller strides them: boxes of 64 keys x 64 tokens
+  TileMap16 tm_w, tm_u, tm_p;  // [R, HV, K], [R, HV, V], [R, HV, 64]: boxes of 64 columns x 64 rows
+  TileMap16 tm_k, tm_q;        // [B, T, H, K] as the caller strides them: boxes of 64 keys x 64 tokens
   DevRows<T> o;
   const tiled::SeqEntry* seqs = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), [R, HV, 128] (kda), nullptr for delta
@@ -482,7 +482,7 @@ inline int chain_warpgroups(int64_t seqs_x_heads, int64_t V, int sms) {
   return (V / kCols) * seqs_x_heads >= sms ? 2 : 1;
 }
 
-// The token-parallel operands of the chain, [R, HV, width] rows (16-bit) unless said otherwise: W (128), U (V
+// The token-parallel operands of the chain, [R, HV, width] rows (16-bit) unless said otherwise: W (K wide), U (V
 // wide), P (64) from the WY stage (gdn, delta: wgmma_wy.cuh; kda: chunk_wy_kernel and
 // kda_chain_operands_kernel); G ([R, HV] fp32 for gdn, [R, HV, 128] for kda, ignored for delta); kda only:
 // Kd = K e^(G_n - G) and Qg = Q e^G (128 wide; the other variants read k and q themselves); rq / rk:

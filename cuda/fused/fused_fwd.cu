@@ -48,8 +48,7 @@
 // Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128; gdn and delta also K = 128 with V = 256 (the WY
 // stage makes U in two rounds of 128 columns, the chain has four 64-column tiles) and K = V = 64 (the same kernels
 // on one 64-column box per tile, the state a 64 x 64 accumulator of one warpgroup); q, k, v, o 16-byte aligned
-// rows with positive
-// strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
+// rows with positive strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
 // says why not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name,
 // raises an error with the reason).
 //

@@ -10,6 +10,7 @@
 //
 // One warpgroup (128 threads) per (chunk, value head):
 //   loads     Q, K, V tiles (64 tokens x 128, 16-bit) by TMA (../common/tma.cuh), each as two 64 x 64 boxes
+//             (one at K = V = 64, where every product below is n64 instead of n128 and the k-steps halve)
 //             with the 128-byte swizzle the wgmma descriptors read: Q and K on one mbarrier, V on another,
 //             so V lands while A, P and T are computed. A box covers 64 rows whatever the chunk's length:
 //             in a chunk of n < 64 tokens rows n .. 63 are zeroed in shared memory before use, as masked
@@ -64,12 +65,12 @@ namespace deltacp::cuda::tiled {
 
 template <class T>
 struct WyWgmmaArgs {
-  TileMap16 tm_q, tm_k, tm_v;  // [B, T, H or HV, 128] as the caller strides them: boxes of 64 columns x 64 tokens
+  TileMap16 tm_q, tm_k, tm_v;  // [B, T, H or HV, K or V] as the caller strides them: boxes of 64 columns x 64 tokens
   DevRows<const T> beta;
   const tiled::ChunkEntry* chunks = nullptr;
   const float* G = nullptr;  // [R, HV] fp32 (gdn), nullptr for delta
-  T* W = nullptr;            // [R, HV, 128]
-  T* U = nullptr;            // [R, HV, V], V = 128 or 256 (U in rounds of 128 columns through one V tile)
+  T* W = nullptr;            // [R, HV, K]
+  T* U = nullptr;            // [R, HV, V]: V = 128 or 256 at K = 128 (rounds of 128 columns), V = 64 at K = 64
   T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P (nullptr: not stored)
   float* Tinv = nullptr;     // [R, HV, 64] fp32: row i of its chunk's T (nullptr: not stored)
   bool t16 = false;          // T rounded to T's type instead, in the first 128 bytes of each 256-byte row
