@@ -102,7 +102,7 @@ struct ChainLayout {
   int bar;    // the stages' mbarriers
   int bytes;  // everything, plus 1024 bytes of slack for the alignment
 };
-__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map, int stages, int K = kKeys) {
+__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map, int stages, int K) {
   auto up = [](int x, int a) { return (x + a - 1) / a * a; };
   constexpr int kBlock = 64 * 128;
   const int kb = K / 64;  // 64-column boxes of a W, K or Q tile
