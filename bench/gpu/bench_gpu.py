@@ -189,7 +189,8 @@ def chain_profile(fn, B, T, H, D, variant, reps=5, V=None):
     chain, maps, grid = 0.0, 0.0, None
     for e in events:
         name = e.get("name", "")
-        if e.get("cat") != "kernel" or "fused_chain_kernel" not in name:
+        # the chain kernel, or the one-kernel forward (the chain with the WY stage beside it)
+        if e.get("cat") != "kernel" or ("fused_chain_kernel" not in name and "fused_one_kernel" not in name):
             continue
         if name.split("(")[0].rstrip().endswith("true>"):  # the map mode (kMap = true)
             maps += e["dur"]

@@ -152,6 +152,61 @@ __device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const u
     }
   }
 }
+
+// Step (2)'s per-token factors (gdn, delta): Vns^T = Vn^T e^(G_n - G_j) rk_j (the state update's A operand, va),
+// Vn^T as it is (the output's, vo), and Oa's token columns times e^(G_i) rq_i; the raw q and k tiles then act as
+// normalised ones. Va holds Vn^T (this warpgroup's 64 columns x 64 tokens, m64n64 layout); t = lane % 4.
+template <class T>
+__device__ __forceinline__ void chain_decays(const float (&Va)[32], float (&Oa)[32], uint32_t (&va)[4][4],
+                                             uint32_t (&vo)[4][4], const float* gbuf, const float* rqb,
+                                             const float* rkb, int len, int t) {
+  using tiled::exp_t;
+  using tiled::pack2;
+  const float glast = gbuf[len - 1];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
+    const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
+    const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
+    const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);  // K's rows: k_n = rk k
+    const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
+    const float2 qa = *reinterpret_cast<const float2*>(rqb + 16 * kk + 2 * t);  // Q's rows: q_n = rq q
+    const float2 qb = *reinterpret_cast<const float2*>(rqb + 16 * kk + 8 + 2 * t);
+    const float f0 = exp_t<T>(glast - ga.x) * ka.x, f1 = exp_t<T>(glast - ga.y) * ka.y;
+    const float f2 = exp_t<T>(glast - gb.x) * kb.x, f3 = exp_t<T>(glast - gb.y) * kb.y;
+    va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
+    va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
+    va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
+    va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
+    const float e0 = exp_t<T>(ga.x) * qa.x, e1 = exp_t<T>(ga.y) * qa.y;
+    const float e2 = exp_t<T>(gb.x) * qb.x, e3 = exp_t<T>(gb.y) * qb.y;
+    Oa[8 * kk] *= e0;
+    Oa[8 * kk + 1] *= e1;
+    Oa[8 * kk + 2] *= e0;
+    Oa[8 * kk + 3] *= e1;
+    Oa[8 * kk + 4] *= e2;
+    Oa[8 * kk + 5] *= e3;
+    Oa[8 * kk + 6] *= e2;
+    Oa[8 * kk + 7] *= e3;
+  }
+}
+
+// Step (4): O = scale Oa^T into the warpgroup's staging tile (tokens x 64 columns, rows kLdStage apart) by
+// stmatrix.trans; srow, scol: this lane's row and column (the matrix it addresses, as the kernel computes them).
+template <class T>
+__device__ __forceinline__ void chain_stage_output(T* os, const float (&Oa)[32], float sc, int srow, int scol) {
+  using tiled::pack2;
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    const uint32_t r[4] = {pack2<T>(sc * Oa[8 * np], sc * Oa[8 * np + 1]),
+                           pack2<T>(sc * Oa[8 * np + 2], sc * Oa[8 * np + 3]),
+                           pack2<T>(sc * Oa[8 * np + 4], sc * Oa[8 * np + 5]),
+                           pack2<T>(sc * Oa[8 * np + 6], sc * Oa[8 * np + 7])};
+    tiled::stmatrix_x4_trans(os + (16 * np + srow) * kLdStage + scol, r);
+  }
+}
 #endif
 
 // One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns), sequential over
@@ -375,35 +430,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 #pragma unroll
         for (int r = 0; r < 4; ++r) va[kk][r] = vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
     } else {
-      const float glast = gbuf[len - 1];
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
-        const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
-        const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
-        const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);  // K's rows: k_n = rk k
-        const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
-        const float2 qa = *reinterpret_cast<const float2*>(rqb + 16 * kk + 2 * t);  // Q's rows: q_n = rq q
-        const float2 qb = *reinterpret_cast<const float2*>(rqb + 16 * kk + 8 + 2 * t);
-        const float f0 = exp_t<T>(glast - ga.x) * ka.x, f1 = exp_t<T>(glast - ga.y) * ka.y;
-        const float f2 = exp_t<T>(glast - gb.x) * kb.x, f3 = exp_t<T>(glast - gb.y) * kb.y;
-        va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
-        va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
-        va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
-        va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
-        const float e0 = exp_t<T>(ga.x) * qa.x, e1 = exp_t<T>(ga.y) * qa.y;
-        const float e2 = exp_t<T>(gb.x) * qb.x, e3 = exp_t<T>(gb.y) * qb.y;
-        Oa[8 * kk] *= e0;
-        Oa[8 * kk + 1] *= e1;
-        Oa[8 * kk + 2] *= e0;
-        Oa[8 * kk + 3] *= e1;
-        Oa[8 * kk + 4] *= e2;
-        Oa[8 * kk + 5] *= e3;
-        Oa[8 * kk + 6] *= e2;
-        Oa[8 * kk + 7] *= e3;
-      }
+      chain_decays<T>(Va, Oa, va, vo, gbuf, rqb, rkb, len, t);
     }
 
     // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.  kda: S^T's key column d times e^(G_n,d), K e^(G_n - G).
@@ -436,15 +463,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     // (4) O = scale Oa^T, staged tokens x 64 columns (after every thread of the warpgroup has stored the
     // previous chunk's rows from the tile); stored during the next chunk's first products.
     warpgroup_bar(wg);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      const float sc = args.scale;
-      const uint32_t r[4] = {pack2<T>(sc * Oa[8 * np], sc * Oa[8 * np + 1]),
-                             pack2<T>(sc * Oa[8 * np + 2], sc * Oa[8 * np + 3]),
-                             pack2<T>(sc * Oa[8 * np + 4], sc * Oa[8 * np + 5]),
-                             pack2<T>(sc * Oa[8 * np + 6], sc * Oa[8 * np + 7])};
-      stmatrix_x4_trans(os + (16 * np + srow) * kLdStage + scol, r);
-    }
+    chain_stage_output<T>(os, Oa, args.scale, srow, scol);
     __syncthreads();  // this stage is free; the staged output is visible to the warpgroup
   }
   if (!kMap && nchunks > 0) store_staged(se.bos + (nchunks - 1) * cs, chunk_len(nchunks - 1));

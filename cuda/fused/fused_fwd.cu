@@ -60,10 +60,11 @@
 // cumsum; (1,8192,96,128) 0.746 = WY 0.374 + chain 0.343; (4,4096,64,128) 0.919 = WY 0.520 + chain 0.370;
 // (4,2048,16,128) 0.165. With the 16-bit tiles loaded by cp.async instead of TMA the chain took 0.672 ms at
 // (2,16384,16,128) (2.6 us a chunk: its loads were half of it although issued a chunk ahead), the WY kernel
-// 0.284, and pass 1 on the tiled tier's scan 0.259 (the map mode: 0.205). What is left: the WY kernel moves
-// 88 KB per chunk and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back:
-// a kernel that keeps W, U and P on chip (the WY work of the next chunk done by a warpgroup of the chain's
-// CTA) is what would remove those bytes.
+// 0.284, and pass 1 on the tiled tier's scan 0.259 (the map mode: 0.205). The WY kernel moves 88 KB per chunk
+// and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back. fused_one_kernel.cuh
+// keeps them on chip (the WY work of the next chunk done by a second warpgroup of the chain's CTA; gdn and delta
+// at K = V = 128, DELTACP_FUSED_ONE_KERNEL=1): the same bits, but slower (1.19 ms against 0.72 at
+// (2,16384,16,128) on an H200), its WY warpgroup's latency per chunk twice the chain's step (its header).
 // K = 128, V = 256 (NVIDIA H100, 2026-11-28, bf16 gdn, B = 8, T = 2048, H = 32, bench_gpu.py beside FLA): 1.025 ms
 // end to end (FLA 1.778; the tiled tier 1.849), of which the chain 0.527 (512 CTAs of two warpgroups in 4 waves, 32
 // chunks each: 4.12 us a chunk). K = V = 64 (same GPU and run conditions, (4,4096,32,64)): 0.467 ms (FLA 0.704; the
@@ -92,6 +93,7 @@
 
 #include "../common/check.h"
 #include "../common/device_info.h"
+#include "../common/kernel_switch.h"
 #include "../common/load_store.cuh"
 #include "../common/side_stream.h"
 #include "../common/workspace_pool.h"
@@ -99,6 +101,7 @@
 #include "../tiled/fwd_mma.cuh"
 #include "../tiled/fwd_stages.cuh"
 #include "fused_chain.cuh"
+#include "fused_one_kernel.cuh"
 #include "fused_windows.h"
 #include "../tiled/wy_wgmma.cuh"
 #include "deltacp/cuda/tiers.h"
@@ -311,11 +314,43 @@ void chain_window(const Params& p, const ChunkTable& table, const WindowBuffers&
   });
 }
 
-// One window of the forward (the whole call when it is not cut): both stages on p's stream.
+// Why the one-kernel forward (fused_one_kernel.cuh) cannot run p over the table's sequences, or nullptr. It needs
+// what the two-kernel forward needs (forward_refusal) and runs whole sequences: where the piece plan cuts them
+// (intra-card CP), the maps of pass 1 read W and U from the token-parallel stage's workspace.
+const char* one_kernel_refusal(const Params& p, const ChunkTable& table) {
+  if (p.variant == Variant::kda) return "it implements gdn and delta";
+  if (p.K != 128 || p.V != 128) return "it takes K = V = 128";
+  if (fused_piece_chunks(p, table.host_seqs()) > 0) return "the piece plan cuts these sequences (intra-card CP)";
+  return nullptr;
+}
+
+// One window of the forward (the whole call when it is not cut): both stages on p's stream, or G and the one
+// kernel. DELTACP_FUSED_ONE_KERNEL=1 asks for the one kernel (an error says why where it cannot run); unset or 0,
+// the two kernels: on an H200 the one kernel is slower at every shape measured (fused_one_kernel.cuh).
 void forward_window(const Params& p) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const ChunkTable table(p, p.chunk_size, stream);
   if (table.num_seqs() == 0) return;
+  if (kernel_switch(
+          "DELTACP_FUSED_ONE_KERNEL", "the one-kernel fused forward", [&] { return one_kernel_refusal(p, table); },
+          /*unset_on=*/false)) {
+    const bool gated = p.variant == Variant::gdn;
+    const size_t g_bytes = static_cast<size_t>(p.B * p.T * p.HV * 4);
+    float* G = gated ? static_cast<float*>(workspace_alloc(g_bytes, stream)) : nullptr;
+    try {
+      if (gated) tiled::launch_chunk_cumsum(p, table, G, stream);
+      dispatch_dtype(p.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        if constexpr (tiled::kIs16Bit<T>)
+          launch_one_kernel<T>(p, table, G, static_cast<const float*>(p.h0), static_cast<float*>(p.ht), stream);
+      });
+    } catch (...) {
+      if (G != nullptr) workspace_free(G, stream);
+      throw;
+    }
+    if (G != nullptr) workspace_free(G, stream);
+    return;
+  }
   char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(window_buffers_bytes(p)), stream));
   try {
     const WindowBuffers b = carve_window_buffers(ws, p);

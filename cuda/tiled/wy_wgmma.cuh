@@ -143,10 +143,10 @@ __device__ __forceinline__ void store_rows(T* dst, const unsigned char* src, int
 }
 // 1 / sqrt(|x_r|^2 + eps) of row r = tid / 2 of a swizzled 64 x kK tile (kK = 128: two 64-column blocks; 64: one):
 // each of the row's two threads sums the squares of one block at kK = 128, of half the row's pieces at kK = 64
-// (the swizzle only permutes a row's pieces inside its block).
+// (the swizzle only permutes a row's pieces inside its block). tid: the thread's index in its warpgroup.
 template <class T, int kK>
-__device__ __forceinline__ float row_rnorm(const unsigned char* tile) {
-  const int r = static_cast<int>(threadIdx.x) >> 1, h = static_cast<int>(threadIdx.x) & 1;
+__device__ __forceinline__ float row_rnorm(const unsigned char* tile, int tid) {
+  const int r = tid >> 1, h = tid & 1;
   const unsigned char* row = kK == 128 ? tile + h * 8192 + r * 128 : tile + r * 128 + h * 64;
   float ss = 0.f;
 #pragma unroll
@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   // qk_l2norm: the rows' scales while the products run (published by the barrier below). With
   // q_n = rq q and k_n = rk k, every product below takes them as row and column scales.
   {
-    const float sq = l2 ? row_rnorm<T, kK>(smem + S::q) : 1.f, sk = l2 ? row_rnorm<T, kK>(smem + S::k) : 1.f;
+    const float sq = l2 ? row_rnorm<T, kK>(smem + S::q, tid) : 1.f, sk = l2 ? row_rnorm<T, kK>(smem + S::k, tid) : 1.f;
     const int r = tid >> 1;
     if ((tid & 1) == 0) {
       rqs[r] = sq;

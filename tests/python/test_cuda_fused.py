@@ -102,6 +102,57 @@ def test_fused_against_reference_and_tiled(variant, K, V, dtype, case, monkeypat
     assert rel_err(ht.double().cpu().numpy(), ht_t.double().cpu().numpy()) < 5e-3
 
 
+@pytest.mark.parametrize("variant", ["gdn", "delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES) + ["long_varlen"])
+@pytest.mark.parametrize("l2", [False, True], ids=["plain", "l2norm"])
+def test_fused_one_kernel_equals_two_kernels(variant, dtype, case, l2, monkeypatch):
+    """The one-kernel forward (the WY stage on chip beside the chain, fused_one_kernel.cuh) against the
+    two-kernel one: the same products with the same roundings, so the same bits, at chunks shorter than 64
+    tokens, sequence boundaries, empty and one-token sequences, grouped values, h0 and the in-kernel l2 norm;
+    and against the fp64 reference."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    if case == "long_varlen":  # many chunks per sequence: the input stages and ring slots wrap many times
+        B, T, H, HV, cu, with_h0 = 1, None, 1, 2, [0, 700, 701, 1500, 2063], True
+    else:
+        B, T, H, HV, cu, with_h0 = CASES[case]
+    p = make_problem(variant, B=B, T=T or 0, H=H, HV=HV, K=128, V=128, cu_seqlens=cu, h0=with_h0, seed=23)
+    t, h0, cu_t = _tensors(p, variant, dtype)
+    kw = {"use_qk_l2norm_in_kernel": True} if l2 else {}
+    qk = _raw_qk(t) if l2 else {"q": t["q"], "k": t["k"]}
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DELTACP_FUSED_ONE_KERNEL", mode)
+        _poison()
+        with torch.no_grad():
+            out[mode] = _run(variant, t, h0, cu_t, "fused", q=qk["q"], k=qk["k"], **kw)
+        torch.cuda.synchronize()
+    o, ht = out["1"]
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert torch.equal(o, out["0"][0])
+    assert torch.equal(ht, out["0"][1])
+    if not l2:
+        o_ref, ht_ref = _reference(variant, p, t, h0)
+        assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
+        assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
+
+
+@pytest.mark.parametrize("what", ["kda", "pieces", "V256"])
+def test_fused_one_kernel_required_says_why_not(what, monkeypatch):
+    """DELTACP_FUSED_ONE_KERNEL=1 where the one kernel cannot run: an error naming the variable and the reason."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_ONE_KERNEL", "1")
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "128" if what == "pieces" else "0")
+    variant = "kda" if what == "kda" else "gdn"
+    p = make_problem(variant, B=1, T=300, H=1, K=128, V=256 if what == "V256" else 128, seed=5)
+    t, h0, cu = _tensors(p, variant, torch.bfloat16)
+    expect = {"kda": "gdn and delta", "pieces": "piece plan", "V256": "K = V = 128"}[what]
+    with pytest.raises(ValueError, match="DELTACP_FUSED_ONE_KERNEL") as info:
+        _run(variant, t, h0, cu, "fused")
+    assert expect in str(info.value)
+
+
 @pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("gdn", 64, 64)])
 @pytest.mark.parametrize("piece", [64, 100, 256])
 def test_fused_intra_card_pieces_are_exact(variant, K, V, piece, monkeypatch):
