@@ -1,13 +1,14 @@
 """Per-kernel CUDA time of one deltacp forward (torch.profiler), for tuning.
 
     python3 bench/gpu/stage_times.py --shape 2,16384,16,128 [--variant gdn|kda|dplr] [--backward] [--backend fused]
-Prints each kernel's total CUDA time per call (mean of --repeat profiled calls), their sum and the elapsed time
-per call. dplr takes the
+Prints each kernel's total CUDA time per call (mean of --repeat profiled calls), their sum, the elapsed time
+per call and the host time to enqueue one. dplr takes the
 inputs of bench_dplr.py (a = normalize(rand), b = -a, gates logsigmoid(randn) clamped to [-5, 0]) on the tiled
 tier.
 """
 import argparse
 import collections
+import time
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +73,18 @@ def main():
         torch.cuda.synchronize()
         walls.append(start.elapsed_time(end))
     wall = sorted(walls)[len(walls) // 2]
+    # Host time to enqueue one call (median of 20, the GPU kept busy by the calls before it, no synchronisation):
+    # what the call costs the CPU (Python, the dispatch, tables, tensor maps, launches). Where it passes the
+    # kernels' time, the GPU waits for the host between calls.
+    hosts = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        step()
+        hosts.append(1e3 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    host = sorted(hosts)[len(hosts) // 2]
     print(f"{a.variant} {a.backend} {'fwd+bwd' if a.backward else 'fwd'} {(B, T, H, D)}: {total:.3f} ms of kernels "
-          f"per call, {wall:.3f} ms elapsed")
+          f"per call, {wall:.3f} ms elapsed, {host:.3f} ms of host time to enqueue it")
     for name, ms in sorted(per.items(), key=lambda x: -x[1])[:12]:
         print(f"  {ms:8.3f} ms  {name}")
 
