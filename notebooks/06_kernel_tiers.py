@@ -91,6 +91,20 @@ print(f"the fused tier moves {sum(BYTES['fused'].values()) / minimum:.1f}x the m
       f"{sum(BYTES['tiled'].values()) / minimum:.1f}x")
 
 # %% [markdown]
+# The fused forward as one kernel (`cuda/fused/fused_one_kernel.cuh`, opt-in: slower on an H200, its header
+# says why) makes each chunk's $W, U, P$ in the chain's CTA, so they never reach HBM; each of a head's two CTAs
+# (64 state columns each) reads $q$, $k$, $G$ and $\beta$ whole and its half of $v$.
+
+# %%
+ONE_KERNEL = {
+    "cumsum: g in, G out": 4 + 4,
+    "one kernel: q, k, G, beta in per CTA (two per head); v in; o out": 2 * (es * (K + K) + 4 + es) + es * V + es * V,
+}
+one_kernel = sum(ONE_KERNEL.values())
+assert minimum < one_kernel < sum(BYTES["fused"].values())
+print(f"one kernel: {one_kernel:.0f} B per token-head, {one_kernel / minimum:.1f}x the minimum")
+
+# %% [markdown]
 # ## The backward's bytes
 #
 # The backward (the tiled tier's, after either forward; on Hopper for 16-bit gdn and delta at

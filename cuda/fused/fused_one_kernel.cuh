@@ -27,9 +27,10 @@
 //
 // What stays on chip: S (fp32, registers of warpgroup 0), A and T (fp32, in the ring slot before W, U, P take
 // their place), W, U (the CTA's columns), P and the row scales. What moves through HBM per token and value head
-// (bf16): q, k (256 bytes each per CTA, two CTAs per head), the CTA's v columns (128 each), G (4), beta (2), o
-// (256): 1540 bytes at K = V = 128, against 2834 for the two-kernel forward. The WY work (all but U's product)
-// is done by both CTAs of a head.
+// (bf16): q, k (256 bytes each per CTA, two CTAs per head), G (4 per CTA), beta (2 per CTA), the CTA's v columns
+// (128 each), o (256), and the cumsum's g in and G out (8): 1556 bytes at K = V = 128, against 2834 for the
+// two-kernel forward (notebooks/06_kernel_tiers.py counts both). The WY work (all but U's product) is done by both
+// CTAs of a head.
 //
 // Numerics: the two-kernel forward's, bit for bit: the same products in the same order with the same roundings
 // (W, U, P rounded to 16 bits where they were stored; the row scales of rows past a short chunk set to 1, the
