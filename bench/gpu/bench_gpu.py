@@ -40,7 +40,7 @@ def floor_bytes(B, T, H, D, variant, backward, V=None):
     tensors, fp32 gates). Forward: q, k, v, g, beta in, o out. Backward adds do in and dq, dk, dv,
     dg, dbeta out (q, k, v, g, beta are read again)."""
     V = V or D
-    g_elems = D if variant == "kda" else 1
+    g_elems = D if variant.startswith("kda") else 1
     qkv = (2 * D + V) * 2
     fwd = qkv + g_elems * 4 + 2 + V * 2
     if not backward:
@@ -63,24 +63,47 @@ def chunked_flops(B, T, H, D, backward, V=None):
 
 # ---- inputs ---------------------------------------------------------------------------------
 def make_inputs(B, T, H, D, variant, dtype=torch.bfloat16, seed=0, device="cuda", V=None):
-    """q, k (L2-normalised) of head dim D, v of head dim V (default D), g, beta; see docs/design.md section 8."""
+    """q, k (L2-normalised) of head dim D, v of head dim V (default D), g, beta; see docs/design.md section 8.
+    kda_gate (KDA with use_gate_in_kernel=True): g is the raw gate input (standard normal), with A_log [H]
+    (log of uniform [1, 16], as Mamba-style models initialise it) and dt_bias [H * D] (0.1 standard normal); the
+    call maps it to lower_bound sigmoid(exp(A_log) (g + dt_bias))."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(B, T, H, D, device=device, dtype=torch.float32, generator=gen)
     k = F.normalize(torch.randn(B, T, H, D, device=device, dtype=torch.float32, generator=gen), dim=-1)
     v = torch.randn(B, T, H, V or D, device=device, dtype=torch.float32, generator=gen)
-    gshape = (B, T, H, D) if variant == "kda" else (B, T, H)
-    g = F.logsigmoid(torch.randn(gshape, device=device, dtype=torch.float32, generator=gen))
+    gshape = (B, T, H, D) if variant.startswith("kda") else (B, T, H)
+    g = torch.randn(gshape, device=device, dtype=torch.float32, generator=gen)
+    if variant != "kda_gate":
+        g = F.logsigmoid(g)
     if variant == "kda":
         g = g / 8  # per-dimension decays: keep the product over a chunk in a realistic range
     beta = torch.rand(B, T, H, device=device, dtype=torch.float32, generator=gen).sigmoid()
-    return dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g.float(), beta=beta.to(dtype))
+    x = dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), g=g.float(), beta=beta.to(dtype))
+    if variant == "kda_gate":
+        x["A_log"] = torch.log(1 + 15 * torch.rand(H, device=device, dtype=torch.float32, generator=gen))
+        x["dt_bias"] = 0.1 * torch.randn(H * D, device=device, dtype=torch.float32, generator=gen)
+    return x
+
+
+# The inputs a step differentiates: q, k, v, g, beta, and the gate's parameters where the call takes them.
+def grad_inputs(x):
+    return [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias") if n in x]
 
 
 # The keyword arguments of FLA's own benchmark, given to both sides so that both do the same work: q and k
 # are L2-normalised inside the call; KDA's gate is taken as safe (>= lower_bound). deltacp runs the l2 norm
 # as its own pass before the kernels (deltacp/fla_options.py), FLA inside its kernels.
+# kda_gate: KDA with the gate computed inside the call from the raw input, A_log and dt_bias (FLA's
+# use_gate_in_kernel; deltacp maps it in torch before its kernels, docs/fla-compat.md).
 FLA_BENCH_KWARGS = {"gdn": dict(use_qk_l2norm_in_kernel=True),
-                    "kda": dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)}
+                    "kda": dict(use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0),
+                    "kda_gate": dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True,
+                                     lower_bound=-5.0)}
+
+
+def gate_params(x):
+    """A_log and dt_bias as keyword arguments, where the inputs carry them (kda_gate)."""
+    return {n: x[n] for n in ("A_log", "dt_bias") if n in x}
 
 
 def deltacp_fn(variant, backend, kwargs=None):
@@ -90,7 +113,7 @@ def deltacp_fn(variant, backend, kwargs=None):
 
     def run(x, h0=None, final=False):
         return op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=final,
-                  backend=backend, **kw)
+                  backend=backend, **kw, **gate_params(x))
     return run
 
 
@@ -112,7 +135,8 @@ def fla_fn(variant, kwargs=None):
     kw = dict(kwargs or {})
 
     def run(x, h0=None, final=False):
-        return op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=final, **kw)
+        return op(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=final, **kw,
+                  **gate_params(x))
     return run
 
 
@@ -145,8 +169,8 @@ def time_impl(fn, B, T, H, D, variant, backward, l2_bytes, V=None):
     sets = [make_inputs(B, T, H, D, variant, seed=s, V=V) for s in range(nsets)]
     if backward:
         for x in sets:
-            for name in ("q", "k", "v", "g", "beta"):
-                x[name].requires_grad_(True)
+            for t in grad_inputs(x):
+                t.requires_grad_(True)
         do = torch.randn(B, T, H, V or D, device="cuda", dtype=torch.bfloat16)
     it = [0]
 
@@ -155,7 +179,7 @@ def time_impl(fn, B, T, H, D, variant, backward, l2_bytes, V=None):
         it[0] += 1
         o = fn(x)[0]
         if backward:
-            torch.autograd.grad(o, [x["q"], x["k"], x["v"], x["g"], x["beta"]], do)
+            torch.autograd.grad(o, grad_inputs(x), do)
     step()  # compile / autotune outside the timing
     torch.cuda.synchronize()
     return bench_ms(step)
@@ -218,8 +242,8 @@ def step_memory(fn, B, T, H, D, variant, V=None):
     torch: deltacp's own workspace pool's mapped high-water mark over the step (released before it, so only
     this step's), 0 for FLA. Run after the timing, so autotuning and compilation are not in it."""
     x = make_inputs(B, T, H, D, variant, seed=7, V=V)
-    for name in ("q", "k", "v", "g", "beta"):
-        x[name].requires_grad_(True)
+    for t in grad_inputs(x):
+        t.requires_grad_(True)
     do = torch.randn(B, T, H, V or D, device="cuda", dtype=torch.bfloat16)
     try:
         import deltacp
@@ -235,7 +259,7 @@ def step_memory(fn, B, T, H, D, variant, V=None):
     if stats is not None:
         deltacp.cuda_reset_workspace_stats()
     o = fn(x)[0]
-    grads = torch.autograd.grad(o, [x["q"], x["k"], x["v"], x["g"], x["beta"]], do)
+    grads = torch.autograd.grad(o, grad_inputs(x), do)
     torch.cuda.synchronize()
     through = torch.cuda.max_memory_allocated() - base
     outside = stats()["peak_reserved_bytes"] if stats is not None else 0
@@ -287,7 +311,8 @@ def accuracy(variant, impls):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_gpu.json")
-    ap.add_argument("--variants", default="gdn,kda")
+    ap.add_argument("--variants", default="gdn,kda",
+                    help="gdn, kda, and kda_gate (KDA with use_gate_in_kernel=True, A_log and dt_bias; timing only)")
     ap.add_argument("--tiers", default="fused,tiled,naive")
     ap.add_argument("--time-variants", default=None, help="variants to time (default: all of --variants); "
                     "accuracy is measured for every variant")
@@ -327,15 +352,17 @@ def main():
         impls = {f"deltacp-{t}": deltacp_fn(variant, t, kw) for t in args.tiers.split(",")}
         impls["fla"] = fla_fn(variant, kw)
         res.setdefault("call_kwargs", {})[variant] = kw
-        try:
-            # against the fp64 reference of the plain call (the inputs as given, q not normalised)
-            plain = {f"deltacp-{t}": deltacp_fn(variant, t) for t in args.tiers.split(",")}
-            plain["fla"] = fla_fn(variant)
-            res["accuracy"][variant] = accuracy(variant, plain)
-        except Exception as e:
-            res["accuracy"][variant] = {"error": str(e)[:300]}
-        print(f"# accuracy {variant}: {json.dumps(res['accuracy'][variant])}", flush=True)
-        save()
+        # Against the fp64 reference of the plain call (the inputs as given, q not normalised); kda_gate's gate
+        # mapping is checked against FLA's by tests/python/test_fla_call.py, its recurrence is kda's.
+        if variant in ("gdn", "kda"):
+            try:
+                plain = {f"deltacp-{t}": deltacp_fn(variant, t) for t in args.tiers.split(",")}
+                plain["fla"] = fla_fn(variant)
+                res["accuracy"][variant] = accuracy(variant, plain)
+            except Exception as e:
+                res["accuracy"][variant] = {"error": str(e)[:300]}
+            print(f"# accuracy {variant}: {json.dumps(res['accuracy'][variant])}", flush=True)
+            save()
         if variant not in timed:
             continue
         for si, shape in enumerate(shapes):

@@ -68,6 +68,11 @@ def shape_of(x):
     return (x["B"], x["T"], x["H"], x["D"]) + ((x["V"],) if x.get("V", x["D"]) != x["D"] else ())
 
 
+def variant_title(variant):
+    """A results file's variant key as the tables name it (kda_gate: KDA with use_gate_in_kernel=True)."""
+    return {"kda_gate": "KDA, gate in the call"}.get(variant, variant.upper())
+
+
 def timed(perf, variant, direction, impl):
     return {shape_of(x): x for x in perf["rows"] if x["variant"] == variant and x["direction"] == direction
             and x["impl"] == impl and "ms" in x}
@@ -167,7 +172,7 @@ def readme_table(res):
                         at = ", ".join(fmt_shape(x) for x in sorted(rs, key=lambda x: (x[0] * x[1] * x[2], x)))
                         parts.append(f"{'forward' if d == 'fwd' else 'forward + backward'} {span} at {at}")
                 if parts:
-                    lines.append(f"| {tier} tier, {variant.upper()}: time / FLA's time | " + "; ".join(parts) +
+                    lines.append(f"| {tier} tier, {variant_title(variant)}: time / FLA's time | " + "; ".join(parts) +
                                  f" | {where} |")
     for r in res["cp"]:
         s = cp_summary(r)
@@ -273,7 +278,7 @@ def perf_md(res, plots):
                 # The fused forward's own columns: its bytes per token-head (counted) and its chain's step.
                 fused = d == "fwd" and any(x["impl"] == "deltacp-fused" for x in rows)
                 fcols = ["fused B per token-head", "fused chain us per chunk"] if fused else []
-                lines += [f"### {variant.upper()} {'forward' if d == 'fwd' else 'forward + backward'}", "",
+                lines += [f"### {variant_title(variant)} {'forward' if d == 'fwd' else 'forward + backward'}", "",
                           f"Measured {rows_date(perf, variant)}; both sides called with: {call_of(perf, variant)}.", ""]
                 if any(len(s) == 5 for s in shapes):
                     lines += ["A shape of five numbers is (B, T, H, K, V): a value head wider than the key head.", ""]
@@ -309,7 +314,7 @@ def perf_md(res, plots):
                 lines.append("")
                 mem = [x for x in rows if "peak_MiB" in x]
                 if d == "fwd+bwd" and mem:
-                    lines += [f"Peak memory of one {variant.upper()} forward + backward step, same run: "
+                    lines += [f"Peak memory of one {variant_title(variant)} forward + backward step, same run: "
                               "`torch.cuda.max_memory_allocated` over the step above its inputs plus what deltacp held "
                               "outside torch (its workspaces come from torch's caching allocator, so that part is 0 "
                               "here); MiB.", "",
