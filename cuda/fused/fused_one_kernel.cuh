@@ -11,10 +11,11 @@
 //                        cp.async, all completing on the input stage's mbarrier (3 stages);
 //                        then chunk c's chain step, fused_chain_kernel's (1)-(4) unchanged, reading Q, K, G from
 //                        the input stage and W, U, P and the row scales from the WY ring slot c % 2
-//   warpgroup 1 (WY)     chunk c + 1 (or c + 2 when the ring has room): wy_wgmma_kernel's steps on the input stage
-//                        (Q K^T and K K^T, the masks and decays, the fp32 solve for T, W = T Beta e^G K, U = T Beta
-//                        V for the CTA's 64 columns), the results written in the swizzled 64 x 64 boxes the chain's
-//                        descriptors and ldmatrix read; beta read from global one chunk ahead into registers
+//   warpgroup 1 (WY)     chunk c + 1 (its ring slot is free once chunk c - 1's step is done): wy_wgmma_kernel's
+//                        steps on the input stage (Q K^T and K K^T, the masks and decays, the fp32 solve for T,
+//                        W = T Beta e^G K, U = T Beta V for the CTA's 64 columns), the results written in the
+//                        swizzled 64 x 64 boxes the chain's descriptors and ldmatrix read; beta read from global one
+//                        chunk ahead into registers
 //
 // Synchronisation (mbarriers; each warpgroup keeps its own barrier for its internal steps, bar.sync 1 and 2):
 //   in_full[s]   the stage's TMA bytes and the 64 threads' cp.async of G (cp.async.mbarrier.arrive.noinc): 65
