@@ -207,6 +207,54 @@ __device__ __forceinline__ void chain_stage_output(T* os, const float (&Oa)[32],
     tiled::stmatrix_x4_trans(os + (16 * np + srow) * kLdStage + scol, r);
   }
 }
+
+// Step (1)'s products as one group (the caller waits for it): Va = S^T W^T and, with the output (kOut), Oa = S^T
+// Q^T, A = S^T rounded to 16 bits into sa (the register fragments), W's and Q's tiles K-major at w_addr, q_addr.
+template <class T, int KK, bool kOut>
+__device__ __forceinline__ void chain_issue_state_reads(float (&Va)[32], float (&Oa)[32], uint32_t (&sa)[KK / 16][4],
+                                                        const float (&S)[KK / 2], uint32_t w_addr, uint32_t q_addr) {
+  using namespace tiled;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) Va[i] = Oa[i] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KK / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sa[kk][r] = pack2<T>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
+  wg_fence();
+  reg_fence(Va);
+  if constexpr (kOut) reg_fence(Oa);
+#pragma unroll
+  for (int kk = 0; kk < KK / 16; ++kk) {
+    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    wgmma_n64_rs<T>(Va, sa[kk], wg_desc(w_addr + off, 16, 1024), kk > 0);
+    if constexpr (kOut) wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
+  }
+  wg_commit();
+}
+
+// Step (3)'s products, waited for: S^T += Vns^T K (K's tile MN-major at k_addr) and, with the output, Oa += Vn^T
+// P^T (P's tile K-major at p_addr).
+template <class T, int KK, bool kOut>
+__device__ __forceinline__ void chain_update_state(float (&S)[KK / 2], float (&Oa)[32], uint32_t (&va)[4][4],
+                                                   uint32_t (&vo)[4][4], uint32_t k_addr, uint32_t p_addr) {
+  using namespace tiled;
+  wg_fence();
+  reg_fence(S);
+  if constexpr (kOut) reg_fence(Oa);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, KK>(S, va[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
+  if constexpr (kOut)
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Oa, vo[kk], wg_desc(p_addr + kk * 32, 16, 1024), 1);
+  wg_commit();
+  wg_wait_all();
+  reg_fence(S);
+  reg_fence(va);
+  if constexpr (kOut) {
+    reg_fence(Oa);
+    reg_fence(vo);
+  }
+}
 #endif
 
 // One CTA of NWG warpgroups per (sequence or piece, value head, 64 NWG state columns), sequential over
@@ -391,23 +439,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 
     // (1) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers.
     float Va[32], Oa[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) Va[i] = Oa[i] = 0.f;
     uint32_t sa[KK / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < KK / 16; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) sa[kk][r] = pack2<T>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
-    wg_fence();
-    reg_fence(Va);
-    if constexpr (!kMap) reg_fence(Oa);
-#pragma unroll
-    for (int kk = 0; kk < KK / 16; ++kk) {
-      const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-      wgmma_n64_rs<T>(Va, sa[kk], wg_desc(w_addr + off, 16, 1024), kk > 0);
-      if constexpr (!kMap) wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
-    }
-    wg_commit();
+    chain_issue_state_reads<T, KK, !kMap>(Va, Oa, sa, S, w_addr, q_addr);
     // The previous chunk's output, staged at its end (the barrier that ended it made the tile visible),
     // goes out while the products run.
     if (!kMap && c > 0) store_staged(t0 - cs, cs);
@@ -441,24 +474,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 #pragma unroll
       for (int i = 0; i < KK / 2; ++i) S[i] *= eg;
     }
-    wg_fence();
-    reg_fence(S);
-    if constexpr (!kMap) reg_fence(Oa);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, KK>(S, va[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
-    if constexpr (!kMap)
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Oa, vo[kk], wg_desc(p_addr + kk * 32, 16, 1024), 1);
-    wg_commit();
-    wg_wait_all();
-    reg_fence(S);
-    reg_fence(va);
+    chain_update_state<T, KK, !kMap>(S, Oa, va, vo, k_addr, p_addr);
     if constexpr (kMap) {
       __syncthreads();  // this stage is free
       continue;
     }
-    reg_fence(Oa);
-    reg_fence(vo);
 
     // (4) O = scale Oa^T, staged tokens x 64 columns (after every thread of the warpgroup has stored the
     // previous chunk's rows from the tile); stored during the next chunk's first products.

@@ -454,23 +454,8 @@ __global__ void __launch_bounds__(256, 1) fused_one_kernel(const __grid_constant
 
       // (1) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers.
       float Va[32], Oa[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) Va[i] = Oa[i] = 0.f;
       uint32_t sa[kK / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kK / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) sa[kk][r] = pack2<T>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
-      wg_fence();
-      reg_fence(Va);
-      reg_fence(Oa);
-#pragma unroll
-      for (int kk = 0; kk < kK / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-        wgmma_n64_rs<T>(Va, sa[kk], wg_desc(w_addr + off, 16, 1024), kk > 0);
-        wgmma_n64_rs<T>(Oa, sa[kk], wg_desc(q_addr + off, 16, 1024), kk > 0);
-      }
-      wg_commit();
+      chain_issue_state_reads<T, kK, true>(Va, Oa, sa, S, w_addr, q_addr);
       if (c > 0) store_staged(t0 - cs, cs);  // the previous chunk's output while the products run
       wg_wait_all();
       reg_fence(Va);
@@ -486,19 +471,7 @@ __global__ void __launch_bounds__(256, 1) fused_one_kernel(const __grid_constant
       const float eg = exp_t<T>(gbuf[len - 1]);
 #pragma unroll
       for (int i = 0; i < kK / 2; ++i) S[i] *= eg;
-      wg_fence();
-      reg_fence(S);
-      reg_fence(Oa);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, kK>(S, va[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Oa, vo[kk], wg_desc(p_addr + kk * 32, 16, 1024), 1);
-      wg_commit();
-      wg_wait_all();
-      reg_fence(S);
-      reg_fence(va);
-      reg_fence(Oa);
-      reg_fence(vo);
+      chain_update_state<T, kK, true>(S, Oa, va, vo, k_addr, p_addr);
       mbar_arrive(out_empty + c % L::kSlots);  // slot c % 2 is read: the WY warpgroup may fill it with chunk c + 2
       clk.mark(2);
 
