@@ -40,6 +40,8 @@
 // at (1,8192,96,128), with P and without T (the fused forward), against chunk_wy_kernel's 0.447 and 0.652. In
 // the backward's recompute with T and B0 (NVIDIA H100, 2026-11-27): 0.460 ms at (2,16384,16,128) against
 // chunk_wy_kernel 0.460 + bwd_dv_local 0.322. DELTACP_TILED_WY_WGMMA=0 keeps chunk_wy_kernel (and B0).
+// With qk_l2norm (NVIDIA H200, 2026-11-28): 0.278 ms at (2,16384,16,128) and 0.555 ms at (4,4096,64,128), against
+// 0.327 and 0.637 while row_rnorm's loads took 8-way bank conflicts.
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
 // K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G, the row scales and two mbarriers:
@@ -144,14 +146,19 @@ __device__ __forceinline__ void store_rows(T* dst, const unsigned char* src, int
 // 1 / sqrt(|x_r|^2 + eps) of row r = tid / 2 of a swizzled 64 x kK tile (kK = 128: two 64-column blocks; 64: one):
 // each of the row's two threads sums the squares of one block at kK = 128, of half the row's pieces at kK = 64
 // (the swizzle only permutes a row's pieces inside its block). tid: the thread's index in its warpgroup.
+// Bank conflicts: a quarter-warp's 16-byte loads (rows r0 .. r0 + 3, both halves) read 128-byte rows, so reading
+// piece pc at 16 pc put all 8 threads on one 16-byte bank group (8-way). Reading the 128-byte row's piece
+// pc ^ (r % 8) ^ 4 h instead puts them on 8 distinct groups; per thread it is the same set of pieces in another
+// order (at kK = 64, pc < 4: h's half of the row, whatever the swizzle did to it).
 template <class T, int kK>
 __device__ __forceinline__ float row_rnorm(const unsigned char* tile, int tid) {
   const int r = tid >> 1, h = tid & 1;
-  const unsigned char* row = kK == 128 ? tile + h * 8192 + r * 128 : tile + r * 128 + h * 64;
+  const unsigned char* row = kK == 128 ? tile + h * 8192 + r * 128 : tile + r * 128;
+  const int spread = (r & 7) ^ (4 * h);
   float ss = 0.f;
 #pragma unroll
   for (int pc = 0; pc < kK / 16; ++pc) {
-    const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * pc);
+    const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * (pc ^ spread));
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
