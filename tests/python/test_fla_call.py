@@ -308,6 +308,26 @@ def test_safe_gate_range():
         deltacp.chunk_kda(t["q"], t["k"], t["v"], -t["g"], t["beta"], safe_gate=True)  # growth, g > 0
 
 
+def test_safe_gate_range_with_a_gradient_is_confirmed_by_the_backward():
+    """With a gradient wanted the forward does not wait for safe_gate's range check (its result is exact for
+    any gate): the backward raises, naming 'g', before it computes anything; inside the range it runs and
+    its gradients are the plain call's."""
+    p, _ = _raw("kda", "l2norm", seed=9)
+    t = {n: torch.tensor(p[n], requires_grad=True) for n in ("q", "k", "v", "g", "beta")}
+    xs = [t[n] for n in ("q", "k", "v", "g", "beta")]
+    lb = float(t["g"].min()) - 0.01
+    o_plain, _ = deltacp.chunk_kda(*xs)
+    plain = torch.autograd.grad(o_plain.sum(), xs)
+    o_safe, _ = deltacp.chunk_kda(*xs, safe_gate=True, lower_bound=lb)
+    assert torch.equal(o_plain, o_safe)
+    for a, b in zip(plain, torch.autograd.grad(o_safe.sum(), xs)):
+        assert torch.equal(a, b)
+    o_broken, _ = deltacp.chunk_kda(*xs, safe_gate=True, lower_bound=lb + 0.02)
+    assert torch.equal(o_plain, o_broken)  # the forward is exact for any gate
+    with pytest.raises(InvalidArgumentError, match=r"'g'.*safe_gate"):
+        torch.autograd.grad(o_broken.sum(), xs)
+
+
 def test_fla_positional_order_and_aliases():
     """FLA's positional order (chunk_kda: ..., output_final_state, use_qk_l2norm_in_kernel,
     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, ...),

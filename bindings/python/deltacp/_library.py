@@ -19,7 +19,9 @@ fused kernel may later take the check over. The ops are not differentiable twice
 gradient), as the C++ backward is not.
 
 This module also holds the run of one call (_Config, _forward, _backward) that the ops' real
-implementations and deltacp.ops' eager _DeltaRuleFunction share. It imports nothing of deltacp.ops.
+implementations and the eager _DeltaRuleFunction share, and ``chunk``, the call deltacp.ops makes: the
+registered op while torch.compile traces, the same run without the op's dispatch in eager mode. It imports
+nothing of deltacp.ops.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ._calls import _run, capturing, tensor_descs
 from ._describe import torch_desc
 from .errors import InvalidArgumentError
 
-__all__ = ["chunk_fwd", "chunk_bwd"]
+__all__ = ["chunk", "chunk_fwd", "chunk_bwd"]
 
 _GATE_NAME = {"gdn": "g", "kda": "g", "delta": "g", "dplr": "gk"}
 
@@ -43,7 +45,7 @@ class _Config:
     """Everything about one call that is not a differentiable tensor."""
 
     __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
-                 "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm")
+                 "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm", "gate_check")
 
 
 def _state_dtype(q: Tensor):
@@ -72,6 +74,7 @@ def _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_
         cu_host if cu_host is not None else cu.to("cpu"))
     cfg.fwd_method, cfg.bwd_method = fwd_method, bwd_method
     cfg.qk_l2norm = False
+    cfg.gate_check = None  # safe_gate's range check, when the backward is the one to confirm it (chunk)
     return cfg
 
 
@@ -239,6 +242,29 @@ def start_gate_range_check(g, lower: float, gate_name: str = "g"):
     return check
 
 
+def _refuse_second_derivative(grads):
+    """The gradients, each marked as requiring grad through a node that raises when reached: the C++ backward
+    has no derivative of its own, and a second derivative must fail by name rather than come out as zero (what
+    torch.autograd.function.once_differentiable does, with deltacp's message; the registered op's route fails
+    the same way, at chunk_bwd's missing autograd)."""
+    present = [i for i, t in enumerate(grads) if isinstance(t, torch.Tensor)]
+    if not present:
+        return grads
+    message = (b"deltacp: a second derivative through deltacp::chunk_fwd is not supported: its backward "
+               b"(deltacp::chunk_bwd) has no gradient")
+    err = torch._C._functions.DelayedError(message, len(present))
+    marked = err(*[grads[i].detach().requires_grad_(True) for i in present])
+    marked = marked if isinstance(marked, tuple) else (marked,)
+    out = list(grads)
+    for i, t in zip(present, marked):
+        out[i] = t
+    return tuple(out)
+
+
+_NO_L2NORM_GRAD = ("deltacp: argument 'qk_l2norm': the in-kernel l2 norm has no gradient here; normalise q and k "
+                   "with autograd (deltacp.fla_options.l2norm) when one is wanted")
+
+
 class _DeltaRuleFunction(torch.autograd.Function):
     """o, ht = f(cfg, q, k, v, g, beta, a, b, h0) for callers that build a _Config themselves (their
     methods chosen): eager autograd over _forward / _backward. The public ops use the registered
@@ -253,9 +279,17 @@ class _DeltaRuleFunction(torch.autograd.Function):
         return o, (ht if cfg.output_final_state else None)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients' own backward refuses by name
+            with torch.no_grad():
+                grads = _DeltaRuleFunction.backward(ctx, do, dht)
+            return _refuse_second_derivative(grads)
         cfg: _Config = ctx.cfg
+        if getattr(cfg, "qk_l2norm", False):  # deltacp.dplr's configs do not set it
+            raise InvalidArgumentError(_NO_L2NORM_GRAD)
+        gate_check = getattr(cfg, "gate_check", None)
+        if gate_check is not None:
+            gate_check.confirm()  # the forward's check (chunk), complete by now: no wait
         q, k, v, g, beta, a, b, h0 = ctx.saved_tensors
         if do is None:  # only ht was used
             do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
@@ -335,8 +369,7 @@ def _setup_context(ctx, inputs, output):
 
 def _chunk_fwd_backward(ctx, do, dht):
     if ctx.qk_l2norm:
-        raise InvalidArgumentError("deltacp: argument 'qk_l2norm': the in-kernel l2 norm has no gradient here; "
-                                   "normalise q and k with autograd (deltacp.fla_options.l2norm) when one is wanted")
+        raise InvalidArgumentError(_NO_L2NORM_GRAD)
     q, k, v, g, beta, a, b, h0, cu, cu_host = ctx.saved_tensors
     if do is None:
         do = q.new_zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
@@ -352,3 +385,66 @@ def _chunk_fwd_backward(ctx, do, dht):
 
 
 chunk_fwd.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# the call: the registered op while torch.compile traces, the same run without its dispatch otherwise
+# ---------------------------------------------------------------------------------------------
+def _plain(tensors) -> bool:
+    """True when nothing but eager torch sees these tensors: plain tensors (no subclass: FakeTensor, DTensor, a
+    functorch wrapper) and no dispatch mode or functorch transform active. Anything else goes through the
+    registered op, whose fake implementation and dispatch those need."""
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors if t is not None):
+        return False
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+        if _get_current_dispatch_mode() is not None:
+            return False
+        if torch._C._functorch.maybe_current_level() is not None:
+            return False
+    except (ImportError, AttributeError):  # a torch without these internals: the registered op
+        return False
+    return True
+
+
+def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, fwd_method: str, bwd_method: str,
+          scale, chunk_size: int, output_final_state: bool, gate_min, qk_l2norm: bool = False):
+    """(o, ht): what deltacp::chunk_fwd computes, with the same arguments, by one of two routes to the same
+    _forward / _backward (so the same kernels and bits):
+
+    - the registered op while torch.compile traces (and for tensor subclasses, fake tensors, dispatch modes);
+    - otherwise _DeltaRuleFunction when a gradient is wanted, or _forward alone. torch.library's dispatch of a
+      custom op (argument schema, autograd wrapper, the backward's default filling) costs the host about as
+      much as the rest of deltacp's Python path: 125 us per forward and 210 per forward + backward on a
+      2-core CPU host, time the GPU waits for at small problems. deltacp/_l2norm.py routes its kernel alike.
+
+    ht is None without output_final_state on the second route (an empty tensor on the first: a custom op
+    returns tensors only); deltacp.ops drops it either way.
+
+    safe_gate's range check (gate_min) is enqueued before the kernels on both routes. Without a gradient the
+    forward waits for it and raises; with one, on the second route, the backward does, before its kernels.
+    Waiting in the forward held the host until the GPU had drained everything queued before the check (the
+    previous step's backward, in training), so the host then enqueued this step's backward while the GPU
+    idled; the forward's result is exact for any gate either way (the promise is FLA's requirement)."""
+    tensors = (q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu)
+    if torch.compiler.is_compiling() or not _plain(tensors):
+        return chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method,
+                         scale, chunk_size, output_final_state, gate_min, qk_l2norm)
+    cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
+                  cu_seqlens_cpu)
+    cfg.qk_l2norm = bool(qk_l2norm)
+    gate_check = start_gate_range_check(g, gate_min, cfg.gate_name) if gate_min is not None else None
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:8])
+    try:
+        if needs_grad:
+            cfg.gate_check = gate_check  # confirmed by the backward
+            out = _DeltaRuleFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
+        else:
+            out = _forward(cfg, q, k, v, g, beta, a, b, h0)
+    except Exception:
+        if gate_check is not None:
+            gate_check.confirm()  # a broken promise is the error to report (a positive g fails both)
+        raise
+    if gate_check is not None and not needs_grad:
+        gate_check.confirm()  # after the launches: the forward's kernels take any gate
+    return out

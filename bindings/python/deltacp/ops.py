@@ -20,10 +20,12 @@ current stream of the tensors' device. ``backend``:
     "naive" / "tiled" / "fused"   the CUDA tiers (CUDA tensors); "fused" raises an error naming what it does
                  not support, and its gradients run on the tiled backward
 
-The kernels are reached through the torch.library custom ops ``deltacp::chunk_fwd`` /
-``deltacp::chunk_bwd`` (deltacp/_library.py: fake implementations and registered autograd, so
-torch.compile(fullgraph=True) traces a layer calling these ops); the gradient is deltacp's own backward
-(the reference's exact backward or the CUDA tier's). ``cp_context=`` (from ``deltacp.cp.build_context``)
+While torch.compile traces, the kernels are reached through the torch.library custom ops
+``deltacp::chunk_fwd`` / ``deltacp::chunk_bwd`` (deltacp/_library.py: fake implementations and registered
+autograd, so torch.compile(fullgraph=True) traces a layer calling these ops); in eager mode the same run
+goes without the custom op's dispatch (``_library.chunk``: an autograd Function, or the forward alone
+without a gradient), which saves the host about 0.1 ms a call. The gradient is deltacp's own backward (the
+reference's exact backward or the CUDA tier's). ``cp_context=`` (from ``deltacp.cp.build_context``)
 hands the call to deltacp.cp's context-parallel op. States are float32 (float64 when the inputs are
 float64); ``initial_state`` of another float dtype is cast (differentiably) first.
 """
@@ -241,8 +243,8 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     fwd_method, bwd_method = _methods(variant, backend, q.device, needs_grad)
-    o, ht = _library.chunk_fwd(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, fwd_method, bwd_method, scale,
-                               int(chunk_size), output_final_state, gate_bound, l2_in_kernel)
+    o, ht = _library.chunk(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, fwd_method, bwd_method, scale,
+                           int(chunk_size), output_final_state, gate_bound, l2_in_kernel)
     if not output_final_state:
         ht = None
     elif opts.state_v_first:
