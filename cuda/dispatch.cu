@@ -17,6 +17,7 @@
 // Launches are asynchronous on p.stream; CUDA errors become deltacp::Error("cuda", ...).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 
 #include "common/check.h"
@@ -155,6 +156,11 @@ void validate_on_gpu(const Params& p, Method tier, bool backward, bool by_name =
   }
   check_variant(p, tier, backward, by_name);
   check_gpu_pointers(p, backward);
+  if (p.gate_in_kernel()) {  // params.h: kda's raw gate with A_log (and dt_bias), a forward option
+    DELTACP_CHECK(!backward && p.variant == Variant::kda, "A_log", "the in-kernel gate is an option of kda's forward");
+    check_gpu_pointer(p.gate_A_log, "A_log");
+    check_gpu_pointer(p.gate_dt_bias, "dt_bias");
+  }
   if (p.qk_l2norm) {  // params.h: normalised as contiguous rows
     DELTACP_CHECK(p.K <= 256, "K", "expected K <= 256 with qk_l2norm, got ", p.K);
     for (const auto& [ref, name] : {std::pair{&p.q, "q"}, std::pair{&p.k, "k"}})
@@ -214,10 +220,34 @@ static void run_forward_on_normalised(const Params& p, Method tier) {
   workspace_free(ws, stream);
 }
 
+// kda's in-kernel gate (Params::gate_A_log) on a tier that does not fold it into its kernels (naive, tiled): the
+// gate into fp32 workspace (one pass, cuda/common/kda_gate.cu), then the tier runs on it as a precomputed log
+// decay. The fused tier applies it where its token-parallel stage sums the gate within each chunk.
+static void run_forward_on_gated(const Params& p, Method tier) {
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const size_t bytes = static_cast<size_t>(p.B * p.T * p.HV * p.K) * sizeof(float);
+  float* ws = static_cast<float*>(workspace_alloc(std::max<size_t>(bytes, 256), stream));
+  try {
+    kda_gate(p, ws, p.stream);
+    Params pg = p;
+    pg.gate_A_log = nullptr;
+    pg.gate_dt_bias = nullptr;
+    pg.gate_lower_bound = 0.f;
+    pg.g = contiguous_ref(static_cast<void*>(ws), p.T, p.HV, p.K);
+    pg.g_fp32 = true;
+    run_forward(pg, tier);
+  } catch (...) {
+    workspace_free(ws, stream);
+    throw;
+  }
+  workspace_free(ws, stream);
+}
+
 static void run_forward(const Params& p, Method tier) {
   check_tier(tier, false);
   validate_on_gpu(p, tier, false, /*by_name=*/true);
   g_last_choice = TierChoice{tier, std::string("asked for by name")};
+  if (p.gate_in_kernel() && tier != Method::fused) return run_forward_on_gated(p, tier);
   if (p.qk_l2norm && tier != Method::fused) return run_forward_on_normalised(p, tier);
   switch (tier) {
     case Method::naive: naive_forward(p); return;

@@ -92,7 +92,8 @@ py::object run_reference(const Params& p, bool backward, Kind kind, Method m, co
 
 py::object run(const std::string& direction, const std::string& variant, const std::string& method,
                const std::string& compute, const py::dict& tensors, std::optional<double> scale, int chunk_size,
-               std::optional<std::vector<int64_t>> cuts, uintptr_t stream, bool want_exchange, bool qk_l2norm) {
+               std::optional<std::vector<int64_t>> cuts, uintptr_t stream, bool want_exchange, bool qk_l2norm,
+               std::optional<double> gate_lower_bound) {
   Method m = Method::chunked;
   const Kind kind = kind_of(method, &m);
   if (kind == Kind::cp && !cuts) throw Error("cuts", "is required for simulated context parallelism");
@@ -103,6 +104,16 @@ py::object run(const std::string& direction, const std::string& variant, const s
                           kind == Kind::cuda ? Place::cuda : Place::host);
   p.qk_l2norm = qk_l2norm;
   const bool backward = direction == "backward";
+  if (p.gate_in_kernel()) {  // params.h: a CUDA forward option
+    if (kind != Kind::cuda) throw Error("A_log", "the in-kernel kda gate is an option of the CUDA forward");
+    if (gate_lower_bound && !(*gate_lower_bound < 0.0)) {
+      throw Error("lower_bound", "expected a negative value for the in-kernel gate, got " +
+                                     std::to_string(*gate_lower_bound));
+    }
+    p.gate_lower_bound = gate_lower_bound ? static_cast<float>(*gate_lower_bound) : 0.f;
+  } else if (gate_lower_bound) {
+    throw Error("lower_bound", "internal: given without the in-kernel gate's A_log");
+  }
 
   if (kind == Kind::cuda) {
 #ifdef DELTACP_WITH_CUDA
@@ -360,6 +371,40 @@ void cuda_l2norm_rows_backward(uintptr_t x, uintptr_t rstd, uintptr_t dy, uintpt
 #endif
 }
 
+// kda's gate over contiguous rows (deltacp/cuda/api.h kda_gate_rows and its backward), on device pointers;
+// deltacp/_kda_gate.py makes it a differentiable op. lower_bound 0: FLA's softplus form.
+void cuda_kda_gate_rows(uintptr_t g, const std::string& dtype, uintptr_t y, int64_t rows, int64_t HV, int64_t K,
+                        uintptr_t A_log, uintptr_t dt_bias, double lower_bound, uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  const DType dt = parse_float_dtype(dtype, "g");
+  py::gil_scoped_release nogil;
+  cuda::kda_gate_rows(reinterpret_cast<const void*>(g), dt, reinterpret_cast<float*>(y), rows, HV, K,
+                      reinterpret_cast<const float*>(A_log), reinterpret_cast<const float*>(dt_bias),
+                      static_cast<float>(lower_bound), reinterpret_cast<void*>(stream));
+#else
+  (void)g, (void)dtype, (void)y, (void)rows, (void)HV, (void)K, (void)A_log, (void)dt_bias, (void)lower_bound,
+      (void)stream;
+  no_cuda("the kda gate kernel");
+#endif
+}
+
+void cuda_kda_gate_rows_backward(uintptr_t g, const std::string& dtype, uintptr_t dg, uintptr_t dx, uintptr_t dA,
+                                 int64_t rows, int64_t HV, int64_t K, uintptr_t A_log, uintptr_t dt_bias,
+                                 double lower_bound, uintptr_t stream) {
+#ifdef DELTACP_WITH_CUDA
+  const DType dt = parse_float_dtype(dtype, "g");
+  py::gil_scoped_release nogil;
+  cuda::kda_gate_rows_backward(reinterpret_cast<const void*>(g), dt, reinterpret_cast<const float*>(dg),
+                               reinterpret_cast<float*>(dx), reinterpret_cast<float*>(dA), rows, HV, K,
+                               reinterpret_cast<const float*>(A_log), reinterpret_cast<const float*>(dt_bias),
+                               static_cast<float>(lower_bound), reinterpret_cast<void*>(stream));
+#else
+  (void)g, (void)dtype, (void)dg, (void)dx, (void)dA, (void)rows, (void)HV, (void)K, (void)A_log, (void)dt_bias,
+      (void)lower_bound, (void)stream;
+  no_cuda("the kda gate kernel");
+#endif
+}
+
 // (tier, why) of the last CUDA forward or backward this thread launched.
 py::tuple cuda_last_tier() {
 #ifdef DELTACP_WITH_CUDA
@@ -417,8 +462,10 @@ void register_batch_api(py::module_& m) {
   m.def("run", &run, py::arg("direction"), py::arg("variant"), py::arg("method"), py::arg("compute"),
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("cuts") = py::none(),
         py::arg("stream") = 0, py::arg("want_exchange") = false, py::arg("qk_l2norm") = false,
+        py::arg("gate_lower_bound") = py::none(),
         "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp); qk_l2norm: "
-        "q and k l2-normalised inside the CUDA forward (Params::qk_l2norm).");
+        "q and k l2-normalised inside the CUDA forward (Params::qk_l2norm); gate_lower_bound: the in-kernel kda "
+        "gate's lower bound when the tensors hold gate_A_log (Params::gate_A_log; None: FLA's softplus form).");
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA tiers were compiled into this module.");
   m.def("cuda_available", &cuda_available, "True when the CUDA tiers are built and a device is usable.");
   py::class_<StagedBackwardHandle>(m, "StagedBackward",
@@ -471,6 +518,13 @@ void register_batch_api(py::module_& m) {
   m.def("cuda_l2norm_rows_backward", &cuda_l2norm_rows_backward, py::arg("x"), py::arg("rstd"), py::arg("dy"),
         py::arg("dx"), py::arg("rows"), py::arg("D"), py::arg("dtype"), py::arg("stream"),
         "dx = rstd (dy - y (y . dy)), y = x rstd, over rows of D contiguous elements (device pointers).");
+  m.def("cuda_kda_gate_rows", &cuda_kda_gate_rows, py::arg("g"), py::arg("dtype"), py::arg("y"), py::arg("rows"),
+        py::arg("HV"), py::arg("K"), py::arg("A_log"), py::arg("dt_bias"), py::arg("lower_bound"), py::arg("stream"),
+        "kda's gate of rows of K contiguous raw values into fp32 y (device pointers; lower_bound 0: softplus form).");
+  m.def("cuda_kda_gate_rows_backward", &cuda_kda_gate_rows_backward, py::arg("g"), py::arg("dtype"), py::arg("dg"),
+        py::arg("dx"), py::arg("dA"), py::arg("rows"), py::arg("HV"), py::arg("K"), py::arg("A_log"),
+        py::arg("dt_bias"), py::arg("lower_bound"), py::arg("stream"),
+        "The gate's backward: dx (fp32 [rows, K]) and each row's part of A_log's gradient dA (fp32 [rows]).");
   m.def("cuda_last_tier", &cuda_last_tier,
         "(tier, why): the CUDA tier the last forward or backward of this thread ran, and why that one.");
   m.def("cuda_forward_tier", &cuda_forward_tier, py::arg("variant"), py::arg("tensors"), py::arg("scale") = py::none(),

@@ -42,7 +42,8 @@ std::string TensorDesc::shape_str() const { return dims_str(shape); }
 
 // The fields a caller may describe, by direction.
 static const std::set<std::string> kForwardFields = {"q", "k", "v", "g", "beta", "a", "b", "h0",
-                                                     "o", "ht", "cu_seqlens", "cu_seqlens_host"};
+                                                     "o", "ht", "cu_seqlens", "cu_seqlens_host",
+                                                     "gate_A_log", "gate_dt_bias"};
 static const std::set<std::string> kBackwardFields = {
     "q",    "k",  "v",  "g",  "beta", "a",  "b",  "h0",     "dout", "dht", "dq",
     "dk",   "dv", "dg", "dbeta", "da", "db", "dh0", "cu_seqlens", "cu_seqlens_host"};
@@ -294,6 +295,25 @@ Params build_params(const std::string& variant, const std::string& direction,
   DType state_dtype = DType::f32;
   bool state_dtype_set = false;
   p.h0 = c.state("h0", state_shape, &state_dtype, &state_dtype_set);
+
+  // The in-kernel kda gate's parameters (params.h): contiguous fp32 vectors on q's device.
+  auto gate_vector = [&](const char* field, int64_t n) -> const float* {
+    const TensorDesc* d = c.find(field);
+    if (!d) return nullptr;
+    if (p.variant != Variant::kda) {
+      throw Error(d->name, std::string("the in-kernel gate is kda's, got variant '") + variant + "'");
+    }
+    if (d->shape != std::vector<int64_t>{n}) {
+      throw Error(d->name, "expected shape [" + std::to_string(n) + "] for the in-kernel gate, got " + d->shape_str());
+    }
+    if (d->dtype != "float32") throw py::type_error("deltacp: argument '" + d->name + "': expected float32, got " + d->dtype);
+    if (n > 1 && d->strides[0] != 1) throw Error(d->name, "must be contiguous, got stride " + std::to_string(d->strides[0]));
+    c.check_device(*d);
+    return reinterpret_cast<const float*>(d->ptr);
+  };
+  p.gate_A_log = gate_vector("gate_A_log", HV);
+  p.gate_dt_bias = gate_vector("gate_dt_bias", HV * K);
+  if (p.gate_dt_bias && !p.gate_A_log) throw Error("dt_bias", "internal: the in-kernel gate needs A_log");
 
   if (!backward) {
     // o may be left out only for the final-state-only forward (ht given; params.h).

@@ -119,7 +119,8 @@ void check_inputs_on_device(const Params& p, bool backward) {
   auto stream = static_cast<cudaStream_t>(p.stream);
   refuse_under_capture(stream);
   const int64_t gdim = per_key_gate(p.variant) ? p.K : 1;
-  const bool decay = p.variant == Variant::gdn || p.variant == Variant::kda;
+  // A raw in-kernel gate (Params::gate_A_log) may be positive: only its finiteness is checked.
+  const bool decay = (p.variant == Variant::gdn || p.variant == Variant::kda) && !p.gate_in_kernel();
   check_view(tensor_view(p, p.q, p.H, p.K, p.dtype), "q", "input", false, stream);
   check_view(tensor_view(p, p.k, p.H, p.K, p.dtype), "k", "input", false, stream);
   check_view(tensor_view(p, p.v, p.HV, p.V, p.dtype), "v", "input", false, stream);

@@ -117,6 +117,7 @@
 
 #include "../common/check.h"
 #include "../common/dev_rows.cuh"
+#include "../common/kda_gate.cuh"
 #include "../common/device_info.h"
 #include "../common/kernel_switch.h"
 #include "../common/load_store.cuh"
@@ -163,6 +164,11 @@ struct FwdArgs {
   DevRows<const T> g16;
   float* g_last = nullptr;
   bool qk_l2norm = false;
+  // kda's in-kernel gate (Params::gate_A_log): the raw g becomes kda_gate_value(g, e^A_log, dt_bias, lower_bound)
+  // where chunk_sum_gate sums it (gate_A_log null: g is the log decay already).
+  const float* gate_A_log = nullptr;
+  const float* gate_dt_bias = nullptr;
+  float gate_lower_bound = 0.f;
   __host__ __device__ bool gate_in_kernel() const { return g32.ptr != nullptr || g16.ptr != nullptr; }
 };
 
@@ -380,17 +386,27 @@ __device__ __forceinline__ void load_raw_gate(float* Gk, int ldg, const FwdArgs<
 // as load_key_gate repeats the last row). G's last row goes to args.g_last. One thread per key column, 16 rows
 // at a time. (Summing from global memory in registers cost the WY and operands kernels 0.12 ms each at
 // (2,16384,16,128) on an H100: four exposed load latencies a column.)
+// With the in-kernel gate (args.gate_A_log) each raw value of the chunk's rows becomes its gate here (rows past len
+// stay zero), from the thread's column's e^A_log and dt_bias read once.
 template <class T>
 __device__ __forceinline__ void chunk_sum_gate(float* Gk, int ldg, const FwdArgs<T>& args, const ChunkEntry& ce,
                                                int64_t hv) {
   const int len = static_cast<int>(ce.len);
+  const bool gate = args.gate_A_log != nullptr;
+  const float ga = gate ? expf(args.gate_A_log[hv]) : 0.f;
   for (int d = threadIdx.x; d < args.Kp; d += blockDim.x) {
+    const float gb = gate && args.gate_dt_bias != nullptr && d < args.K ? args.gate_dt_bias[hv * args.K + d] : 0.f;
+    const bool gate_col = gate && d < args.K;
     float acc = 0.f;
 #pragma unroll 1
     for (int i0 = 0; i0 < kBT; i0 += 16) {
       float x[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) x[i] = Gk[(i0 + i) * ldg + d];
+      if (gate_col) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) x[i] = i0 + i < len ? kda_gate_value(x[i], ga, gb, args.gate_lower_bound) : 0.f;
+      }
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         acc += x[i];
@@ -1520,6 +1536,9 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
         args.g16 = dev_rows<const T>(p.g);
       }
       args.qk_l2norm = p.qk_l2norm;
+      args.gate_A_log = p.gate_A_log;
+      args.gate_dt_bias = p.gate_dt_bias;
+      args.gate_lower_bound = p.gate_lower_bound;
       const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
       if (use_kda_prepare_wgmma(p)) {  // everything in one kernel, on wgmma
         args.g_last = G_last;

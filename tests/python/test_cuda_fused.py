@@ -347,6 +347,76 @@ def test_fused_kda_normalises_and_sums_the_gate_in_its_kernels(case, piece, gate
     assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
 
 
+# ---- FLA's use_gate_in_kernel for kda inside the kernels (Params::gate_A_log) ------------------------------------
+def _raw_gate(t, HV, K, seed=7):
+    """A raw gate input (either sign), A_log [HV] = log(1 + 15 u) and dt_bias [HV * K] = 0.1 n, as FLA's models
+    initialise them."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.randn(t["g"].shape, device="cuda", generator=gen)
+    A_log = torch.log1p(15 * torch.rand(HV, device="cuda", generator=gen))
+    dt_bias = 0.1 * torch.randn(HV * K, device="cuda", generator=gen)
+    return g, A_log, dt_bias
+
+
+@pytest.mark.parametrize("case", ["fixed", "grouped", "varlen"])
+@pytest.mark.parametrize("piece", [0, 100])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("gate", ["fp32", "bf16"])
+def test_fused_kda_applies_the_in_kernel_gate(case, piece, lower_bound, gate, monkeypatch):
+    """use_gate_in_kernel without gradients: the fused kda forward turns the raw g into lower_bound sigmoid(e^A_log
+    (g + dt_bias)) (or -e^A_log softplus(g + dt_bias) without lower_bound) where it sums the gate within each chunk,
+    and the tiled tier takes it from one pass into workspace: both against the call on the gate computed first by
+    torch (fla_options.kda_gate), against each other, and against the fp64 reference."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
+    B, T, H, HV, cu, with_h0 = CASES[case]
+    p = make_problem("kda", B=B, T=T or 0, H=H, HV=HV, K=128, V=128, cu_seqlens=cu, h0=with_h0, seed=31)
+    t, h0, cu_t = _tensors(p, "kda", torch.bfloat16)
+    g_raw, A_log, dt_bias = _raw_gate(t, HV, 128)
+    if gate == "bf16":
+        g_raw = g_raw.to(torch.bfloat16)
+    opts = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    if lower_bound is not None:
+        opts["safe_gate"] = True
+    g_pre = fla_options.kda_gate(g_raw, A_log, dt_bias, lower_bound, out_dtype=torch.float32)
+    _poison()
+    with torch.no_grad():
+        o, ht = _run("kda", dict(t, g=g_raw), h0, cu_t, "fused", **opts)
+        assert deltacp.last_cuda_tier()[0] == "fused"
+        o_tiled, ht_tiled = _run("kda", dict(t, g=g_raw), h0, cu_t, "tiled", **opts)
+        o_pre, ht_pre = _run("kda", dict(t, g=g_pre), h0, cu_t, "fused")
+    torch.cuda.synchronize()
+    for x in (o, ht, o_tiled, ht_tiled):
+        assert torch.isfinite(x).all()
+    assert rel_err(o.double().cpu().numpy(), o_pre.double().cpu().numpy()) < 5e-3
+    assert rel_err(ht.double().cpu().numpy(), ht_pre.double().cpu().numpy()) < 1e-3
+    assert rel_err(o.double().cpu().numpy(), o_tiled.double().cpu().numpy()) < 5e-3
+    assert rel_err(ht.double().cpu().numpy(), ht_tiled.double().cpu().numpy()) < 5e-3
+    g64 = fla_options.kda_gate(g_raw.double(), A_log.double(), dt_bias.double(), lower_bound)
+    o_ref, ht_ref = _reference("kda", p, dict(t, g=g64), h0)
+    assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
+    assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
+
+
+def test_in_kernel_kda_gate_with_gradients_runs_as_its_own_op():
+    """With a gradient wanted the gate runs before the delta-rule kernels as a differentiable op (deltacp._kda_gate;
+    the kernels' in-kernel gate has no backward): A_log gets its gradient, and the forward agrees with the in-kernel
+    gate's."""
+    _need_fused()
+    p = make_problem("kda", B=1, T=150, H=2, HV=2, K=128, V=128, seed=33)
+    t, h0, _ = _tensors(p, "kda", torch.bfloat16)
+    g_raw, A_log, dt_bias = _raw_gate(t, 2, 128)
+    with torch.no_grad():
+        o_in, _ = _run("kda", dict(t, g=g_raw), h0, None, None, use_gate_in_kernel=True, A_log=A_log,
+                       dt_bias=dt_bias, lower_bound=-5.0)
+    A = A_log.clone().requires_grad_(True)
+    o, _ = _run("kda", dict(t, g=g_raw), h0, None, None, use_gate_in_kernel=True, A_log=A, dt_bias=dt_bias,
+                lower_bound=-5.0)
+    (dA,) = torch.autograd.grad(o.float().sum(), A)
+    assert torch.isfinite(dA).all() and dA.abs().sum() > 0
+    assert rel_err(o.detach().double().cpu().numpy(), o_in.double().cpu().numpy()) < 5e-3
+
+
 def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
     """With a gradient wanted, or q / k rows that are not contiguous, the call normalises with autograd first
     (the kernels' folded norm has no backward): the same forward to rounding, and gradients flow."""

@@ -257,3 +257,34 @@ def test_in_kernel_l2norm_flag_is_refused_where_it_cannot_apply():
     with pytest.raises(deltacp.InvalidArgumentError) as info:
         _core.run("backward", "gdn", "chunked", "float64", d, None, 64, None, 0, False, True)
     assert info.value.argument == "qk_l2norm"
+
+
+def test_in_kernel_kda_gate_is_refused_where_it_cannot_apply():
+    """Params::gate_A_log (FLA's use_gate_in_kernel for kda inside the CUDA forward): on the CPU reference, for
+    another variant, with a wrong shape or dtype, or a lower_bound that is not negative, an error naming the
+    argument, never a run on the raw gate as if it were a log decay."""
+    torch = pytest.importorskip("torch")
+    from deltacp import _core
+    from deltacp._calls import tensor_descs
+    from deltacp._describe import torch_desc
+
+    def descs(variant, A_log):
+        p = make_problem(variant, B=1, T=10, H=1, K=4, V=3, seed=3)
+        t = {n: torch.tensor(p[n]) for n in ("q", "k", "v", "g", "beta")}
+        d = tensor_descs("g", t["q"], t["k"], t["v"], t["g"], t["beta"], None, None)
+        d["o"] = torch_desc(torch.empty(1, 10, 1, 3, dtype=torch.float64), "o")
+        d["gate_A_log"] = torch_desc(A_log, "A_log")
+        return d
+
+    cases = [("kda", torch.zeros(1, dtype=torch.float32), None, ValueError, "A_log"),  # the host reference
+             ("gdn", torch.zeros(1, dtype=torch.float32), None, ValueError, "A_log"),
+             ("kda", torch.zeros(2, dtype=torch.float32), None, ValueError, "A_log"),
+             ("kda", torch.zeros(1, dtype=torch.float64), None, TypeError, "A_log")]
+    for variant, A_log, lb, error, name in cases:
+        with pytest.raises(error, match=f"'{name}'"):
+            _core.run("forward", variant, "chunked", "float64", descs(variant, A_log), None, 64, None, 0, False, False,
+                      lb)
+    with pytest.raises(ValueError, match="'lower_bound'"):  # without the gate's A_log
+        d = descs("kda", torch.zeros(1, dtype=torch.float32))
+        d.pop("gate_A_log")
+        _core.run("forward", "kda", "chunked", "float64", d, None, 64, None, 0, False, False, -5.0)

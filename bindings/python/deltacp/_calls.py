@@ -24,10 +24,16 @@ def _run(cfg, direction: str, method: str, descs: dict) -> None:
     """_core.run for cfg (variant, compute, scale, chunk_size, device: deltacp.ops._Config or
     deltacp.cp's _Cfg), on the current stream of cfg.device for CUDA tensors."""
     if cfg.device.type == "cuda":
+        forward = direction == "forward"
+        gate = getattr(cfg, "kda_gate", None) if forward else None  # (A_log, dt_bias, lower_bound): deltacp._library
+        if gate is not None:
+            descs["gate_A_log"] = torch_desc(gate[0], "A_log")
+            if gate[1] is not None:
+                descs["gate_dt_bias"] = torch_desc(gate[1], "dt_bias")
         with torch.cuda.device(cfg.device):
             stream = torch.cuda.current_stream(cfg.device).cuda_stream
             _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
-                      False, getattr(cfg, "qk_l2norm", False) and direction == "forward")
+                      False, getattr(cfg, "qk_l2norm", False) and forward, None if gate is None else gate[2])
     else:
         _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
 

@@ -45,7 +45,7 @@ class _Config:
     """Everything about one call that is not a differentiable tensor."""
 
     __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
-                 "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm", "gate_check")
+                 "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm", "gate_check", "kda_gate")
 
 
 def _state_dtype(q: Tensor):
@@ -75,6 +75,7 @@ def _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_
     cfg.fwd_method, cfg.bwd_method = fwd_method, bwd_method
     cfg.qk_l2norm = False
     cfg.gate_check = None  # safe_gate's range check, when the backward is the one to confirm it (chunk)
+    cfg.kda_gate = None  # (A_log, dt_bias, lower_bound): kda's gate computed in the CUDA forward (chunk)
     return cfg
 
 
@@ -261,8 +262,8 @@ def _refuse_second_derivative(grads):
     return tuple(out)
 
 
-_NO_L2NORM_GRAD = ("deltacp: argument 'qk_l2norm': the in-kernel l2 norm has no gradient here; normalise q and k "
-                   "with autograd (deltacp.fla_options.l2norm) when one is wanted")
+_NO_L2NORM_GRAD = ("deltacp: argument 'qk_l2norm': the in-kernel l2 norm and kda gate have no gradient here; "
+                   "compute them with autograd (deltacp.fla_options.l2norm, kda_gate) when one is wanted")
 
 
 class _DeltaRuleFunction(torch.autograd.Function):
@@ -285,7 +286,7 @@ class _DeltaRuleFunction(torch.autograd.Function):
                 grads = _DeltaRuleFunction.backward(ctx, do, dht)
             return _refuse_second_derivative(grads)
         cfg: _Config = ctx.cfg
-        if getattr(cfg, "qk_l2norm", False):  # deltacp.dplr's configs do not set it
+        if getattr(cfg, "qk_l2norm", False) or getattr(cfg, "kda_gate", None) is not None:  # forward-only options
             raise InvalidArgumentError(_NO_L2NORM_GRAD)
         gate_check = getattr(cfg, "gate_check", None)
         if gate_check is not None:
@@ -309,12 +310,17 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
               b: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
               cu_seqlens_cpu: Optional[Tensor], variant: str, fwd_method: str, bwd_method: str,
               scale: Optional[float], chunk_size: int, output_final_state: bool,
-              gate_min: Optional[float], qk_l2norm: bool = False) -> Tuple[Tensor, Tensor]:
+              gate_min: Optional[float], qk_l2norm: bool = False, gate_A_log: Optional[Tensor] = None,
+              gate_dt_bias: Optional[Tensor] = None, gate_lower_bound: Optional[float] = None) -> Tuple[Tensor, Tensor]:
     # qk_l2norm: q and k are l2-normalised inside the CUDA forward (FLA's use_qk_l2norm_in_kernel, no gradient:
     # deltacp.ops sets it only for calls that need none; the fused tier folds it into its products).
+    # gate_A_log (fp32 [HV]), gate_dt_bias (fp32 [HV * K] or None), gate_lower_bound: kda's gate from the raw g inside
+    # the CUDA forward (FLA's use_gate_in_kernel, no gradient; the fused tier folds it into its gate sum).
     cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
                   cu_seqlens_cpu)
     cfg.qk_l2norm = bool(qk_l2norm)
+    if gate_A_log is not None:
+        cfg.kda_gate = (gate_A_log, gate_dt_bias, gate_lower_bound)
     gate_check = start_gate_range_check(g, gate_min, cfg.gate_name) if gate_min is not None else None
     try:
         out = _forward(cfg, q, k, v, g, beta, a, b, h0)
@@ -329,7 +335,8 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
 
 @chunk_fwd.register_fake
 def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method, scale,
-                    chunk_size, output_final_state, gate_min, qk_l2norm=False):
+                    chunk_size, output_final_state, gate_min, qk_l2norm=False, gate_A_log=None, gate_dt_bias=None,
+                    gate_lower_bound=None):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
@@ -360,8 +367,8 @@ def _chunk_bwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, a, b, h0, cu, cu_host, variant, _fwd_method, bwd_method, scale, chunk_size,
-     output_final_state, _gate_min, qk_l2norm) = inputs
-    ctx.qk_l2norm = qk_l2norm
+     output_final_state, _gate_min, qk_l2norm, gate_A_log, _gate_dt_bias, _gate_lower_bound) = inputs
+    ctx.qk_l2norm = qk_l2norm or gate_A_log is not None  # both forward-only options: no gradient
     ctx.save_for_backward(q, k, v, g, beta, a, b, h0, cu, cu_host)
     ctx.variant, ctx.method, ctx.scale, ctx.chunk_size = variant, bwd_method, scale, chunk_size
     ctx.output_final_state = output_final_state
@@ -381,7 +388,7 @@ def _chunk_fwd_backward(ctx, do, dht):
     grads = chunk_bwd(q, k, v, g, beta, a, b, h0, cu, cu_host, do, dht, ctx.variant, ctx.method, ctx.scale,
                       ctx.chunk_size)
     inputs = (q, k, v, g, beta, a, b, h0)
-    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 9
+    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 12
 
 
 chunk_fwd.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
@@ -408,7 +415,7 @@ def _plain(tensors) -> bool:
 
 
 def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, fwd_method: str, bwd_method: str,
-          scale, chunk_size: int, output_final_state: bool, gate_min, qk_l2norm: bool = False):
+          scale, chunk_size: int, output_final_state: bool, gate_min, qk_l2norm: bool = False, kda_gate=None):
     """(o, ht): what deltacp::chunk_fwd computes, with the same arguments, by one of two routes to the same
     _forward / _backward (so the same kernels and bits):
 
@@ -427,12 +434,14 @@ def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, 
     previous step's backward, in training), so the host then enqueued this step's backward while the GPU
     idled; the forward's result is exact for any gate either way (the promise is FLA's requirement)."""
     tensors = (q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu)
-    if torch.compiler.is_compiling() or not _plain(tensors):
+    gate = kda_gate if kda_gate is not None else (None, None, None)
+    if torch.compiler.is_compiling() or not _plain(tensors + gate[:2]):
         return chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method,
-                         scale, chunk_size, output_final_state, gate_min, qk_l2norm)
+                         scale, chunk_size, output_final_state, gate_min, qk_l2norm, *gate)
     cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
                   cu_seqlens_cpu)
     cfg.qk_l2norm = bool(qk_l2norm)
+    cfg.kda_gate = kda_gate
     gate_check = start_gate_range_check(g, gate_min, cfg.gate_name) if gate_min is not None else None
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:8])
     try:

@@ -193,14 +193,21 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     # use_qk_l2norm_in_kernel inside the CUDA forward when no gradient is wanted (Params::qk_l2norm: the fused
     # tier folds the row scales into its products, saving a pass over q and k); with a gradient, or
     # elsewhere, the normalisation runs here with autograd.
-    l2_in_kernel = (opts.use_qk_l2norm_in_kernel and cp_context is None and not opts.return_intermediate_states
-                    and q.device.type == "cuda" and q.shape[-1] <= 256 and q.is_contiguous() and k.is_contiguous()
-                    and not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                             for t in (q, k, v, g, beta, a, b, initial_state))))
-    if l2_in_kernel:
-        opts = opts.copy(use_qk_l2norm_in_kernel=False)
+    no_grad = not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                   for t in (q, k, v, g, beta, a, b, initial_state, opts.A_log,
+                                                             opts.dt_bias)))
+    in_forward = cp_context is None and not opts.return_intermediate_states and q.device.type == "cuda" and no_grad
+    l2_in_kernel = (opts.use_qk_l2norm_in_kernel and in_forward and q.shape[-1] <= 256 and q.is_contiguous()
+                    and k.is_contiguous())
+    # kda's use_gate_in_kernel inside the CUDA forward when no gradient is wanted (Params::gate_A_log: the fused
+    # tier applies it where it sums the gate within each chunk, the others in one pass first); with a gradient,
+    # or elsewhere, the gate is computed here with autograd.
+    kda_gate = _kda_gate_args(opts, v) if variant == "kda" and opts.use_gate_in_kernel and in_forward else None
+    gate_bound = opts.gate_check_bound()  # of the options as given (safe_gate checks a precomputed g only)
+    if l2_in_kernel or kda_gate is not None:
+        opts = opts.copy(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel and not l2_in_kernel,
+                         use_gate_in_kernel=opts.use_gate_in_kernel and kda_gate is None)
     q, k, g, beta = fla_options.preprocess(opts, q, k, g, beta)
-    gate_bound = opts.gate_check_bound()
 
     h0 = None
     if initial_state is not None:
@@ -244,7 +251,7 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     fwd_method, bwd_method = _methods(variant, backend, q.device, needs_grad)
     o, ht = _library.chunk(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, fwd_method, bwd_method, scale,
-                           int(chunk_size), output_final_state, gate_bound, l2_in_kernel)
+                           int(chunk_size), output_final_state, gate_bound, l2_in_kernel, kda_gate)
     if not output_final_state:
         ht = None
     elif opts.state_v_first:
@@ -253,6 +260,15 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
         h = _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, fwd_method, scale, int(chunk_size))
         return o, ht, (h.transpose(-1, -2).contiguous() if opts.state_v_first else h)
     return o, ht
+
+
+def _kda_gate_args(opts, v):
+    """(A_log fp32 [HV], dt_bias fp32 [HV * K] or None, lower_bound or None) for the CUDA forward's kda gate, on v's
+    device (fla_options.parse checked their sizes)."""
+    A_log = opts.A_log.detach().to(device=v.device, dtype=torch.float32).reshape(-1).contiguous()
+    dt_bias = None if opts.dt_bias is None else (
+        opts.dt_bias.detach().to(device=v.device, dtype=torch.float32).reshape(-1).contiguous())
+    return A_log, dt_bias, None if opts.lower_bound is None else float(opts.lower_bound)
 
 
 def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, method, scale, chunk_size):

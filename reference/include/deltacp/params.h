@@ -96,6 +96,16 @@ struct Params {
   // contiguous [B, T, H, K] rows; the backward takes normalised q and k (the front ends normalise with
   // autograd when a gradient is wanted).
   bool qk_l2norm = false;
+  // FLA's use_gate_in_kernel for kda inside the CUDA forward (gate_A_log set): g holds the raw gate x and the
+  // kernels use, in its place, lower_bound sigmoid(e^(A_log[hv]) (x + dt_bias[hv, k])) when gate_lower_bound < 0,
+  // or -e^(A_log[hv]) softplus(x + dt_bias[hv, k]) when it is 0 (FLA without lower_bound; softplus(y) = y past
+  // 20). A_log [HV] and dt_bias [HV * K] (optional) are contiguous fp32 on the device. Forward only, CUDA only,
+  // no gradient: the fused tier folds it into the gate sum of its token-parallel stage, the other tiers compute
+  // the gate into workspace first (the front ends compute it with autograd when a gradient is wanted).
+  const float* gate_A_log = nullptr;
+  const float* gate_dt_bias = nullptr;
+  float gate_lower_bound = 0.f;
+  bool gate_in_kernel() const { return gate_A_log != nullptr; }
 
   // Forward inputs.
   TensorRef q, k, v, g, beta, a, b;

@@ -57,6 +57,18 @@ TierChoice forward_tier(const Params& p);
 void l2norm_rows(const void* x, void* y, float* rstd, int64_t rows, int64_t D, DType dtype, float eps, void* stream);
 void l2norm_rows_backward(const void* x, const float* rstd, const void* dy, void* dx, int64_t rows, int64_t D,
                           DType dtype, void* stream);
+// kda's in-kernel gate (Params::gate_A_log) of p.g into out, fp32 [B, T, HV, K] contiguous, on `stream`
+// (cuda/common/kda_gate.cu): the naive and tiled forwards read it in place of the raw gate.
+void kda_gate(const Params& p, float* out, void* stream);
+// The same gate over `rows` contiguous rows of K (rows = B * T * HV; row r belongs to head r % HV), from g of
+// gate_dtype into fp32 y; and its backward from dg (fp32): dx (fp32 [rows, K], also dt_bias's gradient before the
+// sum over rows) and dA (fp32 [rows]: each row's part of A_log's gradient). lower_bound < 0: the sigmoid form; 0:
+// the softplus form. dt_bias may be null.
+void kda_gate_rows(const void* g, DType gate_dtype, float* y, int64_t rows, int64_t HV, int64_t K, const float* A_log,
+                   const float* dt_bias, float lower_bound, void* stream);
+void kda_gate_rows_backward(const void* g, DType gate_dtype, const float* dg, float* dx, float* dA, int64_t rows,
+                            int64_t HV, int64_t K, const float* A_log, const float* dt_bias, float lower_bound,
+                            void* stream);
 
 // The forward in stages around h0, for context parallelism (the tiled tier only):
 //
