@@ -24,7 +24,8 @@
 // warpgroup 1 makes P (X = Q) and the element-wise outputs; then warpgroup 0 computes W, warpgroup 1 U.
 //   phase 0  q, k tiles (64 tokens x 128 keys, two 64 x 64 boxes each, 128-byte swizzle) by TMA on one mbarrier;
 //            the raw gate into G (fp32; cp.async for fp32 g, converted for 16-bit g: load_raw_gate); beta
-//   phase 1  warpgroup 0: G in place (chunk_sum_gate; G's last row out); warpgroup 1: q, k rows normalised in
+//   phase 1  warpgroup 0: G in place (chunk_sum_gate, which first makes each raw value its gate with
+//            Params::gate_A_log; G's last row out); warpgroup 1: q, k rows normalised in
 //            place (l2norm_rows_128's arithmetic on the swizzled rows)
 //   phase 2  the scores. Each warp w scales its 16 rows of X around its own reference row 16 w into wgmma A
 //            fragments (registers; in the round that keeps its rows, zeros in the other: each warp scales once and
