@@ -316,20 +316,35 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
     # deltacp.ops sets it only for calls that need none; the fused tier folds it into its products).
     # gate_A_log (fp32 [HV]), gate_dt_bias (fp32 [HV * K] or None), gate_lower_bound: kda's gate from the raw g inside
     # the CUDA forward (FLA's use_gate_in_kernel, no gradient; the fused tier folds it into its gate sum).
-    cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
-                  cu_seqlens_cpu)
+    cfg = _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
+                       cu_seqlens_cpu, qk_l2norm, None if gate_A_log is None else (gate_A_log, gate_dt_bias,
+                                                                                   gate_lower_bound))
+    return _checked(cfg, g, gate_min, lambda: _forward(cfg, q, k, v, g, beta, a, b, h0))
+
+
+def _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu, cu_host, qk_l2norm,
+                 kda_gate) -> _Config:
+    """The _Config of one forward call with its in-kernel options (both routes of chunk)."""
+    cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu, cu_host)
     cfg.qk_l2norm = bool(qk_l2norm)
-    if gate_A_log is not None:
-        cfg.kda_gate = (gate_A_log, gate_dt_bias, gate_lower_bound)
+    cfg.kda_gate = kda_gate
+    return cfg
+
+
+def _checked(cfg: _Config, g, gate_min, run, confirm_in_backward: bool = False):
+    """run() after safe_gate's range check of g was enqueued (gate_min: its lower bound, None: no check), confirmed
+    after the launches (the forward's kernels take any gate), or with confirm_in_backward by the backward (cfg)."""
     gate_check = start_gate_range_check(g, gate_min, cfg.gate_name) if gate_min is not None else None
+    if confirm_in_backward:
+        cfg.gate_check = gate_check
     try:
-        out = _forward(cfg, q, k, v, g, beta, a, b, h0)
+        out = run()
     except Exception:
         if gate_check is not None:
             gate_check.confirm()  # a broken promise is the error to report (a positive g fails both)
         raise
-    if gate_check is not None:
-        gate_check.confirm()  # after the launches: the forward's kernels take any gate
+    if gate_check is not None and not confirm_in_backward:
+        gate_check.confirm()
     return out
 
 
@@ -388,7 +403,7 @@ def _chunk_fwd_backward(ctx, do, dht):
     grads = chunk_bwd(q, k, v, g, beta, a, b, h0, cu, cu_host, do, dht, ctx.variant, ctx.method, ctx.scale,
                       ctx.chunk_size)
     inputs = (q, k, v, g, beta, a, b, h0)
-    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 12
+    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 13
 
 
 chunk_fwd.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
@@ -438,22 +453,9 @@ def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, 
     if torch.compiler.is_compiling() or not _plain(tensors + gate[:2]):
         return chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method,
                          scale, chunk_size, output_final_state, gate_min, qk_l2norm, *gate)
-    cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
-                  cu_seqlens_cpu)
-    cfg.qk_l2norm = bool(qk_l2norm)
-    cfg.kda_gate = kda_gate
-    gate_check = start_gate_range_check(g, gate_min, cfg.gate_name) if gate_min is not None else None
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:8])
-    try:
-        if needs_grad:
-            cfg.gate_check = gate_check  # confirmed by the backward
-            out = _DeltaRuleFunction.apply(cfg, q, k, v, g, beta, a, b, h0)
-        else:
-            out = _forward(cfg, q, k, v, g, beta, a, b, h0)
-    except Exception:
-        if gate_check is not None:
-            gate_check.confirm()  # a broken promise is the error to report (a positive g fails both)
-        raise
-    if gate_check is not None and not needs_grad:
-        gate_check.confirm()  # after the launches: the forward's kernels take any gate
-    return out
+    cfg = _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
+                       cu_seqlens_cpu, qk_l2norm, kda_gate)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:8]):
+        return _checked(cfg, g, gate_min, lambda: _DeltaRuleFunction.apply(cfg, q, k, v, g, beta, a, b, h0),
+                        confirm_in_backward=True)
+    return _checked(cfg, g, gate_min, lambda: _forward(cfg, q, k, v, g, beta, a, b, h0))
