@@ -59,3 +59,14 @@ def test_kda_gate_rows_leaves_gradients_it_is_not_asked_for():
     g64 = g.detach().double().requires_grad_(True)
     (dg64,) = torch.autograd.grad(fla_options.kda_gate(g64, A_log.double(), dt_bias.double(), -5.0).sum(), g64)
     assert _rel(dg, dg64) < 1e-5
+
+
+@pytest.mark.parametrize("lower_bound", [0.0, 0.5])
+def test_kda_gate_with_a_bound_the_kernels_do_not_take_runs_in_torch(lower_bound):
+    """The kernels take the sigmoid form with a negative lower_bound and the softplus form without one; any other
+    bound (FLA computes lower_bound sigmoid(...) with it) stays on torch's expression, never the softplus form."""
+    torch.manual_seed(2)
+    g = torch.randn(1, 5, 2, 64, device="cuda")
+    A_log, dt_bias = torch.zeros(2, device="cuda"), torch.zeros(128, device="cuda")
+    y = fla_options.kda_gate(g, A_log, dt_bias, lower_bound)
+    assert torch.equal(y, lower_bound * torch.sigmoid(g))

@@ -255,7 +255,8 @@ def kda_gate(g, A_log, dt_bias=None, lower_bound: Optional[float] = None, out_dt
     -exp(A_log) softplus(g + dt_bias); with it lower_bound sigmoid(exp(A_log) (g + dt_bias))."""
     HV, K = g.shape[-2], g.shape[-1]
     dtype = _math_dtype(g, A_log, dt_bias)
-    if dtype == torch.float32 and out_dtype in (None, torch.float32) and _kda_gate.applies(g, A_log, dt_bias):
+    if (dtype == torch.float32 and out_dtype in (None, torch.float32) and (lower_bound is None or lower_bound < 0)
+            and _kda_gate.applies(g, A_log, dt_bias)):  # the kernels' two forms: a negative bound, or none
         return _kda_gate.kda_gate_rows(g, A_log, dt_bias, lower_bound)  # CUDA: one pass each way, fp32 math
     x = g.to(dtype)
     if dt_bias is not None:

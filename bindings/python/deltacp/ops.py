@@ -202,7 +202,8 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     # kda's use_gate_in_kernel inside the CUDA forward when no gradient is wanted (Params::gate_A_log: the fused
     # tier applies it where it sums the gate within each chunk, the others in one pass first); with a gradient,
     # or elsewhere, the gate is computed here with autograd.
-    kda_gate = _kda_gate_args(opts, v) if variant == "kda" and opts.use_gate_in_kernel and in_forward else None
+    kda_gate = (_kda_gate_args(opts, v) if variant == "kda" and opts.use_gate_in_kernel and in_forward
+                and (opts.lower_bound is None or opts.lower_bound < 0) else None)  # the kernels' two forms
     gate_bound = opts.gate_check_bound()  # of the options as given (safe_gate checks a precomputed g only)
     if l2_in_kernel or kda_gate is not None:
         opts = opts.copy(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel and not l2_in_kernel,
