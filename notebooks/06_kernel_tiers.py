@@ -105,6 +105,24 @@ assert minimum < one_kernel < sum(BYTES["fused"].values())
 print(f"one kernel: {one_kernel:.0f} B per token-head, {one_kernel / minimum:.1f}x the minimum")
 
 # %% [markdown]
+# kda's fused forward (a decay per key: g is 128 fp32 values per token) is two kernels too. Its token-parallel
+# stage (`cuda/tiled/kda_prepare_wgmma.cuh`) sums the gate within each chunk itself and hands the chain the
+# operands with the decays folded in, $Q e^G$ and $K e^{G_n - G}$, beside $W$, $U$, $P$ and the chunk's last row of
+# $G$; the chain then reads neither q nor k. With FLA's `use_gate_in_kernel` the stage reads the raw g in place of
+# the log decay, so the count is the same.
+
+# %%
+KDA_FUSED = {
+    "prepare: q, k, v, g, beta in; W, U, K e^(G_n - G), P, Q e^G, G's last row out":
+        es * (K + K + V) + 4 * K + es + es * (K + V + K + C + K) + 4 * K / C,
+    "chain: W, U, K e^(G_n - G), P, Q e^G, G's last row in; o out": es * (K + V + K + C + K) + 4 * K / C + es * V,
+}
+kda_minimum = es * (K + K + V) + 4 * K + es + es * V
+kda_fused = sum(KDA_FUSED.values())
+assert kda_minimum < kda_fused
+print(f"kda fused: {kda_fused:.0f} B per token-head, {kda_fused / kda_minimum:.1f}x its minimum of {kda_minimum:.0f}")
+
+# %% [markdown]
 # ## The backward's bytes
 #
 # The backward (the tiled tier's, after either forward; on Hopper for 16-bit gdn and delta at
