@@ -276,7 +276,8 @@ __device__ __forceinline__ void scaled_row_fragments(uint32_t (&xf)[8][4], const
 // the block's rows). Rows j >= r (the diagonal block's) only for bf16, with kda_scores.cuh's range check: returns
 // bit a set where one of them leaves it. 256 threads, 16-byte pieces.
 template <class T, int AB, int AS>
-__device__ __forceinline__ unsigned scale_y_round(unsigned char* yr, const unsigned char* K, const float* G, int tid) {
+__device__ __forceinline__ unsigned scale_y_round(unsigned char* yr, const unsigned char* K, const float* G, int tid,
+                                                  bool unit_rows) {
   constexpr bool kDiagTc = std::is_same<T, __nv_bfloat16>::value;
   constexpr int NB = 16 * (AB + 1), NS = 16 * (AS + 1);
   static_assert((NB + NS) * 16 % 256 == 0, "whole rounds of 256 pieces");
@@ -299,7 +300,7 @@ __device__ __forceinline__ unsigned scale_y_round(unsigned char* yr, const unsig
     if (j >= r) {
       bool b = false;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) b |= !(ex[e] <= kDiagExpMax) | !(fabsf(x[e]) <= 1e30f);
+      for (int e = 0; e < 8; ++e) b |= diag_refused(ex[e], x[e], unit_rows);
       if (b) bad |= 1u << a;
     }
     store8(reinterpret_cast<T*>(yr + (big ? 0 : 2 * NB * 128) + piece_at(n, j, pc)), x);
@@ -505,7 +506,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   const int plen = kBwd ? 64 : len;
   const uint32_t yr = smem_u32(smem + S::yr);
   {
-    const unsigned bad = scale_y_round<T, 3, 0>(smem + S::yr, smem + S::k, Gt, tid);
+    const unsigned bad = scale_y_round<T, 3, 0>(smem + S::yr, smem + S::k, Gt, tid, f.qk_l2norm);
     if (bad) atomicOr(const_cast<unsigned*>(flags), bad);
     fence_proxy_async();  // Yr: read by the products
     __syncthreads();
@@ -519,7 +520,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   }
   __syncthreads();  // both warpgroups' products have read Yr
   {
-    const unsigned bad = scale_y_round<T, 2, 1>(smem + S::yr, smem + S::k, Gt, tid);
+    const unsigned bad = scale_y_round<T, 2, 1>(smem + S::yr, smem + S::k, Gt, tid, f.qk_l2norm);
     if (bad) atomicOr(const_cast<unsigned*>(flags), bad);
     fence_proxy_async();
     __syncthreads();

@@ -17,6 +17,10 @@
 // rescaling eight keys per thread, that took the kda WY stage from 1.97 to 0.96 ms and the output stage from
 // 1.85 to 0.98 ms (H100, bf16 kda (2,16384,16,128), kernel time); the worst bf16 error against fp64 in
 // bench_gpu.py's accuracy check went from 3.6e-3 to 4.0e-3 (FLA 3.7e-3).
+// Where q and k are l2-normalised inside the call the bound is e^76 (kDiagExpMaxUnit below: FLA's safe-gate range
+// over a block), so FLA's in-kernel gate with lower_bound -5, whose blocks decay by up to e^75, keeps every diagonal
+// block on the tensor cores: its forward took 1.968 -> 1.247 ms at (2,16384,16,128) and 2.659 -> 1.540 ms at
+// (1,8192,96,128) (H200, bf16, bench_gpu.py's kda_gate).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +35,15 @@ namespace deltacp::cuda::tiled {
 __host__ __device__ constexpr int kda_scores_y_rows(int esize) { return esize == 2 ? 64 : 48; }
 // The largest decay exponent G_r - G_j a diagonal block takes on the tensor cores (e^64 ~ 6e27).
 constexpr float kDiagExpMax = 64.f;
+// With l2-normalised rows (unit_rows: Params::qk_l2norm, |x|, |y| <= 1) the bounds widen to FLA's safe-gate range:
+// per-token decays of at least -5 make at most e^75 over a block's 15 rows. A scaled Y element is then at most
+// e^76 ~ 1e33, a scaled X element at most 1 (and at least |x| e^-76, a normal bf16 number for |x| > 1.2e-5; smaller
+// terms are below the products' rounding), and a sum of 128 products stays below 1.3e35, far from fp32's 3.4e38.
+constexpr float kDiagExpMaxUnit = 76.f;
+// Whether a scaled Y element x of a diagonal block (exponent ex) keeps the block off the tensor cores.
+__device__ __forceinline__ bool diag_refused(float ex, float x, bool unit_rows) {
+  return unit_rows ? !(ex <= kDiagExpMaxUnit) | !(fabsf(x) <= 1e34f) : !(ex <= kDiagExpMax) | !(fabsf(x) <= 1e30f);
+}
 
 // kda: Gk[i][d] (64 rows) = G[row min(i, len - 1)][d] for d < K, zero for K <= d < Kp, by cp.async in 16-byte pieces
 // where G's rows allow it (the caller commits and waits; ldg a multiple of 4). Element-by-element loads
@@ -77,7 +90,7 @@ __device__ __forceinline__ void load_key_gate(float* Gk, int ldg, const float* G
 template <class T, int NThreads, bool kPair, class Write, class Write2>
 __device__ void decayed_scores_impl(const T* X, const T* X2, const T* Y, int ld, const float* Gl, const float* Gr,
                                     int ldg, T* Xr, T* X2r, T* Yr, int y_rows, int Kp, int len, bool inclusive,
-                                    bool inclusive2, Write write, Write2 write2) {
+                                    bool inclusive2, Write write, Write2 write2, bool unit_rows = false) {
   const bool diag_tc = std::is_same<T, __nv_bfloat16>::value && y_rows >= 64;  // uniform
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   unsigned diag_done = 0;  // bit a: block (a, a) done on the tensor cores (uniform over the block)
@@ -111,7 +124,7 @@ __device__ void decayed_scores_impl(const T* X, const T* X2, const T* Y, int ld,
           if (i >= r) {  // a row of the diagonal block (two rows per warp: nearly always uniform)
             bool bad = false;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) bad |= !(ex[e] <= kDiagExpMax) | !(fabsf(x[e]) <= 1e30f);
+            for (int e = 0; e < 8; ++e) bad |= diag_refused(ex[e], x[e], unit_rows);
             too_wide |= bad;
           }
           store8(Yr + i * ld + d0, x);
@@ -222,8 +235,11 @@ __device__ void decayed_scores(const T* X, const T* Y, int ld, const float* Gl, 
 // kda's scores: the decay the same on both sides (Gl = Gr = Gk), Yr kda_scores_y_rows(sizeof(T)) rows.
 template <class T, int NThreads, class Write>
 __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* Yr, int Kp, int len,
-                           bool inclusive, Write write) {
-  decayed_scores<T, NThreads>(X, Y, ld, Gk, Gk, ldg, Xr, Yr, kda_scores_y_rows(sizeof(T)), Kp, len, inclusive, write);
+                           bool inclusive, Write write, bool unit_rows = false) {
+  NoScoresWrite none;
+  decayed_scores_impl<T, NThreads, false>(X, static_cast<const T*>(nullptr), Y, ld, Gk, Gk, ldg, Xr,
+                                          static_cast<T*>(nullptr), Yr, kda_scores_y_rows(sizeof(T)), Kp, len,
+                                          inclusive, false, write, none, unit_rows);
 }
 
 // kda's two score matrices of one chunk against the same Y, in one pass (decayed_scores_impl's kPair): X (scratch
@@ -231,9 +247,10 @@ __device__ void kda_scores(const T* X, const T* Y, int ld, const float* Gk, int 
 // tiled_fwd.cu): A from (K, K) and P from (Q, K) share K's rescaled rows, scaled once instead of once per matrix.
 template <class T, int NThreads, class Write, class Write2>
 __device__ void kda_scores_pair(const T* X, const T* X2, const T* Y, int ld, const float* Gk, int ldg, T* Xr, T* X2r,
-                                T* Yr, int Kp, int len, bool inclusive, bool inclusive2, Write write, Write2 write2) {
+                                T* Yr, int Kp, int len, bool inclusive, bool inclusive2, Write write, Write2 write2,
+                                bool unit_rows = false) {
   decayed_scores_impl<T, NThreads, true>(X, X2, Y, ld, Gk, Gk, ldg, Xr, X2r, Yr, kda_scores_y_rows(sizeof(T)), Kp, len,
-                                         inclusive, inclusive2, write, write2);
+                                         inclusive, inclusive2, write, write2, unit_rows);
 }
 
 }  // namespace deltacp::cuda::tiled

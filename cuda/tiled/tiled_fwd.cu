@@ -572,7 +572,7 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   // ---- phase 1: A (strictly lower; row block a is written in columns < 16 (a + 1)) ----
   if constexpr (kKda) {
     kda_scores<T, kThreads>(Ks, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/false,
-                  [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; });
+                  [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; }, args.qk_l2norm);
   } else {
     float acc[1][8][4];
     zero_acc(acc);
@@ -841,9 +841,9 @@ namespace {
 // (kda_chain_operands_kernel) share it, so the fused chain multiplies the same bits.
 template <class T, class AfterScores>
 __device__ void kda_output_operands(T* Qs, const T* Ks, const float* Gk, T* Pb, T* Xr, T* Yr, const OutLayout& L,
-                                    int Kp, int len, AfterScores after_scores) {
+                                    int Kp, int len, AfterScores after_scores, bool unit_rows = false) {
   kda_scores<T, kThreads>(Qs, Ks, L.ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/true,
-                          [&](int i, int j, float x) { Pb[i * L.ldp + j] = from_f<T>(x); });
+                          [&](int i, int j, float x) { Pb[i * L.ldp + j] = from_f<T>(x); }, unit_rows);
   after_scores();
   __syncthreads();  // the scores' diagonal blocks read Q until here
   const int pieces = Kp / 8;  // eight keys per thread (16-byte rows)
@@ -1018,7 +1018,7 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
     l2norm_rows_128(Ks, L.ldk, 64);
   }
   __syncthreads();
-  kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {});
+  kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {}, args.qk_l2norm);
   __syncthreads();
   // The chunk's rows out as 16-byte pieces (8 elements): P's 8 per row, then Q e^G's Kp / 8. Row block a of P
   // holds the scores in columns < 16 (a + 1), zeros past them.
@@ -1112,7 +1112,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> arg
                                /*inclusive2=*/true, [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; },
                                [&](int i, int j, float x) {
                                  if (i < len) Pc[i * p_ld + j] = from_f<T>(x);
-                               });
+                               }, args.qk_l2norm);
 
   // ---- phase 3: Q e^G and Kd out, K <- K e^G; P's zeros right of the block diagonal ----
   {
