@@ -363,8 +363,7 @@ void with_fold_rows(int64_t K, F&& f) {
 // instantiation: at least 63 KiB).
 template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024)
-    DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (bytes > 48 * 1024) allow_dynamic_smem(kernel, bytes);
 }
 
 // ht[n] = the final state of sequence n's last piece. Grid (N, HV), 256 threads.

@@ -179,7 +179,7 @@ void prepare(Kernel kernel, size_t bytes, const char* stage) {
   DELTACP_CHECK(bytes <= static_cast<size_t>(limit), "K",
                 "expected a key/value size whose tiled backward ", stage, " stage fits in shared memory (",
                 limit, " bytes per block on this GPU), got one needing ", bytes, " bytes");
-  DELTACP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  allow_dynamic_smem(kernel, bytes);
 }
 
 // A per-chunk stage: grid (chunks, value heads), 8 warps, `bytes` of dynamic shared memory.

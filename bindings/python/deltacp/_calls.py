@@ -15,6 +15,7 @@ import torch
 from . import _core
 from . import _workspace  # noqa: F401  (the CUDA workspaces from torch's caching allocator, at import)
 from ._describe import torch_desc
+from ._stream import on_device, stream_handle
 from .errors import DTypeError, InvalidArgumentError
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -30,8 +31,8 @@ def _run(cfg, direction: str, method: str, descs: dict) -> None:
             descs["gate_A_log"] = torch_desc(gate[0], "A_log")
             if gate[1] is not None:
                 descs["gate_dt_bias"] = torch_desc(gate[1], "dt_bias")
-        with torch.cuda.device(cfg.device):
-            stream = torch.cuda.current_stream(cfg.device).cuda_stream
+        with on_device(cfg.device):
+            stream = stream_handle(cfg.device)
             _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
                       False, getattr(cfg, "qk_l2norm", False) and forward, None if gate is None else gate[2])
     else:
@@ -45,7 +46,7 @@ def capturing(device) -> bool:
     instead of breaking the capture."""
     if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
         return False
-    with torch.cuda.device(device):
+    with on_device(device):
         return torch.cuda.is_current_stream_capturing()
 
 

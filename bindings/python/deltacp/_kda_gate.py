@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import _core
+from ._stream import on_device, stream_handle
 
 __all__ = ["applies", "kda_gate_rows"]
 
@@ -36,9 +37,6 @@ def applies(g, A_log, dt_bias) -> bool:
             and all(isinstance(t, torch.Tensor) and t.device == g.device and t.dtype in _DTYPES for t in params))
 
 
-def _stream(device):
-    return torch.cuda.current_stream(device).cuda_stream
-
 
 class _KdaGate(torch.autograd.Function):
     @staticmethod
@@ -50,9 +48,9 @@ class _KdaGate(torch.autograd.Function):
         lb = 0.0 if lower_bound is None else float(lower_bound)
         y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
         rows = gc.numel() // K
-        with torch.cuda.device(g.device):
+        with on_device(g.device):
             _core.cuda_kda_gate_rows(gc.data_ptr(), _DTYPES[g.dtype], y.data_ptr(), rows, HV, K, a.data_ptr(),
-                                     0 if b is None else b.data_ptr(), lb, _stream(g.device))
+                                     0 if b is None else b.data_ptr(), lb, stream_handle(g.device))
         ctx.save_for_backward(gc, a, b)
         ctx.lb, ctx.g_dtype = lb, g.dtype
         ctx.A_meta = (A_log.shape, A_log.dtype)
@@ -68,10 +66,10 @@ class _KdaGate(torch.autograd.Function):
         dy = dy.to(torch.float32).contiguous()
         dx = torch.empty(gc.shape, dtype=torch.float32, device=gc.device)
         dA = torch.empty((rows,), dtype=torch.float32, device=gc.device)
-        with torch.cuda.device(gc.device):
+        with on_device(gc.device):
             _core.cuda_kda_gate_rows_backward(gc.data_ptr(), _DTYPES[ctx.g_dtype], dy.data_ptr(), dx.data_ptr(),
                                               dA.data_ptr(), rows, HV, K, a.data_ptr(),
-                                              0 if b is None else b.data_ptr(), ctx.lb, _stream(gc.device))
+                                              0 if b is None else b.data_ptr(), ctx.lb, stream_handle(gc.device))
         dg = dx.to(ctx.g_dtype) if ctx.needs_input_grad[0] else None
         dA_log = None
         if ctx.needs_input_grad[1]:

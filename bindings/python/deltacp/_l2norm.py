@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import _core
+from ._stream import on_device, stream_handle
 
 __all__ = ["applies", "l2norm_rows"]
 
@@ -34,8 +35,8 @@ def _rows(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     xc = x.contiguous()
     y = torch.empty_like(xc)
     rstd = torch.empty(xc.shape[:-1], dtype=torch.float32, device=xc.device)
-    with torch.cuda.device(xc.device):
-        stream = torch.cuda.current_stream(xc.device).cuda_stream
+    with on_device(xc.device):
+        stream = stream_handle(xc.device)
         _core.cuda_l2norm_rows(xc.data_ptr(), y.data_ptr(), rstd.data_ptr(), xc.numel() // xc.shape[-1],
                                xc.shape[-1], _DTYPES[xc.dtype], eps, stream)
     return y, rstd
@@ -55,8 +56,8 @@ def _rows_backward(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> tor
     """dx: the backward kernel (every route launches exactly this)."""
     xc, dyc = x.contiguous(), dy.contiguous().to(x.dtype)
     dx = torch.empty_like(xc)
-    with torch.cuda.device(xc.device):
-        stream = torch.cuda.current_stream(xc.device).cuda_stream
+    with on_device(xc.device):
+        stream = stream_handle(xc.device)
         _core.cuda_l2norm_rows_backward(xc.data_ptr(), rstd.data_ptr(), dyc.data_ptr(), dx.data_ptr(),
                                         xc.numel() // xc.shape[-1], xc.shape[-1], _DTYPES[xc.dtype], stream)
     return dx

@@ -11,6 +11,7 @@ import torch
 from .. import _core
 from .._calls import _run
 from .._describe import torch_desc
+from .._stream import on_device
 from .exchange import (_all_gather, _finish_check, last_stats, _local_initial_states, _merge_backward, _merge_forward,
                        _prepass_backward, _prepass_forward, _start_check, _until_confirmed)
 from .local import (_body_cu_seqlens, _Cfg, _descs, _grid_pad, _head_forward, _PreparedForward, _prepass_route, _rows,
@@ -25,7 +26,7 @@ def _settle_forward_tier(cfg: _Cfg, descs: dict) -> None:
     if cfg.fwd_method != "fused" or cfg.fwd_named or cfg.device.type != "cuda" or \
             not hasattr(_core, "cuda_forward_tier"):
         return
-    with torch.cuda.device(cfg.device):
+    with on_device(cfg.device):
         tier, why = _core.cuda_forward_tier(cfg.variant, descs, cfg.scale, cfg.chunk_size)
     if tier != "fused":
         cfg.fwd_method, cfg.tier_why = tier, why

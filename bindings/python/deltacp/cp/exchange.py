@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
+from .._stream import on_device
 from ..errors import InvalidArgumentError
 from .context import CPContext, agree_finish, agree_start_values, wait_collective
 from .local import (_augmented_backward, _augmented_forward_pieces, _Cfg, _compose_cut_maps, _composition_io,
@@ -83,7 +84,7 @@ def _local_piece_maps(cfg: _Cfg, prepared: _PreparedForward, n: int, P: int) -> 
     """The prepared local forward's pass-1 maps of its sequence n (made at prepare, copied here):
     [P, HV, K, V + K] fp32, piece j's [H_j | M_j] from [0 | I] (deltacp/cuda/api.h forward_piece_maps)."""
     maps = torch.empty((P, cfg.HV, cfg.K, cfg.V + cfg.K), dtype=torch.float32, device=cfg.device)
-    with torch.cuda.device(cfg.device):  # on the prepared forward's stream (the current one: maps' stream too)
+    with on_device(cfg.device):  # on the prepared forward's stream (the current one: maps' stream too)
         _core.staged_forward_piece_maps(prepared.handle, n, maps.data_ptr(), maps.numel())
     return maps
 
@@ -139,7 +140,7 @@ def _composed_local_maps(cfg: _Cfg, prepared: _PreparedForward, head: Optional[t
     offset alone. Entered with the head piece's map `head` ([HV, K, V + K], when the segment has one), else
     with [start | I] (start: the sequence's initial state when it starts here), else with [0 | I]."""
     width, init, out = _composition_io(cfg, head, start)
-    with torch.cuda.device(cfg.device):  # on the prepared forward's stream
+    with on_device(cfg.device):  # on the prepared forward's stream
         _core.staged_forward_composed_map(prepared.handle, cfg.ctx.num_local_seqs - 1,
                                           0 if init is None else init.data_ptr(), out.data_ptr(), width, out.numel())
     return out

@@ -20,6 +20,7 @@ import torch
 from .. import _core
 from .._calls import _run, tensor_descs
 from .._describe import torch_desc
+from .._stream import on_device, stream_handle
 from .._dplr_gates import gate_range, gates_in_range
 from ..errors import InvalidArgumentError
 from .context import CPContext
@@ -187,7 +188,7 @@ def _cut_bounds(cfg: _Cfg, local_descs, n: int, pad: int):
         return None
     ctx = cfg.ctx
     n = n % ctx.num_local_seqs
-    with torch.cuda.device(cfg.device):  # the plan reads the device's SM count
+    with on_device(cfg.device):  # the plan reads the device's SM count
         body = list(_core.scan_pieces(cfg.variant, local_descs, n, chunk_size=cfg.chunk_size,
                                       method=cfg.fwd_method))
     if len(body) <= 2:
@@ -207,10 +208,10 @@ def _compose_cut_maps(cfg: _Cfg, X: torch.Tensor, start: Optional[torch.Tensor],
     assert X.dtype == torch.float32
     width, init, out = _composition_io(cfg, X[0] if head else None, start)
     X = (X[1:] if head else X).contiguous()
-    with torch.cuda.device(X.device):
+    with on_device(X.device):
         _core.compose_state_maps(X.data_ptr(), X.shape[0], cfg.HV, cfg.K, cfg.V, width,
                                  0 if init is None else init.data_ptr(), out.data_ptr(), out.numel(),
-                                 torch.cuda.current_stream(X.device).cuda_stream)
+                                 stream_handle(X.device))
     return out
 
 
@@ -288,8 +289,8 @@ def _staged_available(cfg: _Cfg, direction: str, q=None, g=None) -> bool:
 
 
 def _staged_call(cfg: _Cfg, fn, *args, **kwargs):
-    with torch.cuda.device(cfg.device):
-        stream = torch.cuda.current_stream(cfg.device).cuda_stream
+    with on_device(cfg.device):
+        stream = stream_handle(cfg.device)
         return fn(*args, cfg.scale, cfg.chunk_size, stream, **kwargs)
 
 

@@ -26,6 +26,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from .._stream import on_device, stream_handle
 from ..errors import CPTimeoutError, InvalidArgumentError
 
 try:
@@ -40,9 +41,6 @@ __all__ = ["available", "create_communicator", "prepass_forward", "prepass_backw
 def available() -> bool:
     return _cp_nccl is not None and torch.cuda.is_available()
 
-
-def _stream(device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -128,10 +126,10 @@ def _prepass(direction, cfg, q, k, v, g, beta, a, b, do, init):
     scale = cfg.scale if cfg.scale is not None else cfg.K ** -0.5
     # g may be float32 beside 16-bit q, k, v (the kernels read it in its own dtype).
     g_dtype = "" if g is None else _dtype_name(g)
-    with torch.cuda.device(q.device):
+    with on_device(q.device):
         _cp_nccl.prepass(direction, cfg.variant, _dtype_name(q), int(q.shape[1]), cfg.H, cfg.HV, cfg.K, cfg.V,
                          cfg.chunk_size, float(scale), views, 0 if init is None else int(init.data_ptr()),
-                         int(out.data_ptr()), _stream(q.device), g_dtype)
+                         int(out.data_ptr()), stream_handle(q.device), g_dtype)
     if init is not None:
         init.record_stream(torch.cuda.current_stream(q.device))
     return out
@@ -152,7 +150,7 @@ def all_gather(ctx, x: torch.Tensor, what: str, wait: bool = True) -> torch.Tens
     collective on the GPU and the host returns at once; confirm() must follow (it waits, with the timeout)."""
     out = torch.empty((ctx.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     try:
-        ctx.nccl.all_gather(int(x.data_ptr()), int(out.data_ptr()), x.numel(), _dtype_name(x), _stream(x.device),
+        ctx.nccl.all_gather(int(x.data_ptr()), int(out.data_ptr()), x.numel(), _dtype_name(x), stream_handle(x.device),
                             wait)
     except Exception as exc:  # noqa: BLE001
         raise _translate(exc, what, x, out) from exc
@@ -189,7 +187,7 @@ def merge(cfg, gathered: torch.Tensor, j0: int, j1: int, forward: bool) -> torch
     out = torch.empty((cfg.HV, cfg.K, cfg.V), dtype=torch.float32, device=gathered.device)
     count = j1 - j0
     first, step = (j0, 1) if forward else (j1 - 1, -1)
-    with torch.cuda.device(gathered.device):
+    with on_device(gathered.device):
         _cp_nccl.merge(int(gathered.data_ptr()), cfg.HV, cfg.K, cfg.V, first, count, step, int(out.data_ptr()),
-                       _stream(gathered.device))
+                       stream_handle(gathered.device))
     return out
