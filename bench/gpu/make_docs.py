@@ -89,10 +89,11 @@ def ratios(perf, variant, direction, impl):
     return {s: mine[s]["ms"] / fla[s]["ms"] for s in mine if s in fla and same_run(perf, mine[s], fla[s])}
 
 
-def rows_date(perf, variant):
-    """The date of a variant's rows: the file's, unless its rows carry their own (rows kept from an earlier
-    run of the same harness on the same GPU)."""
-    dates = sorted({x.get("date", perf["date"]) for x in perf["rows"] if x["variant"] == variant})
+def rows_date(perf, variant, impl=None):
+    """The date of a variant's rows (of one impl's, when given): the file's, unless its rows carry their own (rows
+    kept from an earlier run of the same harness on the same GPU)."""
+    dates = sorted({x.get("date", perf["date"]) for x in perf["rows"]
+                    if x["variant"] == variant and (impl is None or x["impl"] == impl)})
     return ", ".join(dates) if dates else perf["date"]
 
 
@@ -148,7 +149,7 @@ def readme_table(res):
             for impl in tiers(perf):
                 if ratios(perf, variant, "fwd", impl) or ratios(perf, variant, "fwd+bwd", impl):
                     key = (impl, variant)
-                    if key not in newest or rows_date(perf, variant) > rows_date(newest[key], variant):
+                    if key not in newest or rows_date(perf, variant, impl) > rows_date(newest[key], variant, impl):
                         newest[key] = perf
         for variant in perf.get("accuracy", {}):
             key = ("accuracy", variant)
@@ -161,7 +162,7 @@ def readme_table(res):
             for variant in sorted({x["variant"] for x in perf["rows"]}):
                 if newest.get((impl, variant)) is not perf:
                     continue
-                where = (f"{gpu_short(perf['gpu'])}, {rows_date(perf, variant)}, FLA {perf.get('fla', '?')} in the "
+                where = (f"{gpu_short(perf['gpu'])}, {rows_date(perf, variant, impl)}, FLA {perf.get('fla', '?')} in the "
                          f"same run; {call_of(perf, variant)}")
                 parts = []
                 for d in ("fwd", "fwd+bwd"):
