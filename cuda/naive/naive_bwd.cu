@@ -423,7 +423,7 @@ void launch_backward(const Params& p, cudaStream_t stream) {
   const size_t smem = input_grads ? sizeof(float) * 2 * kBwdWarps * (Slots::kVec * KP + Slots::kScalar) : 0;
   try {
     auto kernel = naive_backward_kernel<VAR, T, KPT>;
-    if (smem > 48 * 1024) allow_dynamic_smem(kernel, smem);
+    allow_dynamic_smem(kernel, smem);
     kernel<<<static_cast<unsigned>(blocks), kBwdThreads, smem, stream>>>(make_inputs<T>(p), gr);
     DELTACP_CUDA_CHECK_LAUNCH();
     if (input_grads) launch_grad_reductions<VAR, T>(p, gr, num_vtiles, tokens, stream);

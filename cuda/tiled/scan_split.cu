@@ -359,13 +359,6 @@ void with_fold_rows(int64_t K, F&& f) {
   }
 }
 
-// Dynamic shared memory beyond the default 48 KB must be allowed per kernel (every fold / composition
-// instantiation: at least 63 KiB).
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024) allow_dynamic_smem(kernel, bytes);
-}
-
 // ht[n] = the final state of sequence n's last piece. Grid (N, HV), 256 threads.
 __global__ void gather_final_states_kernel(const FoldSeq* __restrict__ seqs, int64_t HV, int64_t KV,
                                            const float* __restrict__ piece_ht, float* __restrict__ ht) {
@@ -545,7 +538,7 @@ void launch_fold_starts(const Params& p, const PieceTables& tables, int64_t N, c
   with_fold_rows(K, [&](auto rows) {
     auto kernel = fold_piece_states_kernel<decltype(rows)::value>;
     const size_t smem = fold_smem_bytes(K);  // K <= 256: at most 156 KiB
-    allow_smem(kernel, smem);
+    allow_dynamic_smem(kernel, smem);  // every fold / composition instantiation: at least 63 KiB
     kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(HV), static_cast<unsigned>(gz)), kFoldThreads, smem,
              stream>>>(tables.fold_seqs(), HV, K, V, h0, starts, tables.maps_aligned());
     DELTACP_CUDA_CHECK_LAUNCH();
@@ -618,7 +611,7 @@ void launch_compose_maps(const float* maps, int64_t P, int64_t HV, int64_t K, in
   with_fold_rows(K, [&](auto rows) {
     auto kernel = compose_maps_kernel<decltype(rows)::value>;
     const size_t smem = fold_smem_bytes(K);
-    allow_smem(kernel, smem);
+    allow_dynamic_smem(kernel, smem);  // every fold / composition instantiation: at least 63 KiB
     kernel<<<dim3(static_cast<unsigned>(HV), static_cast<unsigned>(gy)), kFoldThreads, smem, stream>>>(
         maps, P, HV, K, V, width, init, out, maps_fit_16b(maps, K, V));
     DELTACP_CUDA_CHECK_LAUNCH();

@@ -42,7 +42,6 @@ def available() -> bool:
     return _cp_nccl is not None and torch.cuda.is_available()
 
 
-
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
