@@ -220,7 +220,7 @@ else:
 # %% [markdown]
 # ## Live: one shape through every tier (needs a CUDA GPU)
 #
-# The same bf16 inputs through naive, tiled and fused (where its kernels apply: Hopper, K = V = 128),
+# The same bf16 inputs through naive, tiled and fused (where its kernels apply: Hopper, K = V = 128 here),
 # each against the fp64 reference evaluated on the same rounded inputs, within the bf16 tolerance of
 # docs/design.md (1e-2 relative). Without a GPU, the reference's own tellings are tied instead: the
 # chunked form that the tiled and fused tiers run equals the token recurrence that the naive tier runs.

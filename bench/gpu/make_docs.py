@@ -141,15 +141,21 @@ def cp_config(r):
 
 # ---- README -----------------------------------------------------------------------------------------
 def readme_table(res):
-    # One row per topic, from the newest results file that measured it (a file per GPU: an older GPU's file may
-    # predate the kernels of today).
+    # One row per topic, from the results file that measured it at the most shapes, then the newest one (a file per
+    # GPU: an older GPU's file may predate the kernels of today; a few shapes timed on another GPU do not displace
+    # a topic's full set).
+    def coverage(perf, variant, impl):
+        shapes = set(ratios(perf, variant, "fwd", impl)) | set(ratios(perf, variant, "fwd+bwd", impl))
+        dates = rows_date(perf, variant, impl).split(", ")
+        return len(shapes), max(dates), min(dates)
+
     newest = {}
     for perf in res["perf"]:
         for variant in {x["variant"] for x in perf["rows"]}:
             for impl in tiers(perf):
                 if ratios(perf, variant, "fwd", impl) or ratios(perf, variant, "fwd+bwd", impl):
                     key = (impl, variant)
-                    if key not in newest or rows_date(perf, variant, impl) > rows_date(newest[key], variant, impl):
+                    if key not in newest or coverage(perf, variant, impl) > coverage(newest[key], variant, impl):
                         newest[key] = perf
         for variant in perf.get("accuracy", {}):
             key = ("accuracy", variant)

@@ -12,7 +12,7 @@
 //             128 threads, each owning 64 state columns (all 128 key rows) as an fp32 wgmma accumulator
 //             (64 registers per thread), written transposed (S^T) so that every product that reads S takes
 //             it straight from registers as the A operand
-//   K = 64    (gdn and delta, V = 64: KK = 64) the same steps on 64 key rows: one 64-column box per W, K and Q
+//   K = 64    (V = 64: KK = 64) the same steps on 64 key rows: one 64-column box per W, K and Q
 //             tile, S^T an m64n64 accumulator (32 registers), half the k-steps in (1) and n64 products in (3);
 //             one warpgroup per CTA (one column tile), two in the map mode (V + K = 128 columns)
 //   loads     by TMA (../common/tma.cuh), kStages deep (3 with one warpgroup, 2 with two: what fits in
@@ -35,8 +35,8 @@
 //         pieces of whole rows while the next chunk's first products run
 //   kda (a decay per key, kKda): the same steps on the operands the tiled tier's WY and output stages make
 //   (kda_chain_operands_kernel in cuda/tiled/tiled_fwd.cu): Q e^G and K e^(G_n - G) come in place of Q and
-//   K (as [R, HV, 128] rows, 16-bit), P is kda's decayed score matrix, and the per-token factors of (2) are
-//   already in them; (3) scales S^T's key columns by e^(G_n) of each key (the chunk's last row of G, 128
+//   K (as [R, HV, K] rows, 16-bit), P is kda's decayed score matrix, and the per-token factors of (2) are
+//   already in them; (3) scales S^T's key columns by e^(G_n) of each key (the chunk's last row of G, K
 //   floats by cp.async). So a kda chunk brings in W, U, P, Q e^G, K e^(G_n - G) and that row of G.
 //   So per chunk q, k, W, U, P, g come in and o goes out; no per-chunk state (h) and no v_new. Why P is made
 //   outside the chain: ptxas waits for every outstanding wgmma group before reading any register a wgmma
@@ -67,7 +67,6 @@
 
 namespace deltacp::cuda::fused {
 
-constexpr int kKeys = 128;   // K: key rows of the state (kda; gdn and delta also 64)
 constexpr int kCols = 64;    // state columns per warpgroup
 constexpr int kLdStage = 72; // leading dimension (elements) of the output staging tile
 
@@ -80,7 +79,7 @@ struct ChainArgs {
   TileMap16 tm_k, tm_q;        // [B, T, H, K] as the caller strides them: boxes of 64 keys x 64 tokens
   DevRows<T> o;
   const tiled::SeqEntry* seqs = nullptr;
-  const float* G = nullptr;  // [R, HV] fp32 (gdn), [R, HV, 128] (kda), nullptr for delta
+  const float* G = nullptr;  // [R, HV] fp32 (gdn), [R, HV, K] (kda), nullptr for delta
   const float* rq = nullptr; // [R, HV] fp32: qk_l2norm's row scales of q and k (the wgmma WY stage), or nullptr
   const float* rk = nullptr;
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
@@ -114,7 +113,7 @@ __host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map
   L.u = (map ? 2 * kb : 3 * kb + 1) * kBlock;
   L.blocks = (map ? 2 * kb : 3 * kb + 1) + nwg;
   int o = L.blocks * kBlock;
-  L.g = o;  // gdn: G of the chunk's 64 rows; kda: G of its last row (128 keys)
+  L.g = o;  // gdn: G of the chunk's 64 rows; kda: G of its last row (K <= 128 keys)
   o += 128 * 4;
   L.rq = o;
   o += 64 * 4;
@@ -269,12 +268,12 @@ __device__ __forceinline__ void chain_update_state(float (&S)[KK / 2], float (&O
 //
 // KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of the wgmma WY stage
 // beside the chain's, which the windows' overlap in fused_fwd.cu needs). kKda: tm_q and tm_k are the rows of
-// Q e^G and K e^(G_n - G) ([R, HV, 128]), and the decay is per key (the file comment).
+// Q e^G and K e^(G_n - G) ([R, HV, KK]), and the decay is per key (the file comment).
 template <class T, int NWG, bool kMap, int KS, bool kKda, int KK>
 __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using namespace tiled;
-  static_assert(KK == 128 || (KK == 64 && !kKda), "K = 128, or K = 64 for gdn and delta");
+  static_assert(KK == 128 || KK == 64, "K = 128 or 64");
   constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = KS, kKB = KK / 64;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -343,11 +342,10 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 #pragma unroll
       for (int x = 0; x < kKB; ++x) tma_load_3d(st + L.w + x * 8192, &args.tm_w.map, bars + s, 64 * x, h, r);
       if constexpr (kKda) {  // K e^(G_n - G) and Q e^G: rows of the value head
-        tma_load_3d(st + L.k, &args.tm_k.map, bars + s, 0, h, r);
-        tma_load_3d(st + L.k + 8192, &args.tm_k.map, bars + s, 64, h, r);
-        if constexpr (!kMap) {
-          tma_load_3d(st + L.q, &args.tm_q.map, bars + s, 0, h, r);
-          tma_load_3d(st + L.q + 8192, &args.tm_q.map, bars + s, 64, h, r);
+#pragma unroll
+        for (int x = 0; x < kKB; ++x) {
+          tma_load_3d(st + L.k + x * 8192, &args.tm_k.map, bars + s, 64 * x, h, r);
+          if constexpr (!kMap) tma_load_3d(st + L.q + x * 8192, &args.tm_q.map, bars + s, 64 * x, h, r);
         }
       } else {
 #pragma unroll
@@ -361,7 +359,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     }
     float* gbuf = reinterpret_cast<float*>(st + L.g);
     if constexpr (kKda) {  // G of the chunk's last row: e^(G_n) per key (qk_l2norm is applied before kda's stages)
-      if (tid < 32) cp_async_16(gbuf + 4 * tid, args.G + ((row0 + len - 1) * HV + hv) * kKeys + 4 * tid);
+      if (tid < KK / 4) cp_async_16(gbuf + 4 * tid, args.G + ((row0 + len - 1) * HV + hv) * KK + 4 * tid);
     } else if (tid < 64) {
       if (has_gate) {
         cp_async_4(gbuf + tid, args.G + (row0 + min(tid, len - 1)) * HV + hv);
@@ -523,8 +521,8 @@ inline int chain_warpgroups(int64_t seqs_x_heads, int64_t V, int sms) {
 
 // The token-parallel operands of the chain, [R, HV, width] rows (16-bit) unless said otherwise: W (K wide), U (V
 // wide), P (64) from the WY stage (gdn, delta: wgmma_wy.cuh; kda: chunk_wy_kernel and
-// kda_chain_operands_kernel); G ([R, HV] fp32 for gdn, [R, HV, 128] for kda, ignored for delta); kda only:
-// Kd = K e^(G_n - G) and Qg = Q e^G (128 wide; the other variants read k and q themselves); rq / rk:
+// kda_chain_operands_kernel); G ([R, HV] fp32 for gdn, [R, HV, K] for kda, ignored for delta); kda only:
+// Kd = K e^(G_n - G) and Qg = Q e^G (K wide; the other variants read k and q themselves); rq / rk:
 // qk_l2norm's row scales (gdn, delta), or nullptr.
 struct ChainOperands {
   const float* G = nullptr;
@@ -590,11 +588,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
                 "expected ", chain_stages(nwg, kMap), kMap || nwg == 2 ? "" : " or 2", " load stages, got ", stages);
   const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages, static_cast<int>(p.K));
   auto kernel = [&] {
-    if constexpr (kKda) {
-      return chain_kernel<T, kMap, true, 128>(nwg, stages);
-    } else {
-      return p.K == 64 ? chain_kernel<T, kMap, false, 64>(nwg, stages) : chain_kernel<T, kMap, false, 128>(nwg, stages);
-    }
+    return p.K == 64 ? chain_kernel<T, kMap, kKda, 64>(nwg, stages) : chain_kernel<T, kMap, kKda, 128>(nwg, stages);
   }();
   opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");
   const int64_t cols = kMap ? p.V + p.K : p.V;

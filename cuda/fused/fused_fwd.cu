@@ -48,9 +48,10 @@
 // is never written: at (2,16384,16,128) on an H200 the call with the gate in it took 1.968 ms against 2.129 with
 // the gate computed by torch first.
 //
-// Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128; gdn and delta also K = 128 with V = 256 (the WY
-// stage makes U in two rounds of 128 columns, the chain has four 64-column tiles) and K = V = 64 (the same kernels
-// on one 64-column box per tile, the state a 64 x 64 accumulator of one warpgroup); q, k, v, o 16-byte aligned
+// Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128, K = 128 with V = 256 (gdn's and delta's WY stage
+// makes U in two rounds of 128 columns, the chain has four 64-column tiles) and K = V = 64 (the same kernels on one
+// 64-column box per tile, the state a 64 x 64 accumulator of one warpgroup; kda's token-parallel stage at these two
+// shapes is the pair of mma.sync kernels, launch_kda_fused_prepare); q, k, v, o 16-byte aligned
 // rows with positive strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
 // says why not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name,
 // raises an error with the reason).
@@ -73,6 +74,10 @@
 // chunks each: 4.12 us a chunk). K = V = 64 (same GPU and run conditions, (4,4096,32,64)): 0.467 ms (FLA 0.704; the
 // tiled tier 0.761), of which the chain 0.173 (128 CTAs of one warpgroup, 64 chunks each: 2.70 us a chunk, its
 // loads and stores at about 2.3 TB/s across the GPU).
+// kda at K = V = 64 and K = 128 with V = 256 (NVIDIA H200, 2026-11-28, bf16, bench_gpu.py beside FLA 0.5.2 with its
+// benchmark keywords): (4,4096,32,64) 0.910 ms (FLA 1.908, the tiled tier 1.211), of which the chain 0.114 (1.77 us
+// a chunk on 128 CTAs); (8,2048,32,128,256) 2.642 ms (FLA 2.445, the tiled tier 3.483), of which the chain 0.371
+// (2.90 us a chunk): the rest is the token-parallel stage's pair of mma.sync kernels, the part to move to wgmma.
 // kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.17 ms = the WY stage 0.99 +
 // kda_chain_operands_kernel 0.76 + chain 0.41 (the gate summed and q, k normalised inside the first two: the
 // cumsum kernel's 0.22 ms and the l2 norm's pass over q and k are gone), against the tiled tier's 2.66 (its
@@ -153,10 +158,11 @@ double fused_predicted_us(const std::vector<SeqEntry>& seqs, int64_t HV, int64_t
 const char* forward_refusal(const Params& p) {
   // The token-parallel stage's needs (q, k, v, the GPU), then the chain's: it writes o in 16-byte pieces.
   if (p.variant == Variant::kda) {
-    // kda's token-parallel stages are the tiled tier's (any strides) and the chain reads only their rows: the
-    // wgmma state scan's needs (an sm_90a build, 16-bit inputs, K = 128, the GPU) and the chain's shape.
-    if (const char* why = tiled::wgmma_scan_refusal(p, /*h_and_vnew_agree=*/true)) return why;
-    if (p.V != 128) return "it takes K = V = 128";
+    // kda's token-parallel stages are the tiled tier's (any strides) and the chain reads only their rows: an
+    // sm_90a build, 16-bit inputs, the GPU, and the chain's shape.
+    if (const char* why = tiled::kda_fused_prepare_refusal(p)) return why;
+    if (!((p.K == 128 && (p.V == 128 || p.V == 256)) || (p.K == 64 && p.V == 64)))
+      return "it takes K = 128 with V = 128 or 256, or K = V = 64";
     if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
     if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
     if (p.B * p.T >= (int64_t{1} << 31)) return "it addresses token rows by TMA's 32-bit coordinates (B * T < 2^31)";
@@ -215,8 +221,8 @@ constexpr int kWindowParts = 8;
 std::array<int64_t, kWindowParts> window_buffer_sizes(const Params& p, int64_t R) {
   const bool kda = p.variant == Variant::kda;
   const int64_t es = dtype_size(p.dtype), rows = R * p.HV, scales = p.qk_l2norm && !kda ? rows * 4 : 0;
-  const int64_t G = p.variant == Variant::gdn ? rows * 4 : (kda ? rows * kKeys * 4 : 0);
-  const int64_t kda_tile = kda ? rows * kKeys * es : 0;
+  const int64_t G = p.variant == Variant::gdn ? rows * 4 : (kda ? rows * p.K * 4 : 0);
+  const int64_t kda_tile = kda ? rows * p.K * es : 0;
   return {G, rows * p.K * es, rows * p.V * es, rows * 64 * es, scales, scales, kda_tile, kda_tile};
 }
 int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }

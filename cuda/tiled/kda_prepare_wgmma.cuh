@@ -26,7 +26,7 @@
 //            the raw gate into G (fp32; cp.async for fp32 g, converted for 16-bit g: load_raw_gate); beta
 //   phase 1  warpgroup 0: G in place (chunk_sum_gate, which first makes each raw value its gate with
 //            Params::gate_A_log; G's last row out); warpgroup 1: q, k rows normalised in
-//            place (l2norm_rows_128's arithmetic on the swizzled rows)
+//            place (l2norm_rows's arithmetic on the swizzled rows)
 //   phase 2  the scores. Each warp w scales its 16 rows of X around its own reference row 16 w into wgmma A
 //            fragments (registers; in the round that keeps its rows, zeros in the other: each warp scales once and
 //            no fragments stay live across a round, which kept the kernel at 128 registers without spills); Y's
@@ -232,7 +232,7 @@ __device__ __forceinline__ void zero_tail_rows(unsigned char* tile, int len, int
     }
 }
 
-// l2norm_rows_128's arithmetic (tiled_fwd.cu's l2norm_row_pieces) on row r of a swizzled tile, so the row gets the
+// l2norm_rows's arithmetic (tiled_fwd.cu's l2norm_row_pieces) on row r of a swizzled tile, so the row gets the
 // bits that function (and cuda/common/l2norm.cu) gives.
 template <class T>
 __device__ __forceinline__ void l2norm_row(unsigned char* tile, int r) {

@@ -417,20 +417,20 @@ __device__ __forceinline__ void chunk_sum_gate(float* Gk, int ldg, const FwdArgs
   }
 }
 
-// qk_l2norm in shared memory for rows of 128 keys (the fused kda stage): each of the tile's 64 rows (ld apart)
-// times 1 / sqrt(|x|^2 + eps), rounded to T, with the arithmetic of cuda/common/l2norm.cu's kernel: there lane l
-// sums the squares of elements l, l + 32, l + 64, l + 96 in that order and a butterfly adds the 32 lane sums;
-// here one thread forms the same 32 sums from 16-byte pieces and adds them in the butterfly's tree, so the rows
-// get the bits that pass writes. Threads thread0 .. thread0 + 63 take a row each. (A warp per row, 16 rows a
+// qk_l2norm in shared memory for rows of 128 or 64 keys (the fused kda stage): each of the tile's 64 rows (ld
+// apart) times 1 / sqrt(|x|^2 + eps), rounded to T, with the arithmetic of cuda/common/l2norm.cu's kernel: there
+// lane l sums the squares of elements l, l + 32, l + 64, l + 96 in that order and a butterfly adds the 32 lane
+// sums; here one thread forms the same 32 sums from 16-byte pieces and adds them in the butterfly's tree, so the
+// rows get the bits that pass writes. Threads thread0 .. thread0 + 63 take a row each. (A warp per row, 16 rows a
 // warp in turn, cost 0.28 ms of the fused kda forward at (2,16384,16,128) on an H100.)
-// One row of 128 keys whose 8-key pieces lie at piece(pc), pc = 0 .. 15 (plain or swizzled rows).
-template <class T, class Piece>
+// One row of 8 kPieces keys whose 8-key pieces lie at piece(pc), pc = 0 .. kPieces - 1 (plain or swizzled rows).
+template <class T, class Piece, int kPieces = 16>
 __device__ __forceinline__ void l2norm_row_pieces(Piece piece) {
   float a[32];
 #pragma unroll
   for (int l = 0; l < 32; ++l) a[l] = 0.f;
 #pragma unroll
-  for (int pc = 0; pc < 16; ++pc) {
+  for (int pc = 0; pc < kPieces; ++pc) {
     float x[8];
     load8(piece(pc), x);
 #pragma unroll
@@ -443,7 +443,7 @@ __device__ __forceinline__ void l2norm_row_pieces(Piece piece) {
       if (l < (16 >> step)) a[l] += a[l + (16 >> step)];
   const float rn = rsqrtf(a[0] + kQkL2normEps);
 #pragma unroll
-  for (int pc = 0; pc < 16; ++pc) {
+  for (int pc = 0; pc < kPieces; ++pc) {
     T* p = piece(pc);
     float x[8];
     load8(p, x);
@@ -452,12 +452,18 @@ __device__ __forceinline__ void l2norm_row_pieces(Piece piece) {
     store8(p, x);
   }
 }
+// Rows of Kp = 128 or 64 keys (the fused kda stage's K).
 template <class T>
-__device__ __forceinline__ void l2norm_rows_128(T* tile, int ld, int thread0) {
+__device__ __forceinline__ void l2norm_rows(T* tile, int ld, int thread0, int Kp) {
   const int r = static_cast<int>(threadIdx.x) - thread0;
   if (r < 0 || r >= kBT) return;
   T* row = tile + r * ld;
-  l2norm_row_pieces<T>([&](int pc) { return row + 8 * pc; });
+  auto piece = [&](int pc) { return row + 8 * pc; };
+  if (Kp == 128) {
+    l2norm_row_pieces<T, decltype(piece), 16>(piece);
+  } else {
+    l2norm_row_pieces<T, decltype(piece), 8>(piece);
+  }
 }
 
 // ============================================================================================
@@ -565,7 +571,7 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   if constexpr (kKda) {  // the fused forward's kda stage (launch_kda_fused_prepare)
     const bool sum_gate = args.gate_in_kernel();
     if (sum_gate) chunk_sum_gate(Gk, L.ldg, args, ce, hv);
-    if (args.qk_l2norm) l2norm_rows_128(Ks, ldk, 0);  // Kp = 128 (launch_kda_fused_prepare)
+    if (args.qk_l2norm) l2norm_rows(Ks, ldk, 0, Kp);  // Kp = 128 or 64 (launch_kda_fused_prepare)
     if (sum_gate || args.qk_l2norm) __syncthreads();
   }
 
@@ -983,7 +989,7 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
 // ============================================================================================
 // The fused forward's kda operands (cuda/fused/fused_chain.cuh reads them by TMA): per (chunk, value head)
 // the output stage's P ([R, HV, 64] rows, 16-bit, zero above the diagonal) and Q e^G ([R, HV, Kp] rows,
-// 16-bit), the bits the output stage multiplies (kda_output_operands). 16-bit inputs, Kp = 128. The gate is
+// 16-bit), the bits the output stage multiplies (kda_output_operands). 16-bit inputs, Kp = 128 or 64. The gate is
 // summed here from g (args.gate_in_kernel()), and q, k l2-normalised here with args.qk_l2norm.
 // ============================================================================================
 template <class T>
@@ -1014,8 +1020,8 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
   __syncthreads();
   chunk_sum_gate(Gk, L.ldg, args, ce, hv);
   if (args.qk_l2norm) {  // q's rows by threads 0..63, k's by 64..127
-    l2norm_rows_128(Qs, L.ldk, 0);
-    l2norm_rows_128(Ks, L.ldk, 64);
+    l2norm_rows(Qs, L.ldk, 0, Kp);
+    l2norm_rows(Ks, L.ldk, 64, Kp);
   }
   __syncthreads();
   kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {}, args.qk_l2norm);
@@ -1054,7 +1060,7 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
 //            in A's place
 //   phase 5  W = Tb1 (K e^G), U = Tb1 V on the tensor cores (chunk_wy_kernel's loops)
 // Every stored value takes the operations of the kernel it replaces, in the same order (the same helpers:
-// chunk_sum_gate, l2norm_rows_128, decayed_scores_impl, unit_lower_inverse_64_tf32, the same warp_mma calls
+// chunk_sum_gate, l2norm_rows, decayed_scores_impl, unit_lower_inverse_64_tf32, the same warp_mma calls
 // and the same element expressions), so the outputs are bit-identical to the pair's; only where and when they
 // are stored changed. 128 threads, 109.75 KB of shared memory for K = V = 128 (KdaPrepLayout): two CTAs per
 // SM, as each of the pair ran, so one CTA's barriers overlap the other's work.
@@ -1100,8 +1106,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> arg
   // ---- phase 1: G in place (G's last row to args.g_last), q and k normalised ----
   chunk_sum_gate(Gk, ldg, args, ce, hv);
   if (args.qk_l2norm) {  // Kp = 128 (launch_kda_fused_prepare)
-    l2norm_rows_128(Qs, ldk, 0);
-    l2norm_rows_128(Ks, ldk, 64);
+    l2norm_rows(Qs, ldk, 0, Kp);
+    l2norm_rows(Ks, ldk, 64, Kp);
   }
   __syncthreads();
 
@@ -1368,6 +1374,18 @@ namespace {
 // 256 columns, final state only) 0.26 ms against 0.49; (4, 4096, 64, 128) 0.44 ms against 0.69.
 }  // namespace
 
+const char* kda_fused_prepare_refusal(const Params& p) {
+#ifndef DELTACP_HAVE_SM90A
+  (void)p;
+  return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
+#else
+  if (p.variant != Variant::kda) return "it implements kda";
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
+  if (p.K != 128 && p.K != 64) return "it takes K = 128 or K = 64";
+  return k_rows_and_gpu_refusal(p);
+#endif
+}
+
 // Returns the reason the wgmma scan does not apply, or nullptr when it does.
 const char* wgmma_scan_refusal(const Params& p, bool h_and_vnew_agree) {
 #ifndef DELTACP_HAVE_SM90A
@@ -1506,8 +1524,8 @@ namespace {
 // with the same bits; 1 = required (an error names why it cannot run).
 bool use_kda_prepare_kernel(const Params& p) {
   return kernel_switch("DELTACP_FUSED_KDA_PREPARE", "the one-kernel kda stage", [&]() -> const char* {
-    // Its layout is sized for V = 128 (two CTAs per SM); the pair takes any V the fused tier does.
-    return padded_dim(p.V) == 128 ? nullptr : "it takes K = V = 128";
+    // Its layout is sized for K = V = 128 (two CTAs per SM); the pair takes any K, V the fused tier does.
+    return p.K == 128 && padded_dim(p.V) == 128 ? nullptr : "it takes K = V = 128";
   });
 }
 // DELTACP_FUSED_KDA_PREPARE_WGMMA: unset = the stage on wgmma (kda_prepare_wgmma.cuh) wherever
@@ -1523,9 +1541,9 @@ bool use_kda_prepare_wgmma(const Params& p) {
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
                               void* P, void* Qg, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
-  DELTACP_CHECK(p.variant == Variant::kda && padded_dim(p.K) == 128, "variant",
-                "expected kda with K = 128 for the fused forward's kda stage, got ", to_string(p.variant), " with K = ",
-                p.K);
+  DELTACP_CHECK(p.variant == Variant::kda && (p.K == 128 || p.K == 64), "variant",
+                "expected kda with K = 128 or 64 for the fused forward's kda stage, got ", to_string(p.variant),
+                " with K = ", p.K);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (kIs16Bit<T>) {

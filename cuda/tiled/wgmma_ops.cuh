@@ -316,14 +316,14 @@ __device__ __forceinline__ void load_tile_u(T* dst, int ld_s, const T* src, int6
     }
   }
 }
-// A transposed-state accumulator of an m64n128 product (64 registers a thread: register 4 nb + e holds key
-// column 8 nb + 2 t + (e & 1), t = lane % 4) times e^(x_d) on each key column d, x: the 128 per-key log
-// decays in shared memory (kda's last gate row of a chunk). The forward chain's S^T and the dh scan's dS^T.
-template <class T>
-__device__ __forceinline__ void scale_key_columns_exp(float (&acc)[64], const float* x) {
+// A transposed-state accumulator of an m64nK product (K = 2N: N registers a thread, register 4 nb + e holds key
+// column 8 nb + 2 t + (e & 1), t = lane % 4) times e^(x_d) on each key column d, x: the K per-key log decays in
+// shared memory (kda's last gate row of a chunk). The forward chain's S^T and the dh scan's dS^T.
+template <class T, int N>
+__device__ __forceinline__ void scale_key_columns_exp(float (&acc)[N], const float* x) {
   const int t = static_cast<int>(threadIdx.x) & 3;
 #pragma unroll
-  for (int nb = 0; nb < 16; ++nb) {  // keys 8 nb + 2 t and 8 nb + 2 t + 1
+  for (int nb = 0; nb < N / 4; ++nb) {  // keys 8 nb + 2 t and 8 nb + 2 t + 1
     const float2 gl = *reinterpret_cast<const float2*>(x + 8 * nb + 2 * t);
     const float e0 = exp_t<T>(gl.x), e1 = exp_t<T>(gl.y);
     acc[4 * nb] *= e0;

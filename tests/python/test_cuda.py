@@ -78,11 +78,11 @@ def _check_tier(variant, tier, shape_name, dtype, gate_dtype):
     p = _problem(variant, shape_name, seed=40)
     K, V = p["q"].shape[-1], p["v"].shape[-1]
     if tier == "fused":
-        # The fused kernels take bf16 / fp16, K = V = 128 (gdn, delta also K = 128 with V = 256 and K = V = 64)
-        # on compute capability 9.0; elsewhere asking for them by name is an error that says why
-        # (tests/python/test_cuda_fused.py covers the tier itself).
+        # The fused kernels take bf16 / fp16, K = 128 with V = 128 or 256, and K = V = 64 on compute capability
+        # 9.0; elsewhere asking for them by name is an error that says why (tests/python/test_cuda_fused.py covers
+        # the tier itself).
         with_backward = True  # its gradients run on the tiled backward
-        fits = (K, V) == (128, 128) or ((K, V) in ((128, 256), (64, 64)) and variant != "kda")
+        fits = (K, V) in ((128, 128), (128, 256), (64, 64))
         if not (fits and dtype != torch.float32 and torch.cuda.get_device_capability() == (9, 0)):
             t = {name: torch.tensor(p[name], dtype=dtype, device="cuda") for name in input_names(variant)}
             with pytest.raises(ValueError, match="fused tier cannot run"):

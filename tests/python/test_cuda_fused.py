@@ -73,10 +73,10 @@ CASES = {
 }
 
 
-# K = V = 128 for every variant; for gdn and delta also K = 128 with V = 256 (the WY stage's U in two rounds of 128
-# columns, four 64-column tiles of the state in the chain) and K = V = 64 (one 64-column box per tile).
-VARIANT_KV = [("gdn", 128, 128), ("kda", 128, 128), ("delta", 128, 128), ("gdn", 128, 256), ("delta", 128, 256),
-              ("gdn", 64, 64), ("delta", 64, 64)]
+# Every variant at K = V = 128, K = 128 with V = 256 (four 64-column tiles of the state in the chain; gdn and delta's
+# WY stage makes U in two rounds of 128 columns) and K = V = 64 (one 64-column box per tile).
+VARIANT_KV = [("gdn", 128, 128), ("kda", 128, 128), ("delta", 128, 128), ("gdn", 128, 256), ("kda", 128, 256),
+              ("delta", 128, 256), ("gdn", 64, 64), ("kda", 64, 64), ("delta", 64, 64)]
 
 
 @pytest.mark.parametrize("variant,K,V", VARIANT_KV)
@@ -153,7 +153,8 @@ def test_fused_one_kernel_required_says_why_not(what, monkeypatch):
     assert expect in str(info.value)
 
 
-@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("gdn", 64, 64)])
+@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("kda", 128, 256),
+                                         ("gdn", 64, 64), ("kda", 64, 64)])
 @pytest.mark.parametrize("piece", [64, 100, 256])
 def test_fused_intra_card_pieces_are_exact(variant, K, V, piece, monkeypatch):
     """Sequences cut into pieces (DELTACP_FUSED_PIECE tokens, rounded up to whole chunks), each run from the
@@ -208,12 +209,12 @@ def test_fused_default_dispatch_says_which_tier_ran_and_why():
     assert tier == "tiled" and "bf16 or fp16" in why
 
 
-@pytest.mark.parametrize("what", ["K64_V128", "fp32", "kda_V64", "kda_V256", "V192", "unaligned_q"])
+@pytest.mark.parametrize("what", ["K64_V128", "fp32", "kda_V64", "kda_K64_V128", "V192", "unaligned_q"])
 def test_fused_by_name_refuses_with_the_reason(what):
     _need_fused()
     variant = "kda" if what.startswith("kda") else "gdn"
-    K = 64 if what == "K64_V128" else 128
-    V = {"kda_V64": 64, "kda_V256": 256, "V192": 192}.get(what, 128)
+    K = 64 if what.endswith("K64_V128") else 128
+    V = {"kda_V64": 64, "V192": 192}.get(what, 128)
     p = make_problem(variant, B=1, T=80, H=1, K=K, V=V, seed=5)
     t, h0, cu = _tensors(p, variant, torch.float32 if what == "fp32" else torch.bfloat16)
     if what == "unaligned_q":  # rows of q 8 bytes off a 16-byte boundary
@@ -222,7 +223,7 @@ def test_fused_by_name_refuses_with_the_reason(what):
         q.copy_(t["q"])
         t["q"] = q
     shapes = "K = 128 with V = 128 or 256, or K = V = 64"
-    expect = {"K64_V128": shapes, "fp32": "bf16 or fp16", "kda_V64": "K = V = 128", "kda_V256": "K = V = 128",
+    expect = {"K64_V128": shapes, "fp32": "bf16 or fp16", "kda_V64": shapes, "kda_K64_V128": shapes,
               "V192": shapes, "unaligned_q": "q's pointer"}[what]
     args = [t["q"], t["k"], t["v"], t["g"], t["beta"]]
     op = deltacp.chunk_kda if variant == "kda" else deltacp.chunk_gated_delta_rule
@@ -318,7 +319,8 @@ def test_in_kernel_l2norm_on_the_tiled_tier_normalises_first(variant):
 @pytest.mark.parametrize("case", ["fixed", "grouped", "varlen"])
 @pytest.mark.parametrize("piece", [0, 100])
 @pytest.mark.parametrize("gate", ["fp32", "bf16"])
-def test_fused_kda_normalises_and_sums_the_gate_in_its_kernels(case, piece, gate, monkeypatch):
+@pytest.mark.parametrize("D", [128, 64], ids=["K128", "K64"])
+def test_fused_kda_normalises_and_sums_the_gate_in_its_kernels(case, piece, gate, D, monkeypatch):
     """kda's two token-parallel kernels l2-normalise q and k where they load them, with the one-pass kernel's
     arithmetic (bit for bit the fused call on q, k normalised first), and sum the gate within each chunk
     themselves (g in fp32 or bf16; only G's last rows reach the chain and, with pieces, its map mode): against
@@ -326,7 +328,7 @@ def test_fused_kda_normalises_and_sums_the_gate_in_its_kernels(case, piece, gate
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", str(piece))
     B, T, H, HV, cu, with_h0 = CASES[case]
-    p = make_problem("kda", B=B, T=T or 0, H=H, HV=HV, K=128, V=128, cu_seqlens=cu, h0=with_h0, seed=29)
+    p = make_problem("kda", B=B, T=T or 0, H=H, HV=HV, K=D, V=D, cu_seqlens=cu, h0=with_h0, seed=29)
     t, h0, cu_t = _tensors(p, "kda", torch.bfloat16)
     if gate == "bf16":
         t["g"] = t["g"].to(torch.bfloat16)
@@ -442,7 +444,8 @@ def test_in_kernel_l2norm_with_gradients_or_strided_rows_normalises_in_torch():
 @pytest.mark.parametrize("window", [64, 128, 192])
 @pytest.mark.parametrize("l2", [False, True])
 @pytest.mark.parametrize("overlap", ["0", "1"])
-@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("gdn", 64, 64)])
+@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("kda", 128, 256),
+                                         ("gdn", 64, 64), ("kda", 64, 64)])
 def test_fused_windows_along_time_equal_one_window(variant, K, V, window, l2, overlap, monkeypatch):
     """A fixed-length batch run as windows of whole chunks (DELTACP_FUSED_WINDOW tokens), each from the fp32
     state the last one left: over whole sequences the same kernels see the same chunks and states, so o and

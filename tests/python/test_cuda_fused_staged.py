@@ -52,7 +52,7 @@ def _problem(variant, K=128, V=128):
 
 @pytest.mark.parametrize("piece", ["0", "128"])
 @pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("delta", 128, 128), ("gdn", 128, 256),
-                                         ("gdn", 64, 64)])
+                                         ("kda", 128, 256), ("gdn", 64, 64), ("kda", 64, 64)])
 def test_staged_fused_forward_equals_the_one_shot_forward(variant, K, V, piece, monkeypatch):
     require_fused_gpu()
     from deltacp import _core
