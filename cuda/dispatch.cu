@@ -210,6 +210,7 @@ static void run_forward_on_normalised(const Params& p, Method tier) {
     l2norm_rows(p.k.ptr, ws + bytes, nullptr, rows, p.K, p.dtype, kQkL2normEps, p.stream);
     Params pn = p;
     pn.qk_l2norm = false;
+    pn.qk_unit_rows = true;  // kda's diagonal bound: as wide as where the kernels normalise (kda_scores.cuh)
     pn.q = contiguous_ref(static_cast<void*>(ws), p.T, p.H, p.K);
     pn.k = contiguous_ref(static_cast<void*>(ws + bytes), p.T, p.H, p.K);
     run_forward(pn, tier);

@@ -93,7 +93,7 @@ py::object run_reference(const Params& p, bool backward, Kind kind, Method m, co
 py::object run(const std::string& direction, const std::string& variant, const std::string& method,
                const std::string& compute, const py::dict& tensors, std::optional<double> scale, int chunk_size,
                std::optional<std::vector<int64_t>> cuts, uintptr_t stream, bool want_exchange, bool qk_l2norm,
-               std::optional<double> gate_lower_bound) {
+               std::optional<double> gate_lower_bound, bool qk_unit_rows) {
   Method m = Method::chunked;
   const Kind kind = kind_of(method, &m);
   if (kind == Kind::cp && !cuts) throw Error("cuts", "is required for simulated context parallelism");
@@ -103,6 +103,7 @@ py::object run(const std::string& direction, const std::string& variant, const s
   Params p = build_params(variant, direction, descs, scale, chunk_size,
                           kind == Kind::cuda ? Place::cuda : Place::host);
   p.qk_l2norm = qk_l2norm;
+  p.qk_unit_rows = qk_unit_rows;
   const bool backward = direction == "backward";
   if (p.gate_in_kernel()) {  // params.h: a CUDA forward option
     if (kind != Kind::cuda) throw Error("A_log", "the in-kernel kda gate is an option of the CUDA forward");
@@ -181,11 +182,13 @@ Params staged_params(const std::string& variant, const py::dict& tensors, std::o
 }
 
 StagedBackwardHandle* staged_prepare(const std::string& variant, const std::string& method, const py::dict& tensors,
-                                     std::optional<double> scale, int chunk_size, uintptr_t stream) {
+                                     std::optional<double> scale, int chunk_size, uintptr_t stream,
+                                     bool qk_unit_rows) {
 #ifdef DELTACP_WITH_CUDA
   Method m = Method::chunked;
   if (kind_of(method, &m) != Kind::cuda) throw Error("method", "expected a CUDA tier, got '" + method + "'");
-  const Params p = staged_params(variant, tensors, scale, chunk_size, stream);
+  Params p = staged_params(variant, tensors, scale, chunk_size, stream);
+  p.qk_unit_rows = qk_unit_rows;
   auto h = std::make_unique<StagedBackwardHandle>();
   {
     py::gil_scoped_release nogil;
@@ -193,7 +196,7 @@ StagedBackwardHandle* staged_prepare(const std::string& variant, const std::stri
   }
   return h.release();
 #else
-  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream;
+  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream, (void)qk_unit_rows;
   no_cuda("the staged backward");
 #endif
 }
@@ -235,11 +238,12 @@ struct StagedForwardHandle {
 
 StagedForwardHandle* staged_forward_prepare(const std::string& variant, const std::string& method,
                                             const py::dict& tensors, std::optional<double> scale, int chunk_size,
-                                            uintptr_t stream) {
+                                            uintptr_t stream, bool qk_unit_rows) {
 #ifdef DELTACP_WITH_CUDA
   Method m = Method::chunked;
   if (kind_of(method, &m) != Kind::cuda) throw Error("method", "expected a CUDA tier, got '" + method + "'");
-  const Params p = staged_params(variant, tensors, scale, chunk_size, stream, "forward");
+  Params p = staged_params(variant, tensors, scale, chunk_size, stream, "forward");
+  p.qk_unit_rows = qk_unit_rows;
   auto h = std::make_unique<StagedForwardHandle>();
   {
     py::gil_scoped_release nogil;
@@ -247,7 +251,7 @@ StagedForwardHandle* staged_forward_prepare(const std::string& variant, const st
   }
   return h.release();
 #else
-  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream;
+  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream, (void)qk_unit_rows;
   no_cuda("the staged forward");
 #endif
 }
@@ -462,18 +466,20 @@ void register_batch_api(py::module_& m) {
   m.def("run", &run, py::arg("direction"), py::arg("variant"), py::arg("method"), py::arg("compute"),
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("cuts") = py::none(),
         py::arg("stream") = 0, py::arg("want_exchange") = false, py::arg("qk_l2norm") = false,
-        py::arg("gate_lower_bound") = py::none(),
+        py::arg("gate_lower_bound") = py::none(), py::arg("qk_unit_rows") = false,
         "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp); qk_l2norm: "
         "q and k l2-normalised inside the CUDA forward (Params::qk_l2norm); gate_lower_bound: the in-kernel kda "
-        "gate's lower bound when the tensors hold gate_A_log (Params::gate_A_log; None: FLA's softplus form).");
+        "gate's lower bound when the tensors hold gate_A_log (Params::gate_A_log; None: FLA's softplus form); "
+        "qk_unit_rows: q and k are l2-normalised rows already (Params::qk_unit_rows).");
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA tiers were compiled into this module.");
   m.def("cuda_available", &cuda_available, "True when the CUDA tiers are built and a device is usable.");
   py::class_<StagedBackwardHandle>(m, "StagedBackward",
                                    "A CUDA backward prepared up to the stages that need dht (deltacp/cuda/api.h).");
   m.def("staged_backward_prepare", &staged_prepare, py::arg("variant"), py::arg("method"), py::arg("tensors"),
         py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
-        py::return_value_policy::take_ownership,
-        "Run every backward stage that does not read dht; the tensors must stay alive until 'finish'.");
+        py::arg("qk_unit_rows") = false, py::return_value_policy::take_ownership,
+        "Run every backward stage that does not read dht; the tensors must stay alive until 'finish'. "
+        "qk_unit_rows: q and k are l2-normalised rows (Params::qk_unit_rows).");
   m.def("staged_backward_step", &staged_step, py::arg("state"), py::arg("step"), py::arg("variant"),
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
         "'dh0_pieces': dh0 of pieces of the prepared rows (a dh0-only problem); 'states': the recompute's "
@@ -483,8 +489,9 @@ void register_batch_api(py::module_& m) {
                                   "A CUDA forward prepared up to the stages that need h0 (deltacp/cuda/api.h).");
   m.def("staged_forward_prepare", &staged_forward_prepare, py::arg("variant"), py::arg("method"), py::arg("tensors"),
         py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
-        py::return_value_policy::take_ownership,
-        "Run every forward stage that does not read h0; the tensors must stay alive until 'finish'.");
+        py::arg("qk_unit_rows") = false, py::return_value_policy::take_ownership,
+        "Run every forward stage that does not read h0; the tensors must stay alive until 'finish'. "
+        "qk_unit_rows: q and k are l2-normalised rows (Params::qk_unit_rows).");
   m.def("staged_forward_step", &staged_forward_step, py::arg("state"), py::arg("step"), py::arg("variant"),
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
         py::arg("row0") = 0, py::arg("with_values") = true,

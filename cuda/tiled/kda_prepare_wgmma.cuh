@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   const int plen = kBwd ? 64 : len;
   const uint32_t yr = smem_u32(smem + S::yr);
   {
-    const unsigned bad = scale_y_round<T, 3, 0>(smem + S::yr, smem + S::k, Gt, tid, f.qk_l2norm);
+    const unsigned bad = scale_y_round<T, 3, 0>(smem + S::yr, smem + S::k, Gt, tid, f.unit_rows);
     if (bad) atomicOr(const_cast<unsigned*>(flags), bad);
     fence_proxy_async();  // Yr: read by the products
     __syncthreads();
@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   }
   __syncthreads();  // both warpgroups' products have read Yr
   {
-    const unsigned bad = scale_y_round<T, 2, 1>(smem + S::yr, smem + S::k, Gt, tid, f.qk_l2norm);
+    const unsigned bad = scale_y_round<T, 2, 1>(smem + S::yr, smem + S::k, Gt, tid, f.unit_rows);
     if (bad) atomicOr(const_cast<unsigned*>(flags), bad);
     fence_proxy_async();
     __syncthreads();
@@ -768,7 +768,7 @@ void launch_kda_bwd_recompute_wgmma(const Params& p, const ChunkTable& table, fl
     a.f.g16 = dev_rows<const T>(p.g);
   }
   a.f.g_last = nullptr;  // every row goes to G
-  a.f.qk_l2norm = false;
+  a.f.qk_l2norm = false;  // (unit_rows from p: the backward's rows were normalised with the forward's)
   a.W = W;
   a.U = U;
   a.Kd = Kd;

@@ -164,6 +164,9 @@ struct FwdArgs {
   DevRows<const T> g16;
   float* g_last = nullptr;
   bool qk_l2norm = false;
+  // Rows of q and k with norm at most 1 (Params::qk_l2norm or qk_unit_rows): kda's diagonal score blocks take the
+  // wider decay bound (kda_scores.cuh diag_refused).
+  bool unit_rows = false;
   // kda's in-kernel gate (Params::gate_A_log): the raw g becomes kda_gate_value(g, e^A_log, dt_bias, lower_bound)
   // where chunk_sum_gate sums it (gate_A_log null: g is the log decay already).
   const float* gate_A_log = nullptr;
@@ -196,6 +199,7 @@ FwdArgs<T> make_args(const Params& p, const ChunkTable& table) {
   a.has_gate = p.variant != Variant::delta;
   a.o_pairs = (reinterpret_cast<uintptr_t>(p.o.ptr) % (2 * sizeof(T)) == 0) && p.o.stride_b % 2 == 0 &&
               p.o.stride_t % 2 == 0 && p.o.stride_h % 2 == 0 && p.V % 2 == 0;
+  a.unit_rows = p.qk_l2norm || p.qk_unit_rows;
   return a;
 }
 
@@ -578,7 +582,7 @@ __global__ void __launch_bounds__(kThreads) chunk_wy_kernel(FwdArgs<T> args, con
   // ---- phase 1: A (strictly lower; row block a is written in columns < 16 (a + 1)) ----
   if constexpr (kKda) {
     kda_scores<T, kThreads>(Ks, Ks, ldk, Gk, L.ldg, Xr, Yr, Kp, len, /*inclusive=*/false,
-                  [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; }, args.qk_l2norm);
+                  [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; }, args.unit_rows);
   } else {
     float acc[1][8][4];
     zero_acc(acc);
@@ -924,7 +928,7 @@ __global__ void __launch_bounds__(kThreads) chunk_output_kernel(FwdArgs<T> args,
     kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [&] {
       issue_slab(0);
       cp_async_commit();
-    });
+    }, args.unit_rows);
   } else {
     float acc[1][8][4];
     zero_acc(acc);
@@ -1024,7 +1028,7 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
     l2norm_rows(Ks, L.ldk, 64, Kp);
   }
   __syncthreads();
-  kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {}, args.qk_l2norm);
+  kda_output_operands<T>(Qs, Ks, Gk, Pb, Xr, Yr, L, Kp, len, [] {}, args.unit_rows);
   __syncthreads();
   // The chunk's rows out as 16-byte pieces (8 elements): P's 8 per row, then Q e^G's Kp / 8. Row block a of P
   // holds the scores in columns < 16 (a + 1), zeros past them.
@@ -1118,7 +1122,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> arg
                                /*inclusive2=*/true, [&](int i, int j, float x) { As[i * lda + j] = beta_s[i] * x; },
                                [&](int i, int j, float x) {
                                  if (i < len) Pc[i * p_ld + j] = from_f<T>(x);
-                               }, args.qk_l2norm);
+                               }, args.unit_rows);
 
   // ---- phase 3: Q e^G and Kd out, K <- K e^G; P's zeros right of the block diagonal ----
   {

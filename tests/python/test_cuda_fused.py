@@ -349,6 +349,40 @@ def test_fused_kda_normalises_and_sums_the_gate_in_its_kernels(case, piece, gate
     assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
 
 
+def test_kda_with_gradients_keeps_the_unit_row_diagonal_bound():
+    """With a gradient, q and k are l2-normalised before the kernels (with autograd) and the call says so
+    (Params::qk_unit_rows), so kda's diagonal score blocks take the same tensor-core bound as the call without a
+    gradient, which normalises inside its kernels: on gates near lower_bound -5, whose 16-token blocks decay by
+    about e^73 (past the e^64 bound of rows of any norm), both calls give o and ht bit for bit. The gradients
+    (the backward's recompute takes the same bound) match float64 autograd on the CPU."""
+    _need_fused()
+    p = make_problem("kda", B=1, T=200, H=2, K=128, V=128, seed=31)
+    t, h0, _ = _tensors(p, "kda", torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    t["g"] = -4.9 + 0.1 * torch.rand(t["g"].shape, device="cuda", generator=gen)  # per-token decays in [-4.9, -4.8]
+    raw = _raw_qk(t)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        o_ng, ht_ng = _run("kda", t, h0, None, None, q=raw["q"], k=raw["k"], **kw)
+    leaves = {n: (raw[n] if n in raw else t[n]).detach().clone().requires_grad_(True)
+              for n in ("q", "k", "v", "g", "beta")}
+    o, ht = _run("kda", leaves, h0, None, None, **kw)
+    assert deltacp.last_cuda_tier()[0] == "fused"
+    assert torch.equal(o.detach(), o_ng) and torch.equal(ht.detach(), ht_ng)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+    dht = torch.randn(ht.shape, device="cuda", generator=gen)
+    names = ("q", "k", "v", "g", "beta")
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+    cpu = {n: leaves[n].detach().double().cpu().requires_grad_(True) for n in names}
+    o64, ht64 = _run("kda", cpu, h0.double().cpu(), None, None, **kw)
+    want = torch.autograd.grad((o64 * do.double().cpu()).sum() + (ht64 * dht.double().cpu()).sum(),
+                               [cpu[n] for n in names])
+    assert rel_err(o.detach().double().cpu().numpy(), o64.detach().numpy()) < 1e-2
+    for n, got, ref64 in zip(names, grads, want):
+        assert torch.isfinite(got).all(), n
+        assert rel_err(got.double().cpu().numpy(), ref64.numpy()) < 1e-2, n
+
+
 # ---- FLA's use_gate_in_kernel for kda inside the kernels (Params::gate_A_log) ------------------------------------
 def _raw_gate(t, HV, K, seed=7):
     """A raw gate input (either sign), A_log [HV] = log(1 + 15 u) and dt_bias [HV * K] = 0.1 n, as FLA's models

@@ -23,7 +23,8 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 def _run(cfg, direction: str, method: str, descs: dict) -> None:
     """_core.run for cfg (variant, compute, scale, chunk_size, device: deltacp.ops._Config or
-    deltacp.cp's _Cfg), on the current stream of cfg.device for CUDA tensors."""
+    deltacp.cp's _Cfg), on the current stream of cfg.device for CUDA tensors. cfg.qk_unit_rows (when set): q and k
+    are l2-normalised rows, for the forward and the backward (Params::qk_unit_rows: kda's wider diagonal bound)."""
     if cfg.device.type == "cuda":
         forward = direction == "forward"
         gate = getattr(cfg, "kda_gate", None) if forward else None  # (A_log, dt_bias, lower_bound): deltacp._library
@@ -34,7 +35,8 @@ def _run(cfg, direction: str, method: str, descs: dict) -> None:
         with on_device(cfg.device):
             stream = stream_handle(cfg.device)
             _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
-                      False, getattr(cfg, "qk_l2norm", False) and forward, None if gate is None else gate[2])
+                      False, getattr(cfg, "qk_l2norm", False) and forward, None if gate is None else gate[2],
+                      getattr(cfg, "qk_unit_rows", False))
     else:
         _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
 

@@ -45,7 +45,8 @@ class _Config:
     """Everything about one call that is not a differentiable tensor."""
 
     __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
-                 "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm", "gate_check", "kda_gate")
+                 "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm", "gate_check", "kda_gate",
+                 "qk_unit_rows")
 
 
 def _state_dtype(q: Tensor):
@@ -76,6 +77,7 @@ def _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_
     cfg.qk_l2norm = False
     cfg.gate_check = None  # safe_gate's range check, when the backward is the one to confirm it (chunk)
     cfg.kda_gate = None  # (A_log, dt_bias, lower_bound): kda's gate computed in the CUDA forward (chunk)
+    cfg.qk_unit_rows = False  # q and k normalised by the caller (chunk: deltacp.ops with a gradient)
     return cfg
 
 
@@ -311,23 +313,27 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
               cu_seqlens_cpu: Optional[Tensor], variant: str, fwd_method: str, bwd_method: str,
               scale: Optional[float], chunk_size: int, output_final_state: bool,
               gate_min: Optional[float], qk_l2norm: bool = False, gate_A_log: Optional[Tensor] = None,
-              gate_dt_bias: Optional[Tensor] = None, gate_lower_bound: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+              gate_dt_bias: Optional[Tensor] = None, gate_lower_bound: Optional[float] = None,
+              qk_unit_rows: bool = False) -> Tuple[Tensor, Tensor]:
     # qk_l2norm: q and k are l2-normalised inside the CUDA forward (FLA's use_qk_l2norm_in_kernel, no gradient:
     # deltacp.ops sets it only for calls that need none; the fused tier folds it into its products).
+    # qk_unit_rows: q and k were l2-normalised before the call (deltacp.ops with a gradient), for the forward and
+    # the backward: kda's diagonal score blocks take the same decay bound as with qk_l2norm (Params::qk_unit_rows).
     # gate_A_log (fp32 [HV]), gate_dt_bias (fp32 [HV * K] or None), gate_lower_bound: kda's gate from the raw g inside
     # the CUDA forward (FLA's use_gate_in_kernel, no gradient; the fused tier folds it into its gate sum).
     cfg = _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
                        cu_seqlens_cpu, qk_l2norm, None if gate_A_log is None else (gate_A_log, gate_dt_bias,
-                                                                                   gate_lower_bound))
+                                                                                   gate_lower_bound), qk_unit_rows)
     return _checked(cfg, g, gate_min, lambda: _forward(cfg, q, k, v, g, beta, a, b, h0))
 
 
 def _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu, cu_host, qk_l2norm,
-                 kda_gate) -> _Config:
+                 kda_gate, qk_unit_rows=False) -> _Config:
     """The _Config of one forward call with its in-kernel options (both routes of chunk)."""
     cfg = _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu, cu_host)
     cfg.qk_l2norm = bool(qk_l2norm)
     cfg.kda_gate = kda_gate
+    cfg.qk_unit_rows = bool(qk_unit_rows)
     return cfg
 
 
@@ -351,7 +357,7 @@ def _checked(cfg: _Config, g, gate_min, run, confirm_in_backward: bool = False):
 @chunk_fwd.register_fake
 def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method, scale,
                     chunk_size, output_final_state, gate_min, qk_l2norm=False, gate_A_log=None, gate_dt_bias=None,
-                    gate_lower_bound=None):
+                    gate_lower_bound=None, qk_unit_rows=False):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
@@ -367,23 +373,25 @@ def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, vari
 def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor], a: Optional[Tensor],
               b: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
               cu_seqlens_cpu: Optional[Tensor], do: Tensor, dht: Optional[Tensor], variant: str, method: str,
-              scale: Optional[float],
-              chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              scale: Optional[float], chunk_size: int,
+              qk_unit_rows: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     cfg = _config(variant, method, method, q, scale, chunk_size, False, cu_seqlens, cu_seqlens_cpu)
+    cfg.qk_unit_rows = bool(qk_unit_rows)
     return tuple(_backward(cfg, q, k, v, g, beta, a, b, h0, do, dht))
 
 
 @chunk_bwd.register_fake
 def _chunk_bwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, dht, variant, method, scale,
-                    chunk_size):
+                    chunk_size, qk_unit_rows=False):
     return tuple(q.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
                  for t in (q, k, v, g, beta, a, b, h0))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, a, b, h0, cu, cu_host, variant, _fwd_method, bwd_method, scale, chunk_size,
-     output_final_state, _gate_min, qk_l2norm, gate_A_log, _gate_dt_bias, _gate_lower_bound) = inputs
+     output_final_state, _gate_min, qk_l2norm, gate_A_log, _gate_dt_bias, _gate_lower_bound, qk_unit_rows) = inputs
     ctx.qk_l2norm = qk_l2norm or gate_A_log is not None  # both forward-only options: no gradient
+    ctx.qk_unit_rows = qk_unit_rows
     ctx.save_for_backward(q, k, v, g, beta, a, b, h0, cu, cu_host)
     ctx.variant, ctx.method, ctx.scale, ctx.chunk_size = variant, bwd_method, scale, chunk_size
     ctx.output_final_state = output_final_state
@@ -401,9 +409,9 @@ def _chunk_fwd_backward(ctx, do, dht):
     else:
         dht = dht.to(_state_dtype(q)).contiguous()
     grads = chunk_bwd(q, k, v, g, beta, a, b, h0, cu, cu_host, do, dht, ctx.variant, ctx.method, ctx.scale,
-                      ctx.chunk_size)
+                      ctx.chunk_size, ctx.qk_unit_rows)
     inputs = (q, k, v, g, beta, a, b, h0)
-    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 13
+    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 14
 
 
 chunk_fwd.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
@@ -430,7 +438,8 @@ def _plain(tensors) -> bool:
 
 
 def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, fwd_method: str, bwd_method: str,
-          scale, chunk_size: int, output_final_state: bool, gate_min, qk_l2norm: bool = False, kda_gate=None):
+          scale, chunk_size: int, output_final_state: bool, gate_min, qk_l2norm: bool = False, kda_gate=None,
+          qk_unit_rows: bool = False):
     """(o, ht): what deltacp::chunk_fwd computes, with the same arguments, by one of two routes to the same
     _forward / _backward (so the same kernels and bits):
 
@@ -452,9 +461,9 @@ def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, 
     gate = kda_gate if kda_gate is not None else (None, None, None)
     if torch.compiler.is_compiling() or not _plain(tensors + gate[:2]):
         return chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method,
-                         scale, chunk_size, output_final_state, gate_min, qk_l2norm, *gate)
+                         scale, chunk_size, output_final_state, gate_min, qk_l2norm, *gate, qk_unit_rows)
     cfg = _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
-                       cu_seqlens_cpu, qk_l2norm, kda_gate)
+                       cu_seqlens_cpu, qk_l2norm, kda_gate, qk_unit_rows)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:8]):
         return _checked(cfg, g, gate_min, lambda: _DeltaRuleFunction.apply(cfg, q, k, v, g, beta, a, b, h0),
                         confirm_in_backward=True)

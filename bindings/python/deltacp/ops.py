@@ -239,7 +239,7 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
         o, ht = cp_apply(variant, q, k, v, g, beta, a, b, cp_context=cp_context, scale=scale, initial_state=h0,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
                          use_qk_l2norm_in_kernel=False, gate_name=gate_name, cu_seqlens=cu_seqlens,
-                         gate_range_check=gate_check)
+                         gate_range_check=gate_check, qk_unit_rows=bool(opts.use_qk_l2norm_in_kernel))
         if ht is not None and opts.state_v_first:
             ht = ht.transpose(-1, -2).contiguous()
         return o, ht
@@ -251,8 +251,10 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     tensors = [t for t in (q, k, v, g, beta, a, b, h0) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     fwd_method, bwd_method = _methods(variant, backend, q.device, needs_grad)
+    # opts.use_qk_l2norm_in_kernel still set: preprocess normalised q and k above (Params::qk_unit_rows).
     o, ht = _library.chunk(q, k, v, g, beta, a, b, h0, cu, cu_host, variant, fwd_method, bwd_method, scale,
-                           int(chunk_size), output_final_state, gate_bound, l2_in_kernel, kda_gate)
+                           int(chunk_size), output_final_state, gate_bound, l2_in_kernel, kda_gate,
+                           bool(opts.use_qk_l2norm_in_kernel))
     if not output_final_state:
         ht = None
     elif opts.state_v_first:

@@ -96,6 +96,12 @@ struct Params {
   // contiguous [B, T, H, K] rows; the backward takes normalised q and k (the front ends normalise with
   // autograd when a gradient is wanted).
   bool qk_l2norm = false;
+  // The rows of q and k have l2 norm at most 1: the front ends l2-normalised them before the call (FLA's
+  // use_qk_l2norm_in_kernel with a gradient, for the forward and its backward). A promise about the data, not an
+  // operation: kda's diagonal score blocks then stay on the tensor cores over the same wider decay range as with
+  // qk_l2norm (cuda/tiled/kda_scores.cuh, kDiagExpMaxUnit), so a call with a gradient takes the path of the call
+  // without one. CUDA only; ignored elsewhere.
+  bool qk_unit_rows = false;
   // FLA's use_gate_in_kernel for kda inside the CUDA forward (gate_A_log set): g holds the raw gate x and the
   // kernels use, in its place, lower_bound sigmoid(e^(A_log[hv]) (x + dt_bias[hv, k])) when gate_lower_bound < 0,
   // or -e^(A_log[hv]) softplus(x + dt_bias[hv, k]) when it is 0 (FLA without lower_bound; softplus(y) = y past

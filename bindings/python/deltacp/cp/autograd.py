@@ -103,7 +103,8 @@ def _cp_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, needs_input_grad=None):
             routes.staged = _staged_available(cfg, "forward", q, g)
         staged = routes.staged
     if staged:
-        handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, cfg.fwd_method, descs)
+        handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, cfg.fwd_method, descs,
+                              qk_unit_rows=getattr(cfg, "qk_unit_rows", False))
         prepared = _PreparedForward(handle, pad, cfg.fwd_method)
     _start_check(cfg)
     # 1-3: the state entering this rank's first segment.
@@ -207,7 +208,8 @@ class _CPFunction(torch.autograd.Function):
             descs["dh0"] = torch_desc(dh0_local, "dh0")
         staged, side = None, None
         if _staged_available(cfg, "backward"):
-            staged = _staged_call(cfg, _core.staged_backward_prepare, cfg.variant, "tiled", descs)
+            staged = _staged_call(cfg, _core.staged_backward_prepare, cfg.variant, "tiled", descs,
+                                  qk_unit_rows=getattr(cfg, "qk_unit_rows", False))
             # The recompute's state scan is read only by finish's later stages. A rank whose pre-pass sends dH
             # from the prepared stages runs it on a side stream, beside that pre-pass, so its dH leaves sooner;
             # a rank that only waits runs it now.

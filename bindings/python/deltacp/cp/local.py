@@ -32,7 +32,8 @@ class _Cfg:
     __slots__ = ("variant", "gate_name", "scale", "chunk_size", "output_final_state", "compute", "state_dtype",
                  "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0",
                  "check_fields", "gate_range_check", "gate_error", "pending_check", "tier_why", "fwd_named",
-                 "needs_grad", "plan")  # plan: the problem's cached decisions (deltacp/cp/plan.py), or unset
+                 "needs_grad", "plan",  # plan: the problem's cached decisions (deltacp/cp/plan.py), or unset
+                 "qk_unit_rows")  # q and k are l2-normalised rows (per call; Params::qk_unit_rows)
 
 
 def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:

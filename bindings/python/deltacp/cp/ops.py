@@ -136,12 +136,14 @@ def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
 
 def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=None, initial_state=None,
              output_final_state=False, chunk_size=64, backend=None, use_qk_l2norm_in_kernel=False,
-             gate_name="g", cu_seqlens=None, gate_check=True, gate_range_check=None):
+             gate_name="g", cu_seqlens=None, gate_check=True, gate_range_check=None, qk_unit_rows=False):
     """The CP op for any variant (the public functions below fix the variant and argument names).
     gate_check (dplr): each rank checks its gates against the chunk form's range before a chunked method runs
     them (False: the caller vouches for them; local._dplr_tiers). gate_range_check: safe_gate's started check
     of the gate (deltacp._library.start_gate_range_check, from deltacp.ops), whose outcome joins the ranks'
-    agreement, so that a broken promise on one rank makes every rank raise before the exchange."""
+    agreement, so that a broken promise on one rank makes every rank raise before the exchange. qk_unit_rows: q
+    and k were l2-normalised by the caller (deltacp.ops), as use_qk_l2norm_in_kernel normalises them here
+    (Params::qk_unit_rows: the kernels' wider bound for kda's diagonal score blocks)."""
     ctx = cp_context
     if not isinstance(ctx, CPContext):
         raise TypeError(f"deltacp: argument 'cp_context': expected a deltacp.cp.CPContext (from "
@@ -158,6 +160,7 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     cfg = plan.cfg(ctx, gate_range_check)
+    cfg.qk_unit_rows = bool(use_qk_l2norm_in_kernel or qk_unit_rows)
     h0 = None
     if initial_state is not None:
         h0 = initial_state.to(cfg.state_dtype).contiguous()
