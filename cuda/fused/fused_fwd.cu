@@ -51,7 +51,7 @@
 // Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128, K = 128 with V = 256 (gdn's and delta's WY stage
 // makes U in two rounds of 128 columns, the chain has four 64-column tiles) and K = V = 64 (the same kernels on one
 // 64-column box per tile, the state a 64 x 64 accumulator of one warpgroup; kda's token-parallel stage at these two
-// shapes is the pair of mma.sync kernels, launch_kda_fused_prepare); q, k, v, o 16-byte aligned
+// shapes is kda_prepare_kernel on mma.sync, launch_kda_fused_prepare); q, k, v, o 16-byte aligned
 // rows with positive strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
 // says why not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name,
 // raises an error with the reason).
@@ -75,9 +75,10 @@
 // tiled tier 0.761), of which the chain 0.173 (128 CTAs of one warpgroup, 64 chunks each: 2.70 us a chunk, its
 // loads and stores at about 2.3 TB/s across the GPU).
 // kda at K = V = 64 and K = 128 with V = 256 (NVIDIA H200, 2026-11-28, bf16, bench_gpu.py beside FLA 0.5.2 with its
-// benchmark keywords): (4,4096,32,64) 0.910 ms (FLA 1.908, the tiled tier 1.211), of which the chain 0.114 (1.77 us
-// a chunk on 128 CTAs); (8,2048,32,128,256) 2.642 ms (FLA 2.445, the tiled tier 3.483), of which the chain 0.371
-// (2.90 us a chunk): the rest is the token-parallel stage's pair of mma.sync kernels, the part to move to wgmma.
+// benchmark keywords): (4,4096,32,64) 0.874 ms (FLA 1.222), of which the chain 0.114 (1.78 us a chunk on 128 CTAs);
+// (8,2048,32,128,256) 1.596 ms (FLA 2.459), of which the chain 0.366 (2.86 us a chunk). The rest is
+// kda_prepare_kernel (mma.sync); with the pair it replaces (DELTACP_FUSED_KDA_PREPARE=0) the forward took 0.910 and
+// 2.642 ms (the tiled tier 1.211 and 3.483) in an earlier run.
 // kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.17 ms = the WY stage 0.99 +
 // kda_chain_operands_kernel 0.76 + chain 0.41 (the gate summed and q, k normalised inside the first two: the
 // cumsum kernel's 0.22 ms and the l2 norm's pass over q and k are gone), against the tiled tier's 2.66 (its

@@ -94,6 +94,7 @@
 #include "../common/tma.cuh"
 #include "chunk_table.cuh"
 #include "fwd_mma.cuh"
+#include "fwd_stages.cuh"
 #include "kda_scores.cuh"
 #include "wgmma_ops.cuh"
 #include "wy_solve.cuh"
@@ -689,14 +690,10 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
 }
 
 // ---- host ----------------------------------------------------------------------------------------
-// Why kda_prepare_wgmma_kernel cannot run p (nullptr: it can).
+// Why kda_prepare_wgmma_kernel cannot run p (nullptr: it can): the fused kda stage's needs (an sm_90a build, kda,
+// 16-bit inputs, compute capability 9.0), then this kernel's own.
 inline const char* kda_prepare_wgmma_refusal(const Params& p) {
-#ifndef DELTACP_HAVE_SM90A
-  (void)p;
-  return "this build has no sm_90a code (DELTACP_CUDA_ARCHS without 90a)";
-#else
-  if (p.variant != Variant::kda) return "it implements kda";
-  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "it takes bf16 or fp16 inputs";
+  if (const char* why = kda_fused_prepare_refusal(p)) return why;
   if (p.K != 128 || p.V != 128) return "it takes K = V = 128";
   if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
   if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
@@ -708,11 +705,7 @@ inline const char* kda_prepare_wgmma_refusal(const Params& p) {
       return "it reads q, k and v through TMA tensor maps, which need positive strides";
   }
   if (p.B * p.T >= (int64_t{1} << 31)) return "it addresses token rows by TMA's 32-bit coordinates (B * T < 2^31)";
-  if (device_attribute(cudaDevAttrComputeCapabilityMajor) != 9 ||
-      device_attribute(cudaDevAttrComputeCapabilityMinor) != 0)
-    return "it runs on compute capability 9.0 (H100 / H200) only";
   return nullptr;
-#endif
 }
 
 // Launches kda_prepare_wgmma_kernel over every chunk of the table: f as launch_kda_fused_prepare sets it up (the raw

@@ -1066,8 +1066,8 @@ __global__ void __launch_bounds__(kThreads) kda_chain_operands_kernel(FwdArgs<T>
 // Every stored value takes the operations of the kernel it replaces, in the same order (the same helpers:
 // chunk_sum_gate, l2norm_rows, decayed_scores_impl, unit_lower_inverse_64_tf32, the same warp_mma calls
 // and the same element expressions), so the outputs are bit-identical to the pair's; only where and when they
-// are stored changed. 128 threads, 109.75 KB of shared memory for K = V = 128 (KdaPrepLayout): two CTAs per
-// SM, as each of the pair ran, so one CTA's barriers overlap the other's work.
+// are stored changed. 128 threads, 109.75 KB of shared memory for K = 128 with V = 128 or 256 (KdaPrepLayout; less
+// at K = V = 64): two CTAs per SM, as each of the pair ran, so one CTA's barriers overlap the other's work.
 // ============================================================================================
 template <class T>
 __global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> args, T* __restrict__ W,
@@ -1109,7 +1109,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prepare_kernel(FwdArgs<T> arg
 
   // ---- phase 1: G in place (G's last row to args.g_last), q and k normalised ----
   chunk_sum_gate(Gk, ldg, args, ce, hv);
-  if (args.qk_l2norm) {  // Kp = 128 (launch_kda_fused_prepare)
+  if (args.qk_l2norm) {  // Kp = 128 or 64 (launch_kda_fused_prepare)
     l2norm_rows(Qs, ldk, 0, Kp);
     l2norm_rows(Ks, ldk, 64, Kp);
   }
@@ -1528,8 +1528,10 @@ namespace {
 // with the same bits; 1 = required (an error names why it cannot run).
 bool use_kda_prepare_kernel(const Params& p) {
   return kernel_switch("DELTACP_FUSED_KDA_PREPARE", "the one-kernel kda stage", [&]() -> const char* {
-    // Its layout is sized for K = V = 128 (two CTAs per SM); the pair takes any K, V the fused tier does.
-    return p.K == 128 && padded_dim(p.V) == 128 ? nullptr : "it takes K = V = 128";
+    // The fused tier's shapes: its layout (kda_prep_layout) keeps two CTAs per SM at each (109.75 KB at K = 128
+    // with V = 128 or 256: V lands in the dead Q and gate rows), and the pair takes any other K, V.
+    const bool fits = (p.K == 128 && (p.V == 128 || p.V == 256)) || (p.K == 64 && p.V == 64);
+    return fits ? nullptr : "it takes K = 128 with V = 128 or 256, or K = V = 64";
   });
 }
 // DELTACP_FUSED_KDA_PREPARE_WGMMA: unset = the stage on wgmma (kda_prepare_wgmma.cuh) wherever

@@ -1122,17 +1122,19 @@ def test_kda_scores_diagonal_blocks_on_both_paths(tier, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("gate16", [False, True], ids=["g_fp32", "g_16bit"])
 @pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "qk_l2norm"])
-def test_fused_kda_prepare_kernel_matches_the_pair(dtype, gate16, l2norm, monkeypatch):
+@pytest.mark.parametrize("K,V", [(128, 128), (128, 256), (64, 64)], ids=["K128", "V256", "K64"])
+def test_fused_kda_prepare_kernel_matches_the_pair(dtype, gate16, l2norm, K, V, monkeypatch):
     """The fused forward's kda stage in one kernel (kda_prepare_kernel, DELTACP_FUSED_KDA_PREPARE) against the
-    pair it replaces (=0: chunk_wy_kernel, then kda_chain_operands_kernel): o and ht bit for bit, on packed
-    sequences with short chunks, grouped value heads, the raw gate in fp32 or 16 bits, with and without the
-    in-kernel l2 norm, and gates that send some bf16 diagonal blocks element by element."""
+    pair it replaces (=0: chunk_wy_kernel, then kda_chain_operands_kernel): o and ht bit for bit, at each shape
+    of the fused tier, on packed sequences with short chunks, grouped value heads, the raw gate in fp32 or 16
+    bits, with and without the in-kernel l2 norm, and gates that send some bf16 diagonal blocks element by
+    element."""
     _require_cuda_build()
     from deltacp import _core
 
     if not _core.cuda_supports("kda", "fused", False) or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the fused tier runs on compute capability 9.0")
-    s = _Switched("kda", dtype, [0, 1, 63, 64, 65, 300], seed=43, rng_seed=7)
+    s = _Switched("kda", dtype, [0, 1, 63, 64, 65, 300], seed=43, rng_seed=7, K=K, V=V)
     steep = (torch.arange(s.t["g"].shape[1], device="cuda") // 16) % 3 == 1
     s.t["g"][:, steep] = -8.0
     if gate16:
