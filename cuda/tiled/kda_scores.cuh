@@ -18,7 +18,8 @@
 // 1.85 to 0.98 ms (H100, bf16 kda (2,16384,16,128), kernel time); the worst bf16 error against fp64 in
 // bench_gpu.py's accuracy check went from 3.6e-3 to 4.0e-3 (FLA 3.7e-3).
 // Where the rows of q and k are l2-normalised, inside the call or by the front end before it (Params::qk_l2norm,
-// qk_unit_rows), the bound is e^76 (kDiagExpMaxUnit below: FLA's safe-gate range over a block), so FLA's in-kernel gate with lower_bound -5, whose blocks decay by up to e^75, keeps every diagonal
+// qk_unit_rows), the bound is e^76 (kDiagExpMaxUnit below: FLA's safe-gate range over a block), so FLA's
+// in-kernel gate with lower_bound -5, whose blocks decay by up to e^75, keeps every diagonal
 // block on the tensor cores: its forward took 1.968 -> 1.247 ms at (2,16384,16,128) and 2.659 -> 1.540 ms at
 // (1,8192,96,128) (H200, bf16, bench_gpu.py's kda_gate); with a gradient (the bound in the forward and the
 // backward's recompute) forward + backward 7.564 -> 6.773 and 9.949 -> 8.704 ms.
@@ -36,10 +37,11 @@ namespace deltacp::cuda::tiled {
 __host__ __device__ constexpr int kda_scores_y_rows(int esize) { return esize == 2 ? 64 : 48; }
 // The largest decay exponent G_r - G_j a diagonal block takes on the tensor cores (e^64 ~ 6e27).
 constexpr float kDiagExpMax = 64.f;
-// With l2-normalised rows (unit_rows: Params::qk_l2norm or qk_unit_rows, |x|, |y| <= 1) the bounds widen to FLA's safe-gate range:
-// per-token decays of at least -5 make at most e^75 over a block's 15 rows. A scaled Y element is then at most
-// e^76 ~ 1e33, a scaled X element at most 1 (and at least |x| e^-76, a normal bf16 number for |x| > 1.2e-5; smaller
-// terms are below the products' rounding), and a sum of 128 products stays below 1.3e35, far from fp32's 3.4e38.
+// With l2-normalised rows (unit_rows: Params::qk_l2norm or qk_unit_rows, |x|, |y| <= 1) the bounds widen to FLA's
+// safe-gate range: per-token decays of at least -5 make at most e^75 over a block's 15 rows. A scaled Y element is
+// then at most e^76 ~ 1e33, a scaled X element at most 1 (and at least |x| e^-76, a normal bf16 number for
+// |x| > 1.2e-5; smaller terms are below the products' rounding), and a sum of 128 products stays below 1.3e35, far
+// from fp32's 3.4e38.
 constexpr float kDiagExpMaxUnit = 76.f;
 // Whether a scaled Y element x of a diagonal block (exponent ex) keeps the block off the tensor cores.
 __device__ __forceinline__ bool diag_refused(float ex, float x, bool unit_rows) {
