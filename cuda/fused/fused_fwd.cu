@@ -50,11 +50,11 @@
 //
 // Applies to: gdn, kda and delta; bf16 / fp16 inputs; K = V = 128, K = 128 with V = 256 (gdn's and delta's WY stage
 // makes U in two rounds of 128 columns, the chain has four 64-column tiles) and K = V = 64 (the same kernels on one
-// 64-column box per tile, the state a 64 x 64 accumulator of one warpgroup; kda's token-parallel stage at these two
-// shapes is kda_prepare_kernel on mma.sync, launch_kda_fused_prepare); q, k, v, o 16-byte aligned
-// rows with positive strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build with sm_90a code (forward_refusal
-// says why not, and the dispatch falls back to the tiled tier or, when the fused tier was asked for by name,
-// raises an error with the reason).
+// 64-column box per tile, the state a 64 x 64 accumulator of one warpgroup; kda's token-parallel stage is
+// kda_prepare_kernel on mma.sync at K = V = 64 and the wgmma one at K = 128, launch_kda_fused_prepare); q, k, v, o
+// 16-byte aligned rows with positive strides (TMA; kda: o only); B * T < 2^31; compute capability 9.0 in a build
+// with sm_90a code (forward_refusal says why not, and the dispatch falls back to the tiled tier or, when the fused
+// tier was asked for by name, raises an error with the reason).
 //
 // Measured (NVIDIA H200, 2026-11-25, bf16 gdn, both sides with use_qk_l2norm_in_kernel=True, which this tier
 // folds into its kernels; docs/perf.md has the table beside FLA). Kernels per forward (bench/gpu/
@@ -76,9 +76,10 @@
 // loads and stores at about 2.3 TB/s across the GPU).
 // kda at K = V = 64 and K = 128 with V = 256 (NVIDIA H200, 2026-11-28, bf16, bench_gpu.py beside FLA 0.5.2 with its
 // benchmark keywords): (4,4096,32,64) 0.874 ms (FLA 1.222), of which the chain 0.114 (1.78 us a chunk on 128 CTAs);
-// (8,2048,32,128,256) 1.596 ms (FLA 2.459), of which the chain 0.366 (2.86 us a chunk). The rest is
-// kda_prepare_kernel (mma.sync); with the pair it replaces (DELTACP_FUSED_KDA_PREPARE=0) the forward took 0.910 and
-// 2.642 ms (the tiled tier 1.211 and 3.483) in an earlier run.
+// (8,2048,32,128,256) 1.596 ms (FLA 2.459) with kda_prepare_kernel, of which the chain 0.366 (2.86 us a chunk);
+// with the wgmma stage, which took V = 256 after that run, 1.139 ms (CUDA events over 20 calls, without FLA in the
+// process). With the pair of kernels kda_prepare_kernel replaces (DELTACP_FUSED_KDA_PREPARE=0) the forward took 0.910
+// and 2.642 ms (the tiled tier 1.211 and 3.483) in an earlier run.
 // kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.17 ms = the WY stage 0.99 +
 // kda_chain_operands_kernel 0.76 + chain 0.41 (the gate summed and q, k normalised inside the first two: the
 // cumsum kernel's 0.22 ms and the l2 norm's pass over q and k are gone), against the tiled tier's 2.66 (its

@@ -231,9 +231,9 @@ void launch_chunk_output(const Params& p, const ChunkTable& table, const float* 
 // p.qk_l2norm): the WY stage's W, U and K e^(G_n - G) (chunk_wy_kernel's), G's last row of every chunk into G_last
 // ([R, HV, K] fp32 rows: the only rows the chain and its pieces read), and P ([R, HV, 64], the output stage's
 // decayed scores, zero above the diagonal) and Q e^G ([R, HV, K]), 16-bit. kda, 16-bit inputs, K = 128 or 64.
-// One kernel: kda_prepare_wgmma_kernel on wgmma where K = V = 128, else kda_prepare_kernel (mma.sync); with
-// DELTACP_FUSED_KDA_PREPARE=0 the pair it replaces, chunk_wy_kernel and kda_chain_operands_kernel, with the same
-// bits as kda_prepare_kernel.
+// One kernel: kda_prepare_wgmma_kernel on wgmma where K = 128 (V = 128 or 256), else kda_prepare_kernel
+// (mma.sync); with DELTACP_FUSED_KDA_PREPARE=0 the pair it replaces, chunk_wy_kernel and kda_chain_operands_kernel,
+// with the same bits as kda_prepare_kernel.
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
                               void* P, void* Qg, cudaStream_t stream);
 // Why launch_kda_fused_prepare cannot run p (nullptr: it can): an sm_90a build, kda, bf16 / fp16, K = 128 or 64,

@@ -41,7 +41,9 @@
 //            Qg = Q e^G and Kd out, K <- K e^G in place (one e^G per element for both), then the v tile by TMA
 //            into Q's dead bytes
 //   phase 4  both warpgroups build T Beta as 16-bit A fragments; warpgroup 0: W = (T Beta)(K e^G), warpgroup 1:
-//            U = (T Beta) V, each 4 x wgmma m64n128k16 (B MN-major), staged (swizzled rows) and stored as whole rows
+//            U = (T Beta) V, each 4 x wgmma m64n128k16 (B MN-major), staged (swizzled rows) and stored as whole rows.
+//            V = 256 (the forward): V's columns 128 .. 255 land by TMA in T's dead bytes once every warp has its
+//            fragments, and warpgroup 0 computes U's second half after W, staged where W was
 //
 // Numerics: every rounding of kda_prepare_kernel is kept (16-bit scaled operands, fp32 A and T with tf32 block
 // products, T Beta rounded to 16 bits, fp32 accumulation). The score and W, U products accumulate in wgmma's order
@@ -75,6 +77,8 @@
 // two CTAs per SM (16 warps) on an H100/H200. The backward mode adds P's block (8 KB, after A) and a third mbarrier:
 // 113,960 bytes, 114,984 with the slack, still two CTAs per SM.
 //
+// V = 256 (NVIDIA H200, 2026-11-28, bf16 kda (8,2048,32,128,256), FLA's benchmark keywords, the fused forward's
+// elapsed time by CUDA events over 20 calls): 1.139 ms with this stage against 1.600 with kda_prepare_kernel.
 // Measured (NVIDIA H100, 2026-11-27, bf16, bench/gpu/stage_times.py --variant kda --backend fused, kernel time
 // per forward): (2,16384,16,128) 0.597 ms where kda_prepare_kernel takes 1.009 (its bytes alone, 2442 per token
 // and head, are about 0.43 ms at 3 TB/s); the fused kda forward 1.431 -> 1.017 ms of kernels. Beside FLA (same
@@ -107,7 +111,8 @@ struct KdaPrepWgArgs {
   TileMap16 tm_q, tm_k, tm_v;  // [B, T, H or HV, 128] as the caller strides them: boxes of 64 columns x 64 tokens
   FwdArgs<T> f;                // chunks, beta, the raw gate (g32 or g16), g_last, qk_l2norm, HV, group
   T* W = nullptr;              // [R, HV, 128]
-  T* U = nullptr;              // [R, HV, 128]
+  T* U = nullptr;              // [R, HV, vcols]
+  int vcols = 128;             // V: 128, or 256 in the forward (the second half of U by warpgroup 0 after W)
   T* Kd = nullptr;             // [R, HV, 128]
   T* P = nullptr;              // [R, HV, 64] (the forward; the backward's recompute keeps P in shared memory)
   T* Qg = nullptr;             // [R, HV, 128]
@@ -427,17 +432,18 @@ __device__ __forceinline__ void diag_block_elementwise(const unsigned char* X, c
   }
 }
 
-// The first len rows staged by stage_rows<T, 128> (wy_wgmma.cuh's layout) to rows row0 .. of a [R, HV, 128] tensor,
-// by one warpgroup (thr = 0 .. 127 within it): 16 bytes a thread, whole rows per 16 threads.
+// The first len rows staged by stage_rows<T, 128> (wy_wgmma.cuh's layout) to columns col0 .. col0 + 127 of rows
+// row0 .. of a [R, HV, ld] tensor, by one warpgroup (thr = 0 .. 127 within it): 16 bytes a thread, whole rows per 16
+// threads.
 template <class T>
 __device__ __forceinline__ void store_staged_rows(T* dst, const unsigned char* src, int64_t row0, int64_t HV,
-                                                  int64_t hv, int len, int thr) {
+                                                  int64_t hv, int len, int thr, int ld = 128, int col0 = 0) {
   const int piece = thr & 15, r0 = thr >> 4;
 #pragma unroll
   for (int it = 0; it < 8; ++it) {
     const int r = r0 + 8 * it;
     if (r < len)
-      *reinterpret_cast<uint4*>(dst + ((row0 + r) * HV + hv) * 128 + piece * 8) =
+      *reinterpret_cast<uint4*>(dst + ((row0 + r) * HV + hv) * ld + col0 + piece * 8) =
           *reinterpret_cast<const uint4*>(src + r * 256 + ((piece ^ (r & 7)) << 4));
   }
 }
@@ -629,6 +635,18 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
         fr[kk][2 * h + 1] = pack2<T>(tb.x * s0, tb.y * s1);
       }
   }
+  // V = 256 (the forward): T's bytes (Yr's region, 20 KB) are dead once every warp has its T Beta fragments; V's
+  // columns 128 .. 255 land there, on the Q and K tiles' mbarrier in its second phase.
+  const bool wide_v = !kBwd && a.vcols == 256;
+  if (wide_v) {
+    fence_proxy_async();
+    __syncthreads();
+    if (tid == 0) {
+      mbar_expect_tx(bars, 2 * S::kBox);
+      tma_load_4d(smem + S::yr, &a.tm_v.map, bars, 128, static_cast<int>(hv), t0, b);
+      tma_load_4d(smem + S::yr + S::kBox, &a.tm_v.map, bars, 192, static_cast<int>(hv), t0, b);
+    }
+  }
   if (wg == 1) {
     mbar_wait(bars + 1, 0);
     zero_tail_rows(smem + S::v, len, thr, 128);
@@ -650,7 +668,30 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   unsigned char* stage = smem + (wg == 0 ? S::w_stage : S::u_stage);
   stage_rows<T, 128>(stage, acc);
   warpgroup_bar(wg);
-  store_staged_rows<T>(wg == 0 ? a.W : a.U, stage, ce.row0, HV, hv, len, thr);
+  if (wg == 0) {
+    store_staged_rows<T>(a.W, stage, ce.row0, HV, hv, len, thr);
+  } else {
+    store_staged_rows<T>(a.U, stage, ce.row0, HV, hv, len, thr, a.vcols, 0);
+  }
+  if (wide_v && wg == 0) {  // U's columns 128 .. 255 = (T Beta) V[:, 128:], staged where W was
+    mbar_wait(bars, 1);
+    zero_tail_rows(smem + S::yr, len, thr, 128);
+    fence_proxy_async();
+    warpgroup_bar(0);  // also: every thread has stored its W rows from the staging tile
+    const uint32_t bv = smem_u32(smem + S::yr);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    wg_fence();
+    reg_fence(acc);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_n128_rs_tb<T>(acc, fr[kk], wg_desc(bv + kk * 2048, 8192, 1024));
+    wg_commit();
+    wg_wait_all();
+    reg_fence(acc);
+    stage_rows<T, 128>(stage, acc);
+    warpgroup_bar(0);
+    store_staged_rows<T>(a.U, stage, ce.row0, HV, hv, len, thr, 256, 128);
+  }
 
   // ---- phase 5 (the backward): B0's dVn_local = scale P^T dO, warpgroup wg the value columns 64 wg .. 64 wg + 63:
   // A = P^T (P's block read M-major), B = dO's block wg (MN-major), K = the chunk's 64 tokens ----
@@ -694,7 +735,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
 // 16-bit inputs, compute capability 9.0), then this kernel's own.
 inline const char* kda_prepare_wgmma_refusal(const Params& p) {
   if (const char* why = kda_fused_prepare_refusal(p)) return why;
-  if (p.K != 128 || p.V != 128) return "it takes K = V = 128";
+  if (p.K != 128 || (p.V != 128 && p.V != 256)) return "it takes K = 128 with V = 128 or 256";
   if (p.chunk_size < 1 || p.chunk_size > 64) return "it takes chunk_size <= 64";
   if (p.HV % p.H != 0 || p.HV > 65535) return "it takes HV a multiple of H and at most 65535";
   const int64_t es = dtype_size(p.dtype);
@@ -717,7 +758,8 @@ void launch_kda_prepare_wgmma(const Params& p, const ChunkTable& table, const Fw
   KdaPrepWgArgs<T> a;
   a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
   a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, 128, "k");
-  a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, 128, "v");
+  a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, p.V, "v");
+  a.vcols = static_cast<int>(p.V);
   a.f = f;
   a.W = W;
   a.U = U;
@@ -736,6 +778,7 @@ void launch_kda_prepare_wgmma(const Params& p, const ChunkTable& table, const Fw
 // stage's limits, and dO read through a tensor map (B0's operand).
 inline const char* kda_bwd_recompute_wgmma_refusal(const Params& p) {
   if (const char* why = kda_prepare_wgmma_refusal(p)) return why;
+  if (p.V != 128) return "it takes K = V = 128";
   if (p.dout.ptr == nullptr) return "it folds in stage B0, which reads do (none given)";
   if (!rows_aligned16(p.dout, dtype_size(p.dtype)) || !steps_forward(p.dout, p.B, p.T, p.HV))
     return "it reads do by TMA (its pointer and strides must be 16-byte aligned and positive)";

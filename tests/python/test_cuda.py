@@ -1161,12 +1161,13 @@ def _need_wgmma_kda_prepare():
         pytest.skip("the fused tier's wgmma kda stage runs on compute capability 9.0")
 
 
-def _kda_wgmma_problem(dtype, gate16, steep, heads):
+def _kda_wgmma_problem(dtype, gate16, steep, heads, V=128):
     """_Switched kda problem for the wgmma kda stage's tests: sequences of 1, 63, 64, 65 and 207 tokens (short
-    chunks), K = V = 128, g in fp32 or 16 bits; steep: every third block of 16 tokens decays by 8 per token per
-    key (its bf16 diagonal blocks leave the tensor cores' range and go element by element), and one block by 5."""
+    chunks), K = 128 (V = 128 unless given), g in fp32 or 16 bits; steep: every third block of 16 tokens decays by
+    8 per token per key (its bf16 diagonal blocks leave the tensor cores' range and go element by element), and one
+    block by 5."""
     H, HV = heads
-    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=97, rng_seed=19, H=H, HV=HV)
+    s = _Switched("kda", dtype, [0, 1, 64, 128, 193, 400], seed=97, rng_seed=19, H=H, HV=HV, V=V)
     if steep:
         tokens = s.t["g"].shape[1]
         blk = torch.arange(tokens, device="cuda") // 16
@@ -1205,14 +1206,16 @@ def _kda_reference_forward(s, l2norm):
 @pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "qk_l2norm"])
 @pytest.mark.parametrize("steep", [False, True], ids=["mild", "steep"])
 @pytest.mark.parametrize("heads", [(2, 2), (2, 4)], ids=["one_value_head", "grouped"])
-def test_fused_kda_prepare_wgmma_matches_kda_prepare_kernel(dtype, gate16, l2norm, steep, heads, monkeypatch):
+@pytest.mark.parametrize("V", [128, 256], ids=["V128", "V256"])
+def test_fused_kda_prepare_wgmma_matches_kda_prepare_kernel(dtype, gate16, l2norm, steep, heads, V, monkeypatch):
     """The fused forward's kda stage on wgmma (cuda/tiled/kda_prepare_wgmma.cuh, DELTACP_FUSED_KDA_PREPARE_WGMMA=1)
     against kda_prepare_kernel (=0) and the fp64 reference: o and ht, packed sequences of 1, 63, 64, 65 and 207
-    tokens with h0, one or grouped value heads, g in fp32 or 16 bits, with and without the in-kernel l2 norm, mild
-    gates and steep ones (bf16 diagonal blocks element by element). The products accumulate in wgmma's order, so
-    the two agree to 16-bit rounding, not bit for bit; a second run of the wgmma stage gives the same bits."""
+    tokens with h0, one or grouped value heads, V = 128 or 256 (U's second half after W), g in fp32 or 16 bits, with
+    and without the in-kernel l2 norm, mild gates and steep ones (bf16 diagonal blocks element by element). The
+    products accumulate in wgmma's order, so the two agree to 16-bit rounding, not bit for bit; a second run of the
+    wgmma stage gives the same bits."""
     _need_wgmma_kda_prepare()
-    s = _kda_wgmma_problem(dtype, gate16, steep, heads)
+    s = _kda_wgmma_problem(dtype, gate16, steep, heads, V)
     o1, ht1 = _kda_fused_call(s, monkeypatch, "1", l2norm)
     o1b, ht1b = _kda_fused_call(s, monkeypatch, "1", l2norm)
     o0, ht0 = _kda_fused_call(s, monkeypatch, "0", l2norm)
