@@ -77,8 +77,8 @@
 // kda at K = V = 64 and K = 128 with V = 256 (NVIDIA H200, 2026-11-28, bf16, bench_gpu.py beside FLA 0.5.2 with its
 // benchmark keywords): (4,4096,32,64) 0.874 ms (FLA 1.222), of which the chain 0.114 (1.78 us a chunk on 128 CTAs);
 // (8,2048,32,128,256) 1.596 ms (FLA 2.459) with kda_prepare_kernel, of which the chain 0.366 (2.86 us a chunk);
-// with the wgmma stage, which took V = 256 after that run, 1.139 ms (CUDA events over 20 calls, without FLA in the
-// process). With the pair of kernels kda_prepare_kernel replaces (DELTACP_FUSED_KDA_PREPARE=0) the forward took 0.910
+// with the wgmma stage, which took V = 256 after that run, 1.128 ms (FLA 2.440 in that later run). With the pair
+// of kernels kda_prepare_kernel replaces (DELTACP_FUSED_KDA_PREPARE=0) the forward took 0.910
 // and 2.642 ms (the tiled tier 1.211 and 3.483) in an earlier run.
 // kda (NVIDIA H100, 2026-11-27, bf16, (2,16384,16,128), kernels per forward): 2.17 ms = the WY stage 0.99 +
 // kda_chain_operands_kernel 0.76 + chain 0.41 (the gate summed and q, k normalised inside the first two: the

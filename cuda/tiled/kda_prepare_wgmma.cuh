@@ -77,8 +77,9 @@
 // two CTAs per SM (16 warps) on an H100/H200. The backward mode adds P's block (8 KB, after A) and a third mbarrier:
 // 113,960 bytes, 114,984 with the slack, still two CTAs per SM.
 //
-// V = 256 (NVIDIA H200, 2026-11-28, bf16 kda (8,2048,32,128,256), FLA's benchmark keywords, the fused forward's
-// elapsed time by CUDA events over 20 calls): 1.139 ms with this stage against 1.600 with kda_prepare_kernel.
+// V = 256 (NVIDIA H200, 2026-11-28, bf16 kda (8,2048,32,128,256), FLA's benchmark keywords, the fused forward in
+// bench_gpu.py beside FLA 0.5.2): 1.128 ms with this stage (FLA 2.440) against 1.596 with kda_prepare_kernel (FLA
+// 2.459, an earlier run).
 // Measured (NVIDIA H100, 2026-11-27, bf16, bench/gpu/stage_times.py --variant kda --backend fused, kernel time
 // per forward): (2,16384,16,128) 0.597 ms where kda_prepare_kernel takes 1.009 (its bytes alone, 2442 per token
 // and head, are about 0.43 ms at 3 TB/s); the fused kda forward 1.431 -> 1.017 ms of kernels. Beside FLA (same
