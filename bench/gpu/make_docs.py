@@ -84,9 +84,10 @@ def same_run(perf, a, b):
 
 
 def ratios(perf, variant, direction, impl):
-    """{shape: impl time / FLA time} over the shapes both timed in the same run."""
+    """{shape: speed against FLA = FLA's time / impl's time (above 1: impl is faster)} over the shapes both timed in
+    the same run."""
     mine, fla = timed(perf, variant, direction, impl), timed(perf, variant, direction, "fla")
-    return {s: mine[s]["ms"] / fla[s]["ms"] for s in mine if s in fla and same_run(perf, mine[s], fla[s])}
+    return {s: fla[s]["ms"] / mine[s]["ms"] for s in mine if s in fla and same_run(perf, mine[s], fla[s])}
 
 
 def rows_date(perf, variant, impl=None):
@@ -179,7 +180,8 @@ def readme_table(res):
                         at = ", ".join(fmt_shape(x) for x in sorted(rs, key=lambda x: (x[0] * x[1] * x[2], x)))
                         parts.append(f"{'forward' if d == 'fwd' else 'forward + backward'} {span} at {at}")
                 if parts:
-                    lines.append(f"| {tier} tier, {variant_title(variant)}: time / FLA's time | " + "; ".join(parts) +
+                    label = f"{tier} tier, {variant_title(variant)}: speed against FLA (FLA's time / deltacp's)"
+                    lines.append(f"| {label} | " + "; ".join(parts) +
                                  f" | {where} |")
     for r in res["cp"]:
         s = cp_summary(r)
@@ -262,7 +264,8 @@ def perf_md(res, plots):
                   f"`{perf['_file']}`: torch {perf.get('torch', '?')}, triton {perf.get('triton', '?')}, "
                   f"FLA {perf.get('fla', 'absent')}. Ceilings measured in the same run: device copy "
                   f"{perf['copy_TBps']:.2f} TB/s (read + write), bf16 matmul {perf['bf16_matmul_TFLOPs']:.0f} TFLOP/s. "
-                  "`roofline` = floor / time, floor = max(bytes / copy rate, FLOPs / matmul rate).", ""]
+                  "`roofline` = floor / time, floor = max(bytes / copy rate, FLOPs / matmul rate). `speed vs FLA` = "
+                  "FLA's time / the tier's, in the same run (above 1: faster than FLA).", ""]
         for note in perf.get("notes", []):
             lines += [f"Note: {note}.", ""]
         bpt = perf.get("bytes_per_token_head", {})
@@ -296,7 +299,7 @@ def perf_md(res, plots):
                     if variant != "gdn" and "note" in bpt.get(variant, {}):
                         lines += [f"HBM bytes per token-head of {variant}'s fused forward: {bpt[variant]['note']}.", ""]
                 lines += ["| (B, T, H, D) | " + " | ".join(f"{n} ms" for n in impls) + " | " +
-                          " | ".join(f"{n.split('-', 1)[1]} / FLA" for n in ours) +
+                          " | ".join(f"{n.split('-', 1)[1]} speed vs FLA" for n in ours) +
                           " | best tier TFLOP/s | TB/s | roofline |" + "".join(f" {c} |" for c in fcols),
                           "|---|" + "---|" * (len(impls) + len(ours) + 3 + len(fcols))]
                 for s in shapes:
@@ -304,7 +307,7 @@ def perf_md(res, plots):
                     cells = [f"{by[n]['ms']:.3f}" if n in by and "ms" in by[n] else ("error" if n in by else "-")
                              for n in impls]
                     fla = by.get("fla", {})
-                    rat = [f"{by[n]['ms'] / fla['ms']:.2f}x"
+                    rat = [f"{fla['ms'] / by[n]['ms']:.2f}x"
                            if "ms" in by.get(n, {}) and "ms" in fla and same_run(perf, by[n], fla) else "-"
                            for n in ours]
                     best = next((by[n] for n in ours if "ms" in by.get(n, {})), None)
