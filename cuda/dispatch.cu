@@ -156,6 +156,17 @@ void validate_on_gpu(const Params& p, Method tier, bool backward, bool by_name =
   }
   check_variant(p, tier, backward, by_name);
   check_gpu_pointers(p, backward);
+  if (p.chunk_h != nullptr || p.chunk_vnew != nullptr) {  // params.h: the states a forward keeps for the backward
+    DELTACP_CHECK(p.chunk_h != nullptr && p.chunk_vnew != nullptr, p.chunk_h ? "chunk_vnew" : "chunk_h",
+                  "expected chunk_h and chunk_vnew both or neither");
+    DELTACP_CHECK(tier == Method::tiled || (tier == Method::fused && !backward), "chunk_h", "the ", to_string(tier),
+                  backward ? " backward" : " forward", " keeps no per-chunk states (the tiled and fused forwards and "
+                  "the tiled backward do); pass none");
+    DELTACP_CHECK(p.variant != Variant::dplr, "chunk_h", "dplr's kernels keep no per-chunk states; pass none");
+    DELTACP_CHECK(!p.final_state_only(), "chunk_h", "a final-state-only forward keeps no per-chunk states; pass none");
+    check_gpu_pointer(p.chunk_h, "chunk_h");
+    check_gpu_pointer(p.chunk_vnew, "chunk_vnew");
+  }
   if (p.gate_in_kernel()) {  // params.h: kda's raw gate with A_log (and dt_bias), a forward option
     DELTACP_CHECK(!backward && p.variant == Variant::kda, "A_log", "the in-kernel gate is an option of kda's forward");
     check_gpu_pointer(p.gate_A_log, "A_log");

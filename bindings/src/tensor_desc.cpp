@@ -14,6 +14,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 #include <sstream>
@@ -43,10 +44,10 @@ std::string TensorDesc::shape_str() const { return dims_str(shape); }
 // The fields a caller may describe, by direction.
 static const std::set<std::string> kForwardFields = {"q", "k", "v", "g", "beta", "a", "b", "h0",
                                                      "o", "ht", "cu_seqlens", "cu_seqlens_host",
-                                                     "gate_A_log", "gate_dt_bias"};
+                                                     "gate_A_log", "gate_dt_bias", "chunk_h", "chunk_vnew"};
 static const std::set<std::string> kBackwardFields = {
     "q",    "k",  "v",  "g",  "beta", "a",  "b",  "h0",     "dout", "dht", "dq",
-    "dk",   "dv", "dg", "dbeta", "da", "db", "dh0", "cu_seqlens", "cu_seqlens_host"};
+    "dk",   "dv", "dg", "dbeta", "da", "db", "dh0", "cu_seqlens", "cu_seqlens_host", "chunk_h", "chunk_vnew"};
 
 std::map<std::string, TensorDesc> parse_descs(const py::dict& tensors) {
   std::map<std::string, TensorDesc> out;
@@ -166,6 +167,28 @@ struct Checker {
       if (d->shape[i] > 1 && d->strides[i] != want) {
         throw Error(d->name, "must be contiguous (a [N, HV, K, V] row-major state), got strides " +
                                  dims_str(d->strides));
+      }
+      want *= d->shape[i];
+    }
+    return reinterpret_cast<void*>(d->ptr);
+  }
+
+  // A per-chunk intermediate kept from the forward for the backward (Params::chunk_h, chunk_vnew): the compute
+  // dtype, row-major contiguous; returns its pointer.
+  void* kept(const std::string& field, const std::vector<int64_t>& expected, const char* pattern) const {
+    const TensorDesc* d = find(field);
+    if (!d) return nullptr;
+    if (place == Place::host) throw Error(d->name, "the reference keeps no per-chunk states; pass none");
+    check_shape(*d, expected, pattern);
+    if (parse_float_dtype(d->dtype, d->name) != dtype) {
+      throw py::type_error("deltacp: argument '" + d->name + "': expected dtype " + to_string(dtype) + " (like q), got " +
+                           d->dtype);
+    }
+    check_device(*d);
+    int64_t want = 1;
+    for (int i = static_cast<int>(d->shape.size()) - 1; i >= 0; --i) {
+      if (d->shape[i] > 1 && d->strides[i] != want) {
+        throw Error(d->name, std::string("must be contiguous ") + pattern + ", got strides " + dims_str(d->strides));
       }
       want *= d->shape[i];
     }
@@ -354,6 +377,19 @@ Params build_params(const std::string& variant, const std::string& direction,
     p.dh0 = c.state("dh0", state_shape, &state_dtype, &state_dtype_set);
   }
   p.state_dtype = state_dtype;
+
+  // The forward's kept intermediates (params.h): [NC, HV, Kp, Vp] and [B, T, HV, Vp], Kp and Vp rounded up to 16.
+  if (c.find("chunk_h") || c.find("chunk_vnew")) {
+    if (chunk_size < 1) throw Error("chunk_size", "expected >= 1, got " + std::to_string(chunk_size));
+    int64_t NC = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t len = cu ? p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n] : T;
+      NC += (std::max<int64_t>(len, 0) + chunk_size - 1) / chunk_size;
+    }
+    const int64_t Kp = (K + 15) / 16 * 16, Vp = (V + 15) / 16 * 16;
+    p.chunk_h = c.kept("chunk_h", {NC, HV, Kp, Vp}, "[chunks, HV, K, V] (K, V rounded up to 16)");
+    p.chunk_vnew = c.kept("chunk_vnew", {B, T, HV, Vp}, "[B, T, HV, V] (V rounded up to 16)");
+  }
 
   if (scale.has_value()) {
     if (!std::isfinite(*scale)) throw Error("scale", "expected a finite number, got " + std::to_string(*scale));

@@ -38,15 +38,24 @@
 //   K (as [R, HV, K] rows, 16-bit), P is kda's decayed score matrix, and the per-token factors of (2) are
 //   already in them; (3) scales S^T's key columns by e^(G_n) of each key (the chunk's last row of G, K
 //   floats by cp.async). So a kda chunk brings in W, U, P, Q e^G, K e^(G_n - G) and that row of G.
-//   So per chunk q, k, W, U, P, g come in and o goes out; no per-chunk state (h) and no v_new. Why P is made
+//   So per chunk q, k, W, U, P, g come in and o goes out; no per-chunk state (h) and no v_new unless the
+//   backward keeps them (below). Why P is made
 //   outside the chain: ptxas waits for every outstanding wgmma group before reading any register a wgmma
 //   wrote, so a Q K^T issued beside the state's products could not overlap them; computed in the chain it
 //   cost a serial group, 64 exponentials per thread and a barrier per chunk.
 //
+// Saved states (a forward whose backward follows, Params::chunk_h / chunk_vnew): each chunk's start state S, as the
+// 16-bit values step (1) reads, and Vn go to HBM as the tiled tier's state scan writes them (h [NC, HV, K, V],
+// v_new [R, HV, V]: 768 bytes per token-head at K = V = 128), so the backward skips its recompute's state scan.
+// S is staged (stmatrix.trans into key rows) before (1) and stored while (1) runs; Vn is staged in the output
+// tile after (2), whose previous chunk's rows went out during (1), and stored while (3) runs. Measured (H200, bf16,
+// (2,16384,16,128), 64 CTAs of one warpgroup): the chain 0.452 -> 0.611 ms (gdn) and 0.430 -> 0.583 (kda) with
+// the stores, against the backward's state scan of 0.65 and 0.50 ms that they remove.
+//
 // Shared memory (bf16): a stage is W, K, Q (16 KB each), P (8 KB), U (8 KB per warpgroup) and G, rq, rk
 // (768 B), rounded to 1 KB; plus an output staging tile (9 KB) per warpgroup and the stages' mbarriers.
 // NWG = 1: 3 stages, 205 KB; NWG = 2: 2 stages, 165 KB; the map mode (NWG = 2, W, K and U only): 3 stages,
-// 148 KB. One CTA per SM.
+// 148 KB. Saved states add S's staging tile (18 KB per warpgroup at K = 128): 223 and 201 KB. One CTA per SM.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -84,6 +93,10 @@ struct ChainArgs {
   const float* rk = nullptr;
   const float* h0 = nullptr; // [N, HV, K, V] (N: the table's sequences or pieces), or nullptr
   float* ht = nullptr;       // the same shape, or nullptr; the map mode: [N, HV, K, V + K]
+  // Kept for the backward (Params::chunk_h, chunk_vnew), or nullptr: S at each chunk's start, 16-bit [NC, HV, K, V]
+  // (NC: the flat chunk index, SeqEntry::first_chunk + c), and Vn = U - W S as [R, HV, V] rows.
+  T* h_out = nullptr;
+  T* vnew_out = nullptr;
   int64_t Tlen = 0, HV = 0, group = 1;
   int V = 128;  // value columns of the state: 128 or 256 (the map mode's state is V + K wide)
   int chunk_size = 64;
@@ -97,11 +110,12 @@ struct ChainLayout {
   int w, k, q, p, u, g, rq, rk;  // stage 0's buffers; stage s adds s * stage
   int blocks;                    // 64-row blocks of a stage, from offset 0
   int stage, stages;
-  int os;     // per-warpgroup output staging tiles
+  int os;     // per-warpgroup output staging tiles (with saved states also v_new's, at another time of the step)
+  int hs;     // per-warpgroup staging of S (K rows x 64 columns) when the states are saved, else -1
   int bar;    // the stages' mbarriers
   int bytes;  // everything, plus 1024 bytes of slack for the alignment
 };
-__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map, int stages, int K) {
+__host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map, int stages, int K, bool save = false) {
   auto up = [](int x, int a) { return (x + a - 1) / a * a; };
   constexpr int kBlock = 64 * 128;
   const int kb = K / 64;  // 64-column boxes of a W, K or Q tile
@@ -124,6 +138,8 @@ __host__ __device__ inline ChainLayout chain_layout(int nwg, int esize, bool map
   o = L.stages * L.stage;
   L.os = o;
   if (!map) o += nwg * 64 * kLdStage * esize;
+  L.hs = save && !map ? o : -1;
+  if (L.hs >= 0) o += nwg * K * kLdStage * esize;
   L.bar = up(o, 8);
   o = L.bar + 8 * L.stages;
   L.bytes = o + 1024;
@@ -232,10 +248,11 @@ __device__ __forceinline__ void chain_issue_state_reads(float (&Va)[32], float (
 }
 
 // Step (3)'s products, waited for: S^T += Vns^T K (K's tile MN-major at k_addr) and, with the output, Oa += Vn^T
-// P^T (P's tile K-major at p_addr).
-template <class T, int KK, bool kOut>
+// P^T (P's tile K-major at p_addr). meanwhile() runs while they do (the saved v_new's stores).
+template <class T, int KK, bool kOut, class F>
 __device__ __forceinline__ void chain_update_state(float (&S)[KK / 2], float (&Oa)[32], uint32_t (&va)[4][4],
-                                                   uint32_t (&vo)[4][4], uint32_t k_addr, uint32_t p_addr) {
+                                                   uint32_t (&vo)[4][4], uint32_t k_addr, uint32_t p_addr,
+                                                   F&& meanwhile) {
   using namespace tiled;
   wg_fence();
   reg_fence(S);
@@ -246,6 +263,7 @@ __device__ __forceinline__ void chain_update_state(float (&S)[KK / 2], float (&O
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Oa, vo[kk], wg_desc(p_addr + kk * 32, 16, 1024), 1);
   wg_commit();
+  meanwhile();
   wg_wait_all();
   reg_fence(S);
   reg_fence(va);
@@ -277,7 +295,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
   constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = KS, kKB = KK / 64;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  const ChainLayout L = chain_layout(NWG, sizeof(T), kMap, KS, KK);
+  const bool save = !kMap && args.h_out != nullptr;  // the host gives h_out and vnew_out both or neither
+  const ChainLayout L = chain_layout(NWG, sizeof(T), kMap, KS, KK, save);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L.bar);
 
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wi = wtid >> 5, lane = tid & 31;
@@ -384,6 +403,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     cp_async_commit();
   };
   T* os = reinterpret_cast<T*>(smem + L.os) + wg * 64 * kLdStage;
+  T* hs = save ? reinterpret_cast<T*>(smem + L.hs) + wg * KK * kLdStage : nullptr;
   // stmatrix / ldmatrix row addresses: lane -> matrix q = lane / 8 (n-block parity q / 2, row half q % 2).
   const int sq = lane >> 3, srr = lane & 7;
   const int srow = 8 * (sq >> 1) + srr, scol = 16 * wi + 8 * (sq & 1);
@@ -396,6 +416,27 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
       const int i = i0 + 16 * it;
       if (i < len)
         *reinterpret_cast<uint4*>(args.o.at(se.batch, t0 + i, hv) + vw + pc) =
+            *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
+    }
+  };
+  // Saved states: the staged S (key rows x this warpgroup's 64 columns) of flat chunk fc, and the staged v_new rows
+  // of a chunk (token rows row0 .. row0 + len - 1), as 16-byte pieces of whole rows, as the tiled tier's wgmma
+  // state scan stores them (cuda/tiled/scan_wgmma.cuh).
+  auto store_h = [&](int64_t fc) {
+    const int d0 = wtid >> 3, pc = (wtid & 7) * 8;
+    T* dst = args.h_out + ((fc * HV + hv) * KK + d0) * args.V + vw + pc;
+#pragma unroll
+    for (int it = 0; it < KK / 16; ++it)
+      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(16 * it) * args.V) =
+          *reinterpret_cast<const uint4*>(hs + (d0 + 16 * it) * kLdStage + pc);
+  };
+  auto store_vnew = [&](int64_t row0, int len) {
+    const int i0 = wtid >> 3, pc = (wtid & 7) * 8;
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int i = i0 + 16 * it;
+      if (i < len)
+        *reinterpret_cast<uint4*>(args.vnew_out + ((row0 + i) * HV + hv) * args.V + vw + pc) =
             *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
     }
   };
@@ -435,13 +476,24 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     const uint32_t w_addr = smem_u32(st + L.w), k_addr = smem_u32(st + L.k), q_addr = smem_u32(st + (kMap ? 0 : L.q));
     const uint32_t p_addr = smem_u32(st + (kMap ? 0 : L.p));
 
-    // (1) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers.
+    // (1) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers. Saved states: S staged first (transposed
+    // back to key rows by stmatrix.trans, the 16-bit values the products read), stored while they run.
+    if (save) {
+#pragma unroll
+      for (int kk = 0; kk < KK / 16; ++kk) {
+        const uint32_t r[4] = {pack2<T>(S[8 * kk], S[8 * kk + 1]), pack2<T>(S[8 * kk + 2], S[8 * kk + 3]),
+                               pack2<T>(S[8 * kk + 4], S[8 * kk + 5]), pack2<T>(S[8 * kk + 6], S[8 * kk + 7])};
+        stmatrix_x4_trans(hs + (16 * kk + srow) * kLdStage + scol, r);
+      }
+      warpgroup_bar(wg);
+    }
     float Va[32], Oa[32];
     uint32_t sa[KK / 16][4];
     chain_issue_state_reads<T, KK, !kMap>(Va, Oa, sa, S, w_addr, q_addr);
     // The previous chunk's output, staged at its end (the barrier that ended it made the tile visible),
     // goes out while the products run.
     if (!kMap && c > 0) store_staged(t0 - cs, cs);
+    if (save) store_h(se.first_chunk + c);
     wg_wait_all();
     reg_fence(Va);
     if constexpr (!kMap) reg_fence(Oa);
@@ -453,6 +505,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
       for (int i = 0; i < 32; ++i) Va[i] = -Va[i];
     } else {
       u_minus_acc_trans_sw128<T>(Va, st + L.u + wg * 8192, srow, scol);
+    }
+    if (save) {  // v_new = Vn (16-bit) staged in the output tile, whose previous rows went out in (1)
+      warpgroup_bar(wg);
+      chain_stage_output<T>(os, Va, 1.f, srow, scol);
+      warpgroup_bar(wg);
     }
     uint32_t va[4][4], vo[4][4];  // Vns^T (state update) and Vn^T (output) as A fragments
     if constexpr (kKda) {  // the per-token factors are in Q e^G and K e^(G_n - G): Vns = Vn
@@ -472,7 +529,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 #pragma unroll
       for (int i = 0; i < KK / 2; ++i) S[i] *= eg;
     }
-    chain_update_state<T, KK, !kMap>(S, Oa, va, vo, k_addr, p_addr);
+    chain_update_state<T, KK, !kMap>(S, Oa, va, vo, k_addr, p_addr, [&] {
+      if (save) store_vnew(chunk_row0(c), len);
+    });
     if constexpr (kMap) {
       __syncthreads();  // this stage is free
       continue;
@@ -577,6 +636,12 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   a.rk = kKda ? nullptr : in.rk;
   a.h0 = h0;
   a.ht = ht;
+  if (!kMap) {  // the states kept for the backward (Params::chunk_h), with the output only
+    DELTACP_CHECK((p.chunk_h == nullptr) == (p.chunk_vnew == nullptr), "chunk_vnew",
+                  "expected chunk_h and chunk_vnew both or neither");
+    a.h_out = static_cast<T*>(p.chunk_h);
+    a.vnew_out = static_cast<T*>(p.chunk_vnew);
+  }
   a.Tlen = p.T;
   a.HV = p.HV;
   a.group = p.HV / p.H;
@@ -586,7 +651,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   if (stages == 0) stages = chain_stages(nwg, kMap);
   DELTACP_CHECK(stages == chain_stages(nwg, kMap) || (!kMap && nwg == 1 && stages == 2), "stages",
                 "expected ", chain_stages(nwg, kMap), kMap || nwg == 2 ? "" : " or 2", " load stages, got ", stages);
-  const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages, static_cast<int>(p.K));
+  const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages, static_cast<int>(p.K), a.h_out != nullptr);
   auto kernel = [&] {
     return p.K == 64 ? chain_kernel<T, kMap, kKda, 64>(nwg, stages) : chain_kernel<T, kMap, kKda, 128>(nwg, stages);
   }();

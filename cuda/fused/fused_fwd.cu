@@ -330,6 +330,7 @@ void chain_window(const Params& p, const ChunkTable& table, const WindowBuffers&
 // (intra-card CP), the maps of pass 1 read W and U from the token-parallel stage's workspace.
 const char* one_kernel_refusal(const Params& p, const ChunkTable& table) {
   if (p.variant == Variant::kda) return "it implements gdn and delta";
+  if (p.chunk_h != nullptr) return "it keeps no states for the backward (Params::chunk_h)";
   if (p.K != 128 || p.V != 128) return "it takes K = V = 128";
   if (fused_piece_chunks(p, table.host_seqs()) > 0) return "the piece plan cuts these sequences (intra-card CP)";
   return nullptr;
@@ -386,7 +387,9 @@ int64_t window_bytes_per_row(const Params& p) {
 // only where the whole call's workspace would pass kWindowBytes, each as long as that budget allows.
 constexpr int64_t kWindowBytes = int64_t{1} << 30;
 int64_t fused_window_tokens(const Params& p) {
-  if (p.T <= p.chunk_size) return 0;
+  // Saved states (Params::chunk_h) are indexed by the whole call's chunks; the backward that follows takes more
+  // workspace than the windows would save, so such a call runs whole.
+  if (p.T <= p.chunk_size || p.chunk_h != nullptr) return 0;
   int64_t tokens = tiled::piece_tokens_from_env("DELTACP_FUSED_WINDOW");
   if (tokens == 0) return 0;
   if (tokens < 0) {
@@ -568,6 +571,8 @@ tiled::ScanPlan chain_plan(const Params& p, const std::vector<SeqEntry>& seqs) {
 std::unique_ptr<FusedFwdState> start_staged(const Params& p) {
   if (const char* why = forward_refusal(p))
     throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
+  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
+                "the staged forward keeps no states for the backward; pass none");
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   auto s = std::make_unique<FusedFwdState>(p, stream);
   if (s->table.num_seqs() == 0) return s;
@@ -673,6 +678,8 @@ void forward_finish(StagedForward& staged, const Params& p) {
                     p.chunk_size == s.p.chunk_size && p.q.ptr == s.p.q.ptr && p.k.ptr == s.p.k.ptr &&
                     p.v.ptr == s.p.v.ptr && p.o.ptr == s.p.o.ptr && p.num_seqs == s.p.num_seqs,
                 "params", "finish: expected the prepared problem (the same q, k, v, o tensors and sequences)");
+  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
+                "the staged forward keeps no states for the backward; pass none");
   s.finished = true;
   if (s.table.num_seqs() == 0) return;
   const float* h0 = static_cast<const float*>(p.h0);

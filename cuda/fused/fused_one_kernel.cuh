@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(256, 1) fused_one_kernel(const __grid_constant
       const float eg = exp_t<T>(gbuf[len - 1]);
 #pragma unroll
       for (int i = 0; i < kK / 2; ++i) S[i] *= eg;
-      chain_update_state<T, kK, true>(S, Oa, va, vo, k_addr, p_addr);
+      chain_update_state<T, kK, true>(S, Oa, va, vo, k_addr, p_addr, [] {});
       mbar_arrive(out_empty + c % L::kSlots);  // slot c % 2 is read: the WY warpgroup may fill it with chunk c + 2
       clk.mark(2);
 

@@ -15,6 +15,9 @@
 //   dG  = (every G_i term: +, every G_j term: -, the Gn terms on the last row), dg = reverse cumsum of dG
 //   dh0 = dS of the first chunk
 //
+// Where the forward kept the chunk-start states and v_new (Params::chunk_h, chunk_vnew; the eager autograd path
+// by default) the recompute skips its state scan and B2 reads those (docs/design.md section 5).
+//
 // Stages (launch order; on p.stream, except B1 beside the state scan below):
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
 //             W, U, and the chunk-start states h and v_new from h0 (W, U and T on Hopper's warpgroup
@@ -62,8 +65,8 @@
 //   region 1, the whole backward
 //   G          fp32    cumsum -> B4               4   512
 //   Tinv       fp32    WY -> B3                 256   256
-//   h          bf16    state scan -> B2         512   512
-//   v_new      bf16    state scan -> B2         256   256
+//   h          bf16    state scan -> B2         512   512   (0 where the forward kept them: Params::chunk_h)
+//   v_new      bf16    state scan -> B2         256   256   (0 likewise: Params::chunk_vnew)
 //   dVn        fp32    B0 -> B3                 512   512   (16-bit over the same bytes from B1 on, and T
 //                                                               from the WY stage on, where the chunk-local
 //                                                               kernel runs: local_inputs_16bit)
@@ -577,11 +580,16 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   // B0's dVn_local, so the forward's state scan (h, v_new) and stages B2-B5 are skipped with their
   // workspaces, and B1 writes neither dh per chunk nor dVn.
   const bool dh0_only = p.dh0_only();
-  state->beside = with_states && !dh0_only &&
+  // The forward kept h and v_new (Params::chunk_h): no state scan, and no workspace for them.
+  const bool kept = p.chunk_h != nullptr;
+  DELTACP_CHECK((p.chunk_h == nullptr) == (p.chunk_vnew == nullptr), "chunk_vnew",
+                "expected chunk_h and chunk_vnew both or neither");
+  DELTACP_CHECK(!kept || !dh0_only, "chunk_h", "the dh0-only backward reads no states; pass none");
+  state->beside = with_states && !dh0_only && !kept &&
                   (beside == Beside::always || (beside == Beside::where_narrow && b1_grid_narrow(p, table)));
   const bool u_apart = state->beside;
   const int64_t bG = fs.G * 4, bW = fs.W * es, bU = fs.U * es, bKd = fs.Kd * es, bT = fs.Tinv * 4,
-                bvn = dh0_only ? 0 : fs.v_new * es, bh = dh0_only ? 0 : fs.h * es;
+                bvn = dh0_only || kept ? 0 : fs.v_new * es, bh = dh0_only || kept ? 0 : fs.h * es;
   const int64_t bQg = p.variant == Variant::kda ? R * p.HV * padded_dim(p.K) * es : 0;  // Q e^G (B0 -> B1)
   const int64_t bdh = dh0_only ? 0 : NC * p.HV * p.K * p.V * es, bdvn = R * p.HV * p.V * 4;
   // Region 1, live through the whole backward. U is read by the state scan only and dh is written from
@@ -616,8 +624,8 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   void* U = ws.at<void>(oU, bU);
   void* Kd = ws.at<void>(oKd, bKd);
   float* Tinv = ws.at<float>(oT, bT);
-  void* vnew = ws.at<void>(ovn, bvn);
-  void* h = ws.at<void>(oh, bh);
+  void* vnew = kept ? p.chunk_vnew : ws.at<void>(ovn, bvn);
+  void* h = kept ? p.chunk_h : ws.at<void>(oh, bh);
 
   float* dvnew = ws.at<float>(odvn, bdvn);
   void* Qg = ws.at<void>(oQg, bQg);
@@ -677,7 +685,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
                                          p.variant == Variant::kda);
   // dW .. dbw: per slice (slice_args).
 
-  if (dh0_only) state->states_done = true;  // nothing reads h
+  if (dh0_only || kept) state->states_done = true;  // nothing reads h, or the forward wrote it
   else if (with_states && !state->beside) launch_states(*state, stream);
   return state;
 }
@@ -888,6 +896,8 @@ void same_problem(const Params& a, const Params& b, const char* what) {
 std::unique_ptr<StagedBackward> prepare_backward(const Params& p) {
   DELTACP_CHECK(!p.dh0_only(), "dq", "expected input gradients for a staged backward (the dh0-only mode runs "
                 "in one call)");
+  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
+                "the staged backward recomputes the states; pass none");
   auto s = start_backward(p, /*with_states=*/false);
   run_stages(*s, s->a, s->table.num_seqs(), Stages::through_b0);
   return s;

@@ -1648,7 +1648,12 @@ std::unique_ptr<FwdState> start_forward(const Params& p) {
   // Final-state-only (Params::final_state_only, the CP pre-pass): no output stage, so neither h per
   // chunk nor v_new is stored (the scan skips those writes).
   const bool states_only = p.final_state_only();
-  const int64_t bytes_vn = states_only ? 0 : align(sz.v_new * esize), bytes_h = states_only ? 0 : align(sz.h * esize);
+  // h and v_new go to the caller's buffers when it keeps them for the backward (Params::chunk_h).
+  const bool kept = !states_only && p.chunk_h != nullptr;
+  DELTACP_CHECK((p.chunk_h == nullptr) == (p.chunk_vnew == nullptr), "chunk_vnew",
+                "expected chunk_h and chunk_vnew both or neither");
+  const int64_t bytes_vn = states_only || kept ? 0 : align(sz.v_new * esize);
+  const int64_t bytes_h = states_only || kept ? 0 : align(sz.h * esize);
   // Stage 3 in pieces (scan_split.cu): pass 1 needs no h0, so it runs here, with stages 1 and 2.
   s->plan = plan_scan(p, s->table.host_seqs());
   const std::vector<int64_t> pass1 = pass1_pieces(s->plan);
@@ -1666,8 +1671,8 @@ std::unique_ptr<FwdState> start_forward(const Params& p) {
   s->W = take(bytes_W);
   s->U = take(bytes_U);
   s->Kd = take(bytes_Kd);
-  s->vn = take(bytes_vn);
-  s->h = take(bytes_h);
+  s->vn = kept ? p.chunk_vnew : take(bytes_vn);
+  s->h = kept ? p.chunk_h : take(bytes_h);
   s->maps = reinterpret_cast<float*>(take(bytes_maps));
   s->seq_maps.assign(static_cast<size_t>(s->table.num_seqs()), nullptr);
   for (int64_t n = 0, at_map = 0; s->plan.cut() && n < s->table.num_seqs(); ++n) {
@@ -1779,6 +1784,8 @@ void forward_composed_map(StagedForward& staged, int64_t n, const float* init, f
 void forward_finish(StagedForward& staged, const Params& p) {
   auto& s = dynamic_cast<FwdState&>(staged);
   DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
+  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
+                "the staged forward keeps no states for the backward; pass none");
   same_forward_problem(s.p, p, "finish");
   DELTACP_CHECK(p.V == s.p.V && p.q.ptr == s.p.q.ptr && p.k.ptr == s.p.k.ptr && p.v.ptr == s.p.v.ptr &&
                     p.o.ptr == s.p.o.ptr,
@@ -1791,7 +1798,11 @@ void forward_finish(StagedForward& staged, const Params& p) {
 
 namespace deltacp::cuda {
 void tiled_forward(const Params& p) { tiled::run_forward(p); }
-std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p) { return tiled::start_forward(p); }
+std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p) {
+  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
+                "the staged forward keeps no states for the backward; pass none");
+  return tiled::start_forward(p);
+}
 void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values) {
   tiled::forward_state_pieces(s, pieces, row0, with_values);
 }

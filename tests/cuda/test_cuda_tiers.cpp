@@ -519,7 +519,9 @@ class TierAccuracy : public testing::TestWithParam<Combo> {
   }
   std::string skip_reason_;
 
-  void run(bool backward) {
+  // kept: the backward (on the tiled tier) reads the chunk-start states and v_new that this tier's forward kept
+  // (Params::chunk_h, chunk_vnew: poisoned buffers the forward must fill) instead of recomputing them.
+  void run(bool backward, bool kept = false) {
     const auto& [tier, variant, dtype, shape] = GetParam();
     const std::string name = testing::UnitTest::GetInstance()->current_test_info()->name();
     const uint64_t seed = base_seed() ^ std::hash<std::string>{}(name + (backward ? "/bwd" : "/fwd"));
@@ -528,8 +530,26 @@ class TierAccuracy : public testing::TestWithParam<Combo> {
 
     GpuRun gpu(pr, backward);
     ASSERT_TRUE(gpu.q.defined()) << "cudaMalloc failed";
+    DeviceBuffer chunk_h, chunk_vnew;
+    if (kept) {
+      int64_t chunks = 0;
+      for (int64_t n = 0; n < pr.N; ++n) {
+        const int64_t len = shape.lengths.empty() ? shape.T : shape.lengths[static_cast<size_t>(n)];
+        chunks += (len + gpu.p.chunk_size - 1) / gpu.p.chunk_size;
+      }
+      const int64_t es = deltacp::dtype_size(dtype), Kp = (shape.K + 15) / 16 * 16, Vp = (shape.V + 15) / 16 * 16;
+      chunk_h.poisoned(static_cast<size_t>(chunks * shape.HV * Kp * Vp * es));
+      chunk_vnew.poisoned(static_cast<size_t>(shape.B * shape.T * shape.HV * Vp * es));
+      ASSERT_TRUE(chunk_h.ptr && chunk_vnew.ptr) << "cudaMalloc failed";
+      Params fwd = gpu.p;  // the forward of the same problem, keeping its states
+      fwd.dout = {}, fwd.dht = nullptr, fwd.dq = {}, fwd.dk = {}, fwd.dv = {}, fwd.dg = {}, fwd.dbeta = {};
+      fwd.da = {}, fwd.db = {}, fwd.dh0 = nullptr;
+      fwd.chunk_h = chunk_h.ptr, fwd.chunk_vnew = chunk_vnew.ptr;
+      deltacp::cuda::forward(fwd, tier);
+      gpu.p.chunk_h = chunk_h.ptr, gpu.p.chunk_vnew = chunk_vnew.ptr;
+    }
     if (backward)
-      deltacp::cuda::backward(gpu.p, tier);
+      deltacp::cuda::backward(gpu.p, kept ? Method::tiled : tier);
     else
       deltacp::cuda::forward(gpu.p, tier);
     CUDA_OK(cudaDeviceSynchronize());
@@ -562,6 +582,17 @@ TEST_P(TierAccuracy, Forward) {
 TEST_P(TierAccuracy, Backward) {
   if (!runnable(true)) GTEST_SKIP() << skip_reason_;
   run(true);
+}
+
+// The tiled backward from the states this tier's forward kept (16-bit gdn, kda and delta on the tiled and fused
+// tiers: what the autograd path runs by default).
+TEST_P(TierAccuracy, BackwardFromKeptStates) {
+  const auto& [tier, variant, dtype, shape] = GetParam();
+  if (tier == Method::naive || dtype == DType::f32 || variant == Variant::dplr)
+    GTEST_SKIP() << "the tiled and fused forwards keep 16-bit gdn, kda and delta states";
+  if (!runnable(false)) GTEST_SKIP() << skip_reason_;
+  if (!deltacp::cuda::supports(variant, Method::tiled, true)) GTEST_SKIP() << "no tiled backward in this build";
+  run(true, /*kept=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, TierAccuracy,

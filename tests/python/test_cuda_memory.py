@@ -190,7 +190,8 @@ def test_cuda_workspace_from_torch_matches_pool():
 # per token-head, above the inputs and do: torch.cuda.max_memory_allocated over the step plus deltacp's
 # high-water outside torch. What they are made of (K = V = 128, g in fp32, the plain call):
 #   gdn  o 256 + dq, dk, dv 768 + dg 4 + dbeta 2 = 1030 through torch as tensors, + the tiled backward's
-#        workspace 2308 (tiled_bwd.cu's table) = 3338; budget 3600. FLA 0.5.2 on H200: 1,863 MiB = 3726 per
+#        workspace 2308 (tiled_bwd.cu's table) = 3338; budget 3600. With the forward's kept states (h 512 and
+#        v_new 256, deltacp._library._kept_states) the workspace is 768 smaller and the sum the same. FLA 0.5.2 on H200: 1,863 MiB = 3726 per
 #        token-head; before the workspace came from torch and was carved by lifetime: 515 MiB through torch +
 #        3,234 MiB kept by deltacp's pool = 7498 per token-head.
 #   kda  o 256 + dq, dk, dv 768 + dg 512 + dbeta 2 = 1538, + workspace 3328 = 4866; budget 5200. FLA: 3,596

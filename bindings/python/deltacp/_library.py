@@ -26,6 +26,7 @@ nothing of deltacp.ops.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional, Tuple
 
@@ -93,8 +94,9 @@ def _last_dim_contiguous(t):
     return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0):
-    """-> (o [B, T, HV, V], ht [N, HV, K, V] or an empty tensor without output_final_state)."""
+def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0, kept=None):
+    """-> (o [B, T, HV, V], ht [N, HV, K, V] or an empty tensor without output_final_state). kept: (chunk_h,
+    chunk_vnew) from _kept_states, which the forward fills for the backward."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
@@ -105,13 +107,55 @@ def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0):
         descs["ht"] = torch_desc(ht, "ht")
     else:
         ht = torch.empty((0,), dtype=cfg.state_dtype, device=q.device)
+    _describe_kept(descs, kept)
     _run(cfg, "forward", cfg.fwd_method, descs)
     return o, ht
 
 
-def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht):
-    """-> [dq, dk, dv, dg, dbeta, da, db, dh0], an empty tensor for each absent input."""
+# The forward's per-chunk states kept for the backward (Params::chunk_h, chunk_vnew in deltacp/params.h):
+# h [chunks, HV, K, V] and v_new [B, T, HV, V] in q's dtype, which the backward's recompute would otherwise rebuild
+# with a state scan over every chunk (a serial chain: at (2, 16384, 16, 128) bf16 on an H200, 0.50 ms of a 6.3 ms
+# kda step). They cost 512 + 256 bytes per token and value head at K = V = 128 in 16 bits, held from the forward to
+# the backward; the backward then needs that much less workspace. DELTACP_KEEP_CHUNK_STATES=0 keeps nothing (FLA's
+# disable_recompute=False keeps nothing either).
+_KEEP_VARIANTS = ("gdn", "kda", "delta")
+
+
+def _keeps_chunk_states(cfg: _Config, q) -> bool:
+    if os.environ.get("DELTACP_KEEP_CHUNK_STATES", "1") == "0":
+        return False
+    return (q.device.type == "cuda" and cfg.variant in _KEEP_VARIANTS and cfg.bwd_method == "tiled"
+            and cfg.fwd_method in ("auto", "fused", "tiled") and q.dtype in (torch.bfloat16, torch.float16))
+
+
+def _kept_states(cfg: _Config, q, v):
+    """(chunk_h, chunk_vnew), uninitialised, for a forward that keeps them (_keeps_chunk_states), else None."""
+    if not _keeps_chunk_states(cfg, q):
+        return None
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    cs = cfg.chunk_size
+    if cfg.cu is None:
+        chunks = B * ((T + cs - 1) // cs)
+    else:
+        lens = cfg.cu_host[1:] - cfg.cu_host[:-1]
+        chunks = int(((lens.clamp(min=0) + cs - 1) // cs).sum())
+    Kp, Vp = (K + 15) // 16 * 16, (V + 15) // 16 * 16
+    return (torch.empty((chunks, HV, Kp, Vp), dtype=q.dtype, device=q.device),
+            torch.empty((B, T, HV, Vp), dtype=q.dtype, device=q.device))
+
+
+def _describe_kept(descs: dict, kept) -> None:
+    if kept is not None:
+        descs["chunk_h"] = torch_desc(kept[0], "chunk_h")
+        descs["chunk_vnew"] = torch_desc(kept[1], "chunk_vnew")
+
+
+def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht, kept=None):
+    """-> [dq, dk, dv, dg, dbeta, da, db, dh0], an empty tensor for each absent input. kept: what the forward kept
+    (_forward's), read in place of the recompute's state scan."""
     descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
+    _describe_kept(descs, kept)
     descs["dout"] = torch_desc(do, "do")
     if dht is not None:
         descs["dht"] = torch_desc(dht, "dht")
@@ -275,7 +319,9 @@ class _DeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cfg: _Config, q, k, v, g, beta, a, b, h0):
-        o, ht = _forward(cfg, q, k, v, g, beta, a, b, h0)
+        kept = _kept_states(cfg, q, v)
+        o, ht = _forward(cfg, q, k, v, g, beta, a, b, h0, kept)
+        ctx.kept = kept  # the per-chunk states for the backward (_kept_states), or None
         ctx.cfg = cfg
         ctx.save_for_backward(q, k, v, g, beta, a, b, h0)
         ctx.set_materialize_grads(False)
@@ -299,7 +345,7 @@ class _DeltaRuleFunction(torch.autograd.Function):
         do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
         if dht is not None:
             dht = dht.to(cfg.state_dtype).contiguous()
-        grads = _backward(cfg, q, k, v, g, beta, a, b, h0, do, dht)
+        grads = _backward(cfg, q, k, v, g, beta, a, b, h0, do, dht, ctx.kept)
         inputs = (q, k, v, g, beta, a, b, h0)
         return (None, *(None if t is None else d for t, d in zip(inputs, grads)))
 

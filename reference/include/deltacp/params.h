@@ -132,6 +132,15 @@ struct Params {
   //   Only dL/dh0 is computed (dout and dht are read as usual). The CP backward pre-pass runs it:
   //   with values [v | 0], upstream [do | 0] and dht = [dend | I], dh0 is [dH | M^T].
   //   A partial set (for instance dq given and dk null) is an error naming the missing gradient.
+  // The forward's per-chunk intermediates kept for the backward (CUDA, optional; both or neither), in dtype:
+  //   chunk_h     [NC, HV, Kp, Vp]   the state at the start of each chunk (NC: every sequence's chunks, in order)
+  //   chunk_vnew  [B, T, HV, Vp]     v_new = U - W S of each token
+  // with Kp, Vp = K, V rounded up to 16. A CUDA forward on the tiled or fused tier writes them when given; the
+  // tiled backward then reads them in place of its recompute's state scan (the autograd path passes the same
+  // buffers to both; docs/design.md section 5 gives the bytes). The naive tier and the staged (CP) calls refuse them.
+  void* chunk_h = nullptr;
+  void* chunk_vnew = nullptr;
+
   TensorRef dout;             // dL/do, like o
   const void* dht = nullptr;  // dL/dht, like ht
   TensorRef dq, dk, dv, dg, dbeta, da, db;
