@@ -408,20 +408,19 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
   const int sq = lane >> 3, srr = lane & 7;
   const int srow = 8 * (sq >> 1) + srr, scol = 16 * wi + 8 * (sq & 1);
 
-  // The staged output rows of a chunk (tokens t0 .. t0 + len - 1) as 16-byte pieces of whole rows.
-  auto store_staged = [&](int64_t t0, int len) {
+  // The staged tile's rows 0 .. len - 1 (a chunk's tokens) as 16-byte pieces of whole rows, row i to row_at(i) (the
+  // output o, or the saved v_new's [R, HV, V] rows).
+  auto store_staged = [&](int len, auto row_at) {
     const int i0 = wtid >> 3, pc = (wtid & 7) * 8;
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
       const int i = i0 + 16 * it;
       if (i < len)
-        *reinterpret_cast<uint4*>(args.o.at(se.batch, t0 + i, hv) + vw + pc) =
-            *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
+        *reinterpret_cast<uint4*>(row_at(i) + vw + pc) = *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
     }
   };
-  // Saved states: the staged S (key rows x this warpgroup's 64 columns) of flat chunk fc, and the staged v_new rows
-  // of a chunk (token rows row0 .. row0 + len - 1), as 16-byte pieces of whole rows, as the tiled tier's wgmma
-  // state scan stores them (cuda/tiled/scan_wgmma.cuh).
+  // Saved states: the staged S (key rows x this warpgroup's 64 columns) of flat chunk fc as 16-byte pieces of whole
+  // rows, as the tiled tier's wgmma state scan stores h (cuda/tiled/scan_wgmma.cuh).
   auto store_h = [&](int64_t fc) {
     const int d0 = wtid >> 3, pc = (wtid & 7) * 8;
     T* dst = args.h_out + ((fc * HV + hv) * KK + d0) * args.V + vw + pc;
@@ -429,16 +428,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     for (int it = 0; it < KK / 16; ++it)
       *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(16 * it) * args.V) =
           *reinterpret_cast<const uint4*>(hs + (d0 + 16 * it) * kLdStage + pc);
-  };
-  auto store_vnew = [&](int64_t row0, int len) {
-    const int i0 = wtid >> 3, pc = (wtid & 7) * 8;
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int i = i0 + 16 * it;
-      if (i < len)
-        *reinterpret_cast<uint4*>(args.vnew_out + ((row0 + i) * HV + hv) * args.V + vw + pc) =
-            *reinterpret_cast<const uint4*>(os + i * kLdStage + pc);
-    }
   };
 
   const int64_t nchunks = se.num_chunks;
@@ -477,7 +466,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     const uint32_t p_addr = smem_u32(st + (kMap ? 0 : L.p));
 
     // (1) Va = S^T W^T and Oa = S^T Q^T, A = bf16(S^T) from registers. Saved states: S staged first (transposed
-    // back to key rows by stmatrix.trans, the 16-bit values the products read), stored while they run.
+    // back to key rows by stmatrix.trans, the 16-bit values the products read), stored while they run. (Stored by
+    // TMA from a swizzled tile, one thread issuing, the chain took as long: 0.605 against 0.611 ms at
+    // (2,16384,16,128) on an H200; the stores' bytes and instructions are not what it waits for.)
     if (save) {
 #pragma unroll
       for (int kk = 0; kk < KK / 16; ++kk) {
@@ -492,7 +483,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     chain_issue_state_reads<T, KK, !kMap>(Va, Oa, sa, S, w_addr, q_addr);
     // The previous chunk's output, staged at its end (the barrier that ended it made the tile visible),
     // goes out while the products run.
-    if (!kMap && c > 0) store_staged(t0 - cs, cs);
+    if (!kMap && c > 0) store_staged(cs, [&](int i) { return args.o.at(se.batch, t0 - cs + i, hv); });
     if (save) store_h(se.first_chunk + c);
     wg_wait_all();
     reg_fence(Va);
@@ -530,7 +521,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
       for (int i = 0; i < KK / 2; ++i) S[i] *= eg;
     }
     chain_update_state<T, KK, !kMap>(S, Oa, va, vo, k_addr, p_addr, [&] {
-      if (save) store_vnew(chunk_row0(c), len);
+      if (save) store_staged(len, [&](int i) { return args.vnew_out + ((chunk_row0(c) + i) * HV + hv) * args.V; });
     });
     if constexpr (kMap) {
       __syncthreads();  // this stage is free
@@ -543,7 +534,10 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     chain_stage_output<T>(os, Oa, args.scale, srow, scol);
     __syncthreads();  // this stage is free; the staged output is visible to the warpgroup
   }
-  if (!kMap && nchunks > 0) store_staged(se.bos + (nchunks - 1) * cs, chunk_len(nchunks - 1));
+  if (!kMap && nchunks > 0) {
+    const int64_t t_last = se.bos + (nchunks - 1) * cs;
+    store_staged(chunk_len(nchunks - 1), [&](int i) { return args.o.at(se.batch, t_last + i, hv); });
+  }
 
   if (args.ht != nullptr) {
 #pragma unroll
