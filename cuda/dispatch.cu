@@ -164,6 +164,7 @@ void validate_on_gpu(const Params& p, Method tier, bool backward, bool by_name =
                   "the tiled backward do); pass none");
     DELTACP_CHECK(p.variant != Variant::dplr, "chunk_h", "dplr's kernels keep no per-chunk states; pass none");
     DELTACP_CHECK(!p.final_state_only(), "chunk_h", "a final-state-only forward keeps no per-chunk states; pass none");
+    DELTACP_CHECK(!(backward && p.dh0_only()), "chunk_h", "the dh0-only backward reads no per-chunk states; pass none");
     check_gpu_pointer(p.chunk_h, "chunk_h");
     check_gpu_pointer(p.chunk_vnew, "chunk_vnew");
   }
@@ -369,8 +370,16 @@ TierChoice forward_tier(const Params& p) {
 }
 
 namespace {
+// The staged calls (the CP layer's) recompute what they need: no kept per-chunk states (params.h).
+void refuse_kept_states(const Params& p) {
+  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, p.chunk_h ? "chunk_h" : "chunk_vnew",
+                "the staged forward and backward keep and read no per-chunk states; pass none");
+}
 // Every step of the staged (tiled) forward or backward checks what forward() / backward() check.
-void validate_staged(const Params& p, bool backward) { validate_on_gpu(p, Method::tiled, backward); }
+void validate_staged(const Params& p, bool backward) {
+  validate_on_gpu(p, Method::tiled, backward);
+  refuse_kept_states(p);
+}
 }  // namespace
 
 std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
@@ -379,6 +388,7 @@ std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
                 "expected 'tiled' or 'fused' for the staged forward, got ", to_string(tier));
   if (tier == Method::fused) {
     validate_on_gpu(p, Method::fused, false, /*by_name=*/true);
+    refuse_kept_states(p);
 #ifdef DELTACP_HAVE_FUSED_FWD
     return fused::forward_prepare(p);
 #else
@@ -467,6 +477,7 @@ void compose_state_maps(const float* maps, int64_t P, int64_t HV, int64_t K, int
 void forward_finish(StagedForward& s, const Params& p) {
   if (s.tier() == Method::fused) {
     validate_on_gpu(p, Method::fused, false, /*by_name=*/true);
+    refuse_kept_states(p);
 #ifdef DELTACP_HAVE_FUSED_FWD
     return fused::forward_finish(s, p);
 #else

@@ -630,9 +630,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   a.rk = kKda ? nullptr : in.rk;
   a.h0 = h0;
   a.ht = ht;
-  if (!kMap) {  // the states kept for the backward (Params::chunk_h), with the output only
-    DELTACP_CHECK((p.chunk_h == nullptr) == (p.chunk_vnew == nullptr), "chunk_vnew",
-                  "expected chunk_h and chunk_vnew both or neither");
+  if (!kMap) {  // the states kept for the backward (Params::chunk_h; both or neither: dispatch.cu checks)
     a.h_out = static_cast<T*>(p.chunk_h);
     a.vnew_out = static_cast<T*>(p.chunk_vnew);
   }

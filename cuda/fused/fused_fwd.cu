@@ -571,8 +571,6 @@ tiled::ScanPlan chain_plan(const Params& p, const std::vector<SeqEntry>& seqs) {
 std::unique_ptr<FusedFwdState> start_staged(const Params& p) {
   if (const char* why = forward_refusal(p))
     throw_error("backend", "the fused tier cannot run this call: ", why, "; backend='tiled' runs it");
-  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
-                "the staged forward keeps no states for the backward; pass none");
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   auto s = std::make_unique<FusedFwdState>(p, stream);
   if (s->table.num_seqs() == 0) return s;
@@ -678,8 +676,6 @@ void forward_finish(StagedForward& staged, const Params& p) {
                     p.chunk_size == s.p.chunk_size && p.q.ptr == s.p.q.ptr && p.k.ptr == s.p.k.ptr &&
                     p.v.ptr == s.p.v.ptr && p.o.ptr == s.p.o.ptr && p.num_seqs == s.p.num_seqs,
                 "params", "finish: expected the prepared problem (the same q, k, v, o tensors and sequences)");
-  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
-                "the staged forward keeps no states for the backward; pass none");
   s.finished = true;
   if (s.table.num_seqs() == 0) return;
   const float* h0 = static_cast<const float*>(p.h0);

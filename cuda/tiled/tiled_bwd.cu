@@ -581,10 +581,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   // workspaces, and B1 writes neither dh per chunk nor dVn.
   const bool dh0_only = p.dh0_only();
   // The forward kept h and v_new (Params::chunk_h): no state scan, and no workspace for them.
-  const bool kept = p.chunk_h != nullptr;
-  DELTACP_CHECK((p.chunk_h == nullptr) == (p.chunk_vnew == nullptr), "chunk_vnew",
-                "expected chunk_h and chunk_vnew both or neither");
-  DELTACP_CHECK(!kept || !dh0_only, "chunk_h", "the dh0-only backward reads no states; pass none");
+  const bool kept = p.chunk_h != nullptr;  // dispatch.cu refuses them with dh0_only
   state->beside = with_states && !dh0_only && !kept &&
                   (beside == Beside::always || (beside == Beside::where_narrow && b1_grid_narrow(p, table)));
   const bool u_apart = state->beside;
@@ -896,8 +893,6 @@ void same_problem(const Params& a, const Params& b, const char* what) {
 std::unique_ptr<StagedBackward> prepare_backward(const Params& p) {
   DELTACP_CHECK(!p.dh0_only(), "dq", "expected input gradients for a staged backward (the dh0-only mode runs "
                 "in one call)");
-  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
-                "the staged backward recomputes the states; pass none");
   auto s = start_backward(p, /*with_states=*/false);
   run_stages(*s, s->a, s->table.num_seqs(), Stages::through_b0);
   return s;

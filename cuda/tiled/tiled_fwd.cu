@@ -1648,10 +1648,9 @@ std::unique_ptr<FwdState> start_forward(const Params& p) {
   // Final-state-only (Params::final_state_only, the CP pre-pass): no output stage, so neither h per
   // chunk nor v_new is stored (the scan skips those writes).
   const bool states_only = p.final_state_only();
-  // h and v_new go to the caller's buffers when it keeps them for the backward (Params::chunk_h).
-  const bool kept = !states_only && p.chunk_h != nullptr;
-  DELTACP_CHECK((p.chunk_h == nullptr) == (p.chunk_vnew == nullptr), "chunk_vnew",
-                "expected chunk_h and chunk_vnew both or neither");
+  // h and v_new go to the caller's buffers when it keeps them for the backward (Params::chunk_h; never with
+  // states_only: dispatch.cu refuses that).
+  const bool kept = p.chunk_h != nullptr;
   const int64_t bytes_vn = states_only || kept ? 0 : align(sz.v_new * esize);
   const int64_t bytes_h = states_only || kept ? 0 : align(sz.h * esize);
   // Stage 3 in pieces (scan_split.cu): pass 1 needs no h0, so it runs here, with stages 1 and 2.
@@ -1784,8 +1783,6 @@ void forward_composed_map(StagedForward& staged, int64_t n, const float* init, f
 void forward_finish(StagedForward& staged, const Params& p) {
   auto& s = dynamic_cast<FwdState&>(staged);
   DELTACP_CHECK(!s.finished, "state", "expected a prepared forward that has not finished yet");
-  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
-                "the staged forward keeps no states for the backward; pass none");
   same_forward_problem(s.p, p, "finish");
   DELTACP_CHECK(p.V == s.p.V && p.q.ptr == s.p.q.ptr && p.k.ptr == s.p.k.ptr && p.v.ptr == s.p.v.ptr &&
                     p.o.ptr == s.p.o.ptr,
@@ -1798,11 +1795,7 @@ void forward_finish(StagedForward& staged, const Params& p) {
 
 namespace deltacp::cuda {
 void tiled_forward(const Params& p) { tiled::run_forward(p); }
-std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p) {
-  DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, "chunk_h",
-                "the staged forward keeps no states for the backward; pass none");
-  return tiled::start_forward(p);
-}
+std::unique_ptr<StagedForward> tiled_forward_prepare(const Params& p) { return tiled::start_forward(p); }
 void tiled_forward_state_pieces(StagedForward& s, const Params& pieces, int64_t row0, bool with_values) {
   tiled::forward_state_pieces(s, pieces, row0, with_values);
 }
