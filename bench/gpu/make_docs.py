@@ -10,7 +10,8 @@ again. One results file per measurement kind and GPU, overwritten by the harness
                          "bf16_matmul_TFLOPs", "rows": [{"variant", "impl" ("deltacp-<tier>" or "fla"), "B", "T",
                          "H", "D", "direction" ("fwd" | "fwd+bwd"), "ms", "TBps", "TFLOPs", "roofline_fraction"}],
                          "accuracy": {variant: {impl: {"o", "ht", "dq", ...: relative error}}}}
-                         optional "accuracy_shape": [B, T, H, D] (default (2, 300, 4, 128))
+                         optional "accuracy_shape": [B, T, H, D] (default (2, 300, 4, 128)) and
+                         "accuracy_dates": {variant: date} for a variant whose accuracy an earlier run measured
   cp-<gpu>x<n>.json      bench/cp/bench_cp.py: {"world", "config", "ranks": [{"times": {...}}]} (per-rank seconds),
                          or {"world", "config", "summary": {...}, "provenance"} where only a summary was kept;
                          both with "gpu", "date", optional "interconnect"
@@ -141,6 +142,11 @@ def cp_config(r):
 
 
 # ---- README -----------------------------------------------------------------------------------------
+def accuracy_date(perf, variant):
+    """When the run that measured variant's accuracy in this results file took place."""
+    return perf.get("accuracy_dates", {}).get(variant, perf["date"])
+
+
 def readme_table(res):
     # One row per topic, from the results file that measured it at the most shapes, then the newest one (a file per
     # GPU: an older GPU's file may predate the kernels of today; a few shapes timed on another GPU do not displace
@@ -160,7 +166,7 @@ def readme_table(res):
                         newest[key] = perf
         for variant in perf.get("accuracy", {}):
             key = ("accuracy", variant)
-            if key not in newest or perf["date"] > newest[key]["date"]:
+            if key not in newest or accuracy_date(perf, variant) > accuracy_date(newest[key], variant):
                 newest[key] = perf
     lines = ["| measure | result | where, when |", "|---|---|---|"]
     for perf in res["perf"]:
@@ -236,7 +242,7 @@ def readme_table(res):
             if cells:
                 lines.append(f"| bf16 accuracy, {variant.upper()}: worst relative error of o, ht and every gradient "
                              f"against fp64 | " + ", ".join(cells) + f" | {gpu_short(perf['gpu'])}, "
-                             f"{perf['date']} |")  # the accuracy block is the latest run's
+                             f"{accuracy_date(perf, variant)} |")
     return lines
 
 

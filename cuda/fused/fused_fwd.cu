@@ -68,7 +68,11 @@
 // and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back. fused_one_kernel.cuh
 // keeps them on chip (the WY work of the next chunk done by a second warpgroup of the chain's CTA; gdn and delta
 // at K = V = 128, DELTACP_FUSED_ONE_KERNEL=1): the same bits, but slower (1.19 ms against 0.72 at
-// (2,16384,16,128) on an H200), its WY warpgroup's latency per chunk twice the chain's step (its header).
+// (2,16384,16,128) on an H200), its WY warpgroup's latency per chunk twice the chain's step (its header). Nor does
+// the WY stage pay running beside the chain of one window, the chain loading each chunk once a per-chunk flag says
+// its WY CTA has stored it (tried on an H200, 2026-11-29, (2,16384,16,128), 64 chain CTAs): the chain slowed from
+// 0.46 to 0.74-0.79 ms beside the WY grid and the call took as long. (The WY grid has to be queued first there: two
+// streams may share one hardware queue, and a chain queued ahead of the grid it waits for hung.)
 // K = 128, V = 256 (NVIDIA H100, 2026-11-28, bf16 gdn, B = 8, T = 2048, H = 32, bench_gpu.py beside FLA): 1.025 ms
 // end to end (FLA 1.778; the tiled tier 1.849), of which the chain 0.527 (512 CTAs of two warpgroups in 4 waves, 32
 // chunks each: 4.12 us a chunk). K = V = 64 (same GPU and run conditions, (4,4096,32,64)): 0.467 ms (FLA 0.704; the

@@ -40,8 +40,12 @@
 // at (1,8192,96,128), with P and without T (the fused forward), against chunk_wy_kernel's 0.447 and 0.652. In
 // the backward's recompute with T and B0 (NVIDIA H100, 2026-11-27): 0.460 ms at (2,16384,16,128) against
 // chunk_wy_kernel 0.460 + bwd_dv_local 0.322. DELTACP_TILED_WY_WGMMA=0 keeps chunk_wy_kernel (and B0).
-// With qk_l2norm (NVIDIA H200, 2026-11-28): 0.278 ms at (2,16384,16,128) and 0.555 ms at (4,4096,64,128), against
-// 0.327 and 0.637 while row_rnorm's loads took 8-way bank conflicts.
+// With qk_l2norm (NVIDIA H200, 2026-11-29): 0.248 ms at (2,16384,16,128) and 0.489 ms at (4,4096,64,128), and 0.364
+// at (2,16384,16,128) in the backward's recompute (T and B0); in earlier runs 0.278 and 0.555 before the grid took
+// the chunks first (below) and G and beta were loaded together, 0.327 and 0.637 while row_rnorm's loads took 8-way
+// bank conflicts. Nsight Compute (same shape): about 38% of issue slots busy, three CTAs of four warps per SM;
+// a quarter of the warps' stall samples were the head of each CTA (the chunk's table entry, then G and beta, then
+// the barrier after them), the rest the solve's barriers and the products' waits.
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
 // K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G, the row scales and two mbarriers:
@@ -192,8 +196,11 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   float* rks = reinterpret_cast<float*>(smem + S::rk);
   const bool l2 = a.rq != nullptr;
   const int tid = threadIdx.x, wi = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const ChunkEntry ce = a.chunks[blockIdx.x];
-  const int64_t hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
+  // One CTA per (chunk, value head), the heads of a chunk consecutive: CTAs that run at the same time then read one
+  // span of token rows ([token, head, :] tensors) instead of one head's rows far apart. Measured on an H200 (bf16
+  // gdn): 0.248 against 0.267 ms at (2,16384,16,128), 0.489 against 0.528 at (4,4096,64,128), chunks-first order.
+  const int64_t HV = a.HV, item = blockIdx.x, chunk = item / HV, hv = item - chunk * HV, hk = hv / a.group;
+  const ChunkEntry ce = a.chunks[chunk];
   const int len = static_cast<int>(ce.len);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S::bar);
 
@@ -227,11 +234,15 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
       }
   };
   if (tid < 64) {
-    // rows past a short chunk repeat its last G (every decay stays finite) and have beta = 0
-    const float gi = a.G != nullptr ? a.G[(ce.row0 + min(tid, len - 1)) * HV + hv] : 0.f;
+    // rows past a short chunk repeat its last G (every decay stays finite) and have beta = 0. Both loads read a
+    // row of the chunk, so that they are in flight together (Nsight Compute found the beta load issued only after
+    // G's had returned, at the head of every CTA's critical path).
+    const int r = min(tid, len - 1);
+    const float bi = to_f(*a.beta.at(ce.batch, ce.t0 + r, hv));
+    const float gi = a.G != nullptr ? a.G[(ce.row0 + r) * HV + hv] : 0.f;
     gs[tid] = gi;
     egs[tid] = exp_t<T>(gi);
-    bs[tid] = tid < len ? to_f(*a.beta.at(ce.batch, ce.t0 + tid, hv)) : 0.f;
+    bs[tid] = tid < len ? bi : 0.f;
   }
   __syncthreads();  // the barriers are initialised
   mbar_wait(bars, 0);  // Q and K (V may still be in flight)
@@ -462,7 +473,9 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
   a.rk = rk;
   a.HV = p.HV;
   a.group = p.HV / p.H;
-  const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+  DELTACP_CHECK(table.num_chunks() * p.HV < (int64_t{1} << 31), "q", "the wgmma WY stage takes fewer than 2^31 chunks x "
+                "value heads, got ", table.num_chunks(), " x ", p.HV);
+  const dim3 grid(static_cast<unsigned>(table.num_chunks() * p.HV));
   if (dvl != nullptr) {
     a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
     a.dvl = dvl;
