@@ -44,7 +44,7 @@
 // at (2,16384,16,128) in the backward's recompute (T and B0); in earlier runs 0.278 and 0.555 before the grid took
 // the chunks first (below) and G and beta were loaded together, 0.327 and 0.637 while row_rnorm's loads took 8-way
 // bank conflicts. Nsight Compute (same shape): about 38% of issue slots busy, three CTAs of four warps per SM;
-// a quarter of the warps' stall samples were the head of each CTA (the chunk's table entry, then G and beta, then
+// 29% of the warps' stall samples were at the head of each CTA (the chunk's table entry, then G and beta, then
 // the barrier after them), the rest the solve's barriers and the products' waits.
 //
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
@@ -196,9 +196,9 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   float* rks = reinterpret_cast<float*>(smem + S::rk);
   const bool l2 = a.rq != nullptr;
   const int tid = threadIdx.x, wi = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  // One CTA per (chunk, value head), the heads of a chunk consecutive: CTAs that run at the same time then read one
-  // span of token rows ([token, head, :] tensors) instead of one head's rows far apart. Measured on an H200 (bf16
-  // gdn): 0.248 against 0.267 ms at (2,16384,16,128), 0.489 against 0.528 at (4,4096,64,128), chunks-first order.
+  // One CTA per (chunk, value head), the heads of a chunk consecutive. Measured on an H200 (bf16 gdn, one run):
+  // 0.248 against 0.267 ms at (2,16384,16,128), 0.489 against 0.528 at (4,4096,64,128) with the chunks of a head
+  // consecutive; CTAs that run at the same time now read neighbouring rows of [token, head, :] tensors.
   const int64_t HV = a.HV, item = blockIdx.x, chunk = item / HV, hv = item - chunk * HV, hk = hv / a.group;
   const ChunkEntry ce = a.chunks[chunk];
   const int len = static_cast<int>(ce.len);
@@ -473,8 +473,8 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
   a.rk = rk;
   a.HV = p.HV;
   a.group = p.HV / p.H;
-  DELTACP_CHECK(table.num_chunks() * p.HV < (int64_t{1} << 31), "q", "the wgmma WY stage takes fewer than 2^31 chunks x "
-                "value heads, got ", table.num_chunks(), " x ", p.HV);
+  DELTACP_CHECK(table.num_chunks() * p.HV < (int64_t{1} << 31), "q",
+                "the wgmma WY stage takes fewer than 2^31 chunks x value heads, got ", table.num_chunks(), " x ", p.HV);
   const dim3 grid(static_cast<unsigned>(table.num_chunks() * p.HV));
   if (dvl != nullptr) {
     a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
