@@ -114,6 +114,58 @@ def test_gradients_with_kept_states_match_the_recompute(variant, K, V, case, bac
             assert rel_err(x.float().cpu(), y.float().cpu()) < 5e-3, f"d{name}"
 
 
+def _compiled_grads(variant, t, h0, cu, backend, seed=11):
+    """_grads through torch.compile (aot_eager: Dynamo and AOTAutograd around the registered ops, no code
+    generation), so the backward is the registered chunk_bwd."""
+    torch._dynamo.reset()
+    op = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule}[variant]
+
+    def call(*args):
+        return op(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    rng = np.random.default_rng(seed)
+    args = [t["q"], t["k"], t["v"]] + ([t["g"]] if variant != "delta" else []) + [t["beta"]]
+    o, ht = compiled(*args)
+    do = torch.tensor(rng.standard_normal(o.shape), dtype=o.dtype, device="cuda")
+    dht = torch.tensor(rng.standard_normal(ht.shape), dtype=torch.float32, device="cuda")
+    xs = [t[n] for n in input_names(variant)] + [h0]
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), xs)
+    torch.cuda.synchronize()
+    return [o.detach()] + list(grads)
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_route_keeps_the_states(variant, case, monkeypatch):
+    """Under torch.compile the registered chunk_fwd returns the kept h and v_new (fixed-length batches; a varlen
+    batch keeps none, its chunk count being unknown to the fake implementation) and chunk_bwd reads them: the
+    gradients are the eager route's (the same kernels on the same states; on the fused forward a backward that
+    recomputed the states instead would differ by bf16 roundings, about 1e-3), and they agree with a compiled
+    backward that recomputes the states."""
+    _need("tiled")
+    t, h0, cu = _tensors(variant, case, 128, 128, grad=True)
+    eager = _grads(variant, t, h0, cu, None)
+    compiled = _compiled_grads(variant, t, h0, cu, None)
+    monkeypatch.setenv("DELTACP_KEEP_CHUNK_STATES", "0")
+    recomputed = _compiled_grads(variant, t, h0, cu, None)
+    names = ["o"] + input_names(variant) + ["h0"]
+    for name, x, y, z in zip(names, compiled, eager, recomputed):
+        assert not torch.isnan(x).any(), name
+        if cu is None:
+            assert rel_err(x.float().cpu(), y.float().cpu()) < 1e-6, f"d{name}: the compiled route differs from eager"
+        assert rel_err(x.float().cpu(), z.float().cpu()) < 5e-3, f"d{name}"
+    monkeypatch.setenv("DELTACP_KEEP_CHUNK_STATES", "1")
+    args = [t["q"].detach(), t["k"].detach(), t["v"].detach(), t["g"].detach(), t["beta"].detach(), None, None,
+            h0.detach(), cu, None if cu is None else cu.cpu(), variant, "auto", "tiled", None, 64, True, None]
+    _, _, h, vn = _library.chunk_fwd(*args, keep_states=True)
+    B, T, H, HV, _ = CASES[case]
+    if cu is None:
+        assert h.shape == (B * -(-T // 64), HV, 128, 128) and vn.shape == (B, T, HV, 128)
+    else:
+        assert h.numel() == 0 and vn.numel() == 0
+
+
 def test_kept_states_are_refused_where_no_kernel_uses_them():
     """A forward on the naive tier, a CUDA call with a wrongly shaped buffer and one buffer without the other fail
     naming the argument."""

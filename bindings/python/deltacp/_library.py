@@ -1,16 +1,19 @@
 """deltacp._library — the delta-rule ops registered with torch.library, so torch.compile traces them.
 
     deltacp::chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method,
-                       bwd_method, scale, chunk_size, output_final_state, gate_min) -> (o, ht)
+                       bwd_method, scale, chunk_size, output_final_state, gate_min, ...,
+                       keep_states) -> (o, ht, chunk_h, chunk_vnew)
     deltacp::chunk_bwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, dht, variant, method,
-                       scale, chunk_size) -> (dq, dk, dv, dg, dbeta, da, db, dh0)
+                       scale, chunk_size, qk_unit_rows, chunk_h, chunk_vnew) -> (dq, dk, dv, dg, dbeta, da, db, dh0)
 
 Both are ``torch.library.custom_op``s with fake (meta) implementations, which give the output shapes
 from the input shapes alone, and chunk_fwd's gradient is registered with ``register_autograd`` as a
 call of chunk_bwd. Dynamo therefore records one node per op instead of breaking the graph at a
 pybind11 call, and AOTAutograd traces the backward through chunk_bwd. Absent inputs (g for delta,
 beta for dplr, h0, cu_seqlens) are None; absent outputs (ht without output_final_state, the gradients
-of absent inputs) are empty tensors, because a custom op returns tensors only.
+of absent inputs, the per-chunk states where none are kept) are empty tensors, because a custom op returns
+tensors only. chunk_h and chunk_vnew are what the forward keeps for the backward (_kept_states), outputs of
+chunk_fwd that its registered backward hands to chunk_bwd.
 
 ``fwd_method`` / ``bwd_method`` are what _core.run runs ("chunked", "recurrent", "naive", "tiled",
 "fused"), chosen by deltacp.ops._resolve_backend before the call. ``gate_min`` is safe_gate's promised
@@ -121,28 +124,34 @@ def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0, kept=None):
 _KEEP_VARIANTS = ("gdn", "kda", "delta")
 
 
-def _keeps_chunk_states(cfg: _Config, q) -> bool:
+def _keeps_chunk_states(variant: str, fwd_method: str, bwd_method: str, q) -> bool:
     if os.environ.get("DELTACP_KEEP_CHUNK_STATES", "1") == "0":
         return False
-    return (q.device.type == "cuda" and cfg.variant in _KEEP_VARIANTS and cfg.bwd_method == "tiled"
-            and cfg.fwd_method in ("auto", "fused", "tiled") and q.dtype in (torch.bfloat16, torch.float16))
+    return (q.device.type == "cuda" and variant in _KEEP_VARIANTS and bwd_method == "tiled"
+            and fwd_method in ("auto", "fused", "tiled") and q.dtype in (torch.bfloat16, torch.float16))
+
+
+def _new_kept_states(q, v, chunks):
+    """(chunk_h, chunk_vnew), uninitialised, for `chunks` chunks (K and V rounded up to 16, as the kernels'
+    tiles are)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    Kp, Vp = (K + 15) // 16 * 16, (V + 15) // 16 * 16
+    return q.new_empty((chunks, HV, Kp, Vp)), q.new_empty((B, T, HV, Vp))
 
 
 def _kept_states(cfg: _Config, q, v):
     """(chunk_h, chunk_vnew), uninitialised, for a forward that keeps them (_keeps_chunk_states), else None."""
-    if not _keeps_chunk_states(cfg, q):
+    if not _keeps_chunk_states(cfg.variant, cfg.fwd_method, cfg.bwd_method, q):
         return None
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    B, T = q.shape[:2]
     cs = cfg.chunk_size
     if cfg.cu is None:
         chunks = B * ((T + cs - 1) // cs)
     else:
         lens = cfg.cu_host[1:] - cfg.cu_host[:-1]
         chunks = int(((lens.clamp(min=0) + cs - 1) // cs).sum())
-    Kp, Vp = (K + 15) // 16 * 16, (V + 15) // 16 * 16
-    return (torch.empty((chunks, HV, Kp, Vp), dtype=q.dtype, device=q.device),
-            torch.empty((B, T, HV, Vp), dtype=q.dtype, device=q.device))
+    return _new_kept_states(q, v, chunks)
 
 
 def _describe_kept(descs: dict, kept) -> None:
@@ -360,17 +369,21 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Option
               scale: Optional[float], chunk_size: int, output_final_state: bool,
               gate_min: Optional[float], qk_l2norm: bool = False, gate_A_log: Optional[Tensor] = None,
               gate_dt_bias: Optional[Tensor] = None, gate_lower_bound: Optional[float] = None,
-              qk_unit_rows: bool = False) -> Tuple[Tensor, Tensor]:
+              qk_unit_rows: bool = False, keep_states: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     # qk_l2norm: q and k are l2-normalised inside the CUDA forward (FLA's use_qk_l2norm_in_kernel, no gradient:
     # deltacp.ops sets it only for calls that need none; the fused tier folds it into its products).
     # qk_unit_rows: q and k were l2-normalised before the call (deltacp.ops with a gradient), for the forward and
     # the backward: kda's diagonal score blocks take the same decay bound as with qk_l2norm (Params::qk_unit_rows).
     # gate_A_log (fp32 [HV]), gate_dt_bias (fp32 [HV * K] or None), gate_lower_bound: kda's gate from the raw g inside
     # the CUDA forward (FLA's use_gate_in_kernel, no gradient; the fused tier folds it into its gate sum).
+    # keep_states: the per-chunk states for the backward (_kept_states), where they are kept and the sequences
+    # have one length (the fake implementation cannot count a varlen batch's chunks from its shapes).
     cfg = _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
                        cu_seqlens_cpu, qk_l2norm, None if gate_A_log is None else (gate_A_log, gate_dt_bias,
                                                                                    gate_lower_bound), qk_unit_rows)
-    return _checked(cfg, g, gate_min, lambda: _forward(cfg, q, k, v, g, beta, a, b, h0))
+    kept = _kept_states(cfg, q, v) if keep_states and cu_seqlens is None else None
+    o, ht = _checked(cfg, g, gate_min, lambda: _forward(cfg, q, k, v, g, beta, a, b, h0, kept))
+    return (o, ht) + (kept if kept is not None else (q.new_empty((0,)), q.new_empty((0,))))
 
 
 def _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu, cu_host, qk_l2norm,
@@ -403,7 +416,7 @@ def _checked(cfg: _Config, g, gate_min, run, confirm_in_backward: bool = False):
 @chunk_fwd.register_fake
 def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method, scale,
                     chunk_size, output_final_state, gate_min, qk_l2norm=False, gate_A_log=None, gate_dt_bias=None,
-                    gate_lower_bound=None, qk_unit_rows=False):
+                    gate_lower_bound=None, qk_unit_rows=False, keep_states=False):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, HV, V))
@@ -412,41 +425,52 @@ def _chunk_fwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, vari
         ht = q.new_empty((N, HV, K, V), dtype=_state_dtype(q))
     else:
         ht = q.new_empty((0,), dtype=_state_dtype(q))
-    return o, ht
+    if keep_states and cu_seqlens is None and _keeps_chunk_states(variant, fwd_method, bwd_method, q):
+        kept = _new_kept_states(q, v, B * ((T + chunk_size - 1) // chunk_size))
+    else:
+        kept = (q.new_empty((0,)), q.new_empty((0,)))
+    return (o, ht) + kept
 
 
 @torch.library.custom_op("deltacp::chunk_bwd", mutates_args=())
 def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor], a: Optional[Tensor],
               b: Optional[Tensor], h0: Optional[Tensor], cu_seqlens: Optional[Tensor],
               cu_seqlens_cpu: Optional[Tensor], do: Tensor, dht: Optional[Tensor], variant: str, method: str,
-              scale: Optional[float], chunk_size: int,
-              qk_unit_rows: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              scale: Optional[float], chunk_size: int, qk_unit_rows: bool = False,
+              chunk_h: Optional[Tensor] = None, chunk_vnew: Optional[Tensor] = None
+              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # chunk_h, chunk_vnew: what chunk_fwd kept for this backward (empty or None: nothing kept, the recompute's
+    # state scan rebuilds them).
     cfg = _config(variant, method, method, q, scale, chunk_size, False, cu_seqlens, cu_seqlens_cpu)
     cfg.qk_unit_rows = bool(qk_unit_rows)
-    return tuple(_backward(cfg, q, k, v, g, beta, a, b, h0, do, dht))
+    kept = (chunk_h, chunk_vnew) if chunk_h is not None and chunk_h.numel() > 0 else None
+    return tuple(_backward(cfg, q, k, v, g, beta, a, b, h0, do, dht, kept))
 
 
 @chunk_bwd.register_fake
 def _chunk_bwd_fake(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, do, dht, variant, method, scale,
-                    chunk_size, qk_unit_rows=False):
+                    chunk_size, qk_unit_rows=False, chunk_h=None, chunk_vnew=None):
     return tuple(q.new_empty((0,)) if t is None else torch.empty_like(t, memory_format=torch.contiguous_format)
                  for t in (q, k, v, g, beta, a, b, h0))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, a, b, h0, cu, cu_host, variant, _fwd_method, bwd_method, scale, chunk_size,
-     output_final_state, _gate_min, qk_l2norm, gate_A_log, _gate_dt_bias, _gate_lower_bound, qk_unit_rows) = inputs
+     output_final_state, _gate_min, qk_l2norm, gate_A_log, _gate_dt_bias, _gate_lower_bound, qk_unit_rows,
+     _keep_states) = inputs
     ctx.qk_l2norm = qk_l2norm or gate_A_log is not None  # both forward-only options: no gradient
     ctx.qk_unit_rows = qk_unit_rows
-    ctx.save_for_backward(q, k, v, g, beta, a, b, h0, cu, cu_host)
+    chunk_h, chunk_vnew = output[2], output[3]
+    ctx.mark_non_differentiable(chunk_h, chunk_vnew)
+    ctx.save_for_backward(q, k, v, g, beta, a, b, h0, cu, cu_host, chunk_h, chunk_vnew)
     ctx.variant, ctx.method, ctx.scale, ctx.chunk_size = variant, bwd_method, scale, chunk_size
     ctx.output_final_state = output_final_state
 
 
-def _chunk_fwd_backward(ctx, do, dht):
+def _chunk_fwd_backward(ctx, do, dht, _dchunk_h, _dchunk_vnew):
     if ctx.qk_l2norm:
         raise InvalidArgumentError(_NO_L2NORM_GRAD)
-    q, k, v, g, beta, a, b, h0, cu, cu_host = ctx.saved_tensors
+    q, k, v, g, beta, a, b, h0, cu, cu_host, chunk_h, chunk_vnew = ctx.saved_tensors
     if do is None:
         do = q.new_zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
     do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
@@ -455,9 +479,9 @@ def _chunk_fwd_backward(ctx, do, dht):
     else:
         dht = dht.to(_state_dtype(q)).contiguous()
     grads = chunk_bwd(q, k, v, g, beta, a, b, h0, cu, cu_host, do, dht, ctx.variant, ctx.method, ctx.scale,
-                      ctx.chunk_size, ctx.qk_unit_rows)
+                      ctx.chunk_size, ctx.qk_unit_rows, chunk_h, chunk_vnew)
     inputs = (q, k, v, g, beta, a, b, h0)
-    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 14
+    return (*(None if t is None else d for t, d in zip(inputs, grads)),) + (None,) * 15
 
 
 chunk_fwd.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
@@ -505,12 +529,15 @@ def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, 
     idled; the forward's result is exact for any gate either way (the promise is FLA's requirement)."""
     tensors = (q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu)
     gate = kda_gate if kda_gate is not None else (None, None, None)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:8])
     if torch.compiler.is_compiling() or not _plain(tensors + gate[:2]):
-        return chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method, bwd_method,
-                         scale, chunk_size, output_final_state, gate_min, qk_l2norm, *gate, qk_unit_rows)
+        o, ht, _, _ = chunk_fwd(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant, fwd_method,
+                                bwd_method, scale, chunk_size, output_final_state, gate_min, qk_l2norm, *gate,
+                                qk_unit_rows, grad)
+        return o, ht
     cfg = _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_state, cu_seqlens,
                        cu_seqlens_cpu, qk_l2norm, kda_gate, qk_unit_rows)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:8]):
+    if grad:
         return _checked(cfg, g, gate_min, lambda: _DeltaRuleFunction.apply(cfg, q, k, v, g, beta, a, b, h0),
                         confirm_in_backward=True)
     return _checked(cfg, g, gate_min, lambda: _forward(cfg, q, k, v, g, beta, a, b, h0))

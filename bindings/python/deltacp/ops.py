@@ -308,8 +308,8 @@ def _chunk_start_states(variant, q, k, v, g, beta, h0, cu, cu_host, method, scal
         rows = torch.cat([torch.arange(s, e) for s, e in pieces]).to(q.device)
         offsets = torch.tensor([0] + [e - s for s, e in pieces]).cumsum(0)
         xs = [x.index_select(1, rows) for x in flat]
-        _, ht = _library.chunk_fwd(*xs[:3], xs[3], xs[4], None, None, states[idx].contiguous(), offsets.to(q.device),
-                                   offsets, variant, method, method, scale, chunk_size, True, None)
+        ht = _library.chunk_fwd(*xs[:3], xs[3], xs[4], None, None, states[idx].contiguous(), offsets.to(q.device),
+                                offsets, variant, method, method, scale, chunk_size, True, None)[1]
         states[idx] = ht
     return h.reshape((B if cu is None else 1, -1, HV, K, V))
 
