@@ -19,9 +19,9 @@
 //     passes of a quarter each), and one epilogue adds all three to B2's and B3's parts and sums each row's
 //     k . Yr and dG (for dbeta and dg; B2 and B3 hand over dG as row sums, a.dGr) from the registers.
 //     dP, dA, q, k come by cp.async. One CTA of 8 warps per (chunk, value head); two fit an SM on sm_90.
-//   kda, 16-bit inputs (bwd_decay_kda_tc_kernel): E depends on d; the off-diagonal 16 x 16 blocks factorise
-//     around a reference row onto the tensor cores, the diagonal blocks are summed in fp32 by one thread per
-//     (block, key column) (see the kernel's comment).
+//   kda, 16-bit inputs (bwd_decay_kda_tc_kernel): E depends on d; the 16 x 16 blocks factorise around a reference
+//     row onto the tensor cores (the diagonal ones in tf32, or summed in fp32 one thread per (block, key column)
+//     where their factors leave the range; see the kernel's comment).
 //   kda, fp32 inputs (bwd_decay_kda_kernel): each (row, key column) sums over the chunk element by element.
 // With one value head per key head (group 1) this stage writes dq and dk to the outputs (no stage B5).
 // Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 0.67 ms at (2, 16384, 16, 128), 1.05 at
@@ -37,6 +37,7 @@
 
 #include "bwd_common.cuh"
 #include "kda_scores.cuh"
+#include "wy_solve.cuh"
 
 namespace deltacp::cuda::tiled::bwd {
 
@@ -184,30 +185,72 @@ __global__ void __launch_bounds__(kThreads) bwd_decay_kda_kernel(const Args a) {
                                [&](int i, int d) { return a.dGw[ws_row(ch, i, a.HV, hv, a.K) + d]; });
 }
 
-// ---- kda, 16-bit inputs: the off-diagonal 16 x 16 blocks on the tensor cores ----------------------------
+// ---- kda, 16-bit inputs: the 16 x 16 blocks on the tensor cores ------------------------------------------
 // E_ij^d = e^(G_id - G_jd) factorises around a reference row between i and j: e^(G_i - G_r) e^(G_r - G_j),
 // both exponents <= 0 (G decreases along the chunk). Row block a (rows 16 a ..): for j < 16 a, with r = 16 a,
 //   Yq_i += e^(G_i - G_r) o sum_j dP_ij Kr_j,  Yr_i += e^(G_i - G_r) o sum_j dA_ij Kr_j,  Kr_j = k_j e^(G_r - G_j)
 // and column block b (columns j = 16 b ..): for i >= s = 16 (b + 1),
 //   Yc_j += e^(G_s - G_j) o sum_i (dP_ij Qs_i + beta_i dA_ij Ks_i), Qs_i = q_i e^(G_i - G_s), Ks_i = k_i e^(G_i - G_s)
 // Tensor-core products over 16 a or 64 - s rows (warp w: rows 16 (w % 4), half w / 4 of the key columns); the
-// operands take 192 rows x K exponentials a chunk, and the results go to shared memory scaled back from their
-// reference rows. The pairs inside the four diagonal blocks are then summed element by element in fp32, one
-// thread per (diagonal block, key column): each of its 136 exponentials serves Yq and Yr of row i and Yc of
-// column j at once (4 x 136 x K a chunk, against 2 x 2080 x K in bwd_decay_kda_kernel), and the same thread
+// operands take 192 rows x K exponentials a chunk.
+// The diagonal blocks (pairs j <= i inside block a) go through the same reference rows (s = 63 for the last
+// block), into the same accumulators: their own rows' factors e^(G_r - G_j) and e^(G_i - G_s) now grow (exponents
+// >= 0, at most the block's decay over 16 tokens), so these products take fp32 operands on mma.sync in tf32 (10-bit
+// mantissa), as FLA's safe_gate path takes its diagonal sub-blocks, and the pairs j = i (decay 1) stay out of them:
+// they are added in fp32. Both matter for dg, a reverse sum over the chunk in which the pairs of tokens cancel
+// (each pair (i, j) adds q_i k_j dP_ij E_ij to dG_i and takes it from dG_j). A model of this stage's roundings
+// (tests/python/test_chunk_backward_algebra.py, one chunk, dg's part from these products against fp64): with the
+// diagonal blocks' operands in bf16 and the pairs j = i inside, 1.6 relative error under gates of -4.9 per token
+// and 5.9e-2 under FLA's safe_gate range; in tf32 without those pairs 1.9e-3 and 2.1e-3, where the
+// element-by-element sum gives 1.1e-3 and 1.3e-3 (the off-diagonal blocks' bf16 operands). A block
+// takes the tensor cores where every factor's exponent is at most kDiagExpMax and every scaled element at most 1e30
+// (diag_refused) and its dP, dA and beta dA at most kDiagGradMax; elsewhere, and always for fp16, its pairs are
+// summed element by element in fp32 with e^(G_id - G_jd) (136 exponentials per block and key). The results go
+// to shared memory scaled back from their reference rows; one thread per (diagonal block, key column) then
 // finishes the block's 16 rows of that column: dq, dk, dG, and k . Yr (summed over a warp's 32 columns).
+// Measured (NVIDIA H200, bf16 kda (2,16384,16,128), FLA's benchmark keywords, stage_times.py --backward, kernel
+// time): 1.650 -> 1.622 ms from the element-by-element diagonal, which was about a third of the instructions
+// executed (Nsight Compute) but not what bounds the stage: one CTA (184 KB of shared memory) per SM runs its
+// loads, products and epilogue one after another, and moves about 263 KB a chunk and head (0.51 ms at the 4.22
+// TB/s copy rate at this shape; docs/design.md section 5.2).
+// The column side's reference row of block b: the first row after it (16 (b + 1)), the chunk's last for b = 3.
+__host__ __device__ constexpr int col_ref_row(int b) { return b < 3 ? 16 * (b + 1) : kRows - 1; }
+// The largest |dP|, |dA| or |beta dA| of a diagonal block that takes the tensor cores: with its scaled keys below
+// 1e30 (diag_refused), 16 products stay below 1.6e37, inside fp32's range.
+constexpr float kDiagGradMax = 1e6f;
+
+// acc (this warp's 16 rows, NT n-tiles of 8 columns from n0) += A B over k < 16 on mma.sync m16n8k8 in tf32:
+// A(m, k) = at(m, k), B's row k at B + k ldb (fp32). The fragment's k slots t and t + 4 take columns 2 t and
+// 2 t + 1 of each k-step (any order serves when A and B agree); ldb = 4 mod 32 puts B's rows 2 t, 2 t + 1 on
+// distinct banks.
+template <int NT, class At>
+__device__ __forceinline__ void diag_mma_tf32(float (&acc)[1][NT][4], At&& at, const float* B, int ldb, int n0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const int k0 = 8 * ks + 2 * t, k1 = k0 + 1;
+    const uint32_t a[4] = {to_tf32(at(g, k0)), to_tf32(at(g + 8, k0)), to_tf32(at(g, k1)), to_tf32(at(g + 8, k1))};
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t b[2] = {to_tf32(B[k0 * ldb + n0 + 8 * nt + g]), to_tf32(B[k1 * ldb + n0 + 8 * nt + g])};
+      mma_tf32_m16n8k8(acc[0][nt], a, b);
+    }
+  }
+}
+
 template <class Op, int KP>
 struct DecayKdaTcSmem {
   static constexpr int P64 = kRows + 8, PK = KP + 8;  // Op operand tiles (16-byte rows for ldmatrix)
   static constexpr int PG = KP + 4, PA = kRows + 4;   // fp32 G, Y and dG; fp32 staging of dP and dA
   static constexpr int PD = 17;                       // fp32 diagonal blocks of dP, dA: [4][16][17]
+  static constexpr int PT = KP + 4;                    // fp32 operands of the diagonal blocks (tf32 fragments)
   // Row offsets in the operand region: Kr of row block a at 8 a (a - 1) (a = 1, 2, 3: 16, 32, 48 rows);
   // Qs, Ks of column block b at 48 b - 8 b (b - 1) (b = 0, 1, 2: 48, 32, 16 rows).
   static constexpr int kOperandRows = 96;
   __host__ __device__ static constexpr int kr_row0(int a) { return 8 * a * (a - 1); }
   __host__ __device__ static constexpr int qs_row0(int b) { return 48 * b - 8 * b * (b - 1); }
-  size_t q = 0, k = 0, G = 0, beta = 0, kpart = 0, dPd = 0, dAd = 0, Mp = 0, Ma = 0, Mb = 0, dP = 0, dA = 0, Kr = 0,
-         Qs = 0, Ks = 0, Yq = 0, Yr = 0, Yc = 0, total = 0;
+  size_t q = 0, k = 0, G = 0, beta = 0, kpart = 0, dPd = 0, dAd = 0, diag = 0, Mp = 0, Ma = 0, Mb = 0, dP = 0, dA = 0,
+         Kr = 0, Qs = 0, Ks = 0, Dk = 0, Dq = 0, Dkc = 0, Yq = 0, Yr = 0, Yc = 0, total = 0;
   __host__ __device__ constexpr DecayKdaTcSmem() {
     Carve c;
     q = c.take(sizeof(Op) * kRows * PK);
@@ -217,6 +260,7 @@ struct DecayKdaTcSmem {
     kpart = c.take(sizeof(float) * kRows * (KP / 32));  // k . Yr per row and 32 key columns
     dPd = c.take(sizeof(float) * 4 * 16 * PD);
     dAd = c.take(sizeof(float) * 4 * 16 * PD);
+    diag = c.take(sizeof(int) * 4);  // per diagonal block: 1 where it is summed element by element
     Carve s1 = c;  // the products: their 16-bit operands (the fp32 dP and dA arrive over Kr, Qs, Ks)
     Mp = s1.take(sizeof(Op) * kRows * P64);
     Ma = s1.take(sizeof(Op) * kRows * P64);
@@ -227,12 +271,16 @@ struct DecayKdaTcSmem {
     Kr = s1.take(sizeof(Op) * kOperandRows * PK);
     Qs = s1.take(sizeof(Op) * kOperandRows * PK);
     Ks = s1.take(sizeof(Op) * kOperandRows * PK);
+    Carve s3 = c;  // then the diagonal blocks' fp32 operands
+    Dk = s3.take(sizeof(float) * kRows * PT);
+    Dq = s3.take(sizeof(float) * kRows * PT);
+    Dkc = s3.take(sizeof(float) * kRows * PT);
     Carve s2 = c;  // then their results (dG of the chunk later over Yq, element by element)
     Yq = s2.take(sizeof(float) * kRows * PG);
     Yr = s2.take(sizeof(float) * kRows * PG);
     Yc = s2.take(sizeof(float) * kRows * PG);
-    const size_t m01 = s0.off > s1.off ? s0.off : s1.off;
-    total = m01 > s2.off ? m01 : s2.off;
+    const size_t m01 = s0.off > s1.off ? s0.off : s1.off, m23 = s2.off > s3.off ? s2.off : s3.off;
+    total = m01 > m23 ? m01 : m23;
   }
 };
 
@@ -240,7 +288,7 @@ template <class Op, int KP>
 __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Args a) {
   static_assert(kIs16Bit<Op>, "the tensor-core kda decay stage takes 16-bit inputs");
   constexpr DecayKdaTcSmem<Op, KP> L{};
-  constexpr int P64 = L.P64, PK = L.PK, PG = L.PG, PA = L.PA, PD = L.PD;
+  constexpr int P64 = L.P64, PK = L.PK, PG = L.PG, PA = L.PA, PD = L.PD, PT = L.PT;
   constexpr int NT = KP / 16;  // n-tiles of 8 in a warp's half of the key columns
   extern __shared__ __align__(16) unsigned char smem[];
   Op* qs = reinterpret_cast<Op*>(smem + L.q);
@@ -250,6 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
   float* kpart = reinterpret_cast<float*>(smem + L.kpart);
   float* dPd = reinterpret_cast<float*>(smem + L.dPd);
   float* dAd = reinterpret_cast<float*>(smem + L.dAd);
+  int* diag_refused_by = reinterpret_cast<int*>(smem + L.diag);
   Op* Mp = reinterpret_cast<Op*>(smem + L.Mp);
   Op* Ma = reinterpret_cast<Op*>(smem + L.Ma);
   Op* Mb = reinterpret_cast<Op*>(smem + L.Mb);
@@ -275,10 +324,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
   load_key_gate(Gs, PG, a.G, ch.row0, a.HV, hv, a.K, KP, len);
   cp_async_commit();
   if (tid < kRows) betas[tid] = tid < len ? ld<Op>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
+  // fp16's range is too narrow for the diagonal blocks' growing factors: element by element, always.
+  if (tid < 4) diag_refused_by[tid] = std::is_same_v<Op, __half> || 16 * tid >= len;
   cp_async_wait<0>();
   __syncthreads();
   // The 16-bit operands dP, dA, diag(beta) dA, and the diagonal blocks of dP and dA in fp32: four elements per
-  // thread (float4 rows of the staging; a quad never straddles a 16-column block).
+  // thread (float4 rows of the staging; a quad never straddles a 16-column block). A diagonal block with an
+  // element of dP, dA or beta dA above kDiagGradMax is summed element by element (see the diagonal operands).
   for (int e = tid; e < kRows * kRows / 4; e += kThreads) {
     const int i = e / (kRows / 4), j0 = 4 * (e % (kRows / 4));
     const float4 p4 = *reinterpret_cast<const float4*>(dPs + i * PA + j0);
@@ -293,8 +345,13 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
     if ((i >> 4) == (j0 >> 4)) {
       float* pd = dPd + (i >> 4) * 16 * PD + (i & 15) * PD + (j0 & 15);
       float* ad = dAd + (i >> 4) * 16 * PD + (i & 15) * PD + (j0 & 15);
+      bool big = false;
 #pragma unroll
-      for (int h = 0; h < 4; ++h) pd[h] = dp[h], ad[h] = da[h];
+      for (int h = 0; h < 4; ++h) {
+        pd[h] = dp[h], ad[h] = da[h];
+        big |= !(fabsf(dp[h]) <= kDiagGradMax) | !(fabsf(da[h]) <= kDiagGradMax) | !(fabsf(b * da[h]) <= kDiagGradMax);
+      }
+      if (big) diag_refused_by[i >> 4] = 1;  // every writer stores the same value
     }
   }
   __syncthreads();  // the staging of dP and dA is free for the operands
@@ -356,6 +413,55 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
       warp_mma<Op, 1, NT, Lay::colmajor, Lay::rowmajor>(accc, Mb + sref * P64, P64, m0, Ks + base * PK, PK, n0,
                                                          0, kRows - sref);
     }
+    // The diagonal blocks on the tensor cores in tf32, through the same reference rows as the off-diagonal blocks
+    // so that their products land in the same accumulators: row block a's keys Kd_j = k_j e^(G_r - G_j) for its own
+    // rows j >= r (r = 16 a; exponents >= 0), column block b's rows Qd_i = q_i e^(G_i - G_s), Kd'_i = k_i e^(G_i -
+    // G_s) for its own rows i < s (s = col_ref_row(b); exponents >= 0), fp32 over the 16-bit operands once every
+    // warp has read them. The pairs j = i (decay 1) stay out of the products and join in fp32 below.
+    __syncthreads();
+    float* Dk = reinterpret_cast<float*>(smem + L.Dk);
+    float* Dq = reinterpret_cast<float*>(smem + L.Dq);
+    float* Dkc = reinterpret_cast<float*>(smem + L.Dkc);
+    if constexpr (!std::is_same_v<Op, __half>) {
+      for (int e = tid; e < kRows * kPieces; e += kThreads) {
+        const int o = e / kPieces, d0 = 8 * (e % kPieces), ob = o >> 4, r = 16 * ob, s = col_ref_row(ob);
+        if (r >= len) continue;
+        float xq[8], xk[8], kr[8], go[8], gr[8], gs[8];
+        load8(qs + o * PK + d0, xq);
+        load8(ks + o * PK + d0, xk);
+        load8f(Gs + o * PG + d0, go);
+        load8f(Gs + r * PG + d0, gr);
+        load8f(Gs + s * PG + d0, gs);
+        bool refused = false;
+#pragma unroll
+        for (int h = 0; h < 8; ++h) {
+          const float exr = gr[h] - go[h], exs = go[h] - gs[h], Es = exp_t<Op>(exs);
+          kr[h] = xk[h] * exp_t<Op>(exr);
+          xq[h] *= Es;
+          xk[h] *= Es;
+          refused |= diag_refused(exr, kr[h], false) | diag_refused(exs, xq[h], false) |
+                     diag_refused(exs, xk[h], false);
+        }
+        store8(Dk + o * PT + d0, kr);
+        store8(Dq + o * PT + d0, xq);
+        store8(Dkc + o * PT + d0, xk);
+        if (refused) diag_refused_by[ob] = 1;
+      }
+    }
+    __syncthreads();
+    const bool diag_tc = diag_refused_by[blk] == 0;  // warp-uniform
+    if (diag_tc) {
+      const float* dPb = dPd + blk * 16 * PD;
+      const float* dAb = dAd + blk * 16 * PD;
+      const float* bb = betas + m0;
+      const int o = m0 * PT;
+      diag_mma_tf32<NT>(accq, [&](int i, int j) { return i == j ? 0.f : dPb[i * PD + j]; }, Dk + o, PT, n0);
+      diag_mma_tf32<NT>(accr, [&](int i, int j) { return dAb[i * PD + j]; }, Dk + o, PT, n0);
+      diag_mma_tf32<NT>(accc, [&](int j, int i) { return i == j ? 0.f : dPb[i * PD + j]; }, Dq + o, PT, n0);
+      diag_mma_tf32<NT>(accc, [&](int j, int i) { return bb[i] * dAb[i * PD + j]; }, Dkc + o, PT, n0);
+    }
+    const bool row_side = diag_tc || (blk >= 1 && m0 < len), col_side = diag_tc || (blk <= 2 && sref < len);
+    const int cref = col_ref_row(blk);
     __syncthreads();  // the operands are read: Yq, Yr, Yc take their bytes
     // Scaled back from the reference rows: e^(G_r - G_m0) on the row side, e^(G_sref - G_r) on the column side.
 #pragma unroll
@@ -365,9 +471,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
         const int r = m0 + acc_row(0, 2 * h2), d = n0 + acc_col(nt, 0);
         const float2 Gr = *reinterpret_cast<const float2*>(Gs + r * PG + d);
         const float2 G0 = *reinterpret_cast<const float2*>(Gs + m0 * PG + d);
-        const float2 Gc = *reinterpret_cast<const float2*>(Gs + (blk <= 2 ? sref : 0) * PG + d);
-        const float er0 = blk >= 1 ? exp_t<Op>(Gr.x - G0.x) : 0.f, er1 = blk >= 1 ? exp_t<Op>(Gr.y - G0.y) : 0.f;
-        const float ec0 = blk <= 2 ? exp_t<Op>(Gc.x - Gr.x) : 0.f, ec1 = blk <= 2 ? exp_t<Op>(Gc.y - Gr.y) : 0.f;
+        const float2 Gc = *reinterpret_cast<const float2*>(Gs + cref * PG + d);
+        // Sides with no product keep their zeros (an exponential there need not be finite).
+        const float er0 = row_side ? exp_t<Op>(Gr.x - G0.x) : 0.f, er1 = row_side ? exp_t<Op>(Gr.y - G0.y) : 0.f;
+        const float ec0 = col_side ? exp_t<Op>(Gc.x - Gr.x) : 0.f, ec1 = col_side ? exp_t<Op>(Gc.y - Gr.y) : 0.f;
         const float* q2 = accq[0][nt] + 2 * h2;
         const float* r2 = accr[0][nt] + 2 * h2;
         const float* c2 = accc[0][nt] + 2 * h2;
@@ -409,16 +516,26 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
     }
     const float* dPb = dPd + blk * 16 * PD;
     const float* dAb = dAd + blk * 16 * PD;
+    if (diag_refused_by[blk]) {  // warp-uniform: the block did not go through the tensor cores, every pair here
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float bi = betas[m0 + i];
+      for (int i = 0; i < 16; ++i) {
+        const float bi = betas[m0 + i];
 #pragma unroll
-      for (int j = 0; j <= i; ++j) {
-        const float E = exp_t<Op>(gv[i] - gv[j]);
-        const float p = dPb[i * PD + j], da = dAb[i * PD + j];  // the same for the whole warp
-        yq[i] = fmaf(p * kv[j], E, yq[i]);
-        yr[i] = fmaf(da * kv[j], E, yr[i]);
-        yc[j] = fmaf(p * qv[i] + bi * da * kv[i], E, yc[j]);
+        for (int j = 0; j <= i; ++j) {
+          const float E = exp_t<Op>(gv[i] - gv[j]);
+          const float p = dPb[i * PD + j], da = dAb[i * PD + j];  // the same for the whole warp
+          yq[i] = fmaf(p * kv[j], E, yq[i]);
+          yr[i] = fmaf(da * kv[j], E, yr[i]);
+          yc[j] = fmaf(p * qv[i] + bi * da * kv[i], E, yc[j]);
+        }
+      }
+    } else {  // the tensor cores took the pairs j < i; the pairs j = i (decay 1) here, in fp32
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float p = dPb[i * PD + i], da = dAb[i * PD + i];
+        yq[i] = p * kv[i];
+        yr[i] = da * kv[i];
+        yc[i] = p * qv[i] + betas[m0 + i] * da * kv[i];
       }
     }
 #pragma unroll

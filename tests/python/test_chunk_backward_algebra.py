@@ -205,3 +205,98 @@ def test_regrouped_kda_chunk_gradients_equal_autograd(n):
     for name in ("q", "k", "v", "beta", "g"):
         err = ((got[name] - want[name]).norm() / want[name].norm()).item()
         assert err < 1e-11, f"d{name}: {err:.2e}"
+
+
+# ---- kda: the rounding of the decay products' diagonal blocks ----------------------------------------------------
+# cuda/tiled/bwd_decay.cuh (bwd_decay_kda_tc_kernel) rounds the off-diagonal blocks' operands to bf16 and takes its
+# diagonal blocks on the tensor cores in tf32, around the off-diagonal blocks' reference rows (row side: the block's
+# first row r, factors e^(G_r - G_j) >= 1 for its own rows j; column side: the next block's first row s, the
+# chunk's last row for the last block, factors e^(G_i - G_s) >= 1), with the pairs j = i (decay 1) left out of the
+# products and added exactly. dg, the reverse sum of dG over the chunk, is where that choice shows: each pair (i, j)
+# adds the same term to dG_i as it takes from dG_j, so rounding the two sides apart leaves residues that do not
+# cancel. This model of the stage, in float64 with the roundings applied where the kernel rounds, checks the choice.
+def _bf16(x):
+    return x.to(torch.bfloat16).to(torch.float64)
+
+
+def _tf32(x):
+    """Round to tf32 (10-bit mantissa) to nearest, ties away from zero, as cvt.rna.tf32.f32 does."""
+    bits = x.to(torch.float32).view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).to(torch.float64)
+
+
+def _decay_products_rounded(dPm, dAm, q, k, beta, G, diagonal):
+    """_decay_products with the kernel's roundings: the off-diagonal blocks' operands in bf16; the diagonal blocks
+    element by element ("exact": the kernel's fp32 sum, here without rounding), or as products around the reference
+    rows with operands rounded by "tf32" (the pairs j = i apart, exact) or "bf16 with j = i" (inside the products)."""
+    n, K = k.shape
+    Yq, Yr, Yc = (torch.zeros(n, K, dtype=k.dtype) for _ in range(3))
+    X = beta[:, None] * dAm  # beta_i dA_ij, the Yc side's second left operand
+    for a in range(0, n // 16):
+        r, rows = 16 * a, slice(16 * a, 16 * a + 16)
+        if a > 0:  # row side, earlier blocks: j < r
+            Kr = _bf16(k[:r] * torch.exp(G[r] - G[:r]))
+            up = torch.exp(G[rows] - G[r])
+            Yq[rows] += up * (_bf16(dPm[rows, :r]) @ Kr)
+            Yr[rows] += up * (_bf16(dAm[rows, :r]) @ Kr)
+        if r + 16 < n:  # column side, later blocks: i >= s
+            s = r + 16
+            e = torch.exp(G[s:] - G[s])
+            Yc[rows] += torch.exp(G[s] - G[rows]) * (_bf16(dPm[s:, rows]).T @ _bf16(q[s:] * e) +
+                                                     _bf16(X[s:, rows]).T @ _bf16(k[s:] * e))
+        if diagonal == "exact":
+            for i in range(r, r + 16):
+                for j in range(r, i + 1):
+                    e = torch.exp(G[i] - G[j])
+                    Yq[i] += dPm[i, j] * k[j] * e
+                    Yr[i] += dAm[i, j] * k[j] * e
+                    Yc[j] += (dPm[i, j] * q[i] + X[i, j] * k[i]) * e
+            continue
+        rnd, apart = (_tf32, True) if diagonal == "tf32" else (_bf16, False)
+        s = min(r + 16, n - 1)
+        dP = dPm[rows, rows] - (torch.diag(torch.diag(dPm[rows, rows])) if apart else 0)
+        Kd = rnd(k[rows] * torch.exp(G[r] - G[rows]))
+        e = torch.exp(G[rows] - G[s])
+        Yq[rows] += torch.exp(G[rows] - G[r]) * (rnd(dP) @ Kd)
+        Yr[rows] += torch.exp(G[rows] - G[r]) * (rnd(dAm[rows, rows]) @ Kd)
+        Yc[rows] += torch.exp(G[s] - G[rows]) * (rnd(dP).T @ rnd(q[rows] * e) + rnd(X[rows, rows]).T @ rnd(k[rows] * e))
+        if apart:
+            d = torch.diag(dPm[rows, rows])[:, None]
+            Yq[rows] += d * k[rows]
+            Yc[rows] += d * q[rows]
+    return Yq, Yr, Yc
+
+
+@pytest.mark.parametrize("gates", ["steep", "safe_gate", "mild"])
+def test_kda_diagonal_blocks_in_tf32_keep_dg_as_precise_as_the_elementwise_sum(gates):
+    """dg's part from the decay products (the reverse sum over a 64-token chunk of q Yq + beta k Yr - k Yc) against
+    float64 without rounding: with the diagonal blocks in tf32 and the pairs j = i apart, within twice the error
+    of summing them element by element (the rest is the off-diagonal blocks' bf16 rounding); with bf16 operands and
+    those pairs inside the products, more than five times it where the gates decay fast (-4.9 a token; FLA's
+    safe_gate range of -5 .. 0), which is why the kernel does not do that."""
+    gen = torch.Generator().manual_seed(7)
+    f64 = torch.float64
+    n, K = 64, 128
+    q = _bf16(torch.randn(n, K, generator=gen, dtype=f64))
+    k = _bf16(torch.nn.functional.normalize(torch.randn(n, K, generator=gen, dtype=f64), dim=-1))
+    beta = _bf16(torch.rand(n, generator=gen, dtype=f64))
+    u = torch.randn(n, K, generator=gen, dtype=f64)
+    g = {"steep": -4.9 + 0.1 * torch.rand(n, K, generator=gen, dtype=f64),
+         "safe_gate": (-5 * torch.sigmoid(u)), "mild": torch.nn.functional.logsigmoid(u) / 8}[gates]
+    G = torch.cumsum(g, 0)
+    dPm = torch.tril(torch.randn(n, n, generator=gen, dtype=f64))
+    dAm = torch.tril(torch.randn(n, n, generator=gen, dtype=f64), -1)
+
+    def dg_error(diagonal):
+        Yq, Yr, Yc = _decay_products_rounded(dPm, dAm, q, k, beta, G, diagonal)
+        dG = q * Yq + beta[:, None] * k * Yr - k * Yc
+        return torch.flip(torch.cumsum(torch.flip(dG, [0]), 0), [0])
+
+    Yq, Yr, Yc = _decay_products(dPm, dAm, q, k, beta, G)
+    dG = q * Yq + beta[:, None] * k * Yr - k * Yc
+    want = torch.flip(torch.cumsum(torch.flip(dG, [0]), 0), [0])
+    err = {d: ((dg_error(d) - want).norm() / want.norm()).item() for d in ("exact", "tf32", "bf16 with j = i")}
+    assert err["exact"] < 1e-2, err
+    assert err["tf32"] < 2 * err["exact"], err
+    if gates != "mild":
+        assert err["bf16 with j = i"] > 5 * err["exact"], err
