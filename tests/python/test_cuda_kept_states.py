@@ -79,11 +79,21 @@ def test_fused_kept_states_match_the_tiled_scan(variant, K, V, case, piece, monk
     assert rel_err(o_f.float().cpu(), o_t.float().cpu()) < 1e-2
 
 
-def _grads(variant, t, h0, cu, backend, seed=11):
+def _grads(variant, t, h0, cu, backend, seed=11, compiled=False):
+    """o and the gradients of every input of one call (do and dht from `seed`); compiled: through torch.compile
+    (aot_eager: Dynamo and AOTAutograd around the registered ops, no code generation), so that the backward is the
+    registered chunk_bwd."""
+    op = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule}[variant]
+
+    def call(*args):
+        return op(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend="aot_eager")
     rng = np.random.default_rng(seed)
     args = [t["q"], t["k"], t["v"]] + ([t["g"]] if variant != "delta" else []) + [t["beta"]]
-    op = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule}[variant]
-    o, ht = op(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+    o, ht = call(*args)
     do = torch.tensor(rng.standard_normal(o.shape), dtype=o.dtype, device="cuda")
     dht = torch.tensor(rng.standard_normal(ht.shape), dtype=torch.float32, device="cuda")
     xs = [t[n] for n in input_names(variant)] + [h0]
@@ -114,27 +124,6 @@ def test_gradients_with_kept_states_match_the_recompute(variant, K, V, case, bac
             assert rel_err(x.float().cpu(), y.float().cpu()) < 5e-3, f"d{name}"
 
 
-def _compiled_grads(variant, t, h0, cu, backend, seed=11):
-    """_grads through torch.compile (aot_eager: Dynamo and AOTAutograd around the registered ops, no code
-    generation), so the backward is the registered chunk_bwd."""
-    torch._dynamo.reset()
-    op = {"gdn": deltacp.chunk_gated_delta_rule, "kda": deltacp.chunk_kda, "delta": deltacp.chunk_delta_rule}[variant]
-
-    def call(*args):
-        return op(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
-
-    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
-    rng = np.random.default_rng(seed)
-    args = [t["q"], t["k"], t["v"]] + ([t["g"]] if variant != "delta" else []) + [t["beta"]]
-    o, ht = compiled(*args)
-    do = torch.tensor(rng.standard_normal(o.shape), dtype=o.dtype, device="cuda")
-    dht = torch.tensor(rng.standard_normal(ht.shape), dtype=torch.float32, device="cuda")
-    xs = [t[n] for n in input_names(variant)] + [h0]
-    grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), xs)
-    torch.cuda.synchronize()
-    return [o.detach()] + list(grads)
-
-
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_route_keeps_the_states(variant, case, monkeypatch):
@@ -146,9 +135,9 @@ def test_compiled_route_keeps_the_states(variant, case, monkeypatch):
     _need("tiled")
     t, h0, cu = _tensors(variant, case, 128, 128, grad=True)
     eager = _grads(variant, t, h0, cu, None)
-    compiled = _compiled_grads(variant, t, h0, cu, None)
+    compiled = _grads(variant, t, h0, cu, None, compiled=True)
     monkeypatch.setenv("DELTACP_KEEP_CHUNK_STATES", "0")
-    recomputed = _compiled_grads(variant, t, h0, cu, None)
+    recomputed = _grads(variant, t, h0, cu, None, compiled=True)
     names = ["o"] + input_names(variant) + ["h0"]
     for name, x, y, z in zip(names, compiled, eager, recomputed):
         assert not torch.isnan(x).any(), name
