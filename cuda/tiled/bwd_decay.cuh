@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) bwd_decay_kda_kernel(const Args a) {
 // time): 1.650 -> 1.622 ms from the element-by-element diagonal, which was about a third of the instructions
 // executed (Nsight Compute) but not what bounds the stage: one CTA (184 KB of shared memory) per SM runs its
 // loads, products and epilogue one after another, and moves about 263 KB a chunk and head (0.51 ms at the 4.22
-// TB/s copy rate at this shape; docs/design.md section 5.2).
+// TB/s copy rate at this shape; docs/design.md section 5.2 has what was tried beyond that).
 // The column side's reference row of block b: the first row after it (16 (b + 1)), the chunk's last for b = 3.
 __host__ __device__ constexpr int col_ref_row(int b) { return b < 3 ? 16 * (b + 1) : kRows - 1; }
 // The largest |dP|, |dA| or |beta dA| of a diagonal block that takes the tensor cores: with its scaled keys below
