@@ -250,7 +250,7 @@ struct DecayKdaTcSmem {
   __host__ __device__ static constexpr int kr_row0(int a) { return 8 * a * (a - 1); }
   __host__ __device__ static constexpr int qs_row0(int b) { return 48 * b - 8 * b * (b - 1); }
   size_t q = 0, k = 0, G = 0, beta = 0, kpart = 0, dPd = 0, dAd = 0, diag = 0, Mp = 0, Ma = 0, Mb = 0, dP = 0, dA = 0,
-         Kr = 0, Qs = 0, Ks = 0, Dk = 0, Dq = 0, Dkc = 0, Yq = 0, Yr = 0, Yc = 0, total = 0;
+         Kr = 0, Qs = 0, Ks = 0, DKr = 0, DQs = 0, DKs = 0, Yq = 0, Yr = 0, Yc = 0, total = 0;
   __host__ __device__ constexpr DecayKdaTcSmem() {
     Carve c;
     q = c.take(sizeof(Op) * kRows * PK);
@@ -272,9 +272,9 @@ struct DecayKdaTcSmem {
     Qs = s1.take(sizeof(Op) * kOperandRows * PK);
     Ks = s1.take(sizeof(Op) * kOperandRows * PK);
     Carve s3 = c;  // then the diagonal blocks' fp32 operands
-    Dk = s3.take(sizeof(float) * kRows * PT);
-    Dq = s3.take(sizeof(float) * kRows * PT);
-    Dkc = s3.take(sizeof(float) * kRows * PT);
+    DKr = s3.take(sizeof(float) * kRows * PT);
+    DQs = s3.take(sizeof(float) * kRows * PT);
+    DKs = s3.take(sizeof(float) * kRows * PT);
     Carve s2 = c;  // then their results (dG of the chunk later over Yq, element by element)
     Yq = s2.take(sizeof(float) * kRows * PG);
     Yr = s2.take(sizeof(float) * kRows * PG);
@@ -414,14 +414,14 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
                                                          0, kRows - sref);
     }
     // The diagonal blocks on the tensor cores in tf32, through the same reference rows as the off-diagonal blocks
-    // so that their products land in the same accumulators: row block a's keys Kd_j = k_j e^(G_r - G_j) for its own
-    // rows j >= r (r = 16 a; exponents >= 0), column block b's rows Qd_i = q_i e^(G_i - G_s), Kd'_i = k_i e^(G_i -
-    // G_s) for its own rows i < s (s = col_ref_row(b); exponents >= 0), fp32 over the 16-bit operands once every
-    // warp has read them. The pairs j = i (decay 1) stay out of the products and join in fp32 below.
+    // so that their products land in the same accumulators: row block a's keys DKr_j = k_j e^(G_r - G_j) for its
+    // own rows j >= r (r = 16 a; exponents >= 0), column block b's rows DQs_i = q_i e^(G_i - G_s) and DKs_i = k_i
+    // e^(G_i - G_s) for its own rows i < s (s = col_ref_row(b); exponents >= 0), in fp32 over the 16-bit operands
+    // once every warp has read them. The pairs j = i (decay 1) stay out of the products and join in fp32 below.
     __syncthreads();
-    float* Dk = reinterpret_cast<float*>(smem + L.Dk);
-    float* Dq = reinterpret_cast<float*>(smem + L.Dq);
-    float* Dkc = reinterpret_cast<float*>(smem + L.Dkc);
+    float* DKr = reinterpret_cast<float*>(smem + L.DKr);
+    float* DQs = reinterpret_cast<float*>(smem + L.DQs);
+    float* DKs = reinterpret_cast<float*>(smem + L.DKs);
     if constexpr (!std::is_same_v<Op, __half>) {
       for (int e = tid; e < kRows * kPieces; e += kThreads) {
         const int o = e / kPieces, d0 = 8 * (e % kPieces), ob = o >> 4, r = 16 * ob, s = col_ref_row(ob);
@@ -442,9 +442,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
           refused |= diag_refused(exr, kr[h], false) | diag_refused(exs, xq[h], false) |
                      diag_refused(exs, xk[h], false);
         }
-        store8(Dk + o * PT + d0, kr);
-        store8(Dq + o * PT + d0, xq);
-        store8(Dkc + o * PT + d0, xk);
+        store8(DKr + o * PT + d0, kr);
+        store8(DQs + o * PT + d0, xq);
+        store8(DKs + o * PT + d0, xk);
         if (refused) diag_refused_by[ob] = 1;
       }
     }
@@ -455,10 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
       const float* dAb = dAd + blk * 16 * PD;
       const float* bb = betas + m0;
       const int o = m0 * PT;
-      diag_mma_tf32<NT>(accq, [&](int i, int j) { return i == j ? 0.f : dPb[i * PD + j]; }, Dk + o, PT, n0);
-      diag_mma_tf32<NT>(accr, [&](int i, int j) { return dAb[i * PD + j]; }, Dk + o, PT, n0);
-      diag_mma_tf32<NT>(accc, [&](int j, int i) { return i == j ? 0.f : dPb[i * PD + j]; }, Dq + o, PT, n0);
-      diag_mma_tf32<NT>(accc, [&](int j, int i) { return bb[i] * dAb[i * PD + j]; }, Dkc + o, PT, n0);
+      diag_mma_tf32<NT>(accq, [&](int i, int j) { return i == j ? 0.f : dPb[i * PD + j]; }, DKr + o, PT, n0);
+      diag_mma_tf32<NT>(accr, [&](int i, int j) { return dAb[i * PD + j]; }, DKr + o, PT, n0);
+      diag_mma_tf32<NT>(accc, [&](int j, int i) { return i == j ? 0.f : dPb[i * PD + j]; }, DQs + o, PT, n0);
+      diag_mma_tf32<NT>(accc, [&](int j, int i) { return bb[i] * dAb[i * PD + j]; }, DKs + o, PT, n0);
     }
     const bool row_side = diag_tc || (blk >= 1 && m0 < len), col_side = diag_tc || (blk <= 2 && sref < len);
     const int cref = col_ref_row(blk);
