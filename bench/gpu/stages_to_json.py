@@ -2,7 +2,7 @@
 `stages` step writes them to stages.log) into a results file as its "stages_backward_<variant>" section, which
 make_docs.py renders.
 
-    python3 bench/gpu/stages_to_json.py docs/results/perf-h100.json stages.log [more logs ...] \\
+    python3 bench/gpu/stages_to_json.py docs/results/perf-h100.json stages.log [more logs ...] [--bench-kwargs] \\
         [--variant kda] [--setting DELTACP_TILED_BWD_BESIDE=0] --date 2026-11-27
 
 Each log's block of the chosen setting (the "[setting]" prefix of DELTACP_STAGE_ENVS runs; no prefix: the
@@ -25,6 +25,9 @@ LABELS = [
     ("dplr_scan_kernel", "dplr_scan (2, both)"),
     ("dplr_dh0_scan_kernel", "dplr_dh0_scan (4)"),
     ("bwd_local_wgmma_kernel", "bwd_local_wgmma (B2-B4)"),
+    # kda's chunk-local kernel with stage B4 inside (its template's last argument true): stage_times.py's log cuts
+    # the names before it, so parse() relabels the kernel of a block that has no B4 of its own.
+    ("bwd_local_kda_wgmma_kernel<__nv_bfloat16, true>", "bwd_local_kda_wgmma (B2-B4)"),
     ("bwd_local_kda_wgmma_kernel", "bwd_local_kda_wgmma (B2-B3)"),
     ("bwd_dqkg_kernel", "bwd_dqkg (B2)"),
     ("bwd_wy_kernel", "bwd_wy (B3)"),
@@ -41,6 +44,7 @@ LABELS = [
     ("fused_chain_kernel", "forward: fused_chain"),
     ("wy_wgmma_kernel<__nv_bfloat16, false>", "forward: wy_wgmma"),
     ("chunk_cumsum_kernel", "cumsum (both)"),
+    ("l2norm_rows", "l2 norm of q and k (forward, backward)"),
 ]
 HEAD = re.compile(r"(\w+) (\w+) fwd\+bwd \(([\d, ]+)\): ([\d.]+) ms of kernels per call(?:, ([\d.]+) ms elapsed)?")
 KERNEL = re.compile(r"^\s+([\d.]+) ms  (.*)$")
@@ -72,6 +76,10 @@ def parse(path, setting, variant):
             ms, name = float(k.group(1)), k.group(2)
             label = next((lab for frag, lab in LABELS if frag in name), "the rest")
             cur["kernels_ms"][label] = round(cur["kernels_ms"].get(label, 0.0) + ms, 3)
+    for x in shapes.values():
+        ks = x["kernels_ms"]
+        if "bwd_local_kda_wgmma (B2-B3)" in ks and "bwd_decay (B4)" not in ks:
+            ks["bwd_local_kda_wgmma (B2-B4)"] = ks.pop("bwd_local_kda_wgmma (B2-B3)")
     return shapes
 
 
@@ -83,6 +91,7 @@ def main():
     ap.add_argument("--setting", default="", help="the [prefix] of the block to take (empty: unprefixed lines)")
     ap.add_argument("--date", required=True)
     ap.add_argument("--note", default="")
+    ap.add_argument("--bench-kwargs", action="store_true", help="the logs ran stage_times.py --bench-kwargs")
     a = ap.parse_args()
     shapes = {}
     for path in a.logs:
@@ -102,7 +111,8 @@ def main():
     res[key] = {
         "date": a.date, "variant": a.variant, "direction": "fwd+bwd",
         "backend": "fused forward, tiled backward" if backend == "fused" else f"{backend} forward and backward",
-        "source": f"bench/gpu/stage_times.py --backward --backend {backend} (torch.profiler, CUDA time per call; "
+        "source": f"bench/gpu/stage_times.py --backward --backend {backend}"
+                  + (" --bench-kwargs" if a.bench_kwargs else "") + " (torch.profiler, CUDA time per call; "
                   "elapsed: CUDA events around one call, median of 20)" + (f", {a.setting}" if a.setting else ""),
         "shapes": shapes,
     }

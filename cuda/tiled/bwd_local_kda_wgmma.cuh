@@ -3,10 +3,20 @@
 // bwd_wy_kernel (bwd_dqkg.cuh, bwd_wy.cuh: the same algebra on mma.sync) for 16-bit kda at K = V = 128, chunk 64,
 // compute capability 9.0 (local_kda_refusal says where it cannot run; DELTACP_TILED_BWD_LOCAL_KDA=0 keeps the
 // two). Measured on H100 (bf16, (2, 16384, 16, 128), CUDA time of the kernels): 1.26 ms where B2 + B3 take
-// 1.37 + 1.45 ms; the fused-tier forward + backward's kernels 8.83 -> 7.26 ms. It hands stage B4
-// (bwd_decay_kda_tc_kernel, unchanged) the buffers B2 and B3 hand it, with the same meaning: dP and dA (fp32
+// 1.37 + 1.45 ms; the fused-tier forward + backward's kernels 8.83 -> 7.26 ms. As B2 + B3 alone (kDecay false) it
+// hands stage B4 (bwd_decay_kda_tc_kernel) the buffers B2 and B3 hand it, with the same meaning: dP and dA (fp32
 // 64 x 64, masked), the fp32 per-value-head parts of dq, dk and dG, and B3's part of dbeta; dv is final here as in
 // B3. dW, which B2 writes for B3 only, stays in shared memory.
+// With kDecay (bf16 by default, use_local_kda_decay) it runs B4 as well, after the WY side, and writes dq, dk, dg
+// and dbeta final: none of dP, dA and the parts goes through global memory (about 2 KB per token-head, written once
+// and read once before), nor do q, k and G a second time. Measured on H200 (bf16, (2, 16384, 16, 128), FLA's
+// benchmark keywords, kernel time): 1.784 ms where this kernel and B4 take 1.132 + 1.610. That needed the code
+// small: the kernel runs once per CTA, straight through, one CTA per SM, so its instructions have to stay in the
+// instruction cache from one CTA to the next. With the decay side over all 64 columns of a warpgroup at once it had
+// 9,000 SASS instructions and took 3.04 ms (Nsight Compute: 46% of its cycles per issued instruction waiting on
+// instruction fetch); with the decay side in two passes of 32 columns (swap_halves) it has 7,500 and takes 1.784
+// ms. The first build, whose fallback for refused diagonal blocks was unrolled over each thread's 32 elements
+// (25,800 instructions), took 5.64.
 //
 // The algebra is bwd_local_wgmma.cuh's (gdn) with kda's decay per key: Gam_id = e^(G_id) and e^(Gn_d - G_id)
 // are element scales, read from the chunk's G tile, where gdn has row scales. For one chunk (bwd_common.cuh's
@@ -59,6 +69,7 @@
 #include "../common/kernel_switch.h"
 #include "../common/tma.cuh"
 #include "bwd_common.cuh"
+#include "bwd_decay.cuh"
 #include "bwd_local_wgmma.cuh"
 #include "kda_scores.cuh"
 #include "wgmma_ops.cuh"
@@ -77,11 +88,28 @@ struct LocalKdaSmem {
   // KrSum per key and warp of a warpgroup; three mbarriers.
   static constexpr int beta = G + 64 * kPG * 4, part = beta + 256, dgs = part + 2 * 256, krp = dgs + 2 * 512;
   static constexpr int bar = krp + 4 * 512;
-  static constexpr int bytes = bar + 3 * 8 + 1024;  // + slack for the alignment
+  static constexpr int dflags = bar + 3 * 8;  // with B4: per diagonal block, 1 where it is summed element by element
+  static constexpr int bytes = dflags + 4 * 4 + 1024;  // + slack for the alignment
 };
+// Stage B4 inside the kernel (bwd_local_kda_wgmma_kernel<T, true>), over bytes dead by then: dP, dA and beta dA in
+// 16 bits (ldmatrix pitch 72) and the diagonal blocks of dP and dA in fp32 over dS' (dead after the V side) and dO
+// (dead once dv is stored); the off-diagonal operands Kr over S, Qs and Ks over dO's tail, Vn, dU and v once the
+// WY side is done; dG of the chunk (fp32, pitch 132) over Qs and Ks once every warp's products have read them.
+struct LocalKdaDecaySmem {
+  using L = LocalKdaSmem;
+  static constexpr int P64 = 72, PK = 136, PD = 17, PGd = 132, kOperandRows = 96;
+  static constexpr int Mp = L::dS, Ma = Mp + 64 * P64 * 2, Mb = Ma + 64 * P64 * 2, dPd = Mb + 64 * P64 * 2;
+  static constexpr int dAd = L::dO, Kr = L::S, Qs = dAd + 4 * 16 * PD * 4, Ks = Qs + kOperandRows * PK * 2, dG = Qs;
+};
+static_assert(LocalKdaDecaySmem::dPd + 4 * 16 * 17 * 4 <= LocalKdaSmem::dO, "dP's blocks fit over dS'");
+static_assert(LocalKdaDecaySmem::dAd + 4 * 16 * 17 * 4 <= LocalKdaSmem::Vn, "dA's diagonal blocks fit over dO");
+static_assert(LocalKdaDecaySmem::Kr + 96 * 136 * 2 <= LocalKdaSmem::dS, "Kr fits over S");
+static_assert(LocalKdaDecaySmem::Ks + 96 * 136 * 2 <= LocalKdaSmem::q, "Qs and Ks fit over dO, Vn, dU and v");
+static_assert(LocalKdaDecaySmem::dG + 64 * 132 * 4 <= LocalKdaSmem::q, "dG fits over Qs and Ks");
+static_assert(LocalKdaDecaySmem::Qs % 16 == 0 && LocalKdaDecaySmem::Ks % 16 == 0, "16-byte operand rows");
 static_assert(LocalKdaSmem::M1 + LocalKdaSmem::kBox <= LocalKdaSmem::dS, "the intermediates fit over S");
 static_assert(LocalKdaSmem::G % 16 == 0 && (LocalKdaSmem::kPG * 4) % 16 == 0, "G rows take 16-byte copies");
-static_assert(LocalKdaSmem::bytes == 228120, "the size the opening comment gives");
+static_assert(LocalKdaSmem::bytes == 228136, "the size the opening comment gives");
 static_assert(LocalKdaSmem::bytes <= 227 * 1024, "one CTA within sm_90's opt-in shared memory");
 
 #ifdef DELTACP_WGMMA_DEVICE
@@ -101,9 +129,209 @@ __device__ __forceinline__ void store_causal_scores(float* dst, const float (&ac
       *reinterpret_cast<float2*>(dst + i * 64 + j) = make_float2(x0, x1);
     }
 }
+
+// ---- stage B4 inside the kernel (kDecay) ---------------------------------------------------------------------
+// A 64 x 64 score gradient from this warpgroup's m64n32 accumulator into 16-bit M (pitch 72; and beta_i x into M2
+// when given) and its diagonal 16 x 16 blocks in fp32 (D, [4][16][17]): f(x) on the causal triangle of rows
+// i < len, zero elsewhere; flags[block] = 1 where a diagonal element passes kDiagGradMax.
+template <class T, bool kDiagonal, class F>
+__device__ __forceinline__ void stage_scores16(T* M, T* M2, const float* bs, float* D, int* flags,
+                                               const float (&acc)[16], int wg, int ra, int t, int len, F f) {
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = ra + 8 * hh, j = 32 * wg + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh;
+      const bool in0 = kDiagonal ? j <= i : j < i, in1 = kDiagonal ? j + 1 <= i : j + 1 < i;
+      const float x0 = (in0 && i < len) ? f(acc[e0]) : 0.f;
+      const float x1 = (in1 && i < len) ? f(acc[e0 + 1]) : 0.f;
+      store_pair(M + i * 72 + j, x0, x1);
+      if (M2 != nullptr) store_pair(M2 + i * 72 + j, bs[i] * x0, bs[i] * x1);
+      if ((i >> 4) == (j >> 4)) {
+        float* d = D + (i >> 4) * 16 * 17 + (i & 15) * 17 + (j & 15);
+        d[0] = x0, d[1] = x1;
+        const float b = M2 != nullptr ? fabsf(bs[i]) : 0.f;
+        const float m = fmaxf(fmaxf(fabsf(x0), fabsf(x1)), b * fmaxf(fabsf(x0), fabsf(x1)));
+        if (!(m <= kDiagGradMax)) flags[i >> 4] = 1;  // every writer stores the same value
+      }
+    }
+}
+
+// Eight keys (columns c .. c + 7, c a multiple of 8) of row r of a 64 x 128 16-bit tile held as two swizzled
+// 64-column blocks (the TMA layout of q and k here), as floats.
+template <class T>
+__device__ __forceinline__ void tile_row8(const unsigned char* tile, int r, int c, float (&x)[8]) {
+  const unsigned char* p = tile + (c >> 6) * LocalKdaSmem::kBox + r * 128 + (((((c & 63) >> 3) ^ r) & 7) << 4);
+  load8(reinterpret_cast<const T*>(p), x);
+}
+
+// One element of a 64-column swizzled 16-bit block (row r, column c < 64).
+template <class T>
+__device__ __forceinline__ float block_elem(const unsigned char* blk, int r, int c) {
+  return to_f(*reinterpret_cast<const T*>(blk + sw_pair(r, c & ~1) + 2 * (c & 1)));
+}
+
+// Swaps the halves of a 32-register array: the decay side works on columns c0 .. c0 + 31 of a warpgroup's 64 in a
+// rolled loop of two passes, each on the first half, so that its code is there once (the kernel's instruction
+// fetch, not its arithmetic, bounded it with the whole 64 columns unrolled).
+__device__ __forceinline__ void swap_halves(float (&x)[32]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float y = x[i];
+    x[i] = x[i + 16];
+    x[i + 16] = y;
+  }
+}
+__device__ __forceinline__ float (&first_half(float (&x)[32]))[16] { return *reinterpret_cast<float(*)[16]>(x); }
+
+// Whether this warp's diagonal block (rows r0 .. r0 + 15, its warpgroup's 64 columns) can take the tensor cores:
+// every growth exponent (row side e^(G_r0 - G_j), column side e^(G_i - G_s)) at most kDiagExpMax and every q, k
+// element at most 160 in magnitude (so that a scaled operand stays below 1e30). Warp-uniform.
+template <class T>
+__device__ __forceinline__ bool diag_block_fits(const unsigned char* qblk, const unsigned char* kblk, const float* Gt,
+                                                int PG, int r0, int s, int cw, int len) {
+  const int lane = threadIdx.x & 31;
+  bool bad = false;
+#pragma unroll 2
+  for (int e = lane; e < 16 * 64; e += 32) {
+    const int i = e >> 6, c = e & 63, r = r0 + i;
+    if (r >= len) continue;
+    const float g = Gt[r * PG + cw + c];
+    const float exr = Gt[r0 * PG + cw + c] - g, exs = g - Gt[s * PG + cw + c];
+    const float kv = block_elem<T>(kblk, r, c), qv = block_elem<T>(qblk, r, c);
+    bad |= !(exr <= kDiagExpMax) | !(exs <= kDiagExpMax) | !(fabsf(kv) <= 160.f) | !(fabsf(qv) <= 160.f);
+  }
+  return !__any_sync(0xffffffffu, bad);
+}
+
+// Row side of the diagonal block in tf32: yq, yr += A B with A = dP (pairs j >= i left out), dA, and B[j][d] =
+// k_jd e^(G_r0,d - G_jd) computed here. The fragment's k slots t and t + 4 take columns 2t, 2t + 1.
+template <class T>
+__device__ __forceinline__ void diag_row_side_tf32(float (&yq)[16], float (&yr)[16], const float* dPb,
+                                                   const float* dAb, const unsigned char* kblk, const float* Gt,
+                                                   int PG, int r0, int cw, int c0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const int k0 = 8 * ks + 2 * t, k1 = k0 + 1;
+    auto ap = [&](int i, int j) { return j >= i ? 0.f : dPb[i * 17 + j]; };
+    auto aa = [&](int i, int j) { return dAb[i * 17 + j]; };
+    const uint32_t fp[4] = {to_tf32(ap(g, k0)), to_tf32(ap(g + 8, k0)), to_tf32(ap(g, k1)), to_tf32(ap(g + 8, k1))};
+    const uint32_t fa[4] = {to_tf32(aa(g, k0)), to_tf32(aa(g + 8, k0)), to_tf32(aa(g, k1)), to_tf32(aa(g + 8, k1))};
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+      const int c = c0 + 8 * nb + g;
+      const float gr = Gt[r0 * PG + cw + c];
+      const float b0 = block_elem<T>(kblk, r0 + k0, c) * exp_t<T>(gr - Gt[(r0 + k0) * PG + cw + c]);
+      const float b1 = block_elem<T>(kblk, r0 + k1, c) * exp_t<T>(gr - Gt[(r0 + k1) * PG + cw + c]);
+      const uint32_t fb[2] = {to_tf32(b0), to_tf32(b1)};
+      float dq4[4] = {yq[4 * nb], yq[4 * nb + 1], yq[4 * nb + 2], yq[4 * nb + 3]};
+      float dr4[4] = {yr[4 * nb], yr[4 * nb + 1], yr[4 * nb + 2], yr[4 * nb + 3]};
+      mma_tf32_m16n8k8(dq4, fp, fb);
+      mma_tf32_m16n8k8(dr4, fa, fb);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) yq[4 * nb + u] = dq4[u], yr[4 * nb + u] = dr4[u];
+    }
+  }
+}
+
+// Column side of the diagonal block in tf32: yc (rows = the block's columns j) += dP^T Qd + (beta dA)^T Kd with
+// Qd[i][d] = q_id e^(G_id - G_sd), Kd[i][d] = k_id e^(G_id - G_sd) (pairs i <= j left out of dP).
+template <class T>
+__device__ __forceinline__ void diag_col_side_tf32(float (&yc)[16], const float* dPb, const float* dAb,
+                                                   const float* bs, const unsigned char* qblk,
+                                                   const unsigned char* kblk, const float* Gt, int PG, int r0, int s,
+                                                   int cw, int c0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const int k0 = 8 * ks + 2 * t, k1 = k0 + 1;
+    auto ap = [&](int j, int i) { return i <= j ? 0.f : dPb[i * 17 + j]; };
+    auto ab = [&](int j, int i) { return bs[r0 + i] * dAb[i * 17 + j]; };
+    const uint32_t fp[4] = {to_tf32(ap(g, k0)), to_tf32(ap(g + 8, k0)), to_tf32(ap(g, k1)), to_tf32(ap(g + 8, k1))};
+    const uint32_t fb4[4] = {to_tf32(ab(g, k0)), to_tf32(ab(g + 8, k0)), to_tf32(ab(g, k1)), to_tf32(ab(g + 8, k1))};
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+      const int c = c0 + 8 * nb + g;
+      const float gs = Gt[s * PG + cw + c];
+      const float e0 = exp_t<T>(Gt[(r0 + k0) * PG + cw + c] - gs), e1 = exp_t<T>(Gt[(r0 + k1) * PG + cw + c] - gs);
+      const uint32_t bq[2] = {to_tf32(block_elem<T>(qblk, r0 + k0, c) * e0),
+                              to_tf32(block_elem<T>(qblk, r0 + k1, c) * e1)};
+      const uint32_t bk[2] = {to_tf32(block_elem<T>(kblk, r0 + k0, c) * e0),
+                              to_tf32(block_elem<T>(kblk, r0 + k1, c) * e1)};
+      float d4[4] = {yc[4 * nb], yc[4 * nb + 1], yc[4 * nb + 2], yc[4 * nb + 3]};
+      mma_tf32_m16n8k8(d4, fp, bq);
+      mma_tf32_m16n8k8(d4, fb4, bk);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) yc[4 * nb + u] = d4[u];
+    }
+  }
+}
+
+// A block refused by the tensor cores: every pair element by element in fp32 with e^(G_i - G_j), into this lane's
+// 32 elements. Rare (steep gates, fp16), so the loops stay rolled: unrolled, this code tripled the kernel's size
+// and its instruction fetches. The result joins its register by a select over the 32 (a register array cannot be
+// indexed at run time without going to local memory). Row side: yq += sum_{j <= i} dP_ij k_j E, yr += dA_ij k_j E;
+// column side (yr unused): yq += sum_{i >= j} (dP_ij q_i + beta_i dA_ij k_i) E.
+template <class T, bool kRowSide>
+__device__ __forceinline__ void diag_every_pair(float (&yq)[32], float (&yr)[32], const float* dPb, const float* dAb,
+                                                const float* bs, const unsigned char* qblk,
+                                                const unsigned char* kblk, const float* Gt, int PG, int r0, int cw) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 1
+  for (int e = 0; e < 32; ++e) {
+    const int li = g + 8 * ((e >> 1) & 1), c = 8 * (e >> 2) + 2 * t + (e & 1);
+    const float gl = Gt[(r0 + li) * PG + cw + c];
+    float s1 = 0.f, s2 = 0.f;
+    if constexpr (kRowSide) {
+#pragma unroll 1
+      for (int j = 0; j <= li; ++j) {
+        const float E = exp_t<T>(gl - Gt[(r0 + j) * PG + cw + c]), kj = block_elem<T>(kblk, r0 + j, c);
+        s1 = fmaf(dPb[li * 17 + j] * kj, E, s1);
+        s2 = fmaf(dAb[li * 17 + j] * kj, E, s2);
+      }
+    } else {
+#pragma unroll 1
+      for (int i = li; i < 16; ++i) {  // rows past len: dP, dA and beta are zero
+        const float E = exp_t<T>(Gt[(r0 + i) * PG + cw + c] - gl);
+        s1 = fmaf(dPb[i * 17 + li] * block_elem<T>(qblk, r0 + i, c) +
+                      bs[r0 + i] * dAb[i * 17 + li] * block_elem<T>(kblk, r0 + i, c),
+                  E, s1);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 32; ++u)
+      if (u == e) {
+        yq[u] += s1;
+        if constexpr (kRowSide) yr[u] += s2;
+      }
+  }
+}
+
+// dq or dk of the chunk, written over q's or k's tile in its own layout (two swizzled 64-column blocks), to an
+// output [B, T, heads, 128] in 16-byte pieces: 16 threads a row.
+template <class T>
+__device__ __forceinline__ void store_tile_rows(const TensorRef& out, int64_t b, int64_t t0, int64_t head,
+                                                const unsigned char* tile, int len) {
+  T* base = static_cast<T*>(out.ptr);
+  const bool vec = reinterpret_cast<uintptr_t>(base) % 16 == 0 && (out.stride_b * 2) % 16 == 0 &&
+                   (out.stride_t * 2) % 16 == 0 && (out.stride_h * 2) % 16 == 0;
+  for (int e = threadIdx.x; e < 64 * 16; e += blockDim.x) {
+    const int r = e >> 4, p = e & 15;
+    if (r >= len) break;
+    const unsigned char* at = tile + (p >> 3) * LocalKdaSmem::kBox + r * 128 + ((((p & 7) ^ r) & 7) << 4);
+    T* dst = base + off(out, b, t0 + r, head) + 8 * p;
+    if (vec) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(at);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dst[j] = reinterpret_cast<const T*>(at)[j];
+    }
+  }
+}
 #endif
 
-template <class T>
+template <class T, bool kDecay = false>
 __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __grid_constant__ LocalWgArgs args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using L = LocalKdaSmem;
@@ -117,6 +345,8 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
   float* part = reinterpret_cast<float*>(smem + L::part);
   float* dgs = reinterpret_cast<float*>(smem + L::dgs);
   float* krp = reinterpret_cast<float*>(smem + L::krp);
+  int* dflags = reinterpret_cast<int*>(smem + L::dflags);
+  using D = LocalKdaDecaySmem;
 
   const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -135,6 +365,9 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
     DuTPieces pieces;
     load_du_t(pieces, a, ch, hv, HV, len, tid);
     if (tid < 64) bs[tid] = tid < len ? ld<T>(a.beta, off(a.beta, ch.batch, ch.t0 + tid, hv)) : 0.f;
+    if constexpr (kDecay) {
+      if (tid < 4) dflags[tid] = std::is_same_v<T, __half> || 16 * tid >= len;  // fp16: element by element
+    }
     store_du_t<T>(smem, L::dU, L::T, kBox, pieces, a, tid);
   }
   cp_async_wait<0>();
@@ -211,8 +444,12 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
   // dW = -dU S^T (this warpgroup's column block) for the WY side's products.
   acc_to_block<T, 64>(smem + L::dW + wg * kBox, wa, 0, [](float x, int, int) { return -x; });
   // dP = scale dO Vn^T on j <= i < len, zero elsewhere: this warpgroup's 32 columns of every row, as B2 writes it.
-  store_causal_scores<true>(a.dP + (c * HV + hv) * 64 * 64, dp, wg, ra, t, len,
-                            [&](float x) { return a.scale * x; });
+  if constexpr (kDecay)
+    stage_scores16<T, true>(reinterpret_cast<T*>(smem + D::Mp), nullptr, bs, reinterpret_cast<float*>(smem + D::dPd),
+                            dflags, dp, wg, ra, t, len, [&](float x) { return a.scale * x; });
+  else
+    store_causal_scores<true>(a.dP + (c * HV + hv) * 64 * 64, dp, wg, ra, t, len,
+                              [&](float x) { return a.scale * x; });
   // dv = diag(beta) Y, staged over dO for 16-byte stores after the barrier below; Y . v per row.
   stage_half_rows<T>(smem + L::dO, y, wg, [&](float x, int r) { return bs[r] * x; });
   float yv[2] = {0.f, 0.f};
@@ -274,42 +511,206 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
     float da[16];  // (T^T dT) T^T = -dA, its 32 columns
     wy_minus_dA<T>(smem, base, L::dT, L::M1, sT, wg, ra, t, da);
     // dA on j < i < len, zero elsewhere, as B3 writes it.
-    store_causal_scores<false>(a.dA + (c * HV + hv) * 64 * 64, da, wg, ra, t, len, [](float x) { return -x; });
+    if constexpr (kDecay)
+      stage_scores16<T, false>(reinterpret_cast<T*>(smem + D::Ma), reinterpret_cast<T*>(smem + D::Mb), bs,
+                               reinterpret_cast<float*>(smem + D::dAd), dflags, da, wg, ra, t, len,
+                               [](float x) { return -x; });
+    else
+      store_causal_scores<false>(a.dA + (c * HV + hv) * 64 * 64, da, wg, ra, t, len, [](float x) { return -x; });
   }
 
-  // ---- epilogue: B2's and B3's parts of dq, dk, dG and dbeta --------------------------------------------------
-  float db[2] = {yv[0], yv[1]};
+  // ---- stage B4's decay products (bwd_decay.cuh's algebra) into this warp's rows and columns (kDecay) -----------
+  // Warp wi takes row block a = wi and column block b = wi of every 64 x 64 score gradient, on its warpgroup's 64
+  // key columns: the accumulators of B2 and B3 already hold those rows and columns. qg ends as the final dq, pl as
+  // plus' (plus o Gam + Yr) and mi as minus + Yc (Yc's products in tc until the epilogue). The off-diagonal blocks
+  // go through bwd_decay_kda_tc_kernel's reference rows (Kr, Qs, Ks built once for the CTA), the diagonal ones
+  // through the same rows in tf32 with their operands built in registers, or element by element where refused.
+  float tc[kDecay ? 32 : 1];
+  float ec_on = 0.f;
+  const float* dP_self = nullptr;
+  int m0_dec = 0, cref_dec = 0;
+  if constexpr (kDecay) {
+    using DK = DecayKdaTcSmem<T, 128>;  // its operand row offsets (kr_row0, qs_row0)
+    constexpr int PK = D::PK;
+    T* Mp = reinterpret_cast<T*>(smem + D::Mp);
+    T* Ma = reinterpret_cast<T*>(smem + D::Ma);
+    T* Mb = reinterpret_cast<T*>(smem + D::Mb);
+    T* Kr = reinterpret_cast<T*>(smem + D::Kr);
+    T* Qs = reinterpret_cast<T*>(smem + D::Qs);
+    const unsigned char* qtile = smem + L::q;
+    const unsigned char* ktile = smem + L::k;
+    __syncthreads();  // the WY side is done: S, Vn, dU, v free; dA staged
+    T* Ks = reinterpret_cast<T*>(smem + D::Ks);
+    // Kr (row blocks 1..3, rows j < r = 16 a, k_j e^(G_r - G_j)) and Qs, Ks (column blocks 0..2, rows i >= s =
+    // 16 (b + 1), q_i and k_i e^(G_i - G_s)), eight keys a thread (bwd_decay_kda_tc_kernel's operands).
+#pragma unroll 1
+    for (int e = tid; e < D::kOperandRows * 16; e += 256) {
+      const int o = e >> 4, d0 = 8 * (e & 15);
+      {
+        const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - DK::kr_row0(blk), r = 16 * blk;
+        if (r < len) {
+          float x[8], gj[8], gr[8];
+          tile_row8<T>(ktile, j, d0, x);
+          load8f(Gt + j * PG + d0, gj);
+          load8f(Gt + r * PG + d0, gr);
 #pragma unroll
-  for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = ra + 8 * hh, cb = 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, col = cw + cb;
-      const float b = bs[r];
-      const float2 gr = *reinterpret_cast<const float2*>(Gt + r * PG + col);
-      const float gam0 = exp_t<T>(gr.x), gam1 = exp_t<T>(gr.y);
-      const float2 qv = block_pair<T>(qblk, r, cb), kv = block_pair<T>(kblk, r, cb);
-      const float dq0 = a.scale * qg[e0] * gam0, dq1 = a.scale * qg[e0 + 1] * gam1;
-      const float p0 = pl[e0] * gam0, p1 = pl[e0 + 1] * gam1;
-      db[hh] += kv.x * p0 + kv.y * p1;
-      float g0 = qv.x * dq0 - kv.x * mi[e0] + b * kv.x * p0;
-      float g1 = qv.y * dq1 - kv.y * mi[e0 + 1] + b * kv.y * p1;
-      if (r == len - 1) {  // the decay of S (e^Gn <dS', S>) and Gn in Kr (KrSum), per key
-        const float2 s0 = *reinterpret_cast<const float2*>(dgs + col);
-        const float2 s1 = *reinterpret_cast<const float2*>(dgs + 128 + col);
-        const float2 k0 = *reinterpret_cast<const float2*>(krp + col);
-        const float2 k1 = *reinterpret_cast<const float2*>(krp + 128 + col);
-        const float2 k2 = *reinterpret_cast<const float2*>(krp + 256 + col);
-        const float2 k3 = *reinterpret_cast<const float2*>(krp + 384 + col);
-        g0 += gam0 * (s0.x + s1.x) + (((k0.x + k1.x) + k2.x) + k3.x);
-        g1 += gam1 * (s0.y + s1.y) + (((k0.y + k1.y) + k2.y) + k3.y);
+          for (int h = 0; h < 8; ++h) x[h] *= exp_t<T>(gr[h] - gj[h]);
+          store8(Kr + o * PK + d0, x);
+        }
       }
-      if (r < len) {
-        const int64_t o = ws_row(ch, r, HV, hv, kLocalKeys) + col;
-        *reinterpret_cast<float2*>(a.dqw + o) = make_float2(dq0, dq1);
-        *reinterpret_cast<float2*>(a.dkw + o) = make_float2(mi[e0] + b * p0, mi[e0 + 1] + b * p1);
-        *reinterpret_cast<float2*>(a.dGw + o) = make_float2(g0, g1);
+      {
+        const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), sr = 16 * (blk + 1), i = sr + o - DK::qs_row0(blk);
+        if (sr < len) {
+          float xq[8], xk[8], gi[8], gs[8];
+          tile_row8<T>(qtile, i, d0, xq);
+          tile_row8<T>(ktile, i, d0, xk);
+          load8f(Gt + i * PG + d0, gi);
+          load8f(Gt + sr * PG + d0, gs);
+#pragma unroll
+          for (int h = 0; h < 8; ++h) {
+            const float E = exp_t<T>(gi[h] - gs[h]);
+            xq[h] *= E;
+            xk[h] *= E;
+          }
+          store8(Qs + o * PK + d0, xq);
+          store8(Ks + o * PK + d0, xk);
+        }
       }
     }
+    __syncthreads();
+    const int m0 = 16 * wi, sref = m0 + 16, cref = col_ref_row(wi);
+    const float* dPb = reinterpret_cast<const float*>(smem + D::dPd) + wi * 16 * 17;
+    const float* dAb = reinterpret_cast<const float*>(smem + D::dAd) + wi * 16 * 17;
+    const bool live = m0 < len;
+    const bool fits = live && dflags[wi] == 0 && diag_block_fits<T>(qblk, kblk, Gt, PG, m0, cref, cw, len);
+    {  // the row side: Yq into dq, Yr into plus', 32 columns a pass (swap_halves)
+      const bool offd = wi >= 1 && live;
+      const float er_on = (fits || offd) ? 1.f : 0.f;  // sides with no product keep their zeros
+      const T* Kra = Kr + DK::kr_row0(wi) * PK;
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {
+        const int c0 = 32 * pass;
+        float tq[16], tr[16];
+        zero(tq), zero(tr);
+        auto& aq = *reinterpret_cast<float(*)[1][4][4]>(tq);
+        auto& ar = *reinterpret_cast<float(*)[1][4][4]>(tr);
+        if (offd) {
+          warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(aq, Mp, D::P64, m0, Kra, PK, cw + c0, 0, m0);
+          warp_mma<T, 1, 4, Lay::rowmajor, Lay::rowmajor>(ar, Ma, D::P64, m0, Kra, PK, cw + c0, 0, m0);
+        }
+        if (fits) diag_row_side_tf32<T>(tq, tr, dPb, dAb, kblk, Gt, PG, m0, cw, c0);
+        // Scaled back from the reference row (e^(G_r - G_m0)), the pairs j = i of a block on the tensor cores
+        // (dP_ii k_i), then into dq (scale (dO S^T) o Gam + Yq) and plus' (plus o Gam + Yr).
+        float (&q16)[16] = first_half(qg);
+        float (&p16)[16] = first_half(pl);
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = ra + 8 * hh, cb = c0 + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, col = cw + cb;
+            const float2 gr = *reinterpret_cast<const float2*>(Gt + r * PG + col);
+            const float2 g0 = *reinterpret_cast<const float2*>(Gt + m0 * PG + col);
+            const float2 kv = block_pair<T>(kblk, r, cb);
+            const float pii = fits ? dPb[(r - m0) * 17 + (r - m0)] : 0.f;  // rows past len: 0
+            const float er0 = er_on * exp_t<T>(gr.x - g0.x), er1 = er_on * exp_t<T>(gr.y - g0.y);
+            const float gam0 = exp_t<T>(gr.x), gam1 = exp_t<T>(gr.y);
+            q16[e0] = a.scale * q16[e0] * gam0 + fmaf(tq[e0], er0, pii * kv.x);
+            q16[e0 + 1] = a.scale * q16[e0 + 1] * gam1 + fmaf(tq[e0 + 1], er1, pii * kv.y);
+            p16[e0] = p16[e0] * gam0 + tr[e0] * er0;
+            p16[e0 + 1] = p16[e0 + 1] * gam1 + tr[e0 + 1] * er1;
+          }
+        swap_halves(qg), swap_halves(pl);
+      }
+      if (!fits && live) diag_every_pair<T, true>(qg, pl, dPb, dAb, bs, qblk, kblk, Gt, PG, m0, cw);
+    }
+    zero(tc);
+    auto& ac = *reinterpret_cast<float(*)[1][8][4]>(tc);
+    if (wi <= 2 && sref < len) {
+      const int o = DK::qs_row0(wi) * PK;
+      warp_mma<T, 1, 8, Lay::colmajor, Lay::rowmajor>(ac, Mp + sref * D::P64, D::P64, m0, Qs + o, PK, cw, 0, 64 - sref);
+      warp_mma<T, 1, 8, Lay::colmajor, Lay::rowmajor>(ac, Mb + sref * D::P64, D::P64, m0, Ks + o, PK, cw, 0, 64 - sref);
+    }
+    __syncthreads();  // Kr, Qs and Ks are read: dG takes their bytes
+    // The column side's diagonal block; a refused block's pairs straight into minus; the scale-back and the pairs
+    // j = i of the rest join minus in the epilogue.
+    if (!fits && live) diag_every_pair<T, false>(mi, mi, dPb, dAb, bs, qblk, kblk, Gt, PG, m0, cw);
+    ec_on = (fits || (wi <= 2 && sref < len)) ? 1.f : 0.f;
+    dP_self = fits ? dPb : nullptr;
+    m0_dec = m0, cref_dec = cref;
+  }
+
+  // ---- epilogue: B2's and B3's parts of dq, dk, dG and dbeta (with the decay products: the final ones) ---------
+  // On this thread's elements of columns c0 + 8 nb + 2 t (+1) of its warpgroup's 64, nb < NB (the arrays' length / 4).
+  float db[2] = {yv[0], yv[1]};
+  auto epilogue = [&](auto& qa, auto& pa, auto& ma, auto& ta, int c0) {
+    constexpr int NB = sizeof(qa) / (4 * sizeof(float));
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = ra + 8 * hh, cb = c0 + 8 * nb + 2 * t, e0 = 4 * nb + 2 * hh, col = cw + cb;
+        const float b = bs[r];
+        const float2 gr = *reinterpret_cast<const float2*>(Gt + r * PG + col);
+        const float2 qv = block_pair<T>(qblk, r, cb), kv = block_pair<T>(kblk, r, cb);
+        float dq0, dq1, p0, p1;
+        if constexpr (kDecay) {  // minus += Yc: ta scaled back by e^(G_s - G_r), and the pairs j = i (dP_jj q_j)
+          const float2 gc = *reinterpret_cast<const float2*>(Gt + cref_dec * PG + col);
+          const float pjj = dP_self != nullptr ? dP_self[(r - m0_dec) * 17 + (r - m0_dec)] : 0.f;
+          ma[e0] += fmaf(ta[e0], ec_on * exp_t<T>(gc.x - gr.x), pjj * qv.x);
+          ma[e0 + 1] += fmaf(ta[e0 + 1], ec_on * exp_t<T>(gc.y - gr.y), pjj * qv.y);
+          dq0 = qa[e0], dq1 = qa[e0 + 1], p0 = pa[e0], p1 = pa[e0 + 1];  // final already: dq and plus'
+        } else {
+          const float gam0 = exp_t<T>(gr.x), gam1 = exp_t<T>(gr.y);
+          dq0 = a.scale * qa[e0] * gam0, dq1 = a.scale * qa[e0 + 1] * gam1;
+          p0 = pa[e0] * gam0, p1 = pa[e0 + 1] * gam1;
+        }
+        db[hh] += kv.x * p0 + kv.y * p1;
+        float g0 = qv.x * dq0 - kv.x * ma[e0] + b * kv.x * p0;
+        float g1 = qv.y * dq1 - kv.y * ma[e0 + 1] + b * kv.y * p1;
+        if constexpr (!kDecay) {  // (with the decay side: added before dg's sum)
+          if (r == len - 1) {  // the decay of S (e^Gn <dS', S>) and Gn in Kr (KrSum), per key
+            const float gam0 = exp_t<T>(gr.x), gam1 = exp_t<T>(gr.y);
+            const float2 s0 = *reinterpret_cast<const float2*>(dgs + col);
+            const float2 s1 = *reinterpret_cast<const float2*>(dgs + 128 + col);
+            const float2 k0 = *reinterpret_cast<const float2*>(krp + col);
+            const float2 k1 = *reinterpret_cast<const float2*>(krp + 128 + col);
+            const float2 k2 = *reinterpret_cast<const float2*>(krp + 256 + col);
+            const float2 k3 = *reinterpret_cast<const float2*>(krp + 384 + col);
+            g0 += gam0 * (s0.x + s1.x) + (((k0.x + k1.x) + k2.x) + k3.x);
+            g1 += gam1 * (s0.y + s1.y) + (((k0.y + k1.y) + k2.y) + k3.y);
+          }
+        }
+        if (r < len) {
+          const int64_t o = ws_row(ch, r, HV, hv, kLocalKeys) + col;
+          const float dk0 = ma[e0] + b * p0, dk1 = ma[e0 + 1] + b * p1;
+          if (!kDecay || a.group > 1) {  // B4's inputs, or (with the decay products) the heads' reduction's
+            *reinterpret_cast<float2*>(a.dqw + o) = make_float2(dq0, dq1);
+            *reinterpret_cast<float2*>(a.dkw + o) = make_float2(dk0, dk1);
+          } else {  // over this thread's own q and k elements (read above; no other thread reads them now)
+            *reinterpret_cast<uint32_t*>(smem + L::q + wg * kBox + sw_pair(r, cb)) = pack2<T>(dq0, dq1);
+            *reinterpret_cast<uint32_t*>(smem + L::k + wg * kBox + sw_pair(r, cb)) = pack2<T>(dk0, dk1);
+          }
+          if constexpr (kDecay)
+            *reinterpret_cast<float2*>(reinterpret_cast<float*>(smem + D::dG) + r * D::PGd + col) = make_float2(g0, g1);
+          else
+            *reinterpret_cast<float2*>(a.dGw + o) = make_float2(g0, g1);
+        }
+      }
+  };
+  if constexpr (kDecay) {
+    const float* dPb = reinterpret_cast<const float*>(smem + D::dPd) + wi * 16 * 17;
+    const float* dAb = reinterpret_cast<const float*>(smem + D::dAd) + wi * 16 * 17;
+#pragma unroll 1
+    for (int pass = 0; pass < 2; ++pass) {
+      const int c0 = 32 * pass;
+      if (dP_self != nullptr)  // the column side's diagonal block on the tensor cores
+        diag_col_side_tf32<T>(first_half(tc), dPb, dAb, bs, qblk, kblk, Gt, PG, m0_dec, cref_dec, cw, c0);
+      epilogue(first_half(qg), first_half(pl), first_half(mi), first_half(tc), c0);
+      swap_halves(qg), swap_halves(pl), swap_halves(mi), swap_halves(tc);
+    }
+  } else {
+    epilogue(qg, pl, mi, qg, 0);
+  }
   // dbeta's part per row: the four lanes of a row, then lane 4 g writes this warpgroup's part (a fixed order).
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -318,7 +719,26 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
     if (t == 0) part[wg * 64 + ra + 8 * hh] = db[hh];
   }
   __syncthreads();
-  if (tid < len) a.dbw[(ch.row0 + tid) * HV + hv] = part[tid] + part[64 + tid];
+  if constexpr (kDecay) {
+    // dbeta whole; dg = the reverse cumulative sum of dG over the chunk (finish_kda_chunk's order).
+    if (tid < len) st<T>(a.dbeta, off(a.dbeta, ch.batch, ch.t0 + tid, hv), part[tid] + part[64 + tid]);
+    if (a.group == 1) {
+      store_tile_rows<T>(a.dq, ch.batch, ch.t0, hk, smem + L::q, len);
+      store_tile_rows<T>(a.dk, ch.batch, ch.t0, hk, smem + L::k, len);
+    }
+    const float* dGs = reinterpret_cast<const float*>(smem + D::dG);
+    if (tid < kLocalKeys) {  // starting from the last row's decay of S and Gn in Kr (KrSum), per key
+      const int d = tid;
+      float acc = exp_t<T>(Gt[(len - 1) * PG + d]) * (dgs[d] + dgs[128 + d]) +
+                  (((krp[d] + krp[128 + d]) + krp[256 + d]) + krp[384 + d]);
+      for (int i = len - 1; i >= 0; --i) {
+        acc += dGs[i * D::PGd + tid];
+        store_gate<T>(a, off(a.dg, ch.batch, ch.t0 + i, hv) + tid, acc);
+      }
+    }
+  } else {
+    if (tid < len) a.dbw[(ch.row0 + tid) * HV + hv] = part[tid] + part[64 + tid];
+  }
 #else
   __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
 #endif
@@ -344,12 +764,22 @@ inline bool use_local_kda(const Params& p) {
                        [&] { return local_kda_refusal(p); });
 }
 
-// Over the a.num_chunks chunks of a (a slice: a.chunks, a.h, a.dh, a.dP and a.dA start at its first chunk).
-template <class T>
+// DELTACP_TILED_BWD_LOCAL_KDA_DECAY (common/kernel_switch.h), where the kda chunk-local kernel runs: unset = stage
+// B4 inside it for bf16 (fp16 keeps bwd_decay_kda_tc_kernel: every fp16 diagonal block is summed element by
+// element, which this kernel does in rolled loops, there for rare blocks; not measured for speed); 0 = B4 apart;
+// 1 = B4 inside for bf16 and fp16.
+inline bool use_local_kda_decay(const Params& p) {
+  return kernel_switch("DELTACP_TILED_BWD_LOCAL_KDA_DECAY", "the kda chunk-local kernel with stage B4",
+                       [&] { return local_kda_refusal(p); }, p.dtype == DType::bf16);
+}
+
+// Over the a.num_chunks chunks of a (a slice: a.chunks, a.h, a.dh, a.dP and a.dA start at its first chunk); with
+// kDecay, stage B4 too.
+template <class T, bool kDecay = false>
 void launch_local_kda(const Args& a, cudaStream_t stream) {
   if (a.num_chunks == 0) return;
   const LocalWgArgs w = local_wg_args(a);
-  auto kernel = bwd_local_kda_wgmma_kernel<T>;
+  auto kernel = bwd_local_kda_wgmma_kernel<T, kDecay>;
   opt_in_smem(kernel, LocalKdaSmem::bytes, "K", "the kda chunk-local backward needs ", LocalKdaSmem::bytes,
               " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(a.num_chunks), static_cast<unsigned>(a.HV));

@@ -36,9 +36,11 @@
 //      (B2..B4 as one kernel for 16-bit gdn / delta at K = V = 128 on Hopper:
 //       bwd_local_wgmma.cuh; none of dW, dP, dA and the dq / dk / dG parts goes through global memory.
 //       B2 and B3 as one kernel for 16-bit kda at K = V = 128 on Hopper: bwd_local_kda_wgmma.cuh, which
-//       hands B4 what B2 and B3 do, less dW)
+//       hands B4 what B2 and B3 do, less dW; for bf16 it runs B4 too, and none of those goes through global
+//       memory)
 //   B5 reduce_heads   per token element            dq, dk: sum the value heads of each group, cast (only when
-//                                                  HV > H: with one value head per key head B4 writes them)
+//                                                  HV > H: with one value head per key head B4, or the
+//                                                  kernel that runs it, writes them)
 // Every workspace element is written by exactly one thread per kernel; no atomics, so two runs give
 // bitwise equal results.
 //
@@ -262,9 +264,11 @@ void launch_stages(const Args& a, int64_t num_seqs, cudaStream_t stream, Stages 
 
 // B2..B5 on the chunks of one slice (slice_args: a.chunks, a.num_chunks and the slice buffers), whose token
 // rows are row0 .. row0 + rows - 1. local: B2, B3 and B4 as one kernel on Hopper (bwd_local_wgmma.cuh);
-// local_kda: kda's B2 and B3 as one kernel on Hopper (bwd_local_kda_wgmma.cuh), then B4 as without it.
+// local_kda: kda's B2 and B3 as one kernel on Hopper (bwd_local_kda_wgmma.cuh), then B4 as without it, or
+// (local_kda_decay) B4 inside that kernel.
 template <class Op, int KP, bool PERKEY>
-void launch_slice(const Args& a, int64_t row0, int64_t rows, bool local, bool local_kda, cudaStream_t stream) {
+void launch_slice(const Args& a, int64_t row0, int64_t rows, bool local, bool local_kda, bool local_kda_decay,
+                  cudaStream_t stream) {
   const int64_t NC = a.num_chunks;
   bool local_ran = false, b2b3_ran = false;
   if constexpr (kIs16Bit<Op> && !PERKEY && KP == kLocalKeys) {
@@ -275,7 +279,12 @@ void launch_slice(const Args& a, int64_t row0, int64_t rows, bool local, bool lo
   }
   if constexpr (kIs16Bit<Op> && PERKEY && KP == kLocalKeys) {
     if (local_kda && NC > 0) {
-      launch_local_kda<Op>(a, stream);
+      if (local_kda_decay) {
+        launch_local_kda<Op, true>(a, stream);
+        local_ran = true;  // B2, B3 and B4
+      } else {
+        launch_local_kda<Op>(a, stream);
+      }
       b2b3_ran = true;
     }
   }
@@ -428,6 +437,7 @@ struct BwdState final : StagedBackward {
   char* slice_base = nullptr;
   bool local = false;        // B2..B4 as one kernel (bwd_local_wgmma.cuh)
   bool local_kda = false;    // kda's B2 and B3 as one kernel (bwd_local_kda_wgmma.cuh)
+  bool local_kda_decay = false;  // and B4 inside it
   bool beside = false;       // the one-shot backward runs the state scan beside B1 (run_backward)
   bool states_done = false;  // the forward's state scan (h, v_new) has been launched
   bool finished = false;
@@ -601,8 +611,11 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   const size_t oW = x0 + before.take(bW), oKd = x0 + before.take(bKd), oQg = x0 + before.take(bQg);
   state->local = !dh0_only && use_local_wgmma(p);
   state->local_kda = !dh0_only && use_local_kda(p);  // kda only, so never beside local (gdn, delta)
+  state->local_kda_decay = state->local_kda && use_local_kda_decay(p);
+  // With no stage B4 the slice keeps what the fused gdn / delta kernel's does: dq and dk of grouped value heads.
+  const bool slice_local = state->local || state->local_kda_decay;
   if (!dh0_only && NC > 0) {
-    const int64_t cap = slice_chunks(p, NC, before.off, state->local, state->local_kda);
+    const int64_t cap = slice_chunks(p, NC, before.off, slice_local, state->local_kda);
     const auto& hc = table.host_chunks();
     int64_t max_rows = 0;
     for (int64_t c0 = 0; c0 < NC; c0 += cap) {
@@ -611,7 +624,7 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
       max_rows = std::max(max_rows, hc[c1 - 1].row0 + hc[c1 - 1].len - hc[c0].row0);
     }
     state->slices.push_back(NC);
-    state->slice = slice_layout(p, cap, max_rows, state->local, state->local_kda);
+    state->slice = slice_layout(p, cap, max_rows, slice_local, state->local_kda);
   }
   ws.allocate(x0 + std::max(before.off, state->slice.total));
   state->slice_base = ws.at<char>(x0, 1);
@@ -863,7 +876,7 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
     for (size_t i = 0; i + 1 < s.slices.size(); ++i) {
       int64_t row0 = 0, rows = 0;
       const Args x = slice_args(s, a, s.slices[i], s.slices[i + 1], &row0, &rows);
-      launch_slice<Op, KP, PERKEY>(x, row0, rows, s.local, s.local_kda, stream);
+      launch_slice<Op, KP, PERKEY>(x, row0, rows, s.local, s.local_kda, s.local_kda_decay, stream);
     }
   });
 }

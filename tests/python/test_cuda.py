@@ -1119,6 +1119,39 @@ def test_kda_scores_diagonal_blocks_on_both_paths(tier, monkeypatch):
         assert err < TOL[torch.bfloat16], f"{name}: {err:.2e} against the fp64 reference"
 
 
+@pytest.mark.parametrize("tier", ["tiled", "fused"])
+def test_kda_decay_stage_large_upstream_gradients_sum_diagonal_blocks_element_by_element(tier):
+    """bf16 kda's backward stage B4 (inside the chunk-local kernel by default, cuda/tiled/bwd_local_kda_wgmma.cuh;
+    apart, cuda/tiled/bwd_decay.cuh) takes a diagonal block onto the tensor cores only while its dP, dA and beta dA
+    stay within kDiagGradMax (1e6): with do and dht scaled by 1e7 every block is summed element by element. The
+    gradients then are 1e7 times those of the unscaled call to bf16 rounding (the two go through different sums of
+    the same pairs), finite, and within tolerance of the fp64 reference."""
+    _require_cuda_build()
+    from deltacp import _core
+
+    if tier == "fused" and (not _core.cuda_supports("kda", "fused", False)
+                            or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("the fused tier runs on compute capability 9.0")
+    s = _Switched("kda", torch.bfloat16, [0, 1, 100, 300], seed=43, rng_seed=6)
+    want = s.reference()
+
+    def grads(scale):
+        x = {n: v.clone().requires_grad_(True) for n, v in s.t.items()}
+        h = s.h0.clone().requires_grad_(True)
+        o, ht = _call("kda", x, initial_state=h, output_final_state=True, cu_seqlens=s.cu, backend=tier)
+        ((o.float() * s.do.float()).sum() * scale + (ht * s.dht).sum() * scale).backward()
+        torch.cuda.synchronize()
+        return {"dh0": h.grad, **{"d" + n: x[n].grad for n in s.names}}
+
+    plain, large = grads(1.0), grads(1e7)
+    for name, value in large.items():
+        assert torch.isfinite(value).all(), name
+        err = rel_err(value.double().cpu().numpy() / 1e7, plain[name].double().cpu().numpy())
+        assert err < 1e-2, f"{name}: {err:.2e} against the unscaled call"
+        err = rel_err(value.double().cpu().numpy() / 1e7, np.asarray(want[name]))
+        assert err < TOL[torch.bfloat16], f"{name}: {err:.2e} against the fp64 reference"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("gate16", [False, True], ids=["g_fp32", "g_16bit"])
 @pytest.mark.parametrize("l2norm", [False, True], ids=["plain", "qk_l2norm"])
@@ -1373,6 +1406,36 @@ def test_kda_local_backward_matches_the_two_stages(dtype, gate_dtype, heads, gat
         assert torch.equal(x, default[name]), f"{name}: unset differs from =1 (the kernel is the default)"
     _assert_rerun_fp32_and_sliced_same_bits(s, monkeypatch, env, local, "dVn")
     _assert_kda_switch_refusals(s, monkeypatch, env, "per-key gate", dtype, heads, seed=97, rng_seed=29)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)], ids=["one_value_head", "grouped"])
+@pytest.mark.parametrize("gates", ["mild", "steep"])
+def test_kda_local_backward_with_stage_b4_matches_b4_apart(dtype, heads, gates, monkeypatch):
+    """Stage B4 inside kda's chunk-local kernel (DELTACP_TILED_BWD_LOCAL_KDA_DECAY=1: dq, dk, dg and dbeta final
+    there, no dP, dA or fp32 parts in global memory) against B4 as its own kernel (=0) and the fp64 reference: o,
+    ht, every gradient and dh0 on packed sequences of 1, 63, 64, 65 and 207 tokens with a non-zero dht, one value
+    head per key head and grouped value heads (stage B5 sums them), make_problem's mild gates and steep ones (every
+    third block of 16 tokens decaying by 8 per token and key: those diagonal blocks summed element by element).
+    Then: unset gives =1's bits for bf16 and =0's for fp16 (the defaults), a second run, fp32 hand-offs and slices
+    of two chunks give the same bits, and a bad value raises naming the switch."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the kda chunk-local backward runs on compute capability 9.0 only")
+    s = _kda_gate_family_problem(dtype, "fp32", heads, gates, seed=101, rng_seed=31)
+    env = "DELTACP_TILED_BWD_LOCAL_KDA_DECAY"
+    inside = s.run(monkeypatch, env, "1")
+    apart = s.run(monkeypatch, env, "0")
+    _assert_close(inside, apart, s.reference(), 5e-3, 1e-2, "B4 inside the chunk-local kernel vs apart")
+    monkeypatch.delenv(env)
+    default = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "0")  # 0: the slicing heuristic, as unset
+    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
+    want = inside if dtype == torch.bfloat16 else apart
+    for name, x in want.items():
+        assert torch.equal(x, default[name]), f"{name}: unset differs from the default for {dtype}"
+    _assert_rerun_fp32_and_sliced_same_bits(s, monkeypatch, env, inside, "dVn")
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "sometimes")
 
 
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
