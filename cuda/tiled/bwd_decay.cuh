@@ -284,6 +284,48 @@ struct DecayKdaTcSmem {
   }
 };
 
+// Piece e of the off-diagonal blocks' 16-bit operands (operand row o = e / kPieces, keys d0 .. d0 + 7 with
+// d0 = 8 (e % kPieces); blocks wholly past len skipped): Kr of row blocks 1..3 (o = 8 a (a - 1) + j: k_j e^(G_r -
+// G_j), j < r = 16 a) and Qs, Ks of column blocks 0..2 (o = 48 b - 8 b (b - 1) + (i - s): q_i and k_i e^(G_i -
+// G_s), i >= s = 16 (b + 1)). load_q(i, d0, x) and load_k(i, d0, x) read eight keys of a row of q and k; G is fp32
+// with row pitch PG. bwd_decay_kda_tc_kernel and the chunk-local kernel's B4 (bwd_local_kda_wgmma.cuh) build them.
+template <class Op, int kPieces, class LoadQ, class LoadK>
+__device__ __forceinline__ void decay_operand_piece(int e, Op* Kr, Op* Qs, Op* Ks, int PK, const float* G, int PG,
+                                                    int len, LoadQ&& load_q, LoadK&& load_k) {
+  using L = DecayKdaTcSmem<Op, 8 * kPieces>;
+  const int o = e / kPieces, d0 = 8 * (e % kPieces);
+  {  // Kr
+    const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - L::kr_row0(blk), r = 16 * blk;
+    if (r < len) {
+      float x[8], gj[8], gr[8];
+      load_k(j, d0, x);
+      load8f(G + j * PG + d0, gj);
+      load8f(G + r * PG + d0, gr);
+#pragma unroll
+      for (int h = 0; h < 8; ++h) x[h] *= exp_t<Op>(gr[h] - gj[h]);
+      store8(Kr + o * PK + d0, x);
+    }
+  }
+  {  // Qs, Ks
+    const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), s = 16 * (blk + 1), i = s + o - L::qs_row0(blk);
+    if (s < len) {
+      float xq[8], xk[8], gi[8], gs[8];
+      load_q(i, d0, xq);
+      load_k(i, d0, xk);
+      load8f(G + i * PG + d0, gi);
+      load8f(G + s * PG + d0, gs);
+#pragma unroll
+      for (int h = 0; h < 8; ++h) {
+        const float E = exp_t<Op>(gi[h] - gs[h]);
+        xq[h] *= E;
+        xk[h] *= E;
+      }
+      store8(Qs + o * PK + d0, xq);
+      store8(Ks + o * PK + d0, xk);
+    }
+  }
+}
+
 template <class Op, int KP>
 __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Args a) {
   static_assert(kIs16Bit<Op>, "the tensor-core kda decay stage takes 16-bit inputs");
@@ -359,39 +401,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_decay_kda_tc_kernel(const Arg
   // keys per thread (16-byte rows): element by element this loop held a fifth of the stage's warp samples
   // (Nsight Compute, H100, kda (2,16384,16,128)).
   constexpr int kPieces = KP / 8;
-  for (int e = tid; e < L.kOperandRows * kPieces; e += kThreads) {
-    const int o = e / kPieces, d0 = 8 * (e % kPieces);
-    {  // Kr: o = 8 a (a - 1) + j, j < r = 16 a
-      const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - L.kr_row0(blk), r = 16 * blk;
-      if (r < len) {
-        float x[8], gj[8], gr[8];
-        load8(ks + j * PK + d0, x);
-        load8f(Gs + j * PG + d0, gj);
-        load8f(Gs + r * PG + d0, gr);
-#pragma unroll
-        for (int h = 0; h < 8; ++h) x[h] *= exp_t<Op>(gr[h] - gj[h]);
-        store8(Kr + o * PK + d0, x);
-      }
-    }
-    {  // Qs, Ks: o = 48 b - 8 b (b - 1) + (i - s), i >= s = 16 (b + 1)
-      const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), s = 16 * (blk + 1), i = s + o - L.qs_row0(blk);
-      if (s < len) {
-        float xq[8], xk[8], gi[8], gs[8];
-        load8(qs + i * PK + d0, xq);
-        load8(ks + i * PK + d0, xk);
-        load8f(Gs + i * PG + d0, gi);
-        load8f(Gs + s * PG + d0, gs);
-#pragma unroll
-        for (int h = 0; h < 8; ++h) {
-          const float E = exp_t<Op>(gi[h] - gs[h]);
-          xq[h] *= E;
-          xk[h] *= E;
-        }
-        store8(Qs + o * PK + d0, xq);
-        store8(Ks + o * PK + d0, xk);
-      }
-    }
-  }
+  for (int e = tid; e < L.kOperandRows * kPieces; e += kThreads)
+    decay_operand_piece<Op, kPieces>(
+        e, Kr, Qs, Ks, PK, Gs, PG, len, [&](int i, int d0, float(&x)[8]) { load8(qs + i * PK + d0, x); },
+        [&](int i, int d0, float(&x)[8]) { load8(ks + i * PK + d0, x); });
   __syncthreads();
 
   {

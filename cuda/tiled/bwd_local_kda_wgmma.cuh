@@ -541,42 +541,12 @@ __global__ void __launch_bounds__(256, 1) bwd_local_kda_wgmma_kernel(const __gri
     const unsigned char* ktile = smem + L::k;
     __syncthreads();  // the WY side is done: S, Vn, dU, v free; dA staged
     T* Ks = reinterpret_cast<T*>(smem + D::Ks);
-    // Kr (row blocks 1..3, rows j < r = 16 a, k_j e^(G_r - G_j)) and Qs, Ks (column blocks 0..2, rows i >= s =
-    // 16 (b + 1), q_i and k_i e^(G_i - G_s)), eight keys a thread (bwd_decay_kda_tc_kernel's operands).
+    // Kr, Qs and Ks (bwd_decay.cuh's decay_operand_piece), eight keys a thread, in a rolled loop (instruction cache).
 #pragma unroll 1
-    for (int e = tid; e < D::kOperandRows * 16; e += 256) {
-      const int o = e >> 4, d0 = 8 * (e & 15);
-      {
-        const int blk = o < 16 ? 1 : (o < 48 ? 2 : 3), j = o - DK::kr_row0(blk), r = 16 * blk;
-        if (r < len) {
-          float x[8], gj[8], gr[8];
-          tile_row8<T>(ktile, j, d0, x);
-          load8f(Gt + j * PG + d0, gj);
-          load8f(Gt + r * PG + d0, gr);
-#pragma unroll
-          for (int h = 0; h < 8; ++h) x[h] *= exp_t<T>(gr[h] - gj[h]);
-          store8(Kr + o * PK + d0, x);
-        }
-      }
-      {
-        const int blk = o < 48 ? 0 : (o < 80 ? 1 : 2), sr = 16 * (blk + 1), i = sr + o - DK::qs_row0(blk);
-        if (sr < len) {
-          float xq[8], xk[8], gi[8], gs[8];
-          tile_row8<T>(qtile, i, d0, xq);
-          tile_row8<T>(ktile, i, d0, xk);
-          load8f(Gt + i * PG + d0, gi);
-          load8f(Gt + sr * PG + d0, gs);
-#pragma unroll
-          for (int h = 0; h < 8; ++h) {
-            const float E = exp_t<T>(gi[h] - gs[h]);
-            xq[h] *= E;
-            xk[h] *= E;
-          }
-          store8(Qs + o * PK + d0, xq);
-          store8(Ks + o * PK + d0, xk);
-        }
-      }
-    }
+    for (int e = tid; e < D::kOperandRows * 16; e += 256)
+      decay_operand_piece<T, 16>(
+          e, Kr, Qs, Ks, PK, Gt, PG, len, [&](int i, int d0, float(&x)[8]) { tile_row8<T>(qtile, i, d0, x); },
+          [&](int i, int d0, float(&x)[8]) { tile_row8<T>(ktile, i, d0, x); });
     __syncthreads();
     const int m0 = 16 * wi, sref = m0 + 16, cref = col_ref_row(wi);
     const float* dPb = reinterpret_cast<const float*>(smem + D::dPd) + wi * 16 * 17;
