@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "bwd_handoff.cuh"
 #include "chunk_table.cuh"
 #include "deltacp/params.h"
 #include "fwd_mma.cuh"
@@ -91,6 +92,7 @@ struct Args {
   float* dGr = nullptr;    // gdn [R, HV]: dL/dG summed over the key columns (B2 writes, B3 adds, B4 reads):
                            // a scalar gate needs only the row sums, a K-times smaller stream than dGw
   float* dbw = nullptr;    // [R, HV]: dbeta from the WY stage (the decay stage adds the rest)
+  BwdHandoff handoff;      // B1 beside the chunk-local kernel (bwd_handoff.cuh); empty: one after the other
 };
 
 // With Args::dvn16: the byte offset of dVn's 16-bit element (token row `row`, value head hv, column c) inside

@@ -32,6 +32,8 @@
 //         rows; the second warpgroup's in the two dO boxes), then dh[c] and dVn stored as 16-byte pieces of
 //         whole rows
 //   Only (1), (2) and (3) are on the chain of dependent steps; what "meanwhile" lists runs in their shadow.
+//   With Args::handoff (bwd_handoff.cuh) each CTA counts itself in when it starts and, one step after it, the
+//   chunk whose dh and dVn it stored, for the chunk-local kernel running beside it.
 //   So dS never leaves the SM; per chunk it reads q, k, W, dO, dVn_local and writes dh and dVn, as the
 //   mma.sync scan does, but at one TMA instruction per 8 KB tile and 3x fewer product instructions.
 //
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(bars + s, 1);
     fence_mbar_init();
+    if (a.handoff.started != nullptr) atomicAdd(a.handoff.started, 1);  // the gate's count (bwd_handoff.cuh)
   }
   if (tid == 0 && se.num_chunks > 0) {
     tma_prefetch_map(&args.tm_k.map);
@@ -275,6 +278,10 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
     } else {
       cp_async_commit();
     }
+    // ... and, with a handoff, the chunk-local kernel's go for the previous step's chunk: its dh and dVn stores
+    // (every thread's, behind the two barriers since) are released here, where the fence finds them done.
+    if (a.handoff.ready != nullptr && tid == 0 && it > 0)
+      release_add(a.handoff.ready + (se.first_chunk + chunk_of(it - 1)) * HV + hv);
     // ... B1^T = scale e^(G_i) dO^T as A fragments (token i = 8 nb + 2 t + (e & 1) of element 4 nb + e) and
     // the factors e^(Gn - G_i) of step (2).
     const float glast = kKda ? 0.f : gbuf[len - 1];
@@ -395,6 +402,8 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
     reg_fence(b2);
     __syncthreads();  // this stage is free
   }
+  if (a.handoff.ready != nullptr && tid == 0 && nchunks > 0)
+    release_add(a.handoff.ready + (se.first_chunk + chunk_of(nchunks - 1)) * HV + hv);
 
   if (a.dh0 != nullptr) {
 #pragma unroll

@@ -360,12 +360,16 @@ __global__ void __launch_bounds__(256, 1) bwd_local_wgmma_kernel(const __grid_co
 
   const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int64_t c = blockIdx.x, hv = blockIdx.y, HV = a.HV, hk = hv / a.group;
+  const int64_t HV = a.HV;
+  int64_t c, hv;  // blockIdx, or with B1 beside this kernel its order (bwd_handoff.cuh)
+  handoff_block(a.handoff, HV, c, hv);
+  const int64_t hk = hv / a.group;
   const ChunkEntry ch = a.chunks[c];
   const int len = static_cast<int>(ch.len);
   const bool gated = a.gated;
   const uint32_t base = smem_u32(smem);
 
+  handoff_wait(a.handoff, c, hv, HV);  // with B1 beside: until it has stored dh[c] and dVn of c
   if (tid == 0) issue_local_loads<L>(smem, bars, args, ch, c, hv, HV, hk);
   {
     DuTPieces pieces;

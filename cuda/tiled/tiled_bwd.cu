@@ -26,7 +26,9 @@
 //             (DELTACP_TILED_BWD_KDA_RECOMPUTE_WGMMA=0 keeps the three kernels), kda_prepare_wgmma.cuh's kernel in
 //             its backward mode: G of every row, W, U, Kd, T, Q e^G and B0 in one kernel from the raw gate, no cumsum and no B0 launched).
 //             Where B1's grid is narrow the one-shot backward
-//             runs the state scan beside B1, B1 on a second stream (beside_b1_switch)
+//             runs the state scan beside B1, B1 on a second stream (beside_b1_switch); where it runs no state
+//             scan, B1 runs beside the chunk-local kernel instead, handing it chunk after chunk (bwd_handoff.cuh,
+//             handoff_plan)
 //   B0 bwd_dv_local   per (chunk, head)            dVn <- scale P^T dO
 //   B1 bwd_dh_scan    per (sequence, head, V/32)   reverse scan: dh per chunk, dVn += Kr dS', dh0 (on Hopper,
 //                                                  16-bit gdn / delta / kda at K = V = 128: bwd_dh_scan_wgmma.cuh)
@@ -824,6 +826,41 @@ void launch_dh_scan_in_pieces(const BwdState& s, const Args& a, const ScanPlan& 
   workspace_free(ws, stream);
 }
 
+// B1 beside the chunk-local kernel, chunk by chunk (bwd_handoff.cuh): where and with how many B1 CTAs.
+// DELTACP_TILED_BWD_HANDOFF (common/kernel_switch.h): unset = where it applies; 0 = never (B1, then the chunk-local
+// kernel); 1 = required (an error names why it cannot run).
+struct HandoffPlan {
+  bool on = false;
+  int need = 0, ctas = 0;  // B1 CTAs per value head, in all
+  int64_t per_seq = 0;     // chunks of every sequence
+};
+HandoffPlan handoff_plan(const BwdState& s, const Args& a, int64_t num_seqs, bool pieces, bool beside_b1) {
+  HandoffPlan h;
+  h.on = kernel_switch("DELTACP_TILED_BWD_HANDOFF", "B1 beside the chunk-local kernel", [&]() -> const char* {
+    if (a.dh0_only || a.num_chunks == 0 || num_seqs <= 0) return "there are no chunk-local gradients to compute";
+    if (!(s.local || s.local_kda_decay))
+      return "the chunk-local stages do not run as one kernel (16-bit inputs, K = V = 128, Hopper; kda: bf16)";
+    if (s.slices.size() != 2 || s.slice.total != 0)
+      return "the chunk-local stages take more than one slice, or buffers of their own (grouped value heads)";
+    if (pieces || beside_b1) return "B1 runs in pieces, or beside the recompute's state scan";
+    const bool is16 = s.p.dtype == DType::bf16 || s.p.dtype == DType::f16;
+    if (!use_dh_scan_wgmma(a, is16, s.p.variant == Variant::kda)) return "B1 does not run on the wgmma scan";
+    const auto& seqs = s.table.host_seqs();
+    h.per_seq = seqs.front().num_chunks;
+    for (const SeqEntry& q : seqs)
+      if (q.num_chunks != h.per_seq) return "the sequences do not all have the same number of chunks";
+    const int nwg = dh_scan_warpgroups(num_seqs * a.HV);
+    h.need = kDhKeys / (kDhCols * nwg);
+    const int64_t ctas = num_seqs * a.HV * h.need;
+    if (ctas >= sm_count()) return "B1's CTAs fill every SM";
+    h.ctas = static_cast<int>(ctas);
+    if (stream_capturing(static_cast<cudaStream_t>(s.p.stream)))
+      return "the stream is being captured into a CUDA graph (a graph may run the two branches one after the other)";
+    return nullptr;
+  });
+  return h;
+}
+
 // The kernels' template configuration of p: f(op tag, KP, PERKEY) with compile-time KP and PERKEY.
 template <class F>
 void with_config(const Params& p, F&& f) {
@@ -869,6 +906,34 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
       b1(side);
       beside_b1();
       fork.join();
+    } else if (const HandoffPlan h = full ? handoff_plan(s, a, num_seqs, pieces.cut(), false) : HandoffPlan{}; h.on) {
+      // B1 on the side stream, the gate and the chunk-local kernel on the caller's (bwd_handoff.cuh).
+      const int64_t counts = a.num_chunks * a.HV + 1;
+      int* flags = static_cast<int*>(workspace_alloc(static_cast<size_t>(counts) * sizeof(int), stream));
+      try {
+        DELTACP_CUDA_CHECK(cudaMemsetAsync(flags, 0, static_cast<size_t>(counts) * sizeof(int), stream));
+        Args b = a;
+        b.handoff.ready = flags;
+        b.handoff.started = flags + a.num_chunks * a.HV;
+        b.handoff.need = h.need;
+        b.handoff.seqs = num_seqs;
+        b.handoff.per_seq = h.per_seq;
+        const cudaStream_t side = side_stream();
+        ForkJoin fork(stream, side);  // the side stream waits for the zeroed counts; on an exception it still joins
+        launch_stages<Op, KP, PERKEY>(b, num_seqs, side, Stages::after_b0);
+        b1_started_gate_kernel<<<1, 32, 0, stream>>>(b.handoff.started, h.ctas);
+        DELTACP_CUDA_CHECK_LAUNCH();
+        int64_t row0 = 0, rows = 0;
+        Args x = slice_args(s, a, s.slices[0], s.slices[1], &row0, &rows);
+        x.handoff = b.handoff;
+        launch_slice<Op, KP, PERKEY>(x, row0, rows, s.local, s.local_kda, s.local_kda_decay, stream);
+        fork.join();
+      } catch (...) {
+        workspace_free(flags, stream);
+        throw;
+      }
+      workspace_free(flags, stream);
+      return;
     } else {
       b1(stream);
     }

@@ -1438,6 +1438,42 @@ def test_kda_local_backward_with_stage_b4_matches_b4_apart(dtype, heads, gates, 
         s.run(monkeypatch, env, "sometimes")
 
 
+@pytest.mark.parametrize("variant", ["gdn", "kda", "delta"])
+def test_b1_beside_the_chunk_local_kernel_gives_the_same_bits(variant, monkeypatch):
+    """Stage B1 beside the chunk-local kernel, chunk by chunk (DELTACP_TILED_BWD_HANDOFF=1, bwd_handoff.cuh: B1 on
+    the side stream counts each chunk done, the chunk-local kernel walks the chunks in B1's order and waits for
+    each) against one after the other (=0): o, ht, every gradient and dh0 bit for bit, three runs, and against the
+    fp64 reference; on three packed sequences of 300 tokens (five chunks each, the last of 44 tokens), bf16, one
+    value head per key head, non-zero dht. Unset runs it (the gate kernel is launched) and gives the same bits.
+    =1 raises naming why where it cannot run: sequences of unequal chunk counts, grouped value heads."""
+    _require_cuda_build()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the chunk-local kernel and the wgmma B1 run on compute capability 9.0 only")
+    env = "DELTACP_TILED_BWD_HANDOFF"
+    s = _Switched(variant, torch.bfloat16, [0, 300, 600, 900], seed=211, rng_seed=41, H=2, HV=2)
+    apart = s.run(monkeypatch, env, "0")
+    _assert_close(apart, apart, s.reference(), 1.0, 1e-2, "one after the other")
+    assert "b1_started_gate" not in s.kernels(monkeypatch, env, "0")
+    for _ in range(3):
+        beside = s.run(monkeypatch, env, "1")
+        for name, x in apart.items():
+            assert torch.equal(x, beside[name]), f"{name}: B1 beside the chunk-local kernel differs"
+    monkeypatch.delenv(env)
+    assert "b1_started_gate" in s.kernels(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "0")
+    default = s.run(monkeypatch, "DELTACP_BWD_SLICE_CHUNKS", "0")
+    monkeypatch.delenv("DELTACP_BWD_SLICE_CHUNKS")
+    for name, x in apart.items():
+        assert torch.equal(x, default[name]), f"{name}: unset differs"
+    with pytest.raises(ValueError, match=env):
+        s.run(monkeypatch, env, "sometimes")
+    unequal = _Switched(variant, torch.bfloat16, [0, 1, 64, 128, 193, 400], seed=211, rng_seed=41, H=2, HV=2)
+    with pytest.raises(ValueError, match="same number of chunks"):
+        unequal.run(monkeypatch, env, "1")
+    grouped = _Switched(variant, torch.bfloat16, [0, 300, 600], seed=211, rng_seed=41, H=2, HV=4)
+    with pytest.raises(ValueError, match="buffers of their own"):
+        grouped.run(monkeypatch, env, "1")
+
+
 @pytest.mark.parametrize("variant", ["gdn", "delta"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("piece", ["0", "128"], ids=["whole_b1", "b1_in_pieces"])
