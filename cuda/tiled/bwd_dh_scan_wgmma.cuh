@@ -271,17 +271,18 @@ __global__ void __launch_bounds__(128 * NWG, 1) bwd_dh_scan_wgmma_kernel(const _
       wgmma_n64_rs<T>(X, sa[kk], wg_desc(k_addr + off, 16, 1024), kk > 0);
     }
     wg_commit();
-    // Meanwhile, off the chain of dependent products: the loads of step it + kStages - 1 into the stage the
-    // last step freed (issued here rather than before (1), they no longer delay it), ...
+    // Meanwhile, off the chain of dependent products: with a handoff, the chunk-local kernel's go for the previous
+    // step's chunk (its dh and dVn stores, every thread's, behind the two barriers since, released here: before
+    // this step's loads are issued, so that the fence has no fresh load of this thread to wait for), ...
+    if (a.handoff.ready != nullptr && tid == 0 && it > 0)
+      release_add(a.handoff.ready + (se.first_chunk + chunk_of(it - 1)) * HV + hv);
+    // ... the loads of step it + kStages - 1 into the stage the last step freed (issued here rather than before
+    // (1), they no longer delay it), ...
     if (it + kStages - 1 < nchunks) {
       issue(it + kStages - 1);
     } else {
       cp_async_commit();
     }
-    // ... and, with a handoff, the chunk-local kernel's go for the previous step's chunk: its dh and dVn stores
-    // (every thread's, behind the two barriers since) are released here, where the fence finds them done.
-    if (a.handoff.ready != nullptr && tid == 0 && it > 0)
-      release_add(a.handoff.ready + (se.first_chunk + chunk_of(it - 1)) * HV + hv);
     // ... B1^T = scale e^(G_i) dO^T as A fragments (token i = 8 nb + 2 t + (e & 1) of element 4 nb + e) and
     // the factors e^(Gn - G_i) of step (2).
     const float glast = kKda ? 0.f : gbuf[len - 1];

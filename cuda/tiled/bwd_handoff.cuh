@@ -21,11 +21,11 @@
 // kHandoffTimeoutNs ends the kernel with a trap (an error at the next synchronisation), never a silent hang.
 // The gradients are the same bits as one kernel after the other (DELTACP_TILED_BWD_HANDOFF=0).
 //
-// Measured (NVIDIA H200, 2026-11-29, bf16, bench_gpu.py forward + backward beside FLA 0.5.2, one session): gdn
-// (2,16384,16,128) 3.450 -> 3.150 ms (stage_times.py: B1 0.713 + chunk-local 1.045 ms one after the other; beside,
-// B1 1.012 within the chunk-local kernel's 1.526), (1,8192,96,128) 4.161 -> 4.068; kda (2,16384,16,128) 4.969 ->
-// 4.940 and (1,8192,96,128) 6.353 -> 6.381: its chunk-local kernel (1.75 ms alone) and B1 slow each other down
-// (B1 0.755 -> 1.04 ms), and the pair's span stays at 2.5 ms.
+// Measured (NVIDIA H200, 2026-11-29, bf16, bench_gpu.py forward + backward beside FLA 0.5.2, runs of one session,
+// one after the other -> beside): gdn (2,16384,16,128) 3.450 -> 3.099 ms (stage_times.py: B1 0.712 + chunk-local
+// 1.037 ms one after the other; beside, B1 0.909 within the chunk-local kernel's 1.472), (1,8192,96,128) 4.161 ->
+// 3.995; kda (2,16384,16,128) 4.969 -> 4.862 and (1,8192,96,128) 6.353 -> 6.270: its chunk-local kernel (1.76 ms
+// alone) and B1 slow each other down (B1 0.75 -> 0.91 ms), and the pair's span goes 2.51 -> 2.39 ms only.
 #pragma once
 
 #include <cuda_runtime.h>
