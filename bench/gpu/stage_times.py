@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--variant", default="gdn")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="q, k, v and beta (g stays fp32)")
     ap.add_argument("--backend", default="tiled", help="the CUDA tier: tiled or fused (its backward is tiled)")
     ap.add_argument("--bench-kwargs", action="store_true",
                     help="call with FLA's benchmark keywords, as bench_gpu.py does (FLA_BENCH_KWARGS: the in-kernel "
@@ -36,18 +37,19 @@ def main():
                          "and by own time)")
     a = ap.parse_args()
     B, T, H, D = map(int, a.shape.split(","))
-    q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    dt = torch.bfloat16 if a.dtype == "bf16" else torch.float16
+    q = torch.randn(B, T, H, D, device="cuda", dtype=dt)
+    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).to(dt)
+    v = torch.randn(B, T, H, D, device="cuda", dtype=dt)
     kw = dict(backend=a.backend)
     if a.variant == "dplr":
         an = F.normalize(torch.rand(B, T, H, D, device="cuda"), dim=-1)
         gk = F.logsigmoid(torch.randn(B, T, H, D, device="cuda")).clamp(-5.0, 0.0)
-        op, xs = deltacp.chunk_dplr_delta_rule, [q, k, v, an.bfloat16(), (-an).bfloat16(), gk]
+        op, xs = deltacp.chunk_dplr_delta_rule, [q, k, v, an.to(dt), (-an).to(dt), gk]
         kw.update(lower_bound=-5.0)
     else:
         g = F.logsigmoid(torch.randn((B, T, H, D) if a.variant == "kda" else (B, T, H), device="cuda"))
-        beta = torch.rand(B, T, H, device="cuda").sigmoid().bfloat16()
+        beta = torch.rand(B, T, H, device="cuda").sigmoid().to(dt)
         op = deltacp.chunk_gated_delta_rule if a.variant == "gdn" else deltacp.chunk_kda
         xs = [q, k, v, g, beta]
     if a.bench_kwargs and a.variant in ("gdn", "kda"):

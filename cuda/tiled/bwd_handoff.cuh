@@ -21,17 +21,16 @@
 // kHandoffTimeoutNs ends the kernel with a trap (an error at the next synchronisation), never a silent hang.
 // The gradients are the same bits as one kernel after the other (DELTACP_TILED_BWD_HANDOFF=0).
 //
-// Measured (NVIDIA H200, 2026-11-29, bf16, bench_gpu.py forward + backward beside FLA 0.5.2, runs of one session,
-// one after the other -> beside): gdn (2,16384,16,128) 3.450 -> 3.099 ms (stage_times.py: B1 0.712 + chunk-local
-// 1.037 ms one after the other; beside, B1 0.909 within the chunk-local kernel's 1.472), (1,8192,96,128) 4.161 ->
-// 3.995; kda (2,16384,16,128) 4.969 -> 4.862 and (1,8192,96,128) 6.353 -> 6.270: its chunk-local kernel (1.76 ms
-// alone) and B1 slow each other down (B1 0.75 -> 0.91 ms), and the pair's span goes 2.51 -> 2.39 ms only.
+// Measured (NVIDIA H200, 2026-11-29, bf16, FLA's benchmark keywords, (2,16384,16,128)): stage_times.py kernel
+// times in one run, gdn B1 0.707 + chunk-local 0.968 ms one after the other, a span of 1.398 beside (B1 0.923 in
+// it); kda 0.762 + 1.716, a span of 2.337 (its larger chunk-local kernel and B1 slow each other down). bench_gpu.py
+// forward + backward beside FLA 0.5.2, the previous results -> with it: gdn 3.347 -> 3.072 ms, (1,8192,96,128)
+// 4.023 -> 3.854; kda 4.924 -> 4.809, (1,8192,96,128) 6.266 -> 6.224.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
 
 namespace deltacp::cuda::tiled::bwd {
 
@@ -55,16 +54,14 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// Spins (one thread) until *p >= need; traps after kHandoffTimeoutNs.
-__device__ __forceinline__ void wait_count(const int* p, int need, const char* what) {
+// Spins (one thread) until *p >= need; traps after kHandoffTimeoutNs. (No printf here: a call inside a kernel makes
+// ptxas serialise every wgmma of it, "wgmma pipeline crossing function boundary".)
+__device__ __forceinline__ void wait_count(const int* p, int need) {
   if (load_acquire(p) >= need) return;
   const unsigned long long t0 = global_ns();
   while (load_acquire(p) < need) {
     __nanosleep(200);
-    if (global_ns() - t0 > kHandoffTimeoutNs) {
-      printf("deltacp: the tiled backward's %s waited more than 20 s for stage B1\n", what);
-      __trap();
-    }
+    if (global_ns() - t0 > kHandoffTimeoutNs) __trap();
   }
 }
 // The generic stores before it (by every thread of the CTA, ordered by a barrier before the call) become visible
@@ -92,13 +89,13 @@ __device__ __forceinline__ void handoff_block(const BwdHandoff& h, int64_t HV, i
 __device__ __forceinline__ void handoff_wait(const BwdHandoff& h, int64_t c, int64_t hv, int64_t HV) {
   if (h.ready == nullptr) return;
   if (threadIdx.x == 0) {
-    wait_count(h.ready + c * HV + hv, h.need, "chunk-local kernel");
+    wait_count(h.ready + c * HV + hv, h.need);
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
   __syncthreads();
 }
 
 // The gate: one thread until every B1 CTA has begun.
-__global__ void b1_started_gate_kernel(const int* started, int ctas) { wait_count(started, ctas, "gate"); }
+__global__ void b1_started_gate_kernel(const int* started, int ctas) { wait_count(started, ctas); }
 
 }  // namespace deltacp::cuda::tiled::bwd
