@@ -834,7 +834,7 @@ struct HandoffPlan {
   int need = 0, ctas = 0;  // B1 CTAs per value head, in all
   int64_t per_seq = 0;     // chunks of every sequence
 };
-HandoffPlan handoff_plan(const BwdState& s, const Args& a, int64_t num_seqs, bool pieces, bool beside_b1) {
+HandoffPlan handoff_plan(const BwdState& s, const Args& a, int64_t num_seqs, bool pieces, bool scan_beside) {
   HandoffPlan h;
   h.on = kernel_switch("DELTACP_TILED_BWD_HANDOFF", "B1 beside the chunk-local kernel", [&]() -> const char* {
     if (a.dh0_only || a.num_chunks == 0 || num_seqs <= 0) return "there are no chunk-local gradients to compute";
@@ -842,7 +842,8 @@ HandoffPlan handoff_plan(const BwdState& s, const Args& a, int64_t num_seqs, boo
       return "the chunk-local stages do not run as one kernel (16-bit inputs, K = V = 128, Hopper; kda: bf16)";
     if (s.slices.size() != 2 || s.slice.total != 0)
       return "the chunk-local stages take more than one slice, or buffers of their own (grouped value heads)";
-    if (pieces || beside_b1) return "B1 runs in pieces, or beside the recompute's state scan";
+    if (pieces) return "B1 runs in pieces (few long sequences)";
+    if (scan_beside) return "B1 runs beside the recompute's state scan (the forward kept no chunk states)";
     const bool is16 = s.p.dtype == DType::bf16 || s.p.dtype == DType::f16;
     if (!use_dh_scan_wgmma(a, is16, s.p.variant == Variant::kda)) return "B1 does not run on the wgmma scan";
     const auto& seqs = s.table.host_seqs();
@@ -898,6 +899,8 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
     if (which == Stages::all || which == Stages::through_b0)
       launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, Stages::through_b0);
     if (which == Stages::through_b0) return;
+    const HandoffPlan h = full ? handoff_plan(s, a, num_seqs, pieces.cut(), static_cast<bool>(beside_b1))
+                               : HandoffPlan{};
     if (which == Stages::dh_scan_only) {
       launch_stages<Op, KP, PERKEY>(a, num_seqs, stream, which);
     } else if (beside_b1) {
@@ -906,7 +909,7 @@ void run_stages(const BwdState& s, const Args& a, int64_t num_seqs, Stages which
       b1(side);
       beside_b1();
       fork.join();
-    } else if (const HandoffPlan h = full ? handoff_plan(s, a, num_seqs, pieces.cut(), false) : HandoffPlan{}; h.on) {
+    } else if (h.on) {
       // B1 on the side stream, the gate and the chunk-local kernel on the caller's (bwd_handoff.cuh).
       const int64_t counts = a.num_chunks * a.HV + 1;
       int* flags = static_cast<int*>(workspace_alloc(static_cast<size_t>(counts) * sizeof(int), stream));
