@@ -413,8 +413,8 @@ def perf_md(res, plots):
 
 # What the kernel-by-kernel tables' column names refer to, per variant.
 STAGES_LEGEND = {
-    "gdn": "B0..B4 are the tiled backward's stages (`cuda/tiled/tiled_bwd.cu`); the recompute rebuilds the chunk-start "
-           "states and W, U.",
+    "gdn": "B0..B4 are the tiled backward's stages (`cuda/tiled/tiled_bwd.cu`); the recompute rebuilds W, U and T (and "
+           "the chunk-start states where the forward did not keep them).",
     "dplr": "Kernels 1-6 are those of `cuda/tiled/dplr_bwd.cu`'s opening comment: 1-3 the forward's stages (run by the "
             "forward and again by the backward's recompute), 4 the reverse scan, 5-6 the chunk-local gradients.",
 }
