@@ -78,6 +78,9 @@ struct DhWgArgs {
   Args a;
 };
 
+// CTAs per (sequence, value head): the grid's z, one per 64 NWG state columns (the handoff counts on it too).
+__host__ __device__ constexpr int dh_scan_col_blocks(int nwg) { return kDhKeys / (kDhCols * nwg); }
+
 // Load stages: three chunks in flight with one warpgroup per CTA, two with two (what shared memory allows).
 __host__ __device__ constexpr int dh_wg_stages(int nwg) { return nwg == 1 ? 3 : 2; }
 
@@ -492,7 +495,7 @@ void launch_dh_scan_wgmma(const Args& a, int64_t num_seqs, cudaStream_t stream) 
   auto kernel = nwg == 2 ? bwd_dh_scan_wgmma_kernel<T, 2, kKda> : bwd_dh_scan_wgmma_kernel<T, 1, kKda>;
   opt_in_smem(kernel, bytes, "K", "the wgmma dh scan needs ", bytes, " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(a.HV),
-                  static_cast<unsigned>(kDhKeys / (kDhCols * nwg)));
+                  static_cast<unsigned>(dh_scan_col_blocks(nwg)));
   kernel<<<grid, 128 * nwg, bytes, stream>>>(w);
   DELTACP_CUDA_CHECK_LAUNCH();
 }

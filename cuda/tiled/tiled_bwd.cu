@@ -851,7 +851,7 @@ HandoffPlan handoff_plan(const BwdState& s, const Args& a, int64_t num_seqs, boo
     for (const SeqEntry& q : seqs)
       if (q.num_chunks != h.per_seq) return "the sequences do not all have the same number of chunks";
     const int nwg = dh_scan_warpgroups(num_seqs * a.HV);
-    h.need = kDhKeys / (kDhCols * nwg);
+    h.need = dh_scan_col_blocks(nwg);
     const int64_t ctas = num_seqs * a.HV * h.need;
     if (ctas >= sm_count()) return "B1's CTAs fill every SM";
     h.ctas = static_cast<int>(ctas);
