@@ -186,6 +186,15 @@ def time_impl(fn, B, T, H, D, variant, backward, l2_bytes, V=None):
 
 
 # ---- the fused forward's serial chain -------------------------------------------------------
+def is_map_mode(kernel_name):
+    """Whether a profiled fused_chain_kernel<T, NWG, kMap, ...> is the map mode (its third template argument)."""
+    head = kernel_name.split("(")[0]
+    if "fused_chain_kernel<" not in head:
+        return False
+    args = head[head.index("fused_chain_kernel<") + len("fused_chain_kernel<"):].rstrip(" >").split(",")
+    return len(args) > 2 and args[2].strip() == "true"
+
+
 def chain_profile(fn, B, T, H, D, variant, reps=5, V=None):
     """The fused forward's chain kernel from a torch.profiler trace of `reps` calls: {chain_ms: its time per
     call, chain_ctas: its grid, chain_waves: ceil(CTAs / SMs) (one CTA per SM), chain_chunks_per_cta: the
@@ -216,7 +225,7 @@ def chain_profile(fn, B, T, H, D, variant, reps=5, V=None):
         # the chain kernel, or the one-kernel forward (the chain with the WY stage beside it)
         if e.get("cat") != "kernel" or ("fused_chain_kernel" not in name and "fused_one_kernel" not in name):
             continue
-        if name.split("(")[0].rstrip().endswith("true>"):  # the map mode (kMap = true)
+        if is_map_mode(name):
             maps += e["dur"]
         else:
             chain += e["dur"]

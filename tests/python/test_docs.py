@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -118,3 +120,19 @@ def test_ratios_only_against_fla_of_the_same_run():
     perf["rows"].append(row("fla", 4.0, date="2026-11-27"))  # that run's FLA row: the naive row's ratio is back
     perf["rows"] = [r for r in perf["rows"] if r["impl"] != "deltacp-tiled" and r.get("date")]
     assert make_docs.ratios(perf, "gdn", "fwd", "deltacp-naive") == {(1, 64, 1, 128): 0.5}
+
+
+def test_chain_profile_tells_the_map_mode_by_its_template_argument():
+    """bench_gpu.py splits the fused chain's kernel time into the chain and the pieces' maps by fused_chain_kernel's
+    third template argument (kMap), whatever the arguments after it (the T Beta form's trailing `true`)."""
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "bench" / "gpu"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    name = "void deltacp::cuda::fused::fused_chain_kernel<__nv_bfloat16, {}>(ChainArgs<__nv_bfloat16>)"
+    assert bench_gpu.is_map_mode(name.format("2, true, 3, false, 128"))
+    assert not bench_gpu.is_map_mode(name.format("1, false, 3, false, 128, true"))
+    assert not bench_gpu.is_map_mode(name.format("2, false, 2, true, 64"))
+    assert not bench_gpu.is_map_mode("void deltacp::cuda::fused::fused_one_kernel<__nv_bfloat16>(x)")
