@@ -19,7 +19,7 @@
 # |---|---|---|---|
 # | **naive** (`cuda/naive/`) | one block per (sequence, value head), a token loop | the state $S$ (K x V, fp32) for the whole sequence | only the inputs and the output, but every token is a rank-one update on the CUDA cores: latency-bound, no tensor cores |
 # | **tiled** (`cuda/tiled/`) | four stages, one kernel each: $G$ = cumsum g; $A, T, W, U$; the state scan; the output | one chunk's tiles inside each kernel | every chunk's $W, U$, the chunk-start states $h_c$ and $v_{new}$ are written by one stage and read by the next |
-# | **fused** (`cuda/fused/`, Hopper) | token-parallel $G$, $W, U$ and the decayed scores $P$; then one chain kernel per (sequence, head) with $S$ in wgmma accumulators | $S$ from the first chunk to the last, and each chunk's $V_{new}$ and output accumulator | $W, U, P$ once; no $h_c$, no $v_{new}$, no second read of q and k |
+# | **fused** (`cuda/fused/`, Hopper) | token-parallel $G$, $T \beta$ and the decayed scores $P$; then one chain kernel per (sequence, head) with $S$ in wgmma accumulators | $S$ from the first chunk to the last, and each chunk's $V_{new} = T\beta\,(V - e^G K S)$ and output accumulator | $T\beta$ and $P$ once; no $W, U$, no $h_c$, no $v_{new}$ |
 #
 # This notebook counts the bytes each tier moves per token and value head (the same count the kernel
 # files' comments give), draws them against the FLOPs on a roofline with the times of the newest results
@@ -72,12 +72,21 @@ def tier_bytes():
         "stage 3: W, U, k, G in; v_new, h_c out": es * (K + V + K) + 4 + es * V + es * K * V / C,
         "stage 4: q, k, v_new, h_c, G in; o out": es * (K + K + V) + es * K * V / C + 4 + out,
     }
-    fused = {
+    fused = {  # the T Beta form of the chain (cuda/fused/fused_chain.cuh), over whole sequences
         "cumsum: g in, G out": 4 + 4,
-        "WY and scores: q, k, v, beta, G in; W, U, P out": es * (K + K + V) + es + 4 + es * (K + V + C),
-        "chain: q, k, W, U, P, G in; o out": es * (K + K + K + V + C) + 4 + out,
+        "WY and scores: q, k, beta, G in; T Beta, P out": es * (K + K) + es + 4 + es * (C + C),
+        "chain: q, k, v, T Beta, P, G in; o out": es * (K + K + V + C + C) + 4 + out,
     }
     return {"naive": naive, "tiled": tiled, "fused": fused}
+
+
+# Where the chain runs in pieces (intra-card CP: the pieces' maps multiply W and U into the state), the
+# token-parallel stage writes W and U in place of T Beta, and the chain reads them in place of v and T Beta.
+FUSED_W_U = {
+    "cumsum: g in, G out": 4 + 4,
+    "WY and scores: q, k, v, beta, G in; W, U, P out": es * (K + K + V) + es + 4 + es * (K + V + C),
+    "chain: q, k, W, U, P, G in; o out": es * (K + K + K + V + C) + 4 + es * V,
+}
 
 
 BYTES = tier_bytes()
@@ -86,7 +95,8 @@ for tier, parts in BYTES.items():
     for what, b in parts.items():
         print(f"         {b:7.0f}  {what}")
 minimum = sum(BYTES["naive"].values())
-assert sum(BYTES["fused"].values()) < sum(BYTES["tiled"].values())
+assert sum(BYTES["fused"].values()) < sum(FUSED_W_U.values()) < sum(BYTES["tiled"].values())
+print(f"fused in its W, U form (pieces): {sum(FUSED_W_U.values()):.0f} B per token-head")
 print(f"the fused tier moves {sum(BYTES['fused'].values()) / minimum:.1f}x the minimum, the tiled tier "
       f"{sum(BYTES['tiled'].values()) / minimum:.1f}x")
 

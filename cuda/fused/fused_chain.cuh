@@ -44,6 +44,21 @@
 //   wrote, so a Q K^T issued beside the state's products could not overlap them; computed in the chain it
 //   cost a serial group, 64 exponentials per thread and a barrier per chunk.
 //
+// The T Beta form (gdn and delta over whole sequences, kTBeta; the default where it applies, fused_fwd.cu's
+// chain_takes_tbeta). W = T Beta e^G K and U = T Beta V are never formed: the WY stage writes T Beta (the 16-bit
+// operand it would have multiplied K and V by, 128 bytes per token-head in place of W's and U's 512) and reads no v,
+// and the chain, which reads K anyway, makes
+//   Vn = T Beta (V - e^G (K S))        (with qk_l2norm: K's rows times rk as well)
+// (1) reads S^T K^T in place of S^T W^T; (2) scales its token columns by e^(G_j) rk_j, subtracts them from V^T (V's
+// columns in U's boxes, loaded by TMA from v itself) and multiplies by (T Beta)^T (its box in W's place; one more
+// group, 4 x wgmma m64n64k16 rs). The same algebra with other roundings (V - e^G K S rounded to 16 bits in place
+// of W and U): as close to the fp64 reference (tests/python/test_cuda_fused.py). The forward moves 2066 bytes per
+// token-head in place of 2834 (notebooks/06_kernel_tiers.py). Measured (H200, bf16 gdn, FLA's benchmark keywords,
+// kernels per forward, bench/gpu/stage_times.py, the W, U form -> this one with its WY stage's gate sum):
+// (4,4096,64,128) 0.884 -> 0.748 ms (the WY stage and cumsum 0.508 -> 0.357, the chain 0.373 -> 0.388),
+// (1,8192,96,128) 0.745 -> 0.658, (2,16384,16,128) 0.733 -> 0.672 (the chain 0.457 -> 0.490: its step is
+// latency-bound there, one CTA per SM on 64 SMs), (4,2048,16,128) 0.164 -> 0.122.
+//
 // Saved states (a forward whose backward follows, Params::chunk_h / chunk_vnew): each chunk's start state S, as the
 // 16-bit values step (1) reads, and Vn go to HBM as the tiled tier's state scan writes them (h [NC, HV, K, V],
 // v_new [R, HV, V]: 768 bytes per token-head at K = V = 128), so the backward skips its recompute's state scan.
@@ -53,7 +68,8 @@
 // the stores, against the backward's state scan of 0.65 and 0.50 ms that they remove.
 //
 // Shared memory (bf16): a stage is W, K, Q (16 KB each), P (8 KB), U (8 KB per warpgroup) and G, rq, rk
-// (768 B), rounded to 1 KB; plus an output staging tile (9 KB) per warpgroup and the stages' mbarriers.
+// (768 B), rounded to 1 KB (the T Beta form: T Beta in W's first box, V's columns in U's); plus an output staging tile
+// (9 KB) per warpgroup and the stages' mbarriers.
 // NWG = 1: 3 stages, 205 KB; NWG = 2: 2 stages, 165 KB; the map mode (NWG = 2, W, K and U only): 3 stages,
 // 148 KB. Saved states add S's staging tile (18 KB per warpgroup at K = 128): 223 and 201 KB. One CTA per SM.
 #pragma once
@@ -84,7 +100,8 @@ __host__ __device__ constexpr int chain_stages(int nwg, bool map) { return map |
 
 template <class T>
 struct ChainArgs {
-  TileMap16 tm_w, tm_u, tm_p;  // [R, HV, K], [R, HV, V], [R, HV, 64]: boxes of 64 columns x 64 rows
+  TileMap16 tm_w, tm_u, tm_p;  // [R, HV, K], [R, HV, V], [R, HV, 64]: boxes of 64 columns x 64 rows; the T Beta
+                               // form: tm_w T Beta ([R, HV, 64]), tm_u v ([B, T, HV, V] as the caller strides it)
   TileMap16 tm_k, tm_q;        // [B, T, H, K] as the caller strides them: boxes of 64 keys x 64 tokens
   DevRows<T> o;
   const tiled::SeqEntry* seqs = nullptr;
@@ -208,6 +225,50 @@ __device__ __forceinline__ void chain_decays(const float (&Va)[32], float (&Oa)[
   }
 }
 
+// Step (2) of the T Beta form (gdn, delta): W S = T Beta e^G (K S) without W. Va holds S^T K^T (this warpgroup's 64
+// state columns x 64 tokens, m64n64 layout); its token columns j are scaled by f_j = e^(G_j) rk_j (rk: qk_l2norm's
+// row scales, 1 without), subtracted from V^T (V's swizzled box, as u_minus_acc_trans_sw128 reads U's), rounded to
+// 16 bits as A fragments, and multiplied by (T Beta)^T (its 64 x 64 box, rows i K-major, at tb_addr): Va then
+// holds Vn^T = (T Beta (V - e^G rk K S))^T. One more group to wait for than the W, U form; the WY stage writes
+// T Beta (128 bytes per token and head) in place of W and U (512) and reads no v.
+template <class T>
+__device__ __forceinline__ void chain_tbeta_values(float (&Va)[32], const unsigned char* vbox, uint32_t tb_addr,
+                                                   const float* gbuf, const float* rkb, int srow, int scol, int t) {
+  using namespace tiled;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
+    const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
+    const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);
+    const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
+    const float f0 = exp_t<T>(ga.x) * ka.x, f1 = exp_t<T>(ga.y) * ka.y;
+    const float f2 = exp_t<T>(gb.x) * kb.x, f3 = exp_t<T>(gb.y) * kb.y;
+    Va[8 * kk] *= f0;
+    Va[8 * kk + 1] *= f1;
+    Va[8 * kk + 2] *= f0;
+    Va[8 * kk + 3] *= f1;
+    Va[8 * kk + 4] *= f2;
+    Va[8 * kk + 5] *= f3;
+    Va[8 * kk + 6] *= f2;
+    Va[8 * kk + 7] *= f3;
+  }
+  u_minus_acc_trans_sw128<T>(Va, vbox, srow, scol);
+  uint32_t vt[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) vt[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
+  wg_fence();
+  reg_fence(Va);
+  reg_fence(vt);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_n64_rs<T>(Va, vt[kk], wg_desc(tb_addr + kk * 32, 16, 1024), kk > 0);
+  wg_commit();
+  wg_wait_all();
+  reg_fence(Va);
+  reg_fence(vt);
+}
+
 // Step (4): O = scale Oa^T into the warpgroup's staging tile (tokens x 64 columns, rows kLdStage apart) by
 // stmatrix.trans; srow, scol: this lane's row and column (the matrix it addresses, as the kernel computes them).
 template <class T>
@@ -286,12 +347,14 @@ __device__ __forceinline__ void chain_update_state(float (&S)[KK / 2], float (&O
 //
 // KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of the wgmma WY stage
 // beside the chain's, which the windows' overlap in fused_fwd.cu needs). kKda: tm_q and tm_k are the rows of
-// Q e^G and K e^(G_n - G) ([R, HV, KK]), and the decay is per key (the file comment).
-template <class T, int NWG, bool kMap, int KS, bool kKda, int KK>
+// Q e^G and K e^(G_n - G) ([R, HV, KK]), and the decay is per key (the file comment). kTBeta: the T Beta form (the
+// file comment): a stage holds T Beta in W's first box and v's columns in U's boxes.
+template <class T, int NWG, bool kMap, int KS, bool kKda, int KK, bool kTBeta = false>
 __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using namespace tiled;
   static_assert(KK == 128 || KK == 64, "K = 128 or 64");
+  static_assert(!kTBeta || (!kMap && !kKda), "the T Beta form is gdn's and delta's chain with the output");
   constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = KS, kKB = KK / 64;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -353,13 +416,17 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     const int s = static_cast<int>(c % kStages);
     unsigned char* st = smem + s * L.stage;
     if (tid == 0) {
-      const uint32_t bytes = (2 * kKB + (kMap ? 0 : kKB + 1) + u_boxes) * 8192;
+      const uint32_t bytes = ((kTBeta ? 1 : kKB) + kKB + (kMap ? 0 : kKB + 1) + u_boxes) * 8192;
       const int r = static_cast<int>(row0), tt = static_cast<int>(t0), b = static_cast<int>(se.batch);
       const int h = static_cast<int>(hv);
       fence_proxy_async();  // the zeroed rows of this stage's last use (generic writes) before the copies
       mbar_expect_tx(bars + s, bytes);
+      if constexpr (kTBeta) {
+        tma_load_3d(st + L.w, &args.tm_w.map, bars + s, 0, h, r);
+      } else {
 #pragma unroll
-      for (int x = 0; x < kKB; ++x) tma_load_3d(st + L.w + x * 8192, &args.tm_w.map, bars + s, 64 * x, h, r);
+        for (int x = 0; x < kKB; ++x) tma_load_3d(st + L.w + x * 8192, &args.tm_w.map, bars + s, 64 * x, h, r);
+      }
       if constexpr (kKda) {  // K e^(G_n - G) and Q e^G: rows of the value head
 #pragma unroll
         for (int x = 0; x < kKB; ++x) {
@@ -374,7 +441,13 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
         }
       }
       if constexpr (!kMap) tma_load_3d(st + L.p, &args.tm_p.map, bars + s, 0, h, r);
-      for (int u = 0; u < u_boxes; ++u) tma_load_3d(st + L.u + u * 8192, &args.tm_u.map, bars + s, v0 + 64 * u, h, r);
+      for (int u = 0; u < u_boxes; ++u) {
+        if constexpr (kTBeta) {
+          tma_load_4d(st + L.u + u * 8192, &args.tm_u.map, bars + s, v0 + 64 * u, h, tt, b);
+        } else {
+          tma_load_3d(st + L.u + u * 8192, &args.tm_u.map, bars + s, v0 + 64 * u, h, r);
+        }
+      }
     }
     float* gbuf = reinterpret_cast<float*>(st + L.g);
     if constexpr (kKda) {  // G of the chunk's last row: e^(G_n) per key (qk_l2norm is applied before kda's stages)
@@ -480,7 +553,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     }
     float Va[32], Oa[32];
     uint32_t sa[KK / 16][4];
-    chain_issue_state_reads<T, KK, !kMap>(Va, Oa, sa, S, w_addr, q_addr);
+    chain_issue_state_reads<T, KK, !kMap>(Va, Oa, sa, S, kTBeta ? k_addr : w_addr, q_addr);
     // The previous chunk's output, staged at its end (the barrier that ended it made the tile visible),
     // goes out while the products run.
     if (!kMap && c > 0) store_staged(cs, [&](int i) { return args.o.at(se.batch, t0 - cs + i, hv); });
@@ -490,10 +563,13 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     if constexpr (!kMap) reg_fence(Oa);
     reg_fence(sa);
 
-    // (2) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i.
+    // (2) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i. The T Beta
+    // form: Vn^T = (V^T - Va e^(G_j) rk_j) (T Beta)^T.
     if (u_zero) {
 #pragma unroll
       for (int i = 0; i < 32; ++i) Va[i] = -Va[i];
+    } else if constexpr (kTBeta) {
+      chain_tbeta_values<T>(Va, st + L.u + wg * 8192, w_addr, gbuf, rkb, srow, scol, t);
     } else {
       u_minus_acc_trans_sw128<T>(Va, st + L.u + wg * 8192, srow, scol);
     }
@@ -576,7 +652,8 @@ inline int chain_warpgroups(int64_t seqs_x_heads, int64_t V, int sms) {
 // wide), P (64) from the WY stage (gdn, delta: wgmma_wy.cuh; kda: chunk_wy_kernel and
 // kda_chain_operands_kernel); G ([R, HV] fp32 for gdn, [R, HV, K] for kda, ignored for delta); kda only:
 // Kd = K e^(G_n - G) and Qg = Q e^G (K wide; the other variants read k and q themselves); rq / rk:
-// qk_l2norm's row scales (gdn, delta), or nullptr.
+// qk_l2norm's row scales (gdn, delta), or nullptr. tbeta: the T Beta form (gdn, delta, the chain with the output):
+// W holds T Beta ([R, HV, 64]), U is unused and the chain reads v.
 struct ChainOperands {
   const float* G = nullptr;
   const void* W = nullptr;
@@ -586,23 +663,25 @@ struct ChainOperands {
   const void* Qg = nullptr;
   const float* rq = nullptr;
   const float* rk = nullptr;
+  bool tbeta = false;
 };
 
 // The kernel of nwg warpgroups per CTA and `stages` load stages (stages as launch_chain_kernel checks them). At
 // K = V = 64 the state is one 64-column tile: one warpgroup per CTA, and two in the map mode (V + K = 128 columns).
-template <class T, bool kMap, bool kKda, int KK>
+template <class T, bool kMap, bool kKda, int KK, bool kTB = false>
 auto chain_kernel(int nwg, int stages) {
   if constexpr (KK == 64) {
     if constexpr (kMap) {
       return fused_chain_kernel<T, 2, true, chain_stages(2, true), kKda, 64>;
     } else {
       DELTACP_CHECK(nwg == 1, "DELTACP_FUSED_WG", "expected one warpgroup per CTA at V = 64, got ", nwg);
-      return stages == 2 ? fused_chain_kernel<T, 1, false, 2, kKda, 64> : fused_chain_kernel<T, 1, false, 3, kKda, 64>;
+      return stages == 2 ? fused_chain_kernel<T, 1, false, 2, kKda, 64, kTB>
+                         : fused_chain_kernel<T, 1, false, 3, kKda, 64, kTB>;
     }
   } else {
-    return nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap), kKda, 128>
-                    : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2, kKda, 128>
-                                   : fused_chain_kernel<T, 1, kMap, 3, kKda, 128>);
+    return nwg == 2 ? fused_chain_kernel<T, 2, kMap, chain_stages(2, kMap), kKda, 128, kTB>
+                    : (stages == 2 ? fused_chain_kernel<T, 1, kMap, 2, kKda, 128, kTB>
+                                   : fused_chain_kernel<T, 1, kMap, 3, kKda, 128, kTB>);
   }
 }
 
@@ -614,9 +693,10 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   if (table.num_seqs() == 0) return;
   const int64_t R = p.B * p.T, HV = p.HV;
   ChainArgs<T> a;
+  const bool tbeta = !kMap && !kKda && in.tbeta;
   if (R > 0) {  // else no sequence has a chunk: the kernel only carries h0 to ht and never reads a map
-    a.tm_w = workspace_rows_map(in.W, R, HV, p.K, "W");
-    a.tm_u = workspace_rows_map(in.U, R, HV, p.V, "U");
+    a.tm_w = tbeta ? workspace_rows_map(in.W, R, HV, 64, "T Beta") : workspace_rows_map(in.W, R, HV, p.K, "W");
+    a.tm_u = tbeta ? token_rows_map(p.v, p.B, p.T, p.HV, p.V, "v") : workspace_rows_map(in.U, R, HV, p.V, "U");
     a.tm_k = kKda ? workspace_rows_map(in.Kd, R, HV, p.K, "Kd") : token_rows_map(p.k, p.B, p.T, p.H, p.K, "k");
     if (!kMap) {
       a.tm_p = workspace_rows_map(in.P, R, HV, 64, "P");
@@ -644,7 +724,13 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   DELTACP_CHECK(stages == chain_stages(nwg, kMap) || (!kMap && nwg == 1 && stages == 2), "stages",
                 "expected ", chain_stages(nwg, kMap), kMap || nwg == 2 ? "" : " or 2", " load stages, got ", stages);
   const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages, static_cast<int>(p.K), a.h_out != nullptr);
+  DELTACP_CHECK(!in.tbeta || tbeta, "W", "internal: the T Beta form is the chain's with the output, gdn or delta");
   auto kernel = [&] {
+    if constexpr (!kMap && !kKda) {
+      if (tbeta)
+        return p.K == 64 ? chain_kernel<T, kMap, kKda, 64, true>(nwg, stages)
+                         : chain_kernel<T, kMap, kKda, 128, true>(nwg, stages);
+    }
     return p.K == 64 ? chain_kernel<T, kMap, kKda, 64>(nwg, stages) : chain_kernel<T, kMap, kKda, 128>(nwg, stages);
   }();
   opt_in_smem(kernel, L.bytes, "K", "the fused forward needs ", L.bytes, " bytes of shared memory");

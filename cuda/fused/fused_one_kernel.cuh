@@ -30,12 +30,13 @@
 // their place), W, U (the CTA's columns), P and the row scales. What moves through HBM per token and value head
 // (bf16): q, k (256 bytes each per CTA, two CTAs per head), G (4 per CTA), beta (2 per CTA), the CTA's v columns
 // (128 each), o (256), and the cumsum's g in and G out (8): 1556 bytes at K = V = 128, against 2834 for the
-// two-kernel forward (notebooks/06_kernel_tiers.py counts both). The WY work (all but U's product) is done by both
+// two-kernel forward with W and U, and 2066 in its T Beta form (notebooks/06_kernel_tiers.py counts them). The WY work
+// (all but U's product) is done by both
 // CTAs of a head.
 //
-// Numerics: the two-kernel forward's, bit for bit: the same products in the same order with the same roundings
-// (W, U, P rounded to 16 bits where they were stored; the row scales of rows past a short chunk set to 1, the
-// value the chain gave them).
+// Numerics: the two-kernel forward's in its W, U form (DELTACP_FUSED_TBETA=0), bit for bit: the same products in
+// the same order with the same roundings (W, U, P rounded to 16 bits where they were stored; the row scales of rows
+// past a short chunk set to 1, the value the chain gave them).
 //
 // Measured (NVIDIA H200, bf16 gdn, plain call, 2026-11-28; bench/gpu/stage_times.py and the probe below): slower
 // than the two kernels at every shape tried, so the forward runs it only when asked (DELTACP_FUSED_ONE_KERNEL=1).

@@ -25,6 +25,13 @@
 //             of T), B = the K or V tile read MN-major; staged in shared memory (16-byte pieces swizzled
 //             by row) and stored as whole rows. At V = 256, U in two rounds of 128 columns through the one V
 //             tile: the second half's copy goes out once the first round's products have read the tile
+// The T Beta form (kTBeta: the fused chain's, fused_chain.cuh): T Beta, the 16-bit operand of U's product, goes
+// out (128 bytes per token and head) in place of W and U; no V tile is loaded, so T sits where V was and the CTA
+// takes 54,544 bytes, four per SM; and for gdn the gate is summed here from the raw g in chunk_cumsum's order (the
+// same bits) and written for the chain, so the forward launches no cumsum. Measured (H200, bf16 gdn, FLA's benchmark
+// keywords, kernel time): (4,4096,64,128) 0.482 ms (W, U, P; cumsum 0.026 before it) -> 0.362 (T Beta, P; three CTAs
+// per SM) -> 0.325 (four) -> 0.357 with the gate sum (no cumsum launch: at (4,2048,16,128) the forward's kernels went
+// 0.149 -> 0.122 ms, at (2,16384,16,128) 0.683 -> 0.672).
 // With qk_l2norm (FLA's use_qk_l2norm_in_kernel, no gradient: params.h) each row's 1 / sqrt(|x|^2 + eps) is
 // summed from the tiles while Q K^T and K K^T run and folded into P (rq_i rk_j), A (rk_i rk_j) and W's
 // operand (rk_j); the scales go out (8 bytes per token and head) for the fused chain and its map mode (the
@@ -78,6 +85,12 @@ struct WyWgmmaArgs {
   T* W = nullptr;            // [R, HV, K]
   T* U = nullptr;            // [R, HV, V]: V = 128 or 256 at K = 128 (rounds of 128 columns), V = 64 at K = 64
   T* P = nullptr;            // [R, HV, 64]: row i of its chunk's P (nullptr: not stored)
+  T* TB = nullptr;           // kTBeta: [R, HV, 64], row i of its chunk's T Beta rounded to 16 bits, in place of W, U
+  // kTBeta, gdn: the gate sum made here (no chunk_cumsum pass): g read raw (g32 where it is fp32, else g16), G of the
+  // chunk's rows summed in chunk_cumsum_kernel's order (the same bits) and written to G_out ([R, HV] fp32).
+  DevRows<const T> g16;
+  DevRows<const float> g32;
+  float* G_out = nullptr;
   float* Tinv = nullptr;     // [R, HV, 64] fp32: row i of its chunk's T (nullptr: not stored)
   bool t16 = false;          // T rounded to T's type instead, in the first 128 bytes of each 256-byte row
                              // (the chunk-local backward kernel's operand, the bits it rounded T to itself)
@@ -92,13 +105,15 @@ struct WyWgmmaArgs {
   float scale = 1.f;
 };
 
-// Byte offsets of the shared-memory regions (from the 1024-byte aligned base).
-struct WyWgmmaSmem {
+// Byte offsets of the shared-memory regions (from the 1024-byte aligned base). kNoV: the T Beta form's kernel,
+// which loads no V: T where the V tile was, 54,544 bytes with the slack, four CTAs per SM (the opening comment).
+template <bool kNoV = false>
+struct WyWgmmaSmemT {
   static constexpr int kLdA = 68;                // A and T rows (floats): 4 mod 32, as wy_solve.cuh's tf32 solve wants
   static constexpr int q = 0;                    // Q tile (16 KB); A (17,408 B); W staging (16 KB)
   static constexpr int k = 18432;                // K tile
   static constexpr int v = k + 16384;            // V tile
-  static constexpr int t = v + 16384;            // T (17,408 B); U staging (16 KB)
+  static constexpr int t = v + (kNoV ? 0 : 16384);  // T (17,408 B); U staging (16 KB)
   static constexpr int beta = t + 64 * kLdA * 4;
   static constexpr int g = beta + 256;
   static constexpr int eg = g + 256;
@@ -112,8 +127,10 @@ struct WyWgmmaSmem {
   static constexpr int bar_do = dO + 16384;
   static constexpr int bytes_dvl = bar_do + 8 + 1024;
 };
+using WyWgmmaSmem = WyWgmmaSmemT<false>;
 static_assert(64 * WyWgmmaSmem::kLdA * 4 <= WyWgmmaSmem::k, "A must fit in the Q tile's region");
 static_assert(WyWgmmaSmem::bytes_dvl == 95240 + 1024, "the size the opening comment gives");
+static_assert(WyWgmmaSmemT<true>::bytes == 54544, "the size the comment gives: four CTAs per SM");
 
 #ifdef DELTACP_WGMMA_DEVICE
 // An m64nN accumulator (this warpgroup's 64 rows x N columns, N = 64 or 128) as 16-bit rows of 2N bytes, the
@@ -177,14 +194,17 @@ __device__ __forceinline__ float row_rnorm(const unsigned char* tile, int tid) {
 
 // kK, kV: K and V, (128, 128), (128, 256) or (64, 64). U's product runs in kV / kK rounds of kK columns (a
 // compile-time count: with a runtime one the V = 128 kernels took 148 and 255 registers instead of 128 and 174).
-template <class T, bool kDvLocal, int kK, int kV>
+// kTBeta: the fused chain's T Beta form (fused_chain.cuh): T Beta (the 16-bit operand U's product would take) goes
+// out in place of W and U, and the V tile is not loaded; P and the row scales as always.
+template <class T, bool kDvLocal, int kK, int kV, bool kTBeta = false>
 __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ WyWgmmaArgs<T> a) {
   static_assert((kK == 128 && (kV == 128 || kV == 256)) || (kK == 64 && kV == 64),
                 "K = 128 with V = 128 or 256, or K = V = 64");
   static_assert(!kDvLocal || (kK == 128 && kV == 128), "B0's product is made at K = V = 128 only");
+  static_assert(!kTBeta || (!kDvLocal && kV == kK), "the T Beta form is the forward's, one instance per K");
   constexpr int kRounds = kV / kK, kBoxes = kK / 64;  // U's rounds; 64-column boxes of a q, k, v or U tile
 #ifdef DELTACP_WGMMA_DEVICE
-  using S = WyWgmmaSmem;
+  using S = WyWgmmaSmemT<kTBeta>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   float* As = reinterpret_cast<float*>(smem + S::q);
@@ -217,8 +237,10 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
       tma_load_4d(smem + S::q + x * 8192, &a.tm_q.map, bars, 64 * x, h, t0, b);
       tma_load_4d(smem + S::k + x * 8192, &a.tm_k.map, bars, 64 * x, h, t0, b);
     }
-    mbar_expect_tx(bars + 1, kBoxes * 8192);
-    for (int x = 0; x < kBoxes; ++x) tma_load_4d(smem + S::v + x * 8192, &a.tm_v.map, bars + 1, 64 * x, hvi, t0, b);
+    if constexpr (!kTBeta) {
+      mbar_expect_tx(bars + 1, kBoxes * 8192);
+      for (int x = 0; x < kBoxes; ++x) tma_load_4d(smem + S::v + x * 8192, &a.tm_v.map, bars + 1, 64 * x, hvi, t0, b);
+    }
     if constexpr (kDvLocal) {
       mbar_expect_tx(bar_do, 2 * 8192);
       tma_load_4d(smem + S::dO, &a.tm_do.map, bar_do, 0, hvi, t0, b);
@@ -233,18 +255,47 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
         if (row >= len) *reinterpret_cast<uint4*>(tile + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
       }
   };
+  const bool sum_gate = kTBeta && a.G_out != nullptr;  // the T Beta form sums the gate itself (WyWgmmaArgs)
   if (tid < 64) {
     // rows past a short chunk repeat its last G (every decay stays finite) and have beta = 0. Both loads read a
     // row of the chunk, so that they are in flight together (Nsight Compute found the beta load issued only after
     // G's had returned, at the head of every CTA's critical path).
     const int r = min(tid, len - 1);
     const float bi = to_f(*a.beta.at(ce.batch, ce.t0 + r, hv));
-    const float gi = a.G != nullptr ? a.G[(ce.row0 + r) * HV + hv] : 0.f;
-    gs[tid] = gi;
-    egs[tid] = exp_t<T>(gi);
+    if (sum_gate) {  // the raw g of row r, summed below
+      egs[tid] = a.g32.ptr != nullptr ? *a.g32.at(ce.batch, ce.t0 + r, hv) : to_f(*a.g16.at(ce.batch, ce.t0 + r, hv));
+    } else {
+      const float gi = a.G != nullptr ? a.G[(ce.row0 + r) * HV + hv] : 0.f;
+      gs[tid] = gi;
+      egs[tid] = exp_t<T>(gi);
+    }
     bs[tid] = tid < len ? bi : 0.f;
   }
   __syncthreads();  // the barriers are initialised
+  if (sum_gate) {
+    // G of row r: g_0 + ... + g_r added left to right, as chunk_cumsum_kernel adds them (the same bits); rows past
+    // the chunk get its last row's. Each of 64 threads sums its own prefix: 64 predicated dependent adds over
+    // 16-byte loads issued together (a loop up to r, one shared load per add, cost the stage 0.04 ms at
+    // (4,4096,64,128)).
+    float gi = 0.f;
+    if (tid < 64) {
+      const int r = min(tid, len - 1);
+#pragma unroll
+      for (int i4 = 0; i4 < 16; ++i4) {
+        const float4 x = reinterpret_cast<const float4*>(egs)[i4];
+        gi = 4 * i4 <= r ? gi + x.x : gi;
+        gi = 4 * i4 + 1 <= r ? gi + x.y : gi;
+        gi = 4 * i4 + 2 <= r ? gi + x.z : gi;
+        gi = 4 * i4 + 3 <= r ? gi + x.w : gi;
+      }
+      if (tid < len) a.G_out[(ce.row0 + tid) * HV + hv] = gi;
+    }
+    __syncthreads();  // every thread has read the raw g
+    if (tid < 64) {
+      gs[tid] = gi;
+      egs[tid] = exp_t<T>(gi);
+    }  // published by the barrier after the Q and K tiles land
+  }
   mbar_wait(bars, 0);  // Q and K (V may still be in flight)
   zero_tail_rows(smem + S::q, kBoxes);
   zero_tail_rows(smem + S::k, kBoxes);
@@ -316,8 +367,10 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
     *reinterpret_cast<float2*>(As + i1 * S::kLdA + j) =
         make_float2(j < i1 ? b1 * e10 * Aacc[4 * nb + 2] : 0.f, j + 1 < i1 ? b1 * e11 * Aacc[4 * nb + 3] : 0.f);
   }
-  mbar_wait(bars + 1, 0);  // the V tile
-  zero_tail_rows(smem + S::v, kBoxes);
+  if constexpr (!kTBeta) {
+    mbar_wait(bars + 1, 0);  // the V tile
+    zero_tail_rows(smem + S::v, kBoxes);
+  }
   if constexpr (kDvLocal) {
     mbar_wait(bar_do, 0);
     zero_tail_rows(smem + S::dO, 2);
@@ -326,114 +379,133 @@ __global__ void __launch_bounds__(128) wy_wgmma_kernel(const __grid_constant__ W
   __syncthreads();
   unit_lower_inverse_64_tf32(As, Ts, S::kLdA);
 
-  // T Beta e^G (for W) and T Beta (for U) as A fragments: this warp's rows i0, i1 of T, k-step kk covering
-  // tokens 16 kk .. 16 kk + 15 (register 2 h + row half: columns 16 kk + 8 h + 2 t, + 1).
-  uint32_t fw[4][4], fu[4][4];
+  if constexpr (kTBeta) {
+    // T Beta rounded to 16 bits (U's operand below, bit for bit), staged where A was (the solve is done with it)
+    // as 128-byte rows of swizzled 16-byte pieces (stage_rows' layout) and stored as whole rows.
+    unsigned char* tb = smem + S::q;
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
+    for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = 16 * kk + 8 * h + 2 * t;
-      const float2 t0 = *reinterpret_cast<const float2*>(Ts + i0 * S::kLdA + j);
-      const float2 t1 = *reinterpret_cast<const float2*>(Ts + i1 * S::kLdA + j);
-      const float s0 = bs[j], s1 = bs[j + 1], e0 = egs[j] * rks[j], e1 = egs[j + 1] * rks[j + 1];
-      fu[kk][2 * h] = pack2<T>(t0.x * s0, t0.y * s1);
-      fu[kk][2 * h + 1] = pack2<T>(t1.x * s0, t1.y * s1);
-      fw[kk][2 * h] = pack2<T>(t0.x * s0 * e0, t0.y * s1 * e1);
-      fw[kk][2 * h + 1] = pack2<T>(t1.x * s0 * e0, t1.y * s1 * e1);
-    }
-  if (a.Tinv != nullptr && a.t16) {  // T's rows < len rounded, 8 values (16 bytes) a thread
-    for (int idx = tid; idx < 64 * 8; idx += 128) {
-      const int r = idx >> 3, c8 = idx & 7;
-      if (r < len) {
-        const float4 x = *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 8 * c8);
-        const float4 y = *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 8 * c8 + 4);
-        *reinterpret_cast<uint4*>(reinterpret_cast<char*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64) + 16 * c8) =
-            make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+      for (int h = 0; h < 2; ++h) {
+        const int j = 16 * kk + 8 * h + 2 * t, nb = 2 * kk + h;
+        const float2 t0 = *reinterpret_cast<const float2*>(Ts + i0 * S::kLdA + j);
+        const float2 t1 = *reinterpret_cast<const float2*>(Ts + i1 * S::kLdA + j);
+        const float s0 = bs[j], s1 = bs[j + 1];
+        *reinterpret_cast<uint32_t*>(tb + i0 * 128 + ((nb ^ (i0 & 7)) << 4) + 4 * t) = pack2<T>(t0.x * s0, t0.y * s1);
+        *reinterpret_cast<uint32_t*>(tb + i1 * 128 + ((nb ^ (i1 & 7)) << 4) + 4 * t) = pack2<T>(t1.x * s0, t1.y * s1);
       }
-    }
-  } else if (a.Tinv != nullptr)  // T's rows < len, 16 bytes a thread (rows of 68 floats: 16-byte aligned)
-    for (int idx = tid; idx < 64 * 16; idx += 128) {
-      const int r = idx >> 4, c4 = idx & 15;
-      if (r < len)
-        *reinterpret_cast<float4*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64 + 4 * c4) =
-            *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 4 * c4);
-    }
-  __syncthreads();  // every warp has read T: U's staging takes its place
+    __syncthreads();
+    store_rows<T, 64>(a.TB, tb, ce.row0, HV, hv, len, 64);
+  } else {  // W and U
+    // T Beta e^G (for W) and T Beta (for U) as A fragments: this warp's rows i0, i1 of T, k-step kk covering
+    // tokens 16 kk .. 16 kk + 15 (register 2 h + row half: columns 16 kk + 8 h + 2 t, + 1).
+    uint32_t fw[4][4], fu[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = 16 * kk + 8 * h + 2 * t;
+        const float2 t0 = *reinterpret_cast<const float2*>(Ts + i0 * S::kLdA + j);
+        const float2 t1 = *reinterpret_cast<const float2*>(Ts + i1 * S::kLdA + j);
+        const float s0 = bs[j], s1 = bs[j + 1], e0 = egs[j] * rks[j], e1 = egs[j + 1] * rks[j + 1];
+        fu[kk][2 * h] = pack2<T>(t0.x * s0, t0.y * s1);
+        fu[kk][2 * h + 1] = pack2<T>(t1.x * s0, t1.y * s1);
+        fw[kk][2 * h] = pack2<T>(t0.x * s0 * e0, t0.y * s1 * e1);
+        fw[kk][2 * h + 1] = pack2<T>(t1.x * s0 * e0, t1.y * s1 * e1);
+      }
+    if (a.Tinv != nullptr && a.t16) {  // T's rows < len rounded, 8 values (16 bytes) a thread
+      for (int idx = tid; idx < 64 * 8; idx += 128) {
+        const int r = idx >> 3, c8 = idx & 7;
+        if (r < len) {
+          const float4 x = *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 8 * c8);
+          const float4 y = *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 8 * c8 + 4);
+          *reinterpret_cast<uint4*>(reinterpret_cast<char*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64) + 16 * c8) =
+              make_uint4(pack2<T>(x.x, x.y), pack2<T>(x.z, x.w), pack2<T>(y.x, y.y), pack2<T>(y.z, y.w));
+        }
+      }
+    } else if (a.Tinv != nullptr)  // T's rows < len, 16 bytes a thread (rows of 68 floats: 16-byte aligned)
+      for (int idx = tid; idx < 64 * 16; idx += 128) {
+        const int r = idx >> 4, c4 = idx & 15;
+        if (r < len)
+          *reinterpret_cast<float4*>(a.Tinv + ((ce.row0 + r) * HV + hv) * 64 + 4 * c4) =
+              *reinterpret_cast<const float4*>(Ts + r * S::kLdA + 4 * c4);
+      }
+    __syncthreads();  // every warp has read T: U's staging takes its place
 
-  float acc[kK / 2];
-#pragma unroll
-  for (int i = 0; i < kK / 2; ++i) acc[i] = 0.f;
-  wg_fence();
-  reg_fence(acc);
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, kK>(acc, fw[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
-  wg_commit();
-  wg_wait_all();
-  reg_fence(acc);
-  reg_fence(fw);
-  stage_rows<T, kK>(smem + S::q, acc);
-  // U = (T Beta) V in rounds of kK value columns (one round unless V = 256): the V tile holds columns kK vb ..
-  // kK vb + kK - 1; the next round's copy goes out once every warp's products have read the tile, and lands while
-  // this round's rows are staged and stored.
-#pragma unroll
-  for (int vb = 0; vb < kRounds; ++vb) {
-    if (vb > 0) {
-      mbar_wait(bars + 1, static_cast<uint32_t>(vb & 1));
-      zero_tail_rows(smem + S::v, kBoxes);
-      fence_proxy_async();
-      __syncthreads();
-    }
+    float acc[kK / 2];
 #pragma unroll
     for (int i = 0; i < kK / 2; ++i) acc[i] = 0.f;
     wg_fence();
     reg_fence(acc);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, kK>(acc, fu[kk], wg_desc(v_addr + kk * 2048, 8192, 1024));
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, kK>(acc, fw[kk], wg_desc(k_addr + kk * 2048, 8192, 1024));
     wg_commit();
     wg_wait_all();
     reg_fence(acc);
-    reg_fence(fu);
-    if (vb + 1 < kRounds) {
-      __syncthreads();  // every warp's products have read the V tile
-      if (tid == 0) {
-        fence_proxy_async();  // the zeroed rows (generic writes) before the copy
-        const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch), hvi = static_cast<int>(hv);
-        mbar_expect_tx(bars + 1, kBoxes * 8192);
-        for (int x = 0; x < kBoxes; ++x)
-          tma_load_4d(smem + S::v + x * 8192, &a.tm_v.map, bars + 1, kK * (vb + 1) + 64 * x, hvi, t0, b);
+    reg_fence(fw);
+    stage_rows<T, kK>(smem + S::q, acc);
+    // U = (T Beta) V in rounds of kK value columns (one round unless V = 256): the V tile holds columns kK vb ..
+    // kK vb + kK - 1; the next round's copy goes out once every warp's products have read the tile, and lands while
+    // this round's rows are staged and stored.
+#pragma unroll
+    for (int vb = 0; vb < kRounds; ++vb) {
+      if (vb > 0) {
+        mbar_wait(bars + 1, static_cast<uint32_t>(vb & 1));
+        zero_tail_rows(smem + S::v, kBoxes);
+        fence_proxy_async();
+        __syncthreads();
       }
-    }
-    stage_rows<T, kK>(smem + S::t, acc);
-    if constexpr (kDvLocal) {  // (one round: K = V = 128)
-      // dVn_local = scale P^T dO (stage B0 of the backward): A = P^T (the P block read M-major), B = dO (MN-major,
-      // its two 64-column blocks 8 KB apart), K = the chunk's 64 tokens.
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-      reg_fence(acc);
+      for (int i = 0; i < kK / 2; ++i) acc[i] = 0.f;
       wg_fence();
-      const uint32_t p_addr = smem_u32(smem + S::p), do_addr = smem_u32(smem + S::dO);
+      reg_fence(acc);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_ss<T, 128, 1, 1>(acc, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024),
-                               1);
+      for (int kk = 0; kk < 4; ++kk) wgmma_rs_tb<T, kK>(acc, fu[kk], wg_desc(v_addr + kk * 2048, 8192, 1024));
       wg_commit();
       wg_wait_all();
       reg_fence(acc);
-#pragma unroll
-      for (int nb = 0; nb < 16; ++nb)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = 16 * wi + g + 8 * h;
-          if (r < len)
-            *reinterpret_cast<float2*>(a.dvl + ((ce.row0 + r) * HV + hv) * 128 + 8 * nb + 2 * t) =
-                make_float2(a.scale * acc[4 * nb + 2 * h], a.scale * acc[4 * nb + 2 * h + 1]);
+      reg_fence(fu);
+      if (vb + 1 < kRounds) {
+        __syncthreads();  // every warp's products have read the V tile
+        if (tid == 0) {
+          fence_proxy_async();  // the zeroed rows (generic writes) before the copy
+          const int t0 = static_cast<int>(ce.t0), b = static_cast<int>(ce.batch), hvi = static_cast<int>(hv);
+          mbar_expect_tx(bars + 1, kBoxes * 8192);
+          for (int x = 0; x < kBoxes; ++x)
+            tma_load_4d(smem + S::v + x * 8192, &a.tm_v.map, bars + 1, kK * (vb + 1) + 64 * x, hvi, t0, b);
         }
+      }
+      stage_rows<T, kK>(smem + S::t, acc);
+      if constexpr (kDvLocal) {  // (one round: K = V = 128)
+        // dVn_local = scale P^T dO (stage B0 of the backward): A = P^T (the P block read M-major), B = dO (MN-major,
+        // its two 64-column blocks 8 KB apart), K = the chunk's 64 tokens.
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+        reg_fence(acc);
+        wg_fence();
+        const uint32_t p_addr = smem_u32(smem + S::p), do_addr = smem_u32(smem + S::dO);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_ss<T, 128, 1, 1>(acc, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024),
+                                 1);
+        wg_commit();
+        wg_wait_all();
+        reg_fence(acc);
+#pragma unroll
+        for (int nb = 0; nb < 16; ++nb)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = 16 * wi + g + 8 * h;
+            if (r < len)
+              *reinterpret_cast<float2*>(a.dvl + ((ce.row0 + r) * HV + hv) * 128 + 8 * nb + 2 * t) =
+                  make_float2(a.scale * acc[4 * nb + 2 * h], a.scale * acc[4 * nb + 2 * h + 1]);
+          }
+      }
+      __syncthreads();
+      if (vb == 0) store_rows<T, kK>(a.W, smem + S::q, ce.row0, HV, hv, len, kK);
+      store_rows<T, kK>(a.U, smem + S::t, ce.row0, HV, hv, len, kV, kK * vb);
+      if (vb + 1 < kRounds) __syncthreads();  // the staged rows are read before the next round stages its own
     }
-    __syncthreads();
-    if (vb == 0) store_rows<T, kK>(a.W, smem + S::q, ce.row0, HV, hv, len, kK);
-    store_rows<T, kK>(a.U, smem + S::t, ce.row0, HV, hv, len, kV, kK * vb);
-    if (vb + 1 < kRounds) __syncthreads();  // the staged rows are read before the next round stages its own
   }
 #else
   __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
@@ -493,6 +565,42 @@ void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T
                 " bytes of shared memory");
     kernel<<<grid, 128, WyWgmmaSmem::bytes, stream>>>(a);
   }
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+// The fused chain's T Beta form of the stage (wy_wgmma_kernel<..., kTBeta>: K = V = 128 or 64, any V at K = 128):
+// T Beta to TB and P to P ([R, HV, 64] rows, 16-bit), the row scales to rq, rk (qk_l2norm, else nullptr), and for
+// gdn the gate summed within each chunk from p.g into G ([R, HV] fp32: chunk_cumsum's bits; no cumsum launch).
+template <class T>
+void launch_wy_wgmma_tbeta(const Params& p, const ChunkTable& table, float* G, T* TB, T* P, float* rq, float* rk,
+                           cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  WyWgmmaArgs<T> a;
+  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, p.K, "q");
+  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, p.K, "k");
+  a.beta = dev_rows<const T>(p.beta);
+  a.chunks = table.chunks();
+  if (p.variant == Variant::gdn) {
+    a.G_out = G;
+    if (p.g_fp32) {
+      a.g32 = dev_rows<const float>(p.g);
+    } else {
+      a.g16 = dev_rows<const T>(p.g);
+    }
+  }
+  a.TB = TB;
+  a.P = P;
+  a.rq = rq;
+  a.rk = rk;
+  a.HV = p.HV;
+  a.group = p.HV / p.H;
+  DELTACP_CHECK(table.num_chunks() * p.HV < (int64_t{1} << 31), "q",
+                "the wgmma WY stage takes fewer than 2^31 chunks x value heads, got ", table.num_chunks(), " x ", p.HV);
+  const dim3 grid(static_cast<unsigned>(table.num_chunks() * p.HV));
+  auto kernel = p.K == 64 ? wy_wgmma_kernel<T, false, 64, 64, true> : wy_wgmma_kernel<T, false, 128, 128, true>;
+  constexpr int bytes = WyWgmmaSmemT<true>::bytes;
+  opt_in_smem(kernel, bytes, "K", "the wgmma WY stage needs ", bytes, " bytes of shared memory");
+  kernel<<<grid, 128, bytes, stream>>>(a);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 

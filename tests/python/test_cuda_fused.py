@@ -113,6 +113,7 @@ def test_fused_one_kernel_equals_two_kernels(variant, dtype, case, l2, monkeypat
     and against the fp64 reference."""
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    monkeypatch.setenv("DELTACP_FUSED_TBETA", "0")  # the one kernel makes W and U, as the W, U form of the chain
     if case == "long_varlen":  # many chunks per sequence: the input stages and ring slots wrap many times
         B, T, H, HV, cu, with_h0 = 1, None, 1, 2, [0, 700, 701, 1500, 2063], True
     else:
@@ -136,6 +137,100 @@ def test_fused_one_kernel_equals_two_kernels(variant, dtype, case, l2, monkeypat
         o_ref, ht_ref = _reference(variant, p, t, h0)
         assert rel_err(o.double().cpu().numpy(), o_ref) < 1e-2
         assert rel_err(ht.double().cpu().numpy(), ht_ref) < 1e-2
+
+
+@pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("delta", 128, 128), ("gdn", 128, 256), ("gdn", 64, 64),
+                                         ("delta", 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES) + ["long_varlen"])
+@pytest.mark.parametrize("l2", [False, True], ids=["plain", "l2norm"])
+def test_fused_tbeta_form_matches_w_u_form(variant, K, V, dtype, case, l2, monkeypatch):
+    """The chain's T Beta form (the WY stage writes T Beta, the chain reads v and makes Vn = T Beta (V - e^G K S))
+    against its W, U form (DELTACP_FUSED_TBETA=0): the same algebra rounded at other places, so as close to the fp64
+    reference (and within bf16 rounding of the W, U form with the in-kernel l2 norm), at chunks shorter than 64
+    tokens, sequence boundaries, empty and one-token sequences, grouped values, h0, and one or two warpgroups per CTA
+    (the same bits). Reruns give the same bits."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    if case == "long_varlen":
+        B, T, H, HV, cu, with_h0 = 1, None, 1, 2, [0, 700, 701, 1500, 2063], True
+    else:
+        B, T, H, HV, cu, with_h0 = CASES[case]
+    p = make_problem(variant, B=B, T=T or 0, H=H, HV=HV, K=K, V=V, cu_seqlens=cu, h0=with_h0, seed=29)
+    t, h0, cu_t = _tensors(p, variant, dtype)
+    kw = {"use_qk_l2norm_in_kernel": True} if l2 else {}
+    qk = _raw_qk(t) if l2 else {"q": t["q"], "k": t["k"]}
+    out = {}
+    for mode, wg in (("0", "1"), ("1", "1"), ("1", "2"), ("1", "2")):
+        if V == 64 and wg == "2":
+            continue
+        monkeypatch.setenv("DELTACP_FUSED_TBETA", mode)
+        monkeypatch.setenv("DELTACP_FUSED_WG", wg)
+        _poison()
+        with torch.no_grad():
+            got = _run(variant, t, h0, cu_t, "fused", q=qk["q"], k=qk["k"], **kw)
+        torch.cuda.synchronize()
+        assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all(), (mode, wg)
+        if (mode, wg) in out:
+            assert torch.equal(got[0], out[mode, wg][0]) and torch.equal(got[1], out[mode, wg][1])
+        out[mode, wg] = got
+    (o_wu, ht_wu), (o, ht) = out["0", "1"], out["1", "1"]
+    if ("1", "2") in out:
+        assert torch.equal(out["1", "2"][0], o) and torch.equal(out["1", "2"][1], ht)
+    o_ref, ht_ref = _reference(variant, p, t, h0) if not l2 else (None, None)
+    for name, x, x_wu, x_ref in (("o", o, o_wu, o_ref), ("ht", ht, ht_wu, ht_ref)):
+        x, x_wu = x.double().cpu().numpy(), x_wu.double().cpu().numpy()
+        if x_ref is None:  # raw q, k normalised inside: no fp64 reference of these exact inputs here
+            assert rel_err(x, x_wu) < 1e-2, name
+        else:  # as accurate as the W, U form (its roundings are other ones, not fewer)
+            err, err_wu = rel_err(x, x_ref), rel_err(x_wu, x_ref)
+            assert err < 1e-2 and err <= 1.5 * err_wu + 1e-3, (name, err, err_wu)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("g_dtype", ["fp32", "input"])
+def test_fused_tbeta_form_sums_the_gate_in_its_wy_stage(dtype, g_dtype, monkeypatch):
+    """The T Beta form's WY stage sums g within each chunk itself (no cumsum launch), from an fp32 g or one in the
+    input dtype, in the cumsum's order: the final state and output stay within bf16 rounding of the W, U form's
+    (which runs the cumsum kernel) and of the fp64 reference, with packed sequences and chunks shorter than 64."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "0")
+    p = make_problem("gdn", B=1, H=2, HV=4, K=128, V=128, cu_seqlens=[0, 5, 64, 65, 300, 301, 555], h0=True, seed=31)
+    t, h0, cu_t = _tensors(p, "gdn", dtype)
+    if g_dtype == "input":
+        t["g"] = t["g"].to(dtype)
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DELTACP_FUSED_TBETA", mode)
+        _poison()
+        with torch.no_grad():
+            out[mode] = _run("gdn", t, h0, cu_t, "fused")
+        torch.cuda.synchronize()
+    o_ref, ht_ref = _reference("gdn", p, t, h0)  # on the rounded g
+    for i, ref_x in ((0, o_ref), (1, ht_ref)):
+        x, x_wu = out["1"][i].double().cpu().numpy(), out["0"][i].double().cpu().numpy()
+        assert np.isfinite(x).all()
+        err, err_wu = rel_err(x, ref_x), rel_err(x_wu, ref_x)
+        assert err < 1e-2 and err <= 1.5 * err_wu + 1e-3, (i, err, err_wu)
+
+
+@pytest.mark.parametrize("what", ["kda", "pieces"])
+def test_fused_tbeta_form_required_says_why_not(what, monkeypatch):
+    """DELTACP_FUSED_TBETA=1 where the T Beta form cannot run (kda's chain; sequences cut into pieces, whose maps
+    read W and U): an error naming the variable and the reason; a value other than 0 or 1 is an error too."""
+    _need_fused()
+    monkeypatch.setenv("DELTACP_FUSED_TBETA", "1")
+    monkeypatch.setenv("DELTACP_FUSED_PIECE", "128" if what == "pieces" else "0")
+    variant = "kda" if what == "kda" else "gdn"
+    p = make_problem(variant, B=1, T=300, H=1, K=128, V=128, seed=5)
+    t, h0, cu = _tensors(p, variant, torch.bfloat16)
+    expect = {"kda": "gdn and delta", "pieces": "piece plan"}[what]
+    with pytest.raises(ValueError, match="DELTACP_FUSED_TBETA") as info:
+        _run(variant, t, h0, cu, "fused")
+    assert expect in str(info.value)
+    monkeypatch.setenv("DELTACP_FUSED_TBETA", "yes")
+    with pytest.raises(ValueError, match="DELTACP_FUSED_TBETA"):
+        _run(variant, t, h0, cu, "fused")
 
 
 @pytest.mark.parametrize("what", ["kda", "pieces", "V256"])
