@@ -72,7 +72,7 @@ def tier_bytes():
         "stage 3: W, U, k, G in; v_new, h_c out": es * (K + V + K) + 4 + es * V + es * K * V / C,
         "stage 4: q, k, v_new, h_c, G in; o out": es * (K + K + V) + es * K * V / C + 4 + out,
     }
-    fused = {  # the T Beta form of the chain (cuda/fused/fused_chain.cuh), over whole sequences
+    fused = {  # the T Beta form of the chain (cuda/fused/fused_chain.cuh)
         "cumsum: g in, G out": 4 + 4,
         "WY and scores: q, k, beta, G in; T Beta, P out": es * (K + K) + es + 4 + es * (C + C),
         "chain: q, k, v, T Beta, P, G in; o out": es * (K + K + V + C + C) + 4 + out,
@@ -80,8 +80,8 @@ def tier_bytes():
     return {"naive": naive, "tiled": tiled, "fused": fused}
 
 
-# Where the chain runs in pieces (intra-card CP: the pieces' maps multiply W and U into the state), the
-# token-parallel stage writes W and U in place of T Beta, and the chain reads them in place of v and T Beta.
+# The W, U form of the chain (DELTACP_FUSED_TBETA=0, a forward that keeps its states for the backward, and kda's only
+# form): the token-parallel stage writes W and U in place of T Beta, and the chain reads them in place of v and T Beta.
 FUSED_W_U = {
     "cumsum: g in, G out": 4 + 4,
     "WY and scores: q, k, v, beta, G in; W, U, P out": es * (K + K + V) + es + 4 + es * (K + V + C),
@@ -96,7 +96,7 @@ for tier, parts in BYTES.items():
         print(f"         {b:7.0f}  {what}")
 minimum = sum(BYTES["naive"].values())
 assert sum(BYTES["fused"].values()) < sum(FUSED_W_U.values()) < sum(BYTES["tiled"].values())
-print(f"fused in its W, U form (pieces): {sum(FUSED_W_U.values()):.0f} B per token-head")
+print(f"fused in its W, U form: {sum(FUSED_W_U.values()):.0f} B per token-head")
 print(f"the fused tier moves {sum(BYTES['fused'].values()) / minimum:.1f}x the minimum, the tiled tier "
       f"{sum(BYTES['tiled'].values()) / minimum:.1f}x")
 

@@ -278,8 +278,7 @@ def perf_md(res, plots):
         if bpt:
             lines += ["HBM bytes each tier's forward moves per token and value head (K = V = 128, bf16; counted from "
                       "its kernels, `notebooks/06_kernel_tiers.py`): " +
-                      ", ".join(f"{k.replace('deltacp-', '').replace('-pieces', ' in pieces')} {v}"
-                                for k, v in bpt.items() if k.startswith("deltacp")) +
+                      ", ".join(f"{k.replace('deltacp-', '')} {v}" for k, v in bpt.items() if k.startswith("deltacp")) +
                       (f". {bpt['note']}" if "note" in bpt else "") + ".", ""]
             if "backward" in bpt:
                 lines += [f"The backward (the tiled tier's, on Hopper for 16-bit gdn at K = V = 128) moves "
@@ -323,10 +322,7 @@ def perf_md(res, plots):
                     if fused:
                         fr = by.get("deltacp-fused", {})
                         counted = bpt.get(variant, bpt if variant == "gdn" else {})  # gdn's at the top level
-                        # a plan in pieces (the maps' time > 0) runs the chain's W, U form where it has one
-                        key = ("deltacp-fused-pieces" if fr.get("map_ms", 0) > 0 and "deltacp-fused-pieces" in counted
-                               else "deltacp-fused")
-                        extra.append(str(counted.get(key, "-")) if s[3:] == (128,) else "-")  # K = V = 128
+                        extra.append(str(counted.get("deltacp-fused", "-")) if s[3:] == (128,) else "-")  # K = V = 128
                         extra.append(f"{fr['chain_us_per_chunk']:.2f} ({fr['chain_ctas']} CTAs, {fr['chain_waves']} "
                                      f"wave(s), {fr['chain_chunks_per_cta']} chunks each)" if "chain_us_per_chunk" in fr
                                      else "-")

@@ -44,8 +44,8 @@
 //   wrote, so a Q K^T issued beside the state's products could not overlap them; computed in the chain it
 //   cost a serial group, 64 exponentials per thread and a barrier per chunk.
 //
-// The T Beta form (gdn and delta over whole sequences, kTBeta; the default where it applies, fused_fwd.cu's
-// chain_takes_tbeta). W = T Beta e^G K and U = T Beta V are never formed: the WY stage writes T Beta (the 16-bit
+// The T Beta form (gdn and delta, kTBeta, in the chain and in its map mode, whose identity columns' V is zero; the
+// default without a gradient, fused_fwd.cu's chain_takes_tbeta). W = T Beta e^G K and U = T Beta V are never formed: the WY stage writes T Beta (the 16-bit
 // operand it would have multiplied K and V by, 128 bytes per token-head in place of W's and U's 512) and reads no v,
 // and the chain, which reads K anyway, makes
 //   Vn = T Beta (V - e^G (K S))        (with qk_l2norm: K's rows times rk as well)
@@ -231,6 +231,7 @@ __device__ __forceinline__ void chain_decays(const float (&Va)[32], float (&Oa)[
 // 16 bits as A fragments, and multiplied by (T Beta)^T (its 64 x 64 box, rows i K-major, at tb_addr): Va then
 // holds Vn^T = (T Beta (V - e^G rk K S))^T. One more group to wait for than the W, U form; the WY stage writes
 // T Beta (128 bytes per token and head) in place of W and U (512) and reads no v.
+// vbox nullptr: the map mode's identity columns, whose V is zero (Va is negated instead).
 template <class T>
 __device__ __forceinline__ void chain_tbeta_values(float (&Va)[32], const unsigned char* vbox, uint32_t tb_addr,
                                                    const float* gbuf, const float* rkb, int srow, int scol, int t) {
@@ -252,7 +253,12 @@ __device__ __forceinline__ void chain_tbeta_values(float (&Va)[32], const unsign
     Va[8 * kk + 6] *= f2;
     Va[8 * kk + 7] *= f3;
   }
-  u_minus_acc_trans_sw128<T>(Va, vbox, srow, scol);
+  if (vbox != nullptr) {
+    u_minus_acc_trans_sw128<T>(Va, vbox, srow, scol);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) Va[i] = -Va[i];
+  }
   uint32_t vt[4][4];
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
@@ -348,13 +354,13 @@ __device__ __forceinline__ void chain_update_state(float (&S)[KK / 2], float (&O
 // KS: the load stages (chain_stages; two with one warpgroup leave room on the SM for a CTA of the wgmma WY stage
 // beside the chain's, which the windows' overlap in fused_fwd.cu needs). kKda: tm_q and tm_k are the rows of
 // Q e^G and K e^(G_n - G) ([R, HV, KK]), and the decay is per key (the file comment). kTBeta: the T Beta form (the
-// file comment): a stage holds T Beta in W's first box and v's columns in U's boxes.
+// file comment; the map mode too): a stage holds T Beta in W's first box and v's columns in U's boxes.
 template <class T, int NWG, bool kMap, int KS, bool kKda, int KK, bool kTBeta = false>
 __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_constant__ ChainArgs<T> args) {
 #ifdef DELTACP_WGMMA_DEVICE
   using namespace tiled;
   static_assert(KK == 128 || KK == 64, "K = 128 or 64");
-  static_assert(!kTBeta || (!kMap && !kKda), "the T Beta form is gdn's and delta's chain with the output");
+  static_assert(!kTBeta || !kKda, "the T Beta form is gdn's and delta's");
   constexpr int kThr = 128 * NWG, BVC = kCols * NWG, kStages = KS, kKB = KK / 64;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -565,11 +571,11 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 
     // (2) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i. The T Beta
     // form: Vn^T = (V^T - Va e^(G_j) rk_j) (T Beta)^T.
-    if (u_zero) {
+    if constexpr (kTBeta) {
+      chain_tbeta_values<T>(Va, u_zero ? nullptr : st + L.u + wg * 8192, w_addr, gbuf, rkb, srow, scol, t);
+    } else if (u_zero) {
 #pragma unroll
       for (int i = 0; i < 32; ++i) Va[i] = -Va[i];
-    } else if constexpr (kTBeta) {
-      chain_tbeta_values<T>(Va, st + L.u + wg * 8192, w_addr, gbuf, rkb, srow, scol, t);
     } else {
       u_minus_acc_trans_sw128<T>(Va, st + L.u + wg * 8192, srow, scol);
     }
@@ -652,7 +658,7 @@ inline int chain_warpgroups(int64_t seqs_x_heads, int64_t V, int sms) {
 // wide), P (64) from the WY stage (gdn, delta: wgmma_wy.cuh; kda: chunk_wy_kernel and
 // kda_chain_operands_kernel); G ([R, HV] fp32 for gdn, [R, HV, K] for kda, ignored for delta); kda only:
 // Kd = K e^(G_n - G) and Qg = Q e^G (K wide; the other variants read k and q themselves); rq / rk:
-// qk_l2norm's row scales (gdn, delta), or nullptr. tbeta: the T Beta form (gdn, delta, the chain with the output):
+// qk_l2norm's row scales (gdn, delta), or nullptr. tbeta: the T Beta form (gdn, delta; the chain and its map mode):
 // W holds T Beta ([R, HV, 64]), U is unused and the chain reads v.
 struct ChainOperands {
   const float* G = nullptr;
@@ -672,7 +678,7 @@ template <class T, bool kMap, bool kKda, int KK, bool kTB = false>
 auto chain_kernel(int nwg, int stages) {
   if constexpr (KK == 64) {
     if constexpr (kMap) {
-      return fused_chain_kernel<T, 2, true, chain_stages(2, true), kKda, 64>;
+      return fused_chain_kernel<T, 2, true, chain_stages(2, true), kKda, 64, kTB>;
     } else {
       DELTACP_CHECK(nwg == 1, "DELTACP_FUSED_WG", "expected one warpgroup per CTA at V = 64, got ", nwg);
       return stages == 2 ? fused_chain_kernel<T, 1, false, 2, kKda, 64, kTB>
@@ -693,7 +699,7 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   if (table.num_seqs() == 0) return;
   const int64_t R = p.B * p.T, HV = p.HV;
   ChainArgs<T> a;
-  const bool tbeta = !kMap && !kKda && in.tbeta;
+  const bool tbeta = !kKda && in.tbeta;
   if (R > 0) {  // else no sequence has a chunk: the kernel only carries h0 to ht and never reads a map
     a.tm_w = tbeta ? workspace_rows_map(in.W, R, HV, 64, "T Beta") : workspace_rows_map(in.W, R, HV, p.K, "W");
     a.tm_u = tbeta ? token_rows_map(p.v, p.B, p.T, p.HV, p.V, "v") : workspace_rows_map(in.U, R, HV, p.V, "U");
@@ -724,9 +730,9 @@ void launch_chain_kernel(const Params& p, const tiled::ChunkTable& table, const 
   DELTACP_CHECK(stages == chain_stages(nwg, kMap) || (!kMap && nwg == 1 && stages == 2), "stages",
                 "expected ", chain_stages(nwg, kMap), kMap || nwg == 2 ? "" : " or 2", " load stages, got ", stages);
   const ChainLayout L = chain_layout(nwg, sizeof(T), kMap, stages, static_cast<int>(p.K), a.h_out != nullptr);
-  DELTACP_CHECK(!in.tbeta || tbeta, "W", "internal: the T Beta form is the chain's with the output, gdn or delta");
+  DELTACP_CHECK(!in.tbeta || tbeta, "W", "internal: the T Beta form is gdn's and delta's chain");
   auto kernel = [&] {
-    if constexpr (!kMap && !kKda) {
+    if constexpr (!kKda) {
       if (tbeta)
         return p.K == 64 ? chain_kernel<T, kMap, kKda, 64, true>(nwg, stages)
                          : chain_kernel<T, kMap, kKda, 128, true>(nwg, stages);

@@ -15,9 +15,11 @@
 // (fused_chain.cuh: its CTA, loads and steps) walks each sequence's chunks with S in registers, does every
 // product that touches S, and writes the output. Per chunk q, k, W, U, P, g come in and o goes out: no
 // per-chunk state (h) and no v_new, which the tiled tier's stages 3 and 4 move through HBM. Every 16-bit tile
-// comes in by TMA. gdn and delta over whole sequences run the chain's T Beta form (chain_takes_tbeta below,
+// comes in by TMA. gdn and delta without a gradient run the chain's T Beta form (chain_takes_tbeta below,
 // fused_chain.cuh): the WY stage writes T Beta in place of W and U, sums the gate itself (no cumsum launch) and
-// reads no v; the chain reads v and makes Vn = T Beta (V - e^G K S): 2066 bytes per token-head in place of 2834.
+// reads no v; the chain (and the pieces' map mode) reads v and makes Vn = T Beta (V - e^G K S): 2066 bytes per
+// token-head in place of 2834. Measured at (1,65536,8,128) in pieces (H200, kernels per forward): 0.729 -> 0.695 ms
+// (the WY stage and cumsum 0.266 -> 0.174, the maps 0.208 -> 0.247, the chain 0.189 -> 0.208).
 //
 // Long sequences with few chains (B * HV CTAs would leave most SMs idle): exact intra-card context
 // parallelism. The sequences are cut into pieces of whole chunks; each piece's affine map [H_j | M_j]
@@ -286,16 +288,18 @@ void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffer
 // Whether the chain runs its T Beta form (fused_chain.cuh): the WY stage writes T Beta (128 bytes per token and head)
 // in place of W and U (512) and reads no v, and the chain reads v and T Beta in place of U and W and makes
 // Vn = T Beta (V - e^G K S) with one more product: 768 fewer bytes per token-head through HBM (2834 -> 2066 at
-// K = V = 128, notebooks/06_kernel_tiers.py), one more dependent group in the chain's step. gdn and delta over whole
-// sequences only: the pieces' map mode (intra-card CP) reads W and U. DELTACP_FUSED_TBETA: 0 keeps W and U, 1 asks
-// for it (an error says why not), unset: where it applies.
-const char* tbeta_refusal(const Params& p, bool cut) {
+// K = V = 128, notebooks/06_kernel_tiers.py), one more dependent group in the chain's step; the pieces' map mode
+// (intra-card CP) the same way. gdn and delta, without a gradient: a forward that keeps its states for the backward
+// (Params::chunk_h) keeps the W, U form, whose v_new has the roundings of the tiled backward's own recompute (in the
+// T Beta form a CP step's gradients, whose ranks recompute, moved 3.3e-3 from one process's, which kept the states).
+// DELTACP_FUSED_TBETA: 0 keeps W and U, 1 asks for it (an error says why not), unset: where it applies.
+const char* tbeta_refusal(const Params& p) {
   if (p.variant == Variant::kda) return "it implements gdn and delta (kda's chain reads W with its decays per key)";
-  if (cut) return "the piece plan cuts these sequences (the pieces' maps read W and U)";
+  if (p.chunk_h != nullptr) return "the forward keeps its states for the backward (the W, U form's roundings)";
   return nullptr;
 }
-bool chain_takes_tbeta(const Params& p, bool cut) {
-  return kernel_switch("DELTACP_FUSED_TBETA", "the chain's T Beta form", [&] { return tbeta_refusal(p, cut); });
+bool chain_takes_tbeta(const Params& p) {
+  return kernel_switch("DELTACP_FUSED_TBETA", "the chain's T Beta form", [&] { return tbeta_refusal(p); });
 }
 
 // The serial stage of a window: the chain over whole sequences, or in pieces (pass 1 on the chain's map mode,
@@ -305,7 +309,6 @@ void chain_window(const Params& p, const ChunkTable& table, const WindowBuffers&
   const int64_t Lc = fused_piece_chunks(p, table.host_seqs());
   tiled::ScanPlan plan;
   if (Lc > 0) plan = tiled::plan_pieces(p, table.host_seqs(), Lc);
-  DELTACP_CHECK(!(plan.cut() && b.tbeta), "W", "internal: the pieces' maps need W and U, not the T Beta form");
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (tiled::kIs16Bit<T>) {
@@ -394,7 +397,7 @@ void forward_window(const Params& p) {
   char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(window_buffers_bytes(p)), stream));
   try {
     WindowBuffers b = carve_window_buffers(ws, p);
-    b.tbeta = chain_takes_tbeta(p, fused_piece_chunks(p, table.host_seqs()) > 0);
+    b.tbeta = chain_takes_tbeta(p);
     prepare_window(p, table, b, stream);
     chain_window(p, table, b, stream);
   } catch (...) {
@@ -504,7 +507,7 @@ void forward_windows_overlapped(const Params& p, int64_t Tw, float* carry0, floa
       WindowBuffers b = carve_window_buffers(ws + (w % 2) * slot, q);
       if (w >= 2) DELTACP_CUDA_CHECK(cudaStreamWaitEvent(main, freed[w % 2], 0));
       tables.push_back(std::make_unique<ChunkTable>(q, q.chunk_size, main));
-      b.tbeta = chain_takes_tbeta(q, fused_piece_chunks(q, tables.back()->host_seqs()) > 0);
+      b.tbeta = chain_takes_tbeta(q);
       prepare_window(q, *tables.back(), b, main);
       DELTACP_CUDA_CHECK(cudaEventRecord(ready[w % 2], main));
       DELTACP_CUDA_CHECK(cudaStreamWaitEvent(hi, ready[w % 2], 0));
@@ -612,7 +615,7 @@ std::unique_ptr<FusedFwdState> start_staged(const Params& p) {
   const int64_t bytes_states = align256(P * p.HV * KV * 4);
   s->ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(bytes_b + bytes_maps + 2 * bytes_states), stream));
   s->b = carve_window_buffers(s->ws, p);
-  s->b.tbeta = chain_takes_tbeta(p, s->plan.cut());
+  s->b.tbeta = chain_takes_tbeta(p);
   if (P > 0) {
     s->maps = reinterpret_cast<float*>(s->ws + bytes_b);
     s->starts = reinterpret_cast<float*>(s->ws + bytes_b + bytes_maps);

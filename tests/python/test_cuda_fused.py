@@ -214,23 +214,21 @@ def test_fused_tbeta_form_sums_the_gate_in_its_wy_stage(dtype, g_dtype, monkeypa
         assert err < 1e-2 and err <= 1.5 * err_wu + 1e-3, (i, err, err_wu)
 
 
-@pytest.mark.parametrize("what", ["kda", "pieces"])
-def test_fused_tbeta_form_required_says_why_not(what, monkeypatch):
-    """DELTACP_FUSED_TBETA=1 where the T Beta form cannot run (kda's chain; sequences cut into pieces, whose maps
-    read W and U): an error naming the variable and the reason; a value other than 0 or 1 is an error too."""
+def test_fused_tbeta_form_required_says_why_not(monkeypatch):
+    """DELTACP_FUSED_TBETA=1 where the T Beta form cannot run (kda's chain, whose W carries a decay per key): an
+    error naming the variable and the reason; a value other than 0 or 1 is an error too."""
     _need_fused()
     monkeypatch.setenv("DELTACP_FUSED_TBETA", "1")
-    monkeypatch.setenv("DELTACP_FUSED_PIECE", "128" if what == "pieces" else "0")
-    variant = "kda" if what == "kda" else "gdn"
-    p = make_problem(variant, B=1, T=300, H=1, K=128, V=128, seed=5)
-    t, h0, cu = _tensors(p, variant, torch.bfloat16)
-    expect = {"kda": "gdn and delta", "pieces": "piece plan"}[what]
+    p = make_problem("kda", B=1, T=300, H=1, K=128, V=128, seed=5)
+    t, h0, cu = _tensors(p, "kda", torch.bfloat16)
     with pytest.raises(ValueError, match="DELTACP_FUSED_TBETA") as info:
-        _run(variant, t, h0, cu, "fused")
-    assert expect in str(info.value)
+        _run("kda", t, h0, cu, "fused")
+    assert "gdn and delta" in str(info.value)
     monkeypatch.setenv("DELTACP_FUSED_TBETA", "yes")
+    p = make_problem("gdn", B=1, T=300, H=1, K=128, V=128, seed=5)
+    t, h0, cu = _tensors(p, "gdn", torch.bfloat16)
     with pytest.raises(ValueError, match="DELTACP_FUSED_TBETA"):
-        _run(variant, t, h0, cu, "fused")
+        _run("gdn", t, h0, cu, "fused")
 
 
 @pytest.mark.parametrize("what", ["kda", "pieces", "V256"])
@@ -251,11 +249,17 @@ def test_fused_one_kernel_required_says_why_not(what, monkeypatch):
 @pytest.mark.parametrize("variant,K,V", [("gdn", 128, 128), ("kda", 128, 128), ("gdn", 128, 256), ("kda", 128, 256),
                                          ("gdn", 64, 64), ("kda", 64, 64)])
 @pytest.mark.parametrize("piece", [64, 100, 256])
-def test_fused_intra_card_pieces_are_exact(variant, K, V, piece, monkeypatch):
+@pytest.mark.parametrize("form", ["default", "w_u"])
+def test_fused_intra_card_pieces_are_exact(variant, K, V, piece, form, monkeypatch):
     """Sequences cut into pieces (DELTACP_FUSED_PIECE tokens, rounded up to whole chunks), each run from the
     start state the fold of the pieces' maps gives it: the same answer as whole sequences to rounding, at
-    packed-sequence boundaries, with sequences shorter than a piece and last pieces shorter than a chunk."""
+    packed-sequence boundaries, with sequences shorter than a piece and last pieces shorter than a chunk; for gdn
+    with the maps and the chain in the T Beta form (the default) and in the W, U form (DELTACP_FUSED_TBETA=0)."""
     _need_fused()
+    if form == "w_u":
+        if variant == "kda":
+            pytest.skip("kda has only the W, U form")
+        monkeypatch.setenv("DELTACP_FUSED_TBETA", "0")
     cu = [0, 1, 65, 300, 301, 1000, 1100]
     p = make_problem(variant, B=1, H=2, HV=4, K=K, V=V, cu_seqlens=cu, seed=11)
     t, h0, cu_t = _tensors(p, variant, torch.bfloat16)
