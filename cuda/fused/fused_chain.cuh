@@ -45,9 +45,9 @@
 //   cost a serial group, 64 exponentials per thread and a barrier per chunk.
 //
 // The T Beta form (gdn and delta, kTBeta, in the chain and in its map mode, whose identity columns' V is zero; the
-// default without a gradient, fused_fwd.cu's chain_takes_tbeta). W = T Beta e^G K and U = T Beta V are never formed: the WY stage writes T Beta (the 16-bit
-// operand it would have multiplied K and V by, 128 bytes per token-head in place of W's and U's 512) and reads no v,
-// and the chain, which reads K anyway, makes
+// default without a gradient, fused_fwd.cu's chain_takes_tbeta). W = T Beta e^G K and U = T Beta V are never
+// formed: the WY stage writes T Beta (the 16-bit operand it would have multiplied K and V by, 128 bytes per
+// token-head in place of W's and U's 512) and reads no v, and the chain, which reads K anyway, makes
 //   Vn = T Beta (V - e^G (K S))        (with qk_l2norm: K's rows times rk as well)
 // (1) reads S^T K^T in place of S^T W^T; (2) scales its token columns by e^(G_j) rk_j, subtracts them from V^T (V's
 // columns in U's boxes, loaded by TMA from v itself) and multiplies by (T Beta)^T (its box in W's place; one more
