@@ -522,6 +522,26 @@ inline bool wy_wgmma_takes_dout(const Params& p) {
          steps_forward(p.dout, p.B, p.T, p.HV);
 }
 
+// The arguments both launches below set alike: q's and k's tiles, beta, the chunk table, P, the row scales and the
+// heads; and the grid (one CTA per chunk and value head), checked against CUDA's limit.
+template <class T>
+WyWgmmaArgs<T> wy_wgmma_args(const Params& p, const ChunkTable& table, T* P, float* rq, float* rk, dim3& grid) {
+  WyWgmmaArgs<T> a;
+  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, p.K, "q");
+  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, p.K, "k");
+  a.beta = dev_rows<const T>(p.beta);
+  a.chunks = table.chunks();
+  a.P = P;
+  a.rq = rq;
+  a.rk = rk;
+  a.HV = p.HV;
+  a.group = p.HV / p.H;
+  DELTACP_CHECK(table.num_chunks() * p.HV < (int64_t{1} << 31), "q",
+                "the wgmma WY stage takes fewer than 2^31 chunks x value heads, got ", table.num_chunks(), " x ", p.HV);
+  grid = dim3(static_cast<unsigned>(table.num_chunks() * p.HV));
+  return a;
+}
+
 // Launches wy_wgmma_kernel over every chunk of the table (K = 128, V = 128 or 256, 16-bit T; G from the tiled tier's
 // stage 1, nullptr for delta; P and Tinv as in WyWgmmaArgs; rq, rk as there: nullptr without p.qk_l2norm). With
 // dvl (the backward's recompute, wy_wgmma_takes_dout(p)), it also writes stage B0's scale P^T dO there.
@@ -529,25 +549,14 @@ template <class T>
 void launch_wy_wgmma(const Params& p, const ChunkTable& table, const float* G, T* W, T* U, T* P, float* Tinv,
                      float* rq, float* rk, cudaStream_t stream, float* dvl = nullptr, bool t16 = false) {
   if (table.num_chunks() == 0) return;
-  WyWgmmaArgs<T> a;
-  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, p.K, "q");
-  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, p.K, "k");
+  dim3 grid;
+  WyWgmmaArgs<T> a = wy_wgmma_args(p, table, P, rq, rk, grid);
   a.tm_v = token_rows_map(p.v, p.B, p.T, p.HV, p.V, "v");
-  a.beta = dev_rows<const T>(p.beta);
-  a.chunks = table.chunks();
   a.G = p.variant == Variant::delta ? nullptr : G;
   a.W = W;
   a.U = U;
-  a.P = P;
   a.Tinv = Tinv;
   a.t16 = t16;
-  a.rq = rq;
-  a.rk = rk;
-  a.HV = p.HV;
-  a.group = p.HV / p.H;
-  DELTACP_CHECK(table.num_chunks() * p.HV < (int64_t{1} << 31), "q",
-                "the wgmma WY stage takes fewer than 2^31 chunks x value heads, got ", table.num_chunks(), " x ", p.HV);
-  const dim3 grid(static_cast<unsigned>(table.num_chunks() * p.HV));
   if (dvl != nullptr) {
     a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
     a.dvl = dvl;
@@ -575,11 +584,8 @@ template <class T>
 void launch_wy_wgmma_tbeta(const Params& p, const ChunkTable& table, float* G, T* TB, T* P, float* rq, float* rk,
                            cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
-  WyWgmmaArgs<T> a;
-  a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, p.K, "q");
-  a.tm_k = token_rows_map(p.k, p.B, p.T, p.H, p.K, "k");
-  a.beta = dev_rows<const T>(p.beta);
-  a.chunks = table.chunks();
+  dim3 grid;
+  WyWgmmaArgs<T> a = wy_wgmma_args(p, table, P, rq, rk, grid);
   if (p.variant == Variant::gdn) {
     a.G_out = G;
     if (p.g_fp32) {
@@ -589,14 +595,6 @@ void launch_wy_wgmma_tbeta(const Params& p, const ChunkTable& table, float* G, T
     }
   }
   a.TB = TB;
-  a.P = P;
-  a.rq = rq;
-  a.rk = rk;
-  a.HV = p.HV;
-  a.group = p.HV / p.H;
-  DELTACP_CHECK(table.num_chunks() * p.HV < (int64_t{1} << 31), "q",
-                "the wgmma WY stage takes fewer than 2^31 chunks x value heads, got ", table.num_chunks(), " x ", p.HV);
-  const dim3 grid(static_cast<unsigned>(table.num_chunks() * p.HV));
   auto kernel = p.K == 64 ? wy_wgmma_kernel<T, false, 64, 64, true> : wy_wgmma_kernel<T, false, 128, 128, true>;
   constexpr int bytes = WyWgmmaSmemT<true>::bytes;
   opt_in_smem(kernel, bytes, "K", "the wgmma WY stage needs ", bytes, " bytes of shared memory");
