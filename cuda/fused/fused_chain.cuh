@@ -33,6 +33,14 @@
 //         Oa  += Vn^T P^T                   4 x wgmma m64n64k16 rs (P's tile K-major), same group
 //     (4) O = scale Oa^T: staged transposed through shared memory (stmatrix.trans), stored as 16-byte
 //         pieces of whole rows while the next chunk's first products run
+//   the factors of (2) and (3) (e^(G_n - G_j) rk_j, e^(G_i) rq_i, the T Beta form's e^(G_j) rk_j; kda: e^(G_n) per key)
+//   depend on no product: made once per chunk in the stage's shared memory (a token or key a thread) while (1)'s
+//   products run, then read by every thread (chain_token_factors). Each thread made its own 48 exponentials after
+//   (1)'s wait before: H200, bf16, FLA's benchmark keywords, the chain 0.388 -> 0.374 ms at (4,4096,64,128), 0.379
+//   -> 0.365 at (1,8192,96,128), 0.490 -> 0.487 at (2,16384,16,128) (its step is bound by the products' latency),
+//   and in pieces at (1,65536,8,128) the chain 0.208 -> 0.193 and the maps 0.247 -> 0.222; kda's chain 1.68 -> 1.58
+//   us a chunk at (2,16384,16,128). Made in registers while (1) ran instead, they took the kernel to 255 registers
+//   and the chain got slower (0.490 -> 0.523 ms at (2,16384,16,128)).
 //   kda (a decay per key, kKda): the same steps on the operands the tiled tier's WY and output stages make
 //   (kda_chain_operands_kernel in cuda/tiled/tiled_fwd.cu): Q e^G and K e^(G_n - G) come in place of Q and
 //   K (as [R, HV, K] rows, 16-bit), P is kda's decayed score matrix, and the per-token factors of (2) are
@@ -185,35 +193,41 @@ __device__ __forceinline__ void u_minus_acc_trans_sw128(float (&Va)[32], const u
   }
 }
 
-// Step (2)'s per-token factors (gdn, delta): Vns^T = Vn^T e^(G_n - G_j) rk_j (the state update's A operand, va),
-// Vn^T as it is (the output's, vo), and Oa's token columns times e^(G_i) rq_i; the raw q and k tiles then act as
-// normalised ones. Va holds Vn^T (this warpgroup's 64 columns x 64 tokens, m64n64 layout); t = lane % 4.
-template <class T>
-__device__ __forceinline__ void chain_decays(const float (&Va)[32], float (&Oa)[32], uint32_t (&va)[4][4],
-                                             uint32_t (&vo)[4][4], const float* gbuf, const float* rqb,
-                                             const float* rkb, int len, int t) {
+// Step (2)'s per-token factors (gdn, delta) of token i (one thread each, i < 64), made once per chunk in the stage's
+// shared memory, in place: rk_i <- e^(G_n - G_i) rk_i (the state update's), rq_i <- e^(G_i) rq_i (the output's) and,
+// in the T Beta form, G's free second half at 64 + i <- e^(G_i) rk_i. Each of the warpgroup's threads made the 48 of
+// its tokens' exponentials itself while the chain waited (the same values; 64 x 3 of them per chunk).
+template <class T, bool kTBeta>
+__device__ __forceinline__ void chain_token_factors(float* gbuf, float* rqb, float* rkb, int len, int i) {
   using tiled::exp_t;
+  const float gi = gbuf[i], glast = gbuf[len - 1], ki = rkb[i], qi = rqb[i];
+  if constexpr (kTBeta) gbuf[64 + i] = exp_t<T>(gi) * ki;
+  rkb[i] = exp_t<T>(glast - gi) * ki;
+  rqb[i] = exp_t<T>(gi) * qi;
+}
+
+// Step (2)'s scalings (gdn, delta): Vns^T = Vn^T e^(G_n - G_j) rk_j (the state update's A operand, va), Vn^T as it is
+// (the output's, vo), and Oa's token columns times e^(G_i) rq_i; the raw q and k tiles then act as normalised ones.
+// Va holds Vn^T (this warpgroup's 64 columns x 64 tokens, m64n64 layout). fk(j), fo(j): the two factors of tokens
+// j and j + 1 as a float2 (chain_token_factors' rk and rq, read by token_pair_at; the one-kernel forward makes them
+// itself).
+template <class T, class FK, class FO>
+__device__ __forceinline__ void chain_decays(const float (&Va)[32], float (&Oa)[32], uint32_t (&va)[4][4],
+                                             uint32_t (&vo)[4][4], int t, FK&& fk, FO&& fo) {
   using tiled::pack2;
-  const float glast = gbuf[len - 1];
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     // tokens 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1)
-    const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
-    const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
-    const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);  // K's rows: k_n = rk k
-    const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
-    const float2 qa = *reinterpret_cast<const float2*>(rqb + 16 * kk + 2 * t);  // Q's rows: q_n = rq q
-    const float2 qb = *reinterpret_cast<const float2*>(rqb + 16 * kk + 8 + 2 * t);
-    const float f0 = exp_t<T>(glast - ga.x) * ka.x, f1 = exp_t<T>(glast - ga.y) * ka.y;
-    const float f2 = exp_t<T>(glast - gb.x) * kb.x, f3 = exp_t<T>(glast - gb.y) * kb.y;
+    const float2 ka = fk(16 * kk + 2 * t), kb = fk(16 * kk + 8 + 2 * t);
+    const float f0 = ka.x, f1 = ka.y, f2 = kb.x, f3 = kb.y;
     va[kk][0] = pack2<T>(Va[8 * kk] * f0, Va[8 * kk + 1] * f1);
     va[kk][1] = pack2<T>(Va[8 * kk + 2] * f0, Va[8 * kk + 3] * f1);
     va[kk][2] = pack2<T>(Va[8 * kk + 4] * f2, Va[8 * kk + 5] * f3);
     va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
 #pragma unroll
     for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
-    const float e0 = exp_t<T>(ga.x) * qa.x, e1 = exp_t<T>(ga.y) * qa.y;
-    const float e2 = exp_t<T>(gb.x) * qb.x, e3 = exp_t<T>(gb.y) * qb.y;
+    const float2 qa = fo(16 * kk + 2 * t), qb = fo(16 * kk + 8 + 2 * t);
+    const float e0 = qa.x, e1 = qa.y, e2 = qb.x, e3 = qb.y;
     Oa[8 * kk] *= e0;
     Oa[8 * kk + 1] *= e1;
     Oa[8 * kk + 2] *= e0;
@@ -224,26 +238,27 @@ __device__ __forceinline__ void chain_decays(const float (&Va)[32], float (&Oa)[
     Oa[8 * kk + 7] *= e3;
   }
 }
+// Tokens j and j + 1 of a shared-memory array of 64 floats.
+__device__ __forceinline__ auto token_pair_at(const float* f) {
+  return [f](int j) { return *reinterpret_cast<const float2*>(f + j); };
+}
 
 // Step (2) of the T Beta form (gdn, delta): W S = T Beta e^G (K S) without W. Va holds S^T K^T (this warpgroup's 64
-// state columns x 64 tokens, m64n64 layout); its token columns j are scaled by f_j = e^(G_j) rk_j (rk: qk_l2norm's
-// row scales, 1 without), subtracted from V^T (V's swizzled box, as u_minus_acc_trans_sw128 reads U's), rounded to
-// 16 bits as A fragments, and multiplied by (T Beta)^T (its 64 x 64 box, rows i K-major, at tb_addr): Va then
-// holds Vn^T = (T Beta (V - e^G rk K S))^T. One more group to wait for than the W, U form; the WY stage writes
-// T Beta (128 bytes per token and head) in place of W and U (512) and reads no v.
-// vbox nullptr: the map mode's identity columns, whose V is zero (Va is negated instead).
+// state columns x 64 tokens, m64n64 layout); its token columns j are scaled by ft_j = e^(G_j) rk_j (rk: qk_l2norm's row
+// scales, 1 without; chain_token_factors made them), subtracted from V^T (V's swizzled box, as u_minus_acc_trans_sw128
+// reads U's), rounded to 16 bits as A fragments, and multiplied by (T Beta)^T (its 64 x 64 box, rows i K-major, at
+// tb_addr): Va then holds Vn^T = (T Beta (V - e^G rk K S))^T. One more group to wait for than the W, U form; the WY
+// stage writes T Beta (128 bytes per token and head) in place of W and U (512) and reads no v. vbox nullptr: the map
+// mode's identity columns, whose V is zero (Va is negated instead).
 template <class T>
 __device__ __forceinline__ void chain_tbeta_values(float (&Va)[32], const unsigned char* vbox, uint32_t tb_addr,
-                                                   const float* gbuf, const float* rkb, int srow, int scol, int t) {
+                                                   const float* ft, int srow, int scol, int t) {
   using namespace tiled;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    const float2 ga = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 2 * t);
-    const float2 gb = *reinterpret_cast<const float2*>(gbuf + 16 * kk + 8 + 2 * t);
-    const float2 ka = *reinterpret_cast<const float2*>(rkb + 16 * kk + 2 * t);
-    const float2 kb = *reinterpret_cast<const float2*>(rkb + 16 * kk + 8 + 2 * t);
-    const float f0 = exp_t<T>(ga.x) * ka.x, f1 = exp_t<T>(ga.y) * ka.y;
-    const float f2 = exp_t<T>(gb.x) * kb.x, f3 = exp_t<T>(gb.y) * kb.y;
+    const float2 fa = *reinterpret_cast<const float2*>(ft + 16 * kk + 2 * t);
+    const float2 fb = *reinterpret_cast<const float2*>(ft + 16 * kk + 8 + 2 * t);
+    const float f0 = fa.x, f1 = fa.y, f2 = fb.x, f3 = fb.y;
     Va[8 * kk] *= f0;
     Va[8 * kk + 1] *= f1;
     Va[8 * kk + 2] *= f0;
@@ -538,9 +553,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     }
     fence_proxy_async();
     __syncthreads();
-    const float* gbuf = reinterpret_cast<const float*>(st + L.g);
-    const float* rqb = reinterpret_cast<const float*>(st + L.rq);
-    const float* rkb = reinterpret_cast<const float*>(st + L.rk);
+    float* gbuf = reinterpret_cast<float*>(st + L.g);
+    float* rqb = reinterpret_cast<float*>(st + L.rq);
+    float* rkb = reinterpret_cast<float*>(st + L.rk);
     const uint32_t w_addr = smem_u32(st + L.w), k_addr = smem_u32(st + L.k), q_addr = smem_u32(st + (kMap ? 0 : L.q));
     const uint32_t p_addr = smem_u32(st + (kMap ? 0 : L.p));
 
@@ -561,9 +576,15 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     uint32_t sa[KK / 16][4];
     chain_issue_state_reads<T, KK, !kMap>(Va, Oa, sa, S, kTBeta ? k_addr : w_addr, q_addr);
     // The previous chunk's output, staged at its end (the barrier that ended it made the tile visible),
-    // goes out while the products run.
+    // goes out while the products run; so are steps (2) and (3)'s factors made (gdn, delta: per token; kda: per key).
     if (!kMap && c > 0) store_staged(cs, [&](int i) { return args.o.at(se.batch, t0 - cs + i, hv); });
     if (save) store_h(se.first_chunk + c);
+    if constexpr (kKda) {  // e^(G_n) of each key, in place (one key a thread)
+      if (tid < KK) gbuf[tid] = exp_t<T>(gbuf[tid]);
+    } else {
+      if (tid < 64) chain_token_factors<T, kTBeta>(gbuf, rqb, rkb, len, tid);
+    }
+    __syncthreads();  // the factors are visible
     wg_wait_all();
     reg_fence(Va);
     if constexpr (!kMap) reg_fence(Oa);
@@ -572,7 +593,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
     // (2) Vn^T = U^T - Va (U^T fragments through ldmatrix.trans); Oa *= e^(G_i) per token column i. The T Beta
     // form: Vn^T = (V^T - Va e^(G_j) rk_j) (T Beta)^T.
     if constexpr (kTBeta) {
-      chain_tbeta_values<T>(Va, u_zero ? nullptr : st + L.u + wg * 8192, w_addr, gbuf, rkb, srow, scol, t);
+      chain_tbeta_values<T>(Va, u_zero ? nullptr : st + L.u + wg * 8192, w_addr, gbuf + 64, srow, scol, t);
     } else if (u_zero) {
 #pragma unroll
       for (int i = 0; i < 32; ++i) Va[i] = -Va[i];
@@ -591,12 +612,19 @@ __global__ void __launch_bounds__(128 * NWG, 1) fused_chain_kernel(const __grid_
 #pragma unroll
         for (int r = 0; r < 4; ++r) va[kk][r] = vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
     } else {
-      chain_decays<T>(Va, Oa, va, vo, gbuf, rqb, rkb, len, t);
+      chain_decays<T>(Va, Oa, va, vo, t, token_pair_at(rkb), token_pair_at(rqb));
     }
 
     // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.  kda: S^T's key column d times e^(G_n,d), K e^(G_n - G).
-    if constexpr (kKda) {
-      tiled::scale_key_columns_exp<T>(S, gbuf);
+    if constexpr (kKda) {  // keys 8 nb + 2 t and 8 nb + 2 t + 1 (e^(G_n) made while (1) ran)
+#pragma unroll
+      for (int nb = 0; nb < KK / 8; ++nb) {
+        const float2 e = *reinterpret_cast<const float2*>(gbuf + 8 * nb + 2 * t);
+        S[4 * nb] *= e.x;
+        S[4 * nb + 1] *= e.y;
+        S[4 * nb + 2] *= e.x;
+        S[4 * nb + 3] *= e.y;
+      }
     } else {
       const float eg = exp_t<T>(gbuf[len - 1]);
 #pragma unroll

@@ -18,8 +18,7 @@
 // comes in by TMA. gdn and delta without a gradient run the chain's T Beta form (chain_takes_tbeta below,
 // fused_chain.cuh): the WY stage writes T Beta in place of W and U, sums the gate itself (no cumsum launch) and
 // reads no v; the chain (and the pieces' map mode) reads v and makes Vn = T Beta (V - e^G K S): 2066 bytes per
-// token-head in place of 2834. Measured at (1,65536,8,128) in pieces (H200, kernels per forward): 0.729 -> 0.695 ms
-// (the WY stage and cumsum 0.266 -> 0.174, the maps 0.208 -> 0.247, the chain 0.189 -> 0.208).
+// token-head in place of 2834 (the times below).
 //
 // Long sequences with few chains (B * HV CTAs would leave most SMs idle): exact intra-card context
 // parallelism. The sequences are cut into pieces of whole chunks; each piece's affine map [H_j | M_j]
@@ -60,13 +59,13 @@
 // with sm_90a code (forward_refusal says why not, and the dispatch falls back to the tiled tier or, when the fused
 // tier was asked for by name, raises an error with the reason).
 //
-// Measured (NVIDIA H200, 2026-11-25, bf16 gdn, both sides with use_qk_l2norm_in_kernel=True, which this tier
-// folds into its kernels; docs/perf.md has the table beside FLA). Kernels per forward (bench/gpu/
-// stage_times.py, plain call), default plan: (2,16384,16,128) whole sequences 0.733 ms = chain 0.442 (256
-// chunks on 64 CTAs: 1.73 us a chunk) + WY and scores 0.259 + cumsum 0.029 (pieces of 4096 tokens: 0.712);
-// (1,65536,8,128) pieces of 4096 tokens 0.742 = WY 0.255 + pass-1 maps 0.209 + chain 0.187 + fold 0.058 +
-// cumsum; (1,8192,96,128) 0.746 = WY 0.374 + chain 0.343; (4,4096,64,128) 0.919 = WY 0.520 + chain 0.370;
-// (4,2048,16,128) 0.165. With the 16-bit tiles loaded by cp.async instead of TMA the chain took 0.672 ms at
+// Measured (NVIDIA H200, 2026-11-29, bf16 gdn, FLA's benchmark keywords: use_qk_l2norm_in_kernel=True, which
+// this tier folds into its kernels; docs/perf.md has the table beside FLA). Kernels per forward (bench/gpu/
+// stage_times.py), default plan, the T Beta form: (2,16384,16,128) whole sequences 0.656 ms = chain 0.487 (256
+// chunks on 64 CTAs: 1.90 us a chunk) + WY 0.165; (1,65536,8,128) pieces 0.644 = WY 0.162 + pass-1 maps 0.222 +
+// chain 0.193 + fold 0.058; (1,8192,96,128) 0.618 = WY 0.251 + chain 0.365; (4,4096,64,128) 0.701 = WY 0.325 +
+// chain 0.374. In the W, U form (2026-11-25): 0.733, 0.742, 0.746 and 0.919 ms. With the 16-bit tiles loaded by
+// cp.async instead of TMA the chain took 0.672 ms at
 // (2,16384,16,128) (2.6 us a chunk: its loads were half of it although issued a chunk ahead), the WY kernel
 // 0.284, and pass 1 on the tiled tier's scan 0.259 (the map mode: 0.205). The WY kernel moves 88 KB per chunk
 // and head (q, k, v in; W, U, P out) at about 2.8 TB/s, and the chain reads W, U, P back. fused_one_kernel.cuh

@@ -466,7 +466,13 @@ __global__ void __launch_bounds__(256, 1) fused_one_kernel(const __grid_constant
       // (2) Vn^T = U^T - Va; the per-token decays and row scales (fused_chain.cuh, chain_decays).
       u_minus_acc_trans_sw128<T>(Va, sl + L::u, srow, scol);
       uint32_t va[4][4], vo[4][4];
-      chain_decays<T>(Va, Oa, va, vo, gbuf, rqb, rkb, len, t);
+      const float glast = gbuf[len - 1];
+      chain_decays<T>(
+          Va, Oa, va, vo, t,
+          [&](int j) {
+            return make_float2(exp_t<T>(glast - gbuf[j]) * rkb[j], exp_t<T>(glast - gbuf[j + 1]) * rkb[j + 1]);
+          },
+          [&](int j) { return make_float2(exp_t<T>(gbuf[j]) * rqb[j], exp_t<T>(gbuf[j + 1]) * rqb[j + 1]); });
 
       // (3) S^T = e^(G_n) S^T + Vns^T K;  Oa += Vn^T P^T.
       const float eg = exp_t<T>(gbuf[len - 1]);

@@ -26,12 +26,14 @@
 //             by row) and stored as whole rows. At V = 256, U in two rounds of 128 columns through the one V
 //             tile: the second half's copy goes out once the first round's products have read the tile
 // The T Beta form (kTBeta: the fused chain's, fused_chain.cuh): T Beta, the 16-bit operand of U's product, goes
-// out (128 bytes per token and head) in place of W and U; no V tile is loaded, so T sits where V was and the CTA
-// takes 54,544 bytes, four per SM; and for gdn the gate is summed here from the raw g in chunk_cumsum's order (the
-// same bits) and written for the chain, so the forward launches no cumsum. Measured (H200, bf16 gdn, FLA's benchmark
-// keywords, kernel time): (4,4096,64,128) 0.482 ms (W, U, P; cumsum 0.026 before it) -> 0.362 (T Beta, P; three CTAs
-// per SM) -> 0.325 (four) -> 0.357 with the gate sum (no cumsum launch: at (4,2048,16,128) the forward's kernels went
-// 0.149 -> 0.122 ms, at (2,16384,16,128) 0.683 -> 0.672).
+// out (128 bytes per token and head) in place of W and U; no V tile is loaded and the K tile is dead once the
+// products have read it, so T sits where K was and the CTA takes 38,160 bytes (94 registers a thread), five per SM;
+// and for gdn the gate is summed here from the raw g in chunk_cumsum's order (the same bits) and written for the
+// chain, so the forward launches no cumsum. Measured (H200, bf16 gdn, FLA's benchmark keywords, kernel time):
+// (4,4096,64,128) 0.482 ms (W, U, P; cumsum 0.026 before it) -> 0.362 (T Beta, P; three CTAs per SM) -> 0.325
+// (four) -> 0.357 with the gate sum (no cumsum launch: at (4,2048,16,128) the forward's kernels went 0.149 -> 0.122
+// ms, at (2,16384,16,128) 0.683 -> 0.672) -> 0.325 with five CTAs per SM (T in K's place; (2,16384,16,128) 0.178
+// -> 0.165, (1,8192,96,128) 0.276 -> 0.251).
 // With qk_l2norm (FLA's use_qk_l2norm_in_kernel, no gradient: params.h) each row's 1 / sqrt(|x|^2 + eps) is
 // summed from the tiles while Q K^T and K K^T run and folded into P (rq_i rk_j), A (rk_i rk_j) and W's
 // operand (rk_j); the scales go out (8 bytes per token and head) for the fused chain and its map mode (the
@@ -57,7 +59,8 @@
 // Shared memory (1024-byte aligned base): Q tile, then A (64 x 68 fp32) in its place, then W's staging;
 // K tile; V tile; T (64 x 68 fp32), then U's staging; beta, G, e^G, the row scales and two mbarriers:
 // 69,392 bytes plus 1 KB of alignment slack: three CTAs per SM on an H100/H200. With B0 (kDvLocal) P's block
-// and the dO tile after them: 95,240 bytes and the slack, two CTAs per SM.
+// and the dO tile after them: 95,240 bytes and the slack, two CTAs per SM. The T Beta form: Q tile, then A, then
+// T Beta's staging; K tile, then T; the rest as above: 37,136 bytes and the slack.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -113,7 +116,9 @@ struct WyWgmmaSmemT {
   static constexpr int q = 0;                    // Q tile (16 KB); A (17,408 B); W staging (16 KB)
   static constexpr int k = 18432;                // K tile
   static constexpr int v = k + 16384;            // V tile
-  static constexpr int t = v + (kNoV ? 0 : 16384);  // T (17,408 B); U staging (16 KB)
+  // T (17,408 B); U staging (16 KB). The T Beta form has no V tile and no W: the K tile is dead once the products
+  // have read it, so T takes its place.
+  static constexpr int t = kNoV ? k : v + 16384;
   static constexpr int beta = t + 64 * kLdA * 4;
   static constexpr int g = beta + 256;
   static constexpr int eg = g + 256;
@@ -130,7 +135,7 @@ struct WyWgmmaSmemT {
 using WyWgmmaSmem = WyWgmmaSmemT<false>;
 static_assert(64 * WyWgmmaSmem::kLdA * 4 <= WyWgmmaSmem::k, "A must fit in the Q tile's region");
 static_assert(WyWgmmaSmem::bytes_dvl == 95240 + 1024, "the size the opening comment gives");
-static_assert(WyWgmmaSmemT<true>::bytes == 54544, "the size the comment gives: four CTAs per SM");
+static_assert(WyWgmmaSmemT<true>::bytes == 38160, "the size the comment gives: five CTAs per SM");
 
 #ifdef DELTACP_WGMMA_DEVICE
 // An m64nN accumulator (this warpgroup's 64 rows x N columns, N = 64 or 128) as 16-bit rows of 2N bytes, the
