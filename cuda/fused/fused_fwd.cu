@@ -61,8 +61,8 @@
 //
 // Measured (NVIDIA H200, 2026-11-29, bf16 gdn, FLA's benchmark keywords: use_qk_l2norm_in_kernel=True, which
 // this tier folds into its kernels; docs/perf.md has the table beside FLA). Kernels per forward (bench/gpu/
-// stage_times.py), default plan, the T Beta form: (2,16384,16,128) whole sequences 0.656 ms = chain 0.487 (256
-// chunks on 64 CTAs: 1.90 us a chunk) + WY 0.165; (1,65536,8,128) pieces 0.644 = WY 0.162 + pass-1 maps 0.222 +
+// stage_times.py), default plan, the T Beta form: (2,16384,16,128) whole sequences 0.638 ms = chain 0.472 (256
+// chunks on 64 CTAs: 1.84 us a chunk) + WY 0.163; (1,65536,8,128) pieces 0.644 = WY 0.162 + pass-1 maps 0.222 +
 // chain 0.193 + fold 0.058; (1,8192,96,128) 0.618 = WY 0.251 + chain 0.365; (4,4096,64,128) 0.701 = WY 0.325 +
 // chain 0.374. In the W, U form (2026-11-25): 0.733, 0.742, 0.746 and 0.919 ms. With the 16-bit tiles loaded by
 // cp.async instead of TMA the chain took 0.672 ms at
