@@ -109,7 +109,7 @@ struct WyWgmmaArgs {
 };
 
 // Byte offsets of the shared-memory regions (from the 1024-byte aligned base). kNoV: the T Beta form's kernel,
-// which loads no V: T where the V tile was, 54,544 bytes with the slack, four CTAs per SM (the opening comment).
+// which loads no V: T where the K tile was, 38,160 bytes with the slack, five CTAs per SM (the opening comment).
 template <bool kNoV = false>
 struct WyWgmmaSmemT {
   static constexpr int kLdA = 68;                // A and T rows (floats): 4 mod 32, as wy_solve.cuh's tf32 solve wants
