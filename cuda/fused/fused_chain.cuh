@@ -206,6 +206,29 @@ __device__ __forceinline__ void chain_token_factors(float* gbuf, float* rqb, flo
   rqb[i] = exp_t<T>(gi) * qi;
 }
 
+// Tokens j and j + 1 of a shared-memory array of 64 floats.
+__device__ __forceinline__ auto token_pair_at(const float* f) {
+  return [f](int j) { return *reinterpret_cast<const float2*>(f + j); };
+}
+
+// X's token columns (an m64n64 accumulator: this warpgroup's 64 rows x 64 tokens) times a factor per token: pair(j)
+// gives those of tokens j and j + 1 as a float2; the thread's columns are 16 kk + 2 t (+1) and 16 kk + 8 + 2 t (+1).
+template <class F>
+__device__ __forceinline__ void scale_token_columns(float (&X)[32], int t, F&& pair) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const float2 a = pair(16 * kk + 2 * t), b = pair(16 * kk + 8 + 2 * t);
+    X[8 * kk] *= a.x;
+    X[8 * kk + 1] *= a.y;
+    X[8 * kk + 2] *= a.x;
+    X[8 * kk + 3] *= a.y;
+    X[8 * kk + 4] *= b.x;
+    X[8 * kk + 5] *= b.y;
+    X[8 * kk + 6] *= b.x;
+    X[8 * kk + 7] *= b.y;
+  }
+}
+
 // Step (2)'s scalings (gdn, delta): Vns^T = Vn^T e^(G_n - G_j) rk_j (the state update's A operand, va), Vn^T as it is
 // (the output's, vo), and Oa's token columns times e^(G_i) rq_i; the raw q and k tiles then act as normalised ones.
 // Va holds Vn^T (this warpgroup's 64 columns x 64 tokens, m64n64 layout). fk(j), fo(j): the two factors of tokens
@@ -226,21 +249,8 @@ __device__ __forceinline__ void chain_decays(const float (&Va)[32], float (&Oa)[
     va[kk][3] = pack2<T>(Va[8 * kk + 6] * f2, Va[8 * kk + 7] * f3);
 #pragma unroll
     for (int r = 0; r < 4; ++r) vo[kk][r] = pack2<T>(Va[8 * kk + 2 * r], Va[8 * kk + 2 * r + 1]);
-    const float2 qa = fo(16 * kk + 2 * t), qb = fo(16 * kk + 8 + 2 * t);
-    const float e0 = qa.x, e1 = qa.y, e2 = qb.x, e3 = qb.y;
-    Oa[8 * kk] *= e0;
-    Oa[8 * kk + 1] *= e1;
-    Oa[8 * kk + 2] *= e0;
-    Oa[8 * kk + 3] *= e1;
-    Oa[8 * kk + 4] *= e2;
-    Oa[8 * kk + 5] *= e3;
-    Oa[8 * kk + 6] *= e2;
-    Oa[8 * kk + 7] *= e3;
   }
-}
-// Tokens j and j + 1 of a shared-memory array of 64 floats.
-__device__ __forceinline__ auto token_pair_at(const float* f) {
-  return [f](int j) { return *reinterpret_cast<const float2*>(f + j); };
+  scale_token_columns(Oa, t, fo);
 }
 
 // Step (2) of the T Beta form (gdn, delta): W S = T Beta e^G (K S) without W. Va holds S^T K^T (this warpgroup's 64
@@ -254,20 +264,7 @@ template <class T>
 __device__ __forceinline__ void chain_tbeta_values(float (&Va)[32], const unsigned char* vbox, uint32_t tb_addr,
                                                    const float* ft, int srow, int scol, int t) {
   using namespace tiled;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const float2 fa = *reinterpret_cast<const float2*>(ft + 16 * kk + 2 * t);
-    const float2 fb = *reinterpret_cast<const float2*>(ft + 16 * kk + 8 + 2 * t);
-    const float f0 = fa.x, f1 = fa.y, f2 = fb.x, f3 = fb.y;
-    Va[8 * kk] *= f0;
-    Va[8 * kk + 1] *= f1;
-    Va[8 * kk + 2] *= f0;
-    Va[8 * kk + 3] *= f1;
-    Va[8 * kk + 4] *= f2;
-    Va[8 * kk + 5] *= f3;
-    Va[8 * kk + 6] *= f2;
-    Va[8 * kk + 7] *= f3;
-  }
+  scale_token_columns(Va, t, token_pair_at(ft));
   if (vbox != nullptr) {
     u_minus_acc_trans_sw128<T>(Va, vbox, srow, scol);
   } else {
