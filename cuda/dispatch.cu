@@ -396,6 +396,10 @@ std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
 #endif
   }
   validate_staged(p, false);
+  // The tiled stages read q and k as given (the fused tier folds the row scales into its products; the one-shot
+  // tiled forward normalises into workspace first, run_forward_on_normalised).
+  DELTACP_CHECK(!p.qk_l2norm, "qk_l2norm", "the staged tiled forward takes q and k l2-normalised by the caller "
+                "(the staged fused forward normalises them in its kernels)");
   // The tiled DPLR kernels (dplr_fwd.cu) have no staged form: refused here even once supports() lists them.
   DELTACP_CHECK(p.variant != Variant::dplr, "variant", "expected gdn, kda or delta for the staged tiled forward, "
                 "got dplr");

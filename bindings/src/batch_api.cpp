@@ -93,7 +93,7 @@ py::object run_reference(const Params& p, bool backward, Kind kind, Method m, co
 py::object run(const std::string& direction, const std::string& variant, const std::string& method,
                const std::string& compute, const py::dict& tensors, std::optional<double> scale, int chunk_size,
                std::optional<std::vector<int64_t>> cuts, uintptr_t stream, bool want_exchange, bool qk_l2norm,
-               std::optional<double> gate_lower_bound, bool qk_unit_rows) {
+               std::optional<double> gate_lower_bound, bool qk_unit_rows, bool backward_recomputes) {
   Method m = Method::chunked;
   const Kind kind = kind_of(method, &m);
   if (kind == Kind::cp && !cuts) throw Error("cuts", "is required for simulated context parallelism");
@@ -104,6 +104,7 @@ py::object run(const std::string& direction, const std::string& variant, const s
                           kind == Kind::cuda ? Place::cuda : Place::host);
   p.qk_l2norm = qk_l2norm;
   p.qk_unit_rows = qk_unit_rows;
+  p.backward_recomputes = backward_recomputes;
   const bool backward = direction == "backward";
   if (p.gate_in_kernel()) {  // params.h: a CUDA forward option
     if (kind != Kind::cuda) throw Error("A_log", "the in-kernel kda gate is an option of the CUDA forward");
@@ -238,12 +239,15 @@ struct StagedForwardHandle {
 
 StagedForwardHandle* staged_forward_prepare(const std::string& variant, const std::string& method,
                                             const py::dict& tensors, std::optional<double> scale, int chunk_size,
-                                            uintptr_t stream, bool qk_unit_rows) {
+                                            uintptr_t stream, bool qk_unit_rows, bool qk_l2norm,
+                                            bool backward_recomputes) {
 #ifdef DELTACP_WITH_CUDA
   Method m = Method::chunked;
   if (kind_of(method, &m) != Kind::cuda) throw Error("method", "expected a CUDA tier, got '" + method + "'");
   Params p = staged_params(variant, tensors, scale, chunk_size, stream, "forward");
   p.qk_unit_rows = qk_unit_rows;
+  p.qk_l2norm = qk_l2norm;
+  p.backward_recomputes = backward_recomputes;
   auto h = std::make_unique<StagedForwardHandle>();
   {
     py::gil_scoped_release nogil;
@@ -251,7 +255,8 @@ StagedForwardHandle* staged_forward_prepare(const std::string& variant, const st
   }
   return h.release();
 #else
-  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream, (void)qk_unit_rows;
+  (void)variant, (void)method, (void)tensors, (void)scale, (void)chunk_size, (void)stream, (void)qk_unit_rows,
+      (void)qk_l2norm, (void)backward_recomputes;
   no_cuda("the staged forward");
 #endif
 }
@@ -467,10 +472,12 @@ void register_batch_api(py::module_& m) {
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("cuts") = py::none(),
         py::arg("stream") = 0, py::arg("want_exchange") = false, py::arg("qk_l2norm") = false,
         py::arg("gate_lower_bound") = py::none(), py::arg("qk_unit_rows") = false,
+        py::arg("backward_recomputes") = false,
         "Run one forward or backward pass on described tensors (see bindings/src/batch_api.cpp); qk_l2norm: "
         "q and k l2-normalised inside the CUDA forward (Params::qk_l2norm); gate_lower_bound: the in-kernel kda "
         "gate's lower bound when the tensors hold gate_A_log (Params::gate_A_log; None: FLA's softplus form); "
-        "qk_unit_rows: q and k are l2-normalised rows already (Params::qk_unit_rows).");
+        "qk_unit_rows: q and k are l2-normalised rows already (Params::qk_unit_rows); backward_recomputes: a "
+        "backward recomputing the forward's states follows (Params::backward_recomputes).");
   m.def("built_with_cuda", &built_with_cuda, "True when the CUDA tiers were compiled into this module.");
   m.def("cuda_available", &cuda_available, "True when the CUDA tiers are built and a device is usable.");
   py::class_<StagedBackwardHandle>(m, "StagedBackward",
@@ -489,9 +496,12 @@ void register_batch_api(py::module_& m) {
                                   "A CUDA forward prepared up to the stages that need h0 (deltacp/cuda/api.h).");
   m.def("staged_forward_prepare", &staged_forward_prepare, py::arg("variant"), py::arg("method"), py::arg("tensors"),
         py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
-        py::arg("qk_unit_rows") = false, py::return_value_policy::take_ownership,
+        py::arg("qk_unit_rows") = false, py::arg("qk_l2norm") = false, py::arg("backward_recomputes") = false,
+        py::return_value_policy::take_ownership,
         "Run every forward stage that does not read h0; the tensors must stay alive until 'finish'. "
-        "qk_unit_rows: q and k are l2-normalised rows (Params::qk_unit_rows).");
+        "qk_unit_rows: q and k are l2-normalised rows (Params::qk_unit_rows); qk_l2norm: the fused tier "
+        "normalises q and k in its kernels (Params::qk_l2norm; the staged tiled forward refuses it); "
+        "backward_recomputes: a backward recomputing the forward's states follows (Params::backward_recomputes).");
   m.def("staged_forward_step", &staged_forward_step, py::arg("state"), py::arg("step"), py::arg("variant"),
         py::arg("tensors"), py::arg("scale") = py::none(), py::arg("chunk_size") = 64, py::arg("stream") = 0,
         py::arg("row0") = 0, py::arg("with_values") = true,

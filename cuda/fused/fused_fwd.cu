@@ -289,12 +289,14 @@ void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffer
 // Vn = T Beta (V - e^G K S) with one more product: 768 fewer bytes per token-head through HBM (2834 -> 2066 at
 // K = V = 128, notebooks/06_kernel_tiers.py), one more dependent group in the chain's step; the pieces' map mode
 // (intra-card CP) the same way. gdn and delta, without a gradient: a forward that keeps its states for the backward
-// (Params::chunk_h) keeps the W, U form, whose v_new has the roundings of the tiled backward's own recompute (in the
-// T Beta form a CP step's gradients, whose ranks recompute, moved 3.3e-3 from one process's, which kept the states).
+// (Params::chunk_h) keeps the W, U form, whose v_new has the roundings of the tiled backward's own recompute, and so
+// does a forward whose backward recomputes them (Params::backward_recomputes: the CP op's; in the T Beta form a CP
+// step's o moved 4.2e-3 and its gradients 3.3e-3 from one process's, which kept the states).
 // DELTACP_FUSED_TBETA: 0 keeps W and U, 1 asks for it (an error says why not), unset: where it applies.
 const char* tbeta_refusal(const Params& p) {
   if (p.variant == Variant::kda) return "it implements gdn and delta (kda's chain reads W with its decays per key)";
   if (p.chunk_h != nullptr) return "the forward keeps its states for the backward (the W, U form's roundings)";
+  if (p.backward_recomputes) return "a backward recomputes the forward's states (the W, U form's roundings)";
   return nullptr;
 }
 bool chain_takes_tbeta(const Params& p) {

@@ -12,7 +12,8 @@ float32 the fused tier refuses the problem and each rank's local forward takes t
 Checked here: 2 and 3 ranks sharing GPU 0 over gloo (worker processes, launched as tests/python/
 test_cp_gloo.py launches them), deltacp.chunk_gated_delta_rule / chunk_kda with cp_context and FLA's benchmark
 keywords (the in-kernel l2 norm; kda's safe gate) against the same call in one process, with the fused local
-forward one-shot and in stages: o, every gradient, the summed final states and initial-state gradients within
+forward one-shot and in stages: o, every gradient, the summed final states and initial-state gradients, and o and
+the final states of the same calls without a gradient (q and k then normalised inside the fused kernels), within
 the CP tolerances of distributed/tests/gpu_cp_check.py (bf16: gdn 3e-3, kda 8e-3; float32 1e-5); a sequence
 over every rank (with gradients every rank after the first needs its first segment's transitions), cuts inside
 chunks, many short sequences; deltacp.cp.last_stats["local_tier"] names each rank's tiers. Skipped without a
@@ -88,7 +89,29 @@ def _compare(case, rank, world):
                   output_final_state=case["states"], **KWARGS[variant], **kw)
 
     err, tier, _ = cp_against_one_process(run, x, h0, do, dht, cu, ctx, device)
-    return dict(err=err, tier=tier, plan=ctx.describe())
+    err.update(_inference_errors(run, x, h0, cu, ctx, device))
+    return dict(err=err, tier=tier, plan=ctx.describe(), qk_l2norm=cp.last_stats.get("qk_l2norm"))
+
+
+def _inference_errors(run, x, h0, cu, ctx, device):
+    """The same op without a gradient, CP against one process: there both normalise q and k inside the fused
+    kernels (Params::qk_l2norm; deltacp.cp.ops._l2norm_in_kernel), where the calls with a gradient normalise them
+    in a pass of their own. Errors of o and of the final states summed over the ranks."""
+    import torch.distributed as dist
+
+    import deltacp.cp as cp
+    from deltacp_testutil import rel_err
+
+    with torch.no_grad():
+        o, ht = run({n: cp.split_even(t, ctx) for n, t in x.items()}, h0, cp_context=ctx)
+        o_ref, ht_ref = run(x, h0, cu_seqlens=torch.tensor(cu, device=device), cu_seqlens_cpu=torch.tensor(cu))
+    rel = lambda a, ref: rel_err(a.double().cpu().numpy(), ref.double().cpu().numpy())  # noqa: E731
+    err = {"o_no_grad": rel(o, cp.split_even(o_ref, ctx))}
+    if ht is not None:
+        ht_sum = ht.cpu()
+        dist.all_reduce(ht_sum)
+        err["ht_no_grad"] = rel(ht_sum, ht_ref)
+    return err
 
 
 def worker_main(argv):
@@ -115,6 +138,8 @@ def test_cuda_cp_with_the_fused_local_forward_equals_one_process(world, staged, 
                 assert e <= tol, f"{name} rank {rank}: {n} {e:.2e} > {tol} ({r['plan']})"
             want = "fused" if case["dtype"] == "bfloat16" else "tiled"
             assert r["tier"]["forward"] == want and r["tier"]["backward"] == "tiled", (name, rank, r["tier"])
+            # without a gradient the fused local forward normalises q and k in its kernels, the tiled one in a pass
+            assert r["qk_l2norm"] == ("in kernel" if want == "fused" else "one pass"), (name, rank, r["qk_l2norm"])
             if want == "tiled":  # the fused tier implements the variant but refused the problem, and says why
                 assert "fused tier does not apply" in r["tier"]["why"], r["tier"]
 

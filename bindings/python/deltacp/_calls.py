@@ -24,7 +24,9 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 def _run(cfg, direction: str, method: str, descs: dict) -> None:
     """_core.run for cfg (variant, compute, scale, chunk_size, device: deltacp.ops._Config or
     deltacp.cp's _Cfg), on the current stream of cfg.device for CUDA tensors. cfg.qk_unit_rows (when set): q and k
-    are l2-normalised rows, for the forward and the backward (Params::qk_unit_rows: kda's wider diagonal bound)."""
+    are l2-normalised rows, for the forward and the backward (Params::qk_unit_rows: kda's wider diagonal bound).
+    cfg.needs_grad (the CP op's _Cfg): a backward that recomputes the forward's states follows
+    (Params::backward_recomputes: the fused forward then rounds as one process's forward that keeps them)."""
     if cfg.device.type == "cuda":
         forward = direction == "forward"
         gate = getattr(cfg, "kda_gate", None) if forward else None  # (A_log, dt_bias, lower_bound): deltacp._library
@@ -36,7 +38,7 @@ def _run(cfg, direction: str, method: str, descs: dict) -> None:
             stream = stream_handle(cfg.device)
             _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, stream,
                       False, getattr(cfg, "qk_l2norm", False) and forward, None if gate is None else gate[2],
-                      getattr(cfg, "qk_unit_rows", False))
+                      getattr(cfg, "qk_unit_rows", False), bool(getattr(cfg, "needs_grad", False)) and forward)
     else:
         _core.run(direction, cfg.variant, method, cfg.compute, descs, cfg.scale, cfg.chunk_size, None, 0, False)
 

@@ -205,8 +205,12 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
     kda_gate = (_kda_gate_args(opts, v) if variant == "kda" and opts.use_gate_in_kernel and in_forward
                 and (opts.lower_bound is None or opts.lower_bound < 0) else None)  # the kernels' two forms
     gate_bound = opts.gate_check_bound()  # of the options as given (safe_gate checks a precomputed g only)
-    if l2_in_kernel or kda_gate is not None:
-        opts = opts.copy(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel and not l2_in_kernel,
+    qk_unit_rows = bool(opts.use_qk_l2norm_in_kernel)
+    # With cp_context the CP op normalises q and k itself: in its local fused kernels where no gradient is wanted
+    # (deltacp.cp.ops.cp_apply), else in one pass here.
+    cp_l2 = cp_context is not None and opts.use_qk_l2norm_in_kernel
+    if l2_in_kernel or kda_gate is not None or cp_l2:
+        opts = opts.copy(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel and not (l2_in_kernel or cp_l2),
                          use_gate_in_kernel=opts.use_gate_in_kernel and kda_gate is None)
     q, k, g, beta = fla_options.preprocess(opts, q, k, g, beta)
 
@@ -238,8 +242,8 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
         gate_check = start_gate_range_check(g, gate_bound, gate_name) if gate_bound is not None else None
         o, ht = cp_apply(variant, q, k, v, g, beta, a, b, cp_context=cp_context, scale=scale, initial_state=h0,
                          output_final_state=output_final_state, chunk_size=chunk_size, backend=backend,
-                         use_qk_l2norm_in_kernel=False, gate_name=gate_name, cu_seqlens=cu_seqlens,
-                         gate_range_check=gate_check, qk_unit_rows=bool(opts.use_qk_l2norm_in_kernel))
+                         use_qk_l2norm_in_kernel=cp_l2, gate_name=gate_name, cu_seqlens=cu_seqlens,
+                         gate_range_check=gate_check, qk_unit_rows=qk_unit_rows)
         if ht is not None and opts.state_v_first:
             ht = ht.transpose(-1, -2).contiguous()
         return o, ht

@@ -102,6 +102,11 @@ struct Params {
   // qk_l2norm (cuda/tiled/kda_scores.cuh, kDiagExpMaxUnit), so a call with a gradient takes the path of the call
   // without one. CUDA only; ignored elsewhere.
   bool qk_unit_rows = false;
+  // A backward that recomputes this forward's states from its inputs follows (the CP op's, which keeps no per-chunk
+  // states): the fused tier then makes o with the W, U form's roundings, as a forward that keeps its states does
+  // (cuda/fused/fused_fwd.cu tbeta_refusal), so that o and the gradients equal one process's bit for bit. CUDA
+  // forward only; ignored elsewhere.
+  bool backward_recomputes = false;
   // FLA's use_gate_in_kernel for kda inside the CUDA forward (gate_A_log set): g holds the raw gate x and the
   // kernels use, in its place, lower_bound sigmoid(e^(A_log[hv]) (x + dt_bias[hv, k])) when gate_lower_bound < 0,
   // or -e^(A_log[hv]) softplus(x + dt_bias[hv, k]) when it is 0 (FLA without lower_bound; softplus(y) = y past

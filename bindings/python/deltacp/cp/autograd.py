@@ -102,9 +102,14 @@ def _cp_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, needs_input_grad=None):
         if routes.staged is None:
             routes.staged = _staged_available(cfg, "forward", q, g)
         staged = routes.staged
+    qk_l2norm = getattr(cfg, "qk_l2norm", False)
+    if qk_l2norm and cfg.fwd_method != "fused":  # the fused tier refused the problem (_settle)
+        staged = False  # the tiled stages read q and k as given; one-shot, the dispatch normalises them first
+        last_stats["qk_l2norm"] = "one pass"  # into workspace (cuda/dispatch.cu run_forward_on_normalised)
     if staged:
         handle = _staged_call(cfg, _core.staged_forward_prepare, cfg.variant, cfg.fwd_method, descs,
-                              qk_unit_rows=getattr(cfg, "qk_unit_rows", False))
+                              qk_unit_rows=getattr(cfg, "qk_unit_rows", False), qk_l2norm=qk_l2norm,
+                              backward_recomputes=bool(getattr(cfg, "needs_grad", False)))
         prepared = _PreparedForward(handle, pad, cfg.fwd_method)
     _start_check(cfg)
     # 1-3: the state entering this rank's first segment.

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .. import _core
 from .._stream import on_device
 from ..errors import InvalidArgumentError
+from ..fla_options import l2norm as _l2norm
 from .context import CPContext, agree_finish, agree_start_values, wait_collective
 from .local import (_augmented_backward, _augmented_forward_pieces, _Cfg, _compose_cut_maps, _composition_io,
                     _cut_bounds, _dh0_pieces, _exchange_width, _fold, _fold_maps, _fold_offsets, _grid_pad,
@@ -26,7 +27,8 @@ from .local import (_augmented_backward, _augmented_forward_pieces, _Cfg, _compo
                     _rows, _seg, _split, _transitions, _use_nccl_kernels)
 
 # Filled by each call (for the examples' tables): bytes received by the all-gathers, per direction; and
-# "local_tier", the tiers this rank's local pass runs and why ({"forward", "backward", "why"}; set by cp_apply).
+# "local_tier", the tiers this rank's local pass runs and why ({"forward", "backward", "why"}; set by cp_apply);
+# "qk_l2norm", where use_qk_l2norm_in_kernel normalised q and k ("in kernel", "one pass" or None; set by cp_apply).
 last_stats = {"forward_bytes": 0, "backward_bytes": 0}
 
 
@@ -67,9 +69,11 @@ def _prepass_forward(cfg: _Cfg, q, k, v, g, beta, a, b, h0, want_first_maps: boo
     if want_first_maps:
         f0, f1 = ctx.cu_seqlens_list[0], ctx.cu_seqlens_list[1]
         first_bounds = _piece_bounds(cfg, f1 - f0, _grid_pad(cfg))
-    if not ctx.last_continues:
-        zeros = torch.zeros((cfg.HV, cfg.K, cfg.V), dtype=cfg.state_dtype, device=cfg.device)
-        sent = torch.cat([zeros, _identity_block(cfg)], dim=-1).contiguous()
+    if not ctx.last_continues:  # [0 | I] at the exchange's width (0 alone where no merge reads M): nobody reads it
+        sent = torch.zeros((cfg.HV, cfg.K, _exchange_width(ctx, cfg.K, cfg.V)), dtype=cfg.state_dtype,
+                           device=cfg.device)
+        if sent.shape[-1] > cfg.V:
+            sent[..., cfg.V:] = _identity_block(cfg)
     else:
         sent, first_maps = _prepass_forward_last(cfg, xs, h0, want_first_maps, prepared, local_descs, cuts)
     if want_first_maps and first_maps is None:
@@ -192,7 +196,10 @@ def _prepass_forward_last(cfg: _Cfg, xs, h0, want_first_maps: bool, prepared: Op
     def loops():
         from . import nccl_backend
 
-        return nccl_backend.prepass_forward(cfg, *span, start)
+        sp = list(span)
+        if getattr(cfg, "qk_l2norm", False):  # the fp32 loop kernels read q and k as given
+            sp[0], sp[1] = _l2norm(sp[0]), _l2norm(sp[1])
+        return nccl_backend.prepass_forward(cfg, *sp, start)
 
     sent = _prepass_chunked_or_loops(cfg, "forward", chunked, loops, xs[0], xs[3])
     return sent, (maps[0] if maps else None)
@@ -347,6 +354,8 @@ def _merge_forward(cfg: _Cfg, gathered: torch.Tensor) -> torch.Tensor:
     if gathered.shape[-1] == V:
         if ctx.pre_ranks > 1:
             raise ValueError("deltacp: internal: a merge over several ranks without their transitions")
+        if not getattr(cfg, "needs_grad", True):  # no backward keeps it
+            return gathered[ctx.rank - 1]
         return gathered[ctx.rank - 1].clone()  # the backward keeps it: not a view pinning every rank's buffer
     if _use_nccl_kernels(cfg):
         from . import nccl_backend

@@ -33,7 +33,8 @@ class _Cfg:
                  "ctx", "device", "fwd_method", "bwd_method", "H", "HV", "K", "V", "num_seqs", "has_h0",
                  "check_fields", "gate_range_check", "gate_error", "pending_check", "tier_why", "fwd_named",
                  "needs_grad", "plan",  # plan: the problem's cached decisions (deltacp/cp/plan.py), or unset
-                 "qk_unit_rows")  # q and k are l2-normalised rows (per call; Params::qk_unit_rows)
+                 "qk_unit_rows",  # q and k are l2-normalised rows (per call; Params::qk_unit_rows)
+                 "qk_l2norm")  # the local forward normalises q and k in its kernels (per call; Params::qk_l2norm)
 
 
 def _descs(cfg: _Cfg, q, k, v, g, beta, a, b, h0=None, cu=None, cu_host=None) -> dict:

@@ -134,6 +134,17 @@ def _methods(variant: str, backend, device, needs_grad) -> Tuple[str, str]:
     return fwd, bwd or fwd
 
 
+def _l2norm_in_kernel(cfg: _Cfg, q, k) -> bool:
+    """use_qk_l2norm_in_kernel inside the local kernels (Params::qk_l2norm): where no gradient is wanted and the
+    local forward is fused, as on one device (deltacp.ops). The staged fused forward folds the row scales into its
+    products and its pieces' maps; a route without stages normalises in the dispatch (cuda/dispatch.cu
+    run_forward_on_normalised) or, for the fp32 loop kernels, in one pass (exchange._prepass_forward_last). With a
+    gradient the normalised q and k are the backward's inputs: one pass here, differentiated. On 2 x H200 at 32768
+    tokens per rank (H = 16) that pass took 0.22 ms of the GDN CP forward's GPU time (docs/context-parallel.md)."""
+    return (not cfg.needs_grad and cfg.device.type == "cuda" and cfg.fwd_method == "fused" and q.shape[-1] <= 256
+            and q.dtype in (torch.bfloat16, torch.float16) and q.is_contiguous() and k.is_contiguous())
+
+
 def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=None, initial_state=None,
              output_final_state=False, chunk_size=64, backend=None, use_qk_l2norm_in_kernel=False,
              gate_name="g", cu_seqlens=None, gate_check=True, gate_range_check=None, qk_unit_rows=False):
@@ -141,8 +152,9 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
     gate_check (dplr): each rank checks its gates against the chunk form's range before a chunked method runs
     them (False: the caller vouches for them; local._dplr_tiers). gate_range_check: safe_gate's started check
     of the gate (deltacp._library.start_gate_range_check, from deltacp.ops), whose outcome joins the ranks'
-    agreement, so that a broken promise on one rank makes every rank raise before the exchange. qk_unit_rows: q
-    and k were l2-normalised by the caller (deltacp.ops), as use_qk_l2norm_in_kernel normalises them here
+    agreement, so that a broken promise on one rank makes every rank raise before the exchange.
+    use_qk_l2norm_in_kernel: q and k l2-normalised here, inside the local fused kernels where no gradient is wanted
+    (_l2norm_in_kernel; last_stats["qk_l2norm"] says how). qk_unit_rows: q and k were l2-normalised by the caller
     (Params::qk_unit_rows: the kernels' wider bound for kda's diagonal score blocks)."""
     ctx = cp_context
     if not isinstance(ctx, CPContext):
@@ -157,9 +169,11 @@ def cp_apply(variant, q, k, v, g, beta, a, b, *, cp_context: CPContext, scale=No
         plan = _new_plan(ctx, variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_state, chunk_size,
                          backend, use_qk_l2norm_in_kernel, gate_name, cu_seqlens, gate_range_check)
         _plan.store(ctx, key, plan)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
     cfg = plan.cfg(ctx, gate_range_check)
+    cfg.qk_l2norm = bool(use_qk_l2norm_in_kernel) and _l2norm_in_kernel(cfg, q, k)
+    if use_qk_l2norm_in_kernel and not cfg.qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    last_stats["qk_l2norm"] = None if not use_qk_l2norm_in_kernel else "in kernel" if cfg.qk_l2norm else "one pass"
     cfg.qk_unit_rows = bool(use_qk_l2norm_in_kernel or qk_unit_rows)
     h0 = None
     if initial_state is not None:
