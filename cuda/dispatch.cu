@@ -22,6 +22,7 @@
 
 #include "common/check.h"
 #include "common/finite_check.h"
+#include "common/gate_range.h"
 #include "common/workspace_pool.h"
 #include "deltacp/cuda/api.h"
 #include "deltacp/cuda/tiers.h"
@@ -284,13 +285,37 @@ static void run_forward(const Params& p, Method tier) {
 }
 
 // DELTACP_CHECK=1: the numeric checks of docs/errors.md around the kernels (common/finite_check.h).
+// safe_gate's range check (Params::gate_range, common/gate_range.h), started once per call: the slots initialised,
+// then the fused kda stage folds the reduction into its gate load (each window's stage, or its own pass where the
+// wgmma stage does not run: tiled_fwd.cu launch_kda_fused_prepare); elsewhere one pass over g here, and the tier
+// runs without it.
+static Params start_gate_range(const Params& p, Method tier) {
+  if (p.gate_range == nullptr) return p;
+  DELTACP_CHECK(p.g.ptr != nullptr && !p.gate_in_kernel(), "gate_range",
+                "internal: safe_gate's range check reads a precomputed g (not with the in-kernel gate)");
+  check_gpu_pointer(p.gate_range, "gate_range");
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  gate_range_init(p.gate_range, stream);
+  if (tier == Method::fused && p.variant == Variant::kda) return p;
+  gate_range_pass(p, stream);
+  Params rest = p;
+  rest.gate_range = nullptr;
+  return rest;
+}
+
 void forward(const Params& p, Method tier) {
-  if (!numeric_checks_requested()) return run_forward(p, tier);
+  if (!numeric_checks_requested()) {
+    if (p.gate_range == nullptr) return run_forward(p, tier);
+    check_tier(tier, false);
+    validate_on_gpu(p, tier, false, /*by_name=*/true);  // before the range check reads g
+    return run_forward(start_gate_range(p, tier), tier);
+  }
   check_tier(tier, false);
   validate_on_gpu(p, tier, false, /*by_name=*/true);  // the arguments first: the checks read the tensors
   check_inputs_on_device(p, false);
-  run_forward(p, tier);
-  check_outputs_on_device(p, false);
+  const Params q = start_gate_range(p, tier);
+  run_forward(q, tier);
+  check_outputs_on_device(q, false);
 }
 
 static void run_backward(const Params& p, Method tier) {
@@ -384,6 +409,7 @@ void validate_staged(const Params& p, bool backward) {
 
 std::unique_ptr<StagedForward> forward_prepare(const Params& p, Method tier) {
   check_tier(tier, false);
+  DELTACP_CHECK(p.gate_range == nullptr, "gate_range", "the staged forward takes no range check of g");
   DELTACP_CHECK(tier == Method::tiled || tier == Method::fused, "tier",
                 "expected 'tiled' or 'fused' for the staged forward, got ", to_string(tier));
   if (tier == Method::fused) {

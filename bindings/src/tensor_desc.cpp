@@ -44,7 +44,8 @@ std::string TensorDesc::shape_str() const { return dims_str(shape); }
 // The fields a caller may describe, by direction.
 static const std::set<std::string> kForwardFields = {"q", "k", "v", "g", "beta", "a", "b", "h0",
                                                      "o", "ht", "cu_seqlens", "cu_seqlens_host",
-                                                     "gate_A_log", "gate_dt_bias", "chunk_h", "chunk_vnew"};
+                                                     "gate_A_log", "gate_dt_bias", "chunk_h", "chunk_vnew",
+                                                     "gate_range"};
 static const std::set<std::string> kBackwardFields = {
     "q",    "k",  "v",  "g",  "beta", "a",  "b",  "h0",     "dout", "dht", "dq",
     "dk",   "dv", "dg", "dbeta", "da", "db", "dh0", "cu_seqlens", "cu_seqlens_host", "chunk_h", "chunk_vnew"};
@@ -337,6 +338,17 @@ Params build_params(const std::string& variant, const std::string& direction,
   p.gate_A_log = gate_vector("gate_A_log", HV);
   p.gate_dt_bias = gate_vector("gate_dt_bias", HV * K);
   if (p.gate_dt_bias && !p.gate_A_log) throw Error("dt_bias", "internal: the in-kernel gate needs A_log");
+
+  // safe_gate's range check of a CUDA forward (params.h): int32 [2] on the device, with a precomputed g.
+  if (const TensorDesc* d = c.find("gate_range")) {
+    if (place != Place::cuda) throw Error(d->name, "internal: the range check in the forward is the CUDA tiers'");
+    if (d->shape != std::vector<int64_t>{2} || d->dtype != "int32" || d->strides[0] != 1) {
+      throw Error(d->name, "internal: expected a contiguous int32 [2], got " + d->dtype + " " + d->shape_str());
+    }
+    if (!c.find("g") || p.gate_A_log) throw Error(d->name, "internal: the range check reads a precomputed g");
+    c.check_device(*d);
+    p.gate_range = reinterpret_cast<int*>(d->ptr);
+  }
 
   if (!backward) {
     // o may be left out only for the final-state-only forward (ht given; params.h).

@@ -25,7 +25,8 @@
 //   phase 0  q, k tiles (64 tokens x 128 keys, two 64 x 64 boxes each, 128-byte swizzle) by TMA on one mbarrier;
 //            the raw gate into G (fp32; cp.async for fp32 g, converted for 16-bit g: load_raw_gate); beta
 //   phase 1  warpgroup 0: G in place (chunk_sum_gate, which first makes each raw value its gate with
-//            Params::gate_A_log; G's last row out); warpgroup 1: q, k rows normalised in
+//            Params::gate_A_log; G's last row out; with Params::gate_range also the smallest and largest raw value,
+//            two atomics a CTA: safe_gate's check without a pass over g); warpgroup 1: q, k rows normalised in
 //            place (l2norm_rows's arithmetic on the swizzled rows)
 //   phase 2  the scores. Each warp w scales its 16 rows of X around its own reference row 16 w into wgmma A
 //            fragments (registers; in the round that keeps its rows, zeros in the other: each warp scales once and
@@ -75,7 +76,8 @@
 // Yr 20 KB (later T, 17 KB), G 34 KB (rows of 136 floats; later the W and U staging), A 17 KB (64 x 68 fp32),
 // beta, the diagonal blocks' range flags and two mbarriers: 105,760 bytes, with the alignment slack 106,784:
 // two CTAs per SM (16 warps) on an H100/H200. The backward mode adds P's block (8 KB, after A) and a third mbarrier:
-// 113,960 bytes, 114,984 with the slack, still two CTAs per SM.
+// 113,960 bytes, 114,984 with the slack, still two CTAs per SM. 32 bytes of static shared memory beside it: the
+// four warps' range of the raw gate for safe_gate's check (phase 1).
 //
 // V = 256 (NVIDIA H200, 2026-11-28, bf16 kda (8,2048,32,128,256), FLA's benchmark keywords, the fused forward in
 // bench_gpu.py beside FLA 0.5.2): 1.128 ms with this stage (FLA 2.440) against 1.596 with kda_prepare_kernel (FLA
@@ -91,11 +93,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
 #include "../common/check.h"
 #include "../common/device_info.h"
+#include "../common/gate_range.cuh"
 #include "../common/tma.cuh"
 #include "chunk_table.cuh"
 #include "fwd_mma.cuh"
@@ -499,12 +503,29 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   __syncthreads();
 
   // ---- phase 1: G in place (G's last row out) beside the l2 norm of q's and k's rows ----
+  // With safe_gate's range check (f.gate_range) the sum also takes each column's smallest and largest raw value, a
+  // warp's in gate_red, and thread 0 publishes the chunk's after the barrier: two atomics a CTA.
+  __shared__ int gate_red[2][4];
   if (wg == 0) {
-    chunk_sum_gate(Gt, kLdg, f, ce, hv);  // one thread per key column (threads 0 .. 127)
+    if (!kBwd && f.gate_range != nullptr) {
+      int lo = INT_MAX, hi = INT_MIN;
+      chunk_sum_gate<T, true>(Gt, kLdg, f, ce, hv, &lo, &hi);  // one thread per key column (threads 0 .. 127)
+      warp_key_range(lo, hi);
+      if (lane == 0) {
+        gate_red[0][wi] = lo;
+        gate_red[1][wi] = hi;
+      }
+    } else {
+      chunk_sum_gate(Gt, kLdg, f, ce, hv);  // one thread per key column (threads 0 .. 127)
+    }
   } else if (f.qk_l2norm) {
     l2norm_row<T>(smem + (thr < 64 ? S::q : S::k), thr & 63);
   }
   __syncthreads();
+  if (!kBwd && f.gate_range != nullptr && tid == 0) {
+    publish_key_range(f.gate_range, min(min(gate_red[0][0], gate_red[0][1]), min(gate_red[0][2], gate_red[0][3])),
+                      max(max(gate_red[1][0], gate_red[1][1]), max(gate_red[1][2], gate_red[1][3])));
+  }
 
   // ---- phase 2: A (warpgroup 0, X = K) and P (warpgroup 1, X = Q) ----
   // Row i of the chunk's P at Pc + i * p_ld; the backward's in the shared-memory block (p_at), every row (those

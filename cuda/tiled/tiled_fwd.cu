@@ -117,6 +117,8 @@
 
 #include "../common/check.h"
 #include "../common/dev_rows.cuh"
+#include "../common/gate_range.cuh"
+#include "../common/gate_range.h"
 #include "../common/kda_gate.cuh"
 #include "../common/device_info.h"
 #include "../common/kernel_switch.h"
@@ -172,6 +174,9 @@ struct FwdArgs {
   const float* gate_A_log = nullptr;
   const float* gate_dt_bias = nullptr;
   float gate_lower_bound = 0.f;
+  // safe_gate's range check folded into the gate load (Params::gate_range; kda_prepare_wgmma_kernel only): the
+  // smallest and largest raw value in common/gate_range.cuh's integer form, or nullptr.
+  int* gate_range = nullptr;
   __host__ __device__ bool gate_in_kernel() const { return g32.ptr != nullptr || g16.ptr != nullptr; }
 };
 
@@ -391,10 +396,11 @@ __device__ __forceinline__ void load_raw_gate(float* Gk, int ldg, const FwdArgs<
 // at a time. (Summing from global memory in registers cost the WY and operands kernels 0.12 ms each at
 // (2,16384,16,128) on an H100: four exposed load latencies a column.)
 // With the in-kernel gate (args.gate_A_log) each raw value of the chunk's rows becomes its gate here (rows past len
-// stay zero), from the thread's column's e^A_log and dt_bias read once.
-template <class T>
+// stay zero), from the thread's column's e^A_log and dt_bias read once. kRange: the thread's smallest and largest raw
+// value of the chunk's rows and keys also go into *lo, *hi (common/gate_range.cuh's keys; safe_gate's check).
+template <class T, bool kRange = false>
 __device__ __forceinline__ void chunk_sum_gate(float* Gk, int ldg, const FwdArgs<T>& args, const ChunkEntry& ce,
-                                               int64_t hv) {
+                                               int64_t hv, int* lo = nullptr, int* hi = nullptr) {
   const int len = static_cast<int>(ce.len);
   const bool gate = args.gate_A_log != nullptr;
   const float ga = gate ? expf(args.gate_A_log[hv]) : 0.f;
@@ -407,6 +413,18 @@ __device__ __forceinline__ void chunk_sum_gate(float* Gk, int ldg, const FwdArgs
       float x[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) x[i] = Gk[(i0 + i) * ldg + d];
+      if constexpr (kRange) {
+        if (d < args.K) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            if (i0 + i < len) {
+              const int key = gate_order_key(x[i]);
+              *lo = min(*lo, key);
+              *hi = max(*hi, key);
+            }
+          }
+        }
+      }
       if (gate_col) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) x[i] = i0 + i < len ? kda_gate_value(x[i], ga, gb, args.gate_lower_bound) : 0.f;
@@ -1550,6 +1568,8 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
   DELTACP_CHECK(p.variant == Variant::kda && (p.K == 128 || p.K == 64), "variant",
                 "expected kda with K = 128 or 64 for the fused forward's kda stage, got ", to_string(p.variant),
                 " with K = ", p.K);
+  // safe_gate's range check (Params::gate_range): the wgmma stage folds it in; the other kernels take one pass first.
+  if (p.gate_range != nullptr && !use_kda_prepare_wgmma(p)) gate_range_pass(p, stream);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (kIs16Bit<T>) {
@@ -1566,6 +1586,7 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
       const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
       if (use_kda_prepare_wgmma(p)) {  // everything in one kernel, on wgmma
         args.g_last = G_last;
+        args.gate_range = p.gate_range;  // safe_gate's range check folded into its gate load
         launch_kda_prepare_wgmma<T>(p, table, args, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Kd),
                                     static_cast<T*>(P), static_cast<T*>(Qg), stream);
         return;

@@ -30,6 +30,7 @@ nothing of deltacp.ops.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from typing import Optional, Tuple
 
@@ -50,7 +51,7 @@ class _Config:
 
     __slots__ = ("variant", "fwd_method", "bwd_method", "compute", "scale", "chunk_size", "output_final_state",
                  "cu", "cu_host", "device", "gate_name", "state_dtype", "qk_l2norm", "gate_check", "kda_gate",
-                 "qk_unit_rows")
+                 "qk_unit_rows", "gate_range")
 
 
 def _state_dtype(q: Tensor):
@@ -82,6 +83,7 @@ def _config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_final_
     cfg.gate_check = None  # safe_gate's range check, when the backward is the one to confirm it (chunk)
     cfg.kda_gate = None  # (A_log, dt_bias, lower_bound): kda's gate computed in the CUDA forward (chunk)
     cfg.qk_unit_rows = False  # q and k normalised by the caller (chunk: deltacp.ops with a gradient)
+    cfg.gate_range = None  # safe_gate's range slots that the CUDA forward fills (_checked; Params::gate_range)
     return cfg
 
 
@@ -105,6 +107,8 @@ def _forward(cfg: _Config, q, k, v, g, beta, a, b, h0, kept=None):
     descs = _input_descs(cfg, q, k, v, g, beta, a, b, h0)
     o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
     descs["o"] = torch_desc(o, "o")
+    if cfg.gate_range is not None:
+        descs["gate_range"] = torch_desc(cfg.gate_range, "gate_range")
     if cfg.output_final_state:
         ht = torch.empty((_num_seqs(cfg, q), HV, K, V), dtype=cfg.state_dtype, device=q.device)
         descs["ht"] = torch_desc(ht, "ht")
@@ -187,8 +191,10 @@ class GateRangeCheck:
     promise, or None. The ops enqueue their kernels in between: those are exact for any gate (the range is
     FLA's requirement, not deltacp's), so a broken promise is still reported before the call returns, while
     the GPU already runs the op (a check that synchronised before the launches left the GPU idle for the
-    host's whole launch time). On CUDA the pinned memory and the event are a slot of a ring (_GateRing)."""
-    __slots__ = ("lower", "gate_name", "host", "event", "values", "ring")
+    host's whole launch time). On CUDA the pinned memory and the event are a slot of a ring (_GateRing).
+    A check made in the forward (in_forward_range_check) holds the forward's own range slots instead
+    (Params::gate_range, in cuda/common/gate_range.cuh's integer form: encoded)."""
+    __slots__ = ("lower", "gate_name", "host", "event", "values", "ring", "encoded")
 
     def error(self):
         if self.values is None:
@@ -196,7 +202,7 @@ class GateRangeCheck:
                 self.ring.read(self)
             else:  # CPU tensors: the reduction ran synchronously
                 self.values = self.host.tolist()
-        lo, hi = self.values
+        lo, hi = (_key_to_float(x) for x in self.values) if self.encoded else self.values
         if lo >= self.lower and hi <= 0.0:
             return None
         return (f"deltacp: argument '{self.gate_name}': safe_gate=True promises {self.lower} <= {self.gate_name} "
@@ -288,6 +294,7 @@ def start_gate_range_check(g, lower: float, gate_name: str = "g"):
             f"gate come from use_gate_in_kernel=True")
     check = GateRangeCheck()
     check.lower, check.gate_name, check.event, check.values, check.ring = lower, gate_name, None, None, None
+    check.encoded = False
     # One pass over g and one device-to-host copy (min() and max() apart took two of each: at (2,16384,16,128)
     # two reads of 268 MB and two synchronisations per call).
     lo_hi = torch.stack(torch.aminmax(g.detach()))
@@ -296,6 +303,39 @@ def start_gate_range_check(g, lower: float, gate_name: str = "g"):
     else:
         check.host = lo_hi
     return check
+
+
+def _key_to_float(key: int) -> float:
+    """A range slot's value (cuda/common/gate_range.cuh: a float's bits, a negative float's magnitude bits
+    flipped) as the float it encodes."""
+    bits = key if key >= 0 else key ^ 0x7FFFFFFF
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+def in_forward_range_check(cfg: _Config, g, lower: float, gate_name: str = "g"):
+    """safe_gate's check of g made by the CUDA forward itself (Params::gate_range): the fused kda stage folds the
+    smallest and largest value into its gate load, so no pass over g runs before the kernels (on an H200, bf16 kda
+    with FLA's benchmark keywords, torch.aminmax over g took 0.131 ms of the 1.82 ms forward at (4,4096,64,128));
+    other tiers take one pass of their own (cuda/common/gate_range.h). None where it does not apply: then
+    start_gate_range_check. The values reach the host after the forward's kernels (finish_in_forward_range_check),
+    so it suits a check that the backward confirms, not one the forward waits for."""
+    if (g is None or g.numel() == 0 or g.device.type != "cuda" or cfg.kda_gate is not None
+            or g.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    if not torch.compiler.is_compiling() and capturing(g.device):
+        return None  # start_gate_range_check raises the capture's error
+    check = GateRangeCheck()
+    check.lower, check.gate_name, check.event, check.values, check.ring = lower, gate_name, None, None, None
+    check.encoded = True
+    check.host = torch.empty((2,), dtype=torch.int32, device=g.device)  # the slots, until the copy
+    cfg.gate_range = check.host
+    return check
+
+
+def finish_in_forward_range_check(cfg: _Config, check: GateRangeCheck) -> None:
+    """After the forward's launches: its range slots copied to pinned memory behind them (a ring slot)."""
+    slots, cfg.gate_range = check.host, None
+    _gate_ring(slots.device, slots.dtype).start(check, slots, torch.cuda.current_stream(slots.device))
 
 
 def _refuse_second_derivative(grads):
@@ -346,15 +386,26 @@ class _DeltaRuleFunction(torch.autograd.Function):
         if getattr(cfg, "qk_l2norm", False) or getattr(cfg, "kda_gate", None) is not None:  # forward-only options
             raise InvalidArgumentError(_NO_L2NORM_GRAD)
         gate_check = getattr(cfg, "gate_check", None)
-        if gate_check is not None:
-            gate_check.confirm()  # the forward's check (chunk), complete by now: no wait
+        # A check made by the forward's kernels (in_forward_range_check) reaches the host behind them: confirmed after
+        # this backward's launches, so that the GPU runs them instead of idling while the host waits and launches (a
+        # broken promise then drops the gradients). One made before the forward is complete by now: no wait.
+        confirm_after = gate_check is not None and gate_check.encoded
+        if gate_check is not None and not confirm_after:
+            gate_check.confirm()
         q, k, v, g, beta, a, b, h0 = ctx.saved_tensors
         if do is None:  # only ht was used
             do = torch.zeros((q.shape[0], q.shape[1], v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
         do = _last_dim_contiguous(do)  # e.g. the expanded gradient of o.sum() has stride 0
         if dht is not None:
             dht = dht.to(cfg.state_dtype).contiguous()
-        grads = _backward(cfg, q, k, v, g, beta, a, b, h0, do, dht, ctx.kept)
+        try:
+            grads = _backward(cfg, q, k, v, g, beta, a, b, h0, do, dht, ctx.kept)
+        except Exception:
+            if confirm_after:
+                gate_check.confirm()  # a broken promise is the error to report
+            raise
+        if confirm_after:
+            gate_check.confirm()
         inputs = (q, k, v, g, beta, a, b, h0)
         return (None, *(None if t is None else d for t, d in zip(inputs, grads)))
 
@@ -398,16 +449,27 @@ def _call_config(variant, fwd_method, bwd_method, q, scale, chunk_size, output_f
 
 def _checked(cfg: _Config, g, gate_min, run, confirm_in_backward: bool = False):
     """run() after safe_gate's range check of g was enqueued (gate_min: its lower bound, None: no check), confirmed
-    after the launches (the forward's kernels take any gate), or with confirm_in_backward by the backward (cfg)."""
-    gate_check = start_gate_range_check(g, gate_min, cfg.gate_name) if gate_min is not None else None
+    after the launches (the forward's kernels take any gate), or with confirm_in_backward by the backward (cfg):
+    then, on CUDA, the forward's kernels make the check themselves (in_forward_range_check)."""
+    in_forward = None
+    if gate_min is not None and confirm_in_backward:
+        in_forward = in_forward_range_check(cfg, g, gate_min, cfg.gate_name)
+    gate_check = in_forward
+    if gate_min is not None and gate_check is None:
+        gate_check = start_gate_range_check(g, gate_min, cfg.gate_name)
     if confirm_in_backward:
         cfg.gate_check = gate_check
     try:
         out = run()
     except Exception:
+        cfg.gate_range = None
+        if in_forward is not None:  # the forward stopped: its slots may not hold every value
+            gate_check = start_gate_range_check(g, gate_min, cfg.gate_name)
         if gate_check is not None:
             gate_check.confirm()  # a broken promise is the error to report (a positive g fails both)
         raise
+    if in_forward is not None:
+        finish_in_forward_range_check(cfg, in_forward)
     if gate_check is not None and not confirm_in_backward:
         gate_check.confirm()
     return out
@@ -523,7 +585,8 @@ def chunk(q, k, v, g, beta, a, b, h0, cu_seqlens, cu_seqlens_cpu, variant: str, 
     returns tensors only); deltacp.ops drops it either way.
 
     safe_gate's range check (gate_min) is enqueued before the kernels on both routes. Without a gradient the
-    forward waits for it and raises; with one, on the second route, the backward does, before its kernels.
+    forward waits for it and raises; with one, on the second route, the forward's kernels make it themselves on
+    CUDA (in_forward_range_check) and the backward raises, after enqueueing its kernels (before them elsewhere).
     Waiting in the forward held the host until the GPU had drained everything queued before the check (the
     previous step's backward, in training), so the host then enqueued this step's backward while the GPU
     idled; the forward's result is exact for any gate either way (the promise is FLA's requirement)."""

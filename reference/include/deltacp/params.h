@@ -107,6 +107,11 @@ struct Params {
   // (cuda/fused/fused_fwd.cu tbeta_refusal), so that o and the gradients equal one process's bit for bit. CUDA
   // forward only; ignored elsewhere.
   bool backward_recomputes = false;
+  // safe_gate's range check (FLA's promise lower_bound <= g <= 0 on a precomputed g): [2] int32 on the device that a
+  // CUDA forward fills with the smallest and the largest value of g, in cuda/common/gate_range.cuh's integer form
+  // (the fused kda stage as it loads the gate, every other path in one pass first; cuda/common/gate_range.h).
+  // deltacp/_library.py reads and judges them. CUDA forward only, not with the in-kernel gate (gate_A_log).
+  int* gate_range = nullptr;
   // FLA's use_gate_in_kernel for kda inside the CUDA forward (gate_A_log set): g holds the raw gate x and the
   // kernels use, in its place, lower_bound sigmoid(e^(A_log[hv]) (x + dt_bias[hv, k])) when gate_lower_bound < 0,
   // or -e^(A_log[hv]) softplus(x + dt_bias[hv, k]) when it is 0 (FLA without lower_bound; softplus(y) = y past
