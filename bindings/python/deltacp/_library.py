@@ -196,6 +196,10 @@ class GateRangeCheck:
     (Params::gate_range, in cuda/common/gate_range.cuh's integer form: encoded)."""
     __slots__ = ("lower", "gate_name", "host", "event", "values", "ring", "encoded")
 
+    def __init__(self):
+        self.lower, self.gate_name, self.host, self.event, self.values, self.ring = None, "g", None, None, None, None
+        self.encoded = False  # the forward's range slots (in_forward_range_check) rather than floats
+
     def error(self):
         if self.values is None:
             if self.ring is not None:
@@ -293,8 +297,7 @@ def start_gate_range_check(g, lower: float, gate_name: str = "g"):
             f"record; check the range before the capture and call with safe_gate=False inside it, or let the "
             f"gate come from use_gate_in_kernel=True")
     check = GateRangeCheck()
-    check.lower, check.gate_name, check.event, check.values, check.ring = lower, gate_name, None, None, None
-    check.encoded = False
+    check.lower, check.gate_name = lower, gate_name
     # One pass over g and one device-to-host copy (min() and max() apart took two of each: at (2,16384,16,128)
     # two reads of 268 MB and two synchronisations per call).
     lo_hi = torch.stack(torch.aminmax(g.detach()))
@@ -325,8 +328,7 @@ def in_forward_range_check(cfg: _Config, g, lower: float, gate_name: str = "g"):
     if not torch.compiler.is_compiling() and capturing(g.device):
         return None  # start_gate_range_check raises the capture's error
     check = GateRangeCheck()
-    check.lower, check.gate_name, check.event, check.values, check.ring = lower, gate_name, None, None, None
-    check.encoded = True
+    check.lower, check.gate_name, check.encoded = lower, gate_name, True
     check.host = torch.empty((2,), dtype=torch.int32, device=g.device)  # the slots, until the copy
     cfg.gate_range = check.host
     return check
