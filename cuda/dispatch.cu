@@ -284,7 +284,6 @@ static void run_forward(const Params& p, Method tier) {
   throw_error("tier", "no CUDA forward for tier ", to_string(tier));  // unreachable after check_tier
 }
 
-// DELTACP_CHECK=1: the numeric checks of docs/errors.md around the kernels (common/finite_check.h).
 // safe_gate's range check (Params::gate_range, common/gate_range.h), started once per call: the slots initialised,
 // then the fused kda stage folds the reduction into its gate load (each window's stage, or its own pass where the
 // wgmma stage does not run: tiled_fwd.cu launch_kda_fused_prepare); elsewhere one pass over g here, and the tier
@@ -303,6 +302,7 @@ static Params start_gate_range(const Params& p, Method tier) {
   return rest;
 }
 
+// DELTACP_CHECK=1: the numeric checks of docs/errors.md around the kernels (common/finite_check.h).
 void forward(const Params& p, Method tier) {
   if (!numeric_checks_requested()) {
     if (p.gate_range == nullptr) return run_forward(p, tier);
