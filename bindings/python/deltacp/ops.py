@@ -206,8 +206,8 @@ def _apply(variant, q, k, v, g, beta, a, b, scale, initial_state, output_final_s
                 and (opts.lower_bound is None or opts.lower_bound < 0) else None)  # the kernels' two forms
     gate_bound = opts.gate_check_bound()  # of the options as given (safe_gate checks a precomputed g only)
     qk_unit_rows = bool(opts.use_qk_l2norm_in_kernel)
-    # With cp_context the CP op normalises q and k itself: in its local fused kernels where no gradient is wanted
-    # (deltacp.cp.ops.cp_apply), else in one pass here.
+    # With cp_context the CP op normalises q and k itself (deltacp.cp.ops.cp_apply): in its local fused kernels where
+    # no gradient is wanted, else in one pass of its own, differentiated; preprocess below leaves them as given.
     cp_l2 = cp_context is not None and opts.use_qk_l2norm_in_kernel
     if l2_in_kernel or kda_gate is not None or cp_l2:
         opts = opts.copy(use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel and not (l2_in_kernel or cp_l2),
