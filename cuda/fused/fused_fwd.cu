@@ -223,6 +223,7 @@ struct WindowBuffers {
   void* Kd = nullptr;
   void* Qg = nullptr;
   bool tbeta = false;  // the chain's T Beta form: W's buffer holds T Beta, U's is unused (chain_takes_tbeta)
+  float* Tinv = nullptr;  // kda's stage kept for the backward (Params::kda_stage): G holds every row, T goes here
   ChainOperands operands() const { return {G, W, U, P, Kd, Qg, rq, rk, tbeta}; }
 };
 constexpr int kWindowParts = 8;
@@ -267,7 +268,7 @@ WindowBuffers carve_window_buffers(char* at, const Params& p) {
 // are written).
 void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffers& b, cudaStream_t stream) {
   if (p.variant == Variant::kda) {
-    tiled::launch_kda_fused_prepare(p, table, b.G, b.W, b.U, b.Kd, b.P, b.Qg, stream);
+    tiled::launch_kda_fused_prepare(p, table, b.G, b.W, b.U, b.Kd, b.P, b.Qg, stream, b.Tinv);
     return;
   }
   if (!b.tbeta) tiled::launch_chunk_cumsum(p, table, b.G, stream);  // the T Beta form's WY stage sums g itself
@@ -368,6 +369,16 @@ const char* one_kernel_refusal(const Params& p, const ChunkTable& table) {
   return nullptr;
 }
 
+// Why this forward does not write Params::kda_stage for its backward (nullptr: it does). A call that keeps its
+// per-chunk states (chunk_h) runs as one window, so the stage runs once over every chunk.
+const char* kda_stage_refusal(const Params& p) {
+  if (p.kda_stage == nullptr) return "none was given";
+  if (p.chunk_h == nullptr) return "it is kept beside the per-chunk states (chunk_h)";
+  if (p.qk_l2norm || p.gate_in_kernel()) return "the backward reads q, k and g as given (no in-kernel options)";
+  if (!tiled::kda_stage_kept_by(p)) return "the kda stage does not run on Hopper's warpgroup products at K = V = 128";
+  return nullptr;
+}
+
 // One window of the forward (the whole call when it is not cut): both stages on p's stream, or G and the one
 // kernel. DELTACP_FUSED_ONE_KERNEL=1 asks for the one kernel (an error says why where it cannot run); unset or 0,
 // the two kernels: on an H200 the one kernel is slower at every shape measured (fused_one_kernel.cuh).
@@ -395,9 +406,26 @@ void forward_window(const Params& p) {
     if (G != nullptr) workspace_free(G, stream);
     return;
   }
-  char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(window_buffers_bytes(p)), stream));
+  // kda's stage kept for the backward (keeps_kda_stage): G, W, Kd, Q e^G, P and T in Params::kda_stage's planes,
+  // only U in workspace.
+  const bool keep = keeps_kda_stage(p);
+  const int64_t rows = p.B * p.T * p.HV;
+  const int64_t ws_bytes = keep ? align256(rows * p.V * dtype_size(p.dtype)) : window_buffers_bytes(p);
+  char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(ws_bytes), stream));
   try {
-    WindowBuffers b = carve_window_buffers(ws, p);
+    WindowBuffers b;
+    if (keep) {
+      using Pl = KdaStagePlanes;
+      b.G = static_cast<float*>(Pl::at(p.kda_stage, Pl::G, rows));
+      b.Tinv = static_cast<float*>(Pl::at(p.kda_stage, Pl::T, rows));
+      b.W = Pl::at(p.kda_stage, Pl::W, rows);
+      b.Kd = Pl::at(p.kda_stage, Pl::Kd, rows);
+      b.Qg = Pl::at(p.kda_stage, Pl::Qg, rows);
+      b.P = Pl::at(p.kda_stage, Pl::P, rows);
+      b.U = ws;
+    } else {
+      b = carve_window_buffers(ws, p);
+    }
     b.tbeta = chain_takes_tbeta(p);
     prepare_window(p, table, b, stream);
     chain_window(p, table, b, stream);
@@ -759,5 +787,7 @@ void forward_composed_map(StagedForward& staged, int64_t n, const float* init, f
   tiled::launch_compose_maps(s.seq_maps[static_cast<size_t>(n)], s.plan.pieces_of(n), s.p.HV, s.p.K, s.p.V, width,
                              init, out, s.stream);
 }
+
+bool keeps_kda_stage(const Params& p) { return kda_stage_refusal(p) == nullptr; }
 
 }  // namespace deltacp::cuda::fused

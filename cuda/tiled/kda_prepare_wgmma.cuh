@@ -67,6 +67,14 @@
 //            64 h .. 64 h + 63, 4 x wgmma m64n64k16 with P^T read M-major and dO's block h MN-major (dO's rows past
 //            len zeroed first, as B0's masked loads leave them)
 // q and k are read as given (the backward takes them normalised: no qk_l2norm) and no P goes to global memory.
+//
+// Kept for the backward (Params::kda_stage; launch_kda_prepare_wgmma with G_rows and Tinv): a forward with a gradient
+// writes, beside its usual outputs, every row of G (in place of G's last rows) and T rounded to 16 bits, with the
+// code of the backward mode above, into the stage's planes, where W, Kd, Q e^G and P go too. The backward then reads
+// them and runs only stage B0: kda_b0_kept_kernel loads P's rows into the swizzled block the backward mode builds in
+// shared memory (zero past len, as there) and runs the same phase 5 (b0_columns), so its gradients are the
+// recompute's bits. It moves P and dO in and dVn out, 896 bytes per token-head where the recompute moves 3714 (q, k,
+// v, g, beta and dO in: 1538; G, T, Q e^G, Kd, W, U and dVn out: 2176); the forward writes 640 more (G's rows, T).
 // Against the three kernels it replaces: G, Kd and Q e^G are the same bits; A, P, W, U and dVn accumulate in wgmma's
 // k order (as the forward stage against kda_prepare_kernel); the contract is agreement within the bf16 / fp16
 // tolerances, and on the GPU tests the gradients came out the same bits. Measured (H100, bf16, (2,16384,16,128),
@@ -452,6 +460,41 @@ __device__ __forceinline__ void store_staged_rows(T* dst, const unsigned char* s
           *reinterpret_cast<const uint4*>(src + r * 256 + ((piece ^ (r & 7)) << 4));
   }
 }
+// B0's dVn_local = scale P^T dO for warpgroup wg's value columns 64 wg .. 64 wg + 63, into a.dvl: A = P^T (P's
+// swizzled 64 x 64 block at p_addr, read M-major), B = dO's block wg at dob (64 tokens x 64 columns, swizzled, landed;
+// its rows past len are zeroed here, as B0's masked loads leave them; P's rows there are zero), K = the chunk's 64
+// tokens. The recompute's phase 5 and kda_b0_kept_kernel both run this, so the two give the same bits.
+template <class T>
+__device__ __forceinline__ void b0_columns(const KdaPrepWgArgs<T>& a, uint32_t p_addr, unsigned char* dob,
+                                           int64_t row0, int64_t hv, int len, int wg, int thr, int wi, int g, int t) {
+  const int64_t HV = a.f.HV;
+  if (len < 64)
+    for (int idx = thr; idx < 64 * 8; idx += 128)
+      if ((idx >> 3) >= len) *reinterpret_cast<uint4*>(dob + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
+  fence_proxy_async();
+  warpgroup_bar(wg);
+  float dv[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) dv[i] = 0.f;
+  wg_fence();
+  reg_fence(dv);
+  const uint32_t do_addr = smem_u32(dob);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_ss<T, 64, 1, 1>(dv, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024), 1);
+  wg_commit();
+  wg_wait_all();
+  reg_fence(dv);
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * wi + g + 8 * h;
+      if (r < len)
+        *reinterpret_cast<float2*>(a.dvl + ((row0 + r) * HV + hv) * 128 + 64 * wg + 8 * nb + 2 * t) =
+            make_float2(a.scale * dv[4 * nb + 2 * h], a.scale * dv[4 * nb + 2 * h + 1]);
+    }
+}
 }  // namespace kda_prep_wg
 #endif  // DELTACP_WGMMA_DEVICE
 
@@ -581,6 +624,8 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
         tma_load_4d(smem + S::dO, &a.tm_do.map, bars + 2, 0, static_cast<int>(hv), t0, b);
         tma_load_4d(smem + S::dO + S::kBox, &a.tm_do.map, bars + 2, 64, static_cast<int>(hv), t0, b);
       }
+    }
+    if (kBwd || a.Tinv != nullptr) {  // the backward's recompute, or a forward that keeps its stage (a.Tinv set)
       // T's rows < len (B3 / the chunk-local kernel): fp32, or rounded (t16) in the first 128 bytes of each row.
       if (a.t16) {
         for (int idx = thr; idx < 64 * 8; idx += 128) {
@@ -623,7 +668,7 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
         const int64_t row = (ce.row0 + i) * HV + hv;
         store8(a.Qg + row * 128 + 8 * pc, qv);
         store8(a.Kd + row * 128 + 8 * pc, kd);
-        if constexpr (kBwd) {  // G's row (the cumsum stage's bits: chunk_sum_gate sums in its order)
+        if (kBwd || a.G != nullptr) {  // G's row (the cumsum stage's bits: chunk_sum_gate sums in its order)
           float4* gd = reinterpret_cast<float4*>(a.G + row * 128 + 8 * pc);
           gd[0] = make_float4(gv[0], gv[1], gv[2], gv[3]);
           gd[1] = make_float4(gv[4], gv[5], gv[6], gv[7]);
@@ -718,35 +763,54 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
   // ---- phase 5 (the backward): B0's dVn_local = scale P^T dO, warpgroup wg the value columns 64 wg .. 64 wg + 63:
   // A = P^T (P's block read M-major), B = dO's block wg (MN-major), K = the chunk's 64 tokens ----
   if constexpr (kBwd) {
-    unsigned char* dob = smem + S::dO + wg * S::kBox;
     mbar_wait(bars + 2, 0);
-    if (len < 64)  // rows past the chunk: zero, as B0's masked loads leave them (P's rows there are zero too)
-      for (int idx = thr; idx < 64 * 8; idx += 128)
-        if ((idx >> 3) >= len) *reinterpret_cast<uint4*>(dob + idx * 16) = make_uint4(0u, 0u, 0u, 0u);
-    fence_proxy_async();
-    warpgroup_bar(wg);
-    float dv[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) dv[i] = 0.f;
-    wg_fence();
-    reg_fence(dv);
-    const uint32_t p_addr = smem_u32(smem + S::p), do_addr = smem_u32(dob);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss<T, 64, 1, 1>(dv, wg_desc(p_addr + kk * 2048, 8192, 1024), wg_desc(do_addr + kk * 2048, 8192, 1024), 1);
-    wg_commit();
-    wg_wait_all();
-    reg_fence(dv);
-#pragma unroll
-    for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = 16 * wi + g + 8 * h;
-        if (r < len)
-          *reinterpret_cast<float2*>(a.dvl + ((ce.row0 + r) * HV + hv) * 128 + 64 * wg + 8 * nb + 2 * t) =
-              make_float2(a.scale * dv[4 * nb + 2 * h], a.scale * dv[4 * nb + 2 * h + 1]);
-      }
+    b0_columns<T>(a, smem_u32(smem + S::p), smem + S::dO + wg * S::kBox, ce.row0, hv, len, wg, thr, wi, g, t);
   }
+#else
+  __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
+#endif
+}
+
+// Stage B0 alone over a stage the forward kept (Params::kda_stage): P's rows < len from its plane into the swizzled
+// block (zero past len: the recompute's block holds zeros there), dO by TMA, then the recompute's phase 5
+// (b0_columns): the same operands in shared memory, so the same bits. One CTA of two warpgroups per (chunk, value
+// head); 25 KB of shared memory. a: f.chunks and f.HV, P (the kept plane), tm_do, dvl and scale.
+struct KdaB0Smem {
+  static constexpr int kBox = KdaPrepWgSmem::kBox;
+  static constexpr int p = 0, dO = kBox, bar = 3 * kBox;
+  static constexpr int bytes = bar + 16 + 1024;  // plus the alignment slack
+};
+template <class T>
+__global__ void __launch_bounds__(256) kda_b0_kept_kernel(const __grid_constant__ KdaPrepWgArgs<T> a) {
+#ifdef DELTACP_WGMMA_DEVICE
+  using S = KdaB0Smem;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + S::bar);
+  const int tid = threadIdx.x, wg = tid >> 7, thr = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const ChunkEntry ce = a.f.chunks[blockIdx.x];
+  const int64_t hv = blockIdx.y, HV = a.f.HV;
+  const int len = static_cast<int>(ce.len);
+  if (tid == 0) {
+    mbar_init(bar, 1);
+    fence_mbar_init();
+    mbar_expect_tx(bar, 2 * S::kBox);
+    tma_load_4d(smem + S::dO, &a.tm_do.map, bar, 0, static_cast<int>(hv), static_cast<int>(ce.t0),
+                static_cast<int>(ce.batch));
+    tma_load_4d(smem + S::dO + S::kBox, &a.tm_do.map, bar, 64, static_cast<int>(hv), static_cast<int>(ce.t0),
+                static_cast<int>(ce.batch));
+  }
+  for (int idx = tid; idx < 64 * 8; idx += 256) {  // row r's 16-byte piece pc goes to piece (pc ^ r) % 8 of its row
+    const int r = idx >> 3, pc = idx & 7;
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (r < len) x = *reinterpret_cast<const uint4*>(a.P + ((ce.row0 + r) * HV + hv) * 64 + 8 * pc);
+    *reinterpret_cast<uint4*>(smem + S::p + r * 128 + (((pc ^ r) & 7) << 4)) = x;
+  }
+  fence_proxy_async();  // P's block: read by the products
+  __syncthreads();      // P is complete; the mbarrier is initialised
+  mbar_wait(bar, 0);
+  kda_prep_wg::b0_columns<T>(a, smem_u32(smem + S::p), smem + S::dO + wg * S::kBox, ce.row0, hv, len, wg, thr, wi,
+                             lane >> 2, lane & 3);
 #else
   __trap();  // never launched: the host selects this kernel only for builds with sm_90a code
 #endif
@@ -772,10 +836,12 @@ inline const char* kda_prepare_wgmma_refusal(const Params& p) {
 }
 
 // Launches kda_prepare_wgmma_kernel over every chunk of the table: f as launch_kda_fused_prepare sets it up (the raw
-// gate, g_last, qk_l2norm), outputs as kda_prepare_kernel's.
+// gate, g_last, qk_l2norm), outputs as kda_prepare_kernel's. A forward that keeps its stage for the backward
+// (Params::kda_stage) also passes G_rows and Tinv: every row of G (f.g_last null) and T rounded to T's type in the
+// first 128 bytes of each row, as the backward's recompute writes them.
 template <class T>
 void launch_kda_prepare_wgmma(const Params& p, const ChunkTable& table, const FwdArgs<T>& f, T* W, T* U, T* Kd, T* P,
-                              T* Qg, cudaStream_t stream) {
+                              T* Qg, cudaStream_t stream, float* G_rows = nullptr, float* Tinv = nullptr) {
   if (table.num_chunks() == 0) return;
   KdaPrepWgArgs<T> a;
   a.tm_q = token_rows_map(p.q, p.B, p.T, p.H, 128, "q");
@@ -788,6 +854,9 @@ void launch_kda_prepare_wgmma(const Params& p, const ChunkTable& table, const Fw
   a.Kd = Kd;
   a.P = P;
   a.Qg = Qg;
+  a.G = G_rows;
+  a.Tinv = Tinv;
+  a.t16 = Tinv != nullptr;
   auto kernel = kda_prepare_wgmma_kernel<T>;
   opt_in_smem(kernel, KdaPrepWgSmem::bytes, "K", "the wgmma kda stage needs ", KdaPrepWgSmem::bytes,
               " bytes of shared memory");
@@ -841,6 +910,26 @@ void launch_kda_bwd_recompute_wgmma(const Params& p, const ChunkTable& table, fl
   opt_in_smem(kernel, S::bytes, "K", "the wgmma kda recompute needs ", S::bytes, " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
   kernel<<<grid, 256, S::bytes, stream>>>(a);
+  DELTACP_CUDA_CHECK_LAUNCH();
+}
+
+// Stage B0 alone over the kda stage a forward kept (Params::kda_stage): dvl ([R, HV, 128] fp32) = scale P^T dO from
+// its P plane, where kda_bwd_recompute_wgmma_refusal allows the recompute (the same operands and products).
+template <class T>
+void launch_kda_b0_kept_wgmma(const Params& p, const ChunkTable& table, const T* P, float* dvl, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  KdaPrepWgArgs<T> a;
+  a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
+  a.f.chunks = table.chunks();
+  a.f.HV = p.HV;
+  a.P = const_cast<T*>(P);
+  a.dvl = dvl;
+  a.scale = static_cast<float>(p.scale);
+  auto kernel = kda_b0_kept_kernel<T>;
+  opt_in_smem(kernel, KdaB0Smem::bytes, "K", "stage B0 over the kept kda stage needs ", KdaB0Smem::bytes,
+              " bytes of shared memory");
+  const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
+  kernel<<<grid, 256, KdaB0Smem::bytes, stream>>>(a);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 

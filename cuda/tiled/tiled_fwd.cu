@@ -1562,9 +1562,15 @@ bool use_kda_prepare_wgmma(const Params& p) {
 }
 }  // namespace
 
+bool kda_stage_kept_by(const Params& p) {
+  return p.variant == Variant::kda && p.K == 128 && p.V == 128 && use_kda_prepare_wgmma(p);
+}
+
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
-                              void* P, void* Qg, cudaStream_t stream) {
+                              void* P, void* Qg, cudaStream_t stream, float* Tinv) {
   if (table.num_chunks() == 0) return;
+  DELTACP_CHECK(Tinv == nullptr || kda_stage_kept_by(p), "kda_stage",
+                "internal: the kda stage is kept only where its wgmma kernel runs at K = V = 128");
   DELTACP_CHECK(p.variant == Variant::kda && (p.K == 128 || p.K == 64), "variant",
                 "expected kda with K = 128 or 64 for the fused forward's kda stage, got ", to_string(p.variant),
                 " with K = ", p.K);
@@ -1585,10 +1591,11 @@ void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G
       args.gate_lower_bound = p.gate_lower_bound;
       const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
       if (use_kda_prepare_wgmma(p)) {  // everything in one kernel, on wgmma
-        args.g_last = G_last;
+        args.g_last = Tinv != nullptr ? nullptr : G_last;  // kept: every row of G instead
         args.gate_range = p.gate_range;  // safe_gate's range check folded into its gate load
         launch_kda_prepare_wgmma<T>(p, table, args, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Kd),
-                                    static_cast<T*>(P), static_cast<T*>(Qg), stream);
+                                    static_cast<T*>(P), static_cast<T*>(Qg), stream,
+                                    Tinv != nullptr ? G_last : nullptr, Tinv);
         return;
       }
       if (use_kda_prepare_kernel(p)) {  // everything in one kernel
@@ -1636,6 +1643,16 @@ void launch_kda_bwd_recompute(const Params& p, const ChunkTable& table, float* G
     if constexpr (kIs16Bit<T>)
       launch_kda_bwd_recompute_wgmma<T>(p, table, G, static_cast<T*>(W), static_cast<T*>(U), static_cast<T*>(Kd), Tinv,
                                         t16, static_cast<T*>(Qg), dvl, stream);
+  });
+}
+
+void launch_kda_bwd_b0_kept(const Params& p, const ChunkTable& table, const void* P, float* dvl, cudaStream_t stream) {
+  if (table.num_chunks() == 0) return;
+  if (const char* why = kda_bwd_recompute_wgmma_refusal(p))
+    throw_error("kda_stage", "stage B0 over the kept kda stage cannot run: ", why);
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (kIs16Bit<T>) launch_kda_b0_kept_wgmma<T>(p, table, static_cast<const T*>(P), dvl, stream);
   });
 }
 

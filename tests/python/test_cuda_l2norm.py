@@ -20,7 +20,7 @@ def _torch_l2norm(x, eps=1e-6):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3), (torch.float16, 1e-3)],
                          ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("D", [128, 64, 100, 256, 1])
+@pytest.mark.parametrize("D", [128, 64, 100, 160, 256, 1])
 def test_l2norm_rows_against_torch(dtype, tol, D):
     if not deltacp.built_with_cuda():
         pytest.fail("a CUDA device is present but deltacp was built without the CUDA tiers")
@@ -76,3 +76,25 @@ def test_l2norm_rows_routes_give_the_same_bits():
     assert torch.equal(y_plain, y_fn) and torch.equal(y_fn, y_op)
     assert torch.equal(xa.grad, xo.grad)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_l2norm_rows_tile_kernels_give_the_row_kernels_bits(dtype):
+    """Rows of 128 16-bit elements at 16-byte aligned pointers take the kernels that move 32 rows a block through
+    shared memory; the same rows 2 bytes off that alignment take the one-row kernels: y and dx bit for bit (77 rows:
+    a partial last tile)."""
+    torch.manual_seed(3)
+    n = 77
+    x0 = (3 * torch.randn(n * 128, device="cuda")).to(dtype)
+    dy0 = torch.randn(n * 128, device="cuda").to(dtype)
+    got = []
+    for off in (0, 1):  # the same values at element offset 0 (16-byte aligned) and 1 (2 bytes off)
+        buf, dbuf = x0.new_zeros(n * 128 + 8), dy0.new_zeros(n * 128 + 8)
+        buf[off:off + n * 128] = x0
+        dbuf[off:off + n * 128] = dy0
+        x = buf[off:off + n * 128].view(n, 128).requires_grad_(True)
+        y = _l2norm.l2norm_rows(x)
+        y.backward(dbuf[off:off + n * 128].view(n, 128))
+        got.append((y.detach(), x.grad))
+    assert torch.equal(got[0][0], got[1][0]), "y"
+    assert torch.equal(got[0][1], got[1][1]), "dx"
