@@ -179,7 +179,7 @@ def _is_hopper(device) -> bool:
 
 def _new_kda_stage(cfg: _Config, q, v):
     """An uninitialised kda stage buffer for a forward that keeps its states (_kept_states), or None where the
-    fused forward would not write one (the C++ side has the last word: _forward_kept_stage)."""
+    fused forward would not write one (the forward has the last word: _core.cuda_last_forward_kept_kda_stage)."""
     if os.environ.get("DELTACP_KEEP_KDA_STAGE", "1") == "0":
         return None
     if (cfg.variant != "kda" or cfg.fwd_method not in ("auto", "fused") or q.shape[3] != 128 or v.shape[3] != 128
