@@ -53,8 +53,8 @@ constexpr bool kHaveFusedForward =
 
 // What the last forward or backward of this thread ran, and why (last_tier_choice, api.h).
 thread_local TierChoice g_last_choice{Method::naive, "no CUDA call yet"};
-// Whether the last forward of this thread wrote Params::kda_stage (last_forward_kept_kda_stage, api.h).
-thread_local bool g_last_kept_kda_stage = false;
+// Whether the last forward of this thread wrote Params::wy_stage (last_forward_kept_wy_stage, api.h).
+thread_local bool g_last_kept_wy_stage = false;
 
 bool tier_built(Method tier, bool backward) {
   switch (tier) {
@@ -171,14 +171,15 @@ void validate_on_gpu(const Params& p, Method tier, bool backward, bool by_name =
     check_gpu_pointer(p.chunk_h, "chunk_h");
     check_gpu_pointer(p.chunk_vnew, "chunk_vnew");
   }
-  if (p.kda_stage != nullptr) {  // params.h: kda's stage, written by the fused forward, read by the tiled backward
-    DELTACP_CHECK(p.chunk_h != nullptr, "kda_stage", "expected chunk_h and chunk_vnew beside it (it is kept with the "
+  if (p.wy_stage != nullptr) {  // params.h: the WY stage, written by the fused forward, read by the tiled backward
+    DELTACP_CHECK(p.chunk_h != nullptr, "wy_stage", "expected chunk_h and chunk_vnew beside it (it is kept with the "
                   "per-chunk states)");
-    DELTACP_CHECK(p.variant == Variant::kda && p.K == 128 && p.V == 128, "kda_stage", "expected kda with K = V = 128, "
-                  "got ", to_string(p.variant), " with K = ", p.K, " and V = ", p.V);
-    DELTACP_CHECK(p.dtype == DType::bf16 || p.dtype == DType::f16, "kda_stage", "expected bfloat16 or float16 "
+    DELTACP_CHECK((p.variant == Variant::kda || p.variant == Variant::gdn) && p.K == 128 && p.V == 128, "wy_stage",
+                  "expected gdn or kda with K = V = 128, got ", to_string(p.variant), " with K = ", p.K, " and V = ",
+                  p.V);
+    DELTACP_CHECK(p.dtype == DType::bf16 || p.dtype == DType::f16, "wy_stage", "expected bfloat16 or float16 "
                   "inputs, got ", to_string(p.dtype));
-    check_gpu_pointer(p.kda_stage, "kda_stage");
+    check_gpu_pointer(p.wy_stage, "wy_stage");
   }
   if (p.gate_in_kernel()) {  // params.h: kda's raw gate with A_log (and dt_bias), a forward option
     DELTACP_CHECK(!backward && p.variant == Variant::kda, "A_log", "the in-kernel gate is an option of kda's forward");
@@ -269,7 +270,7 @@ static void run_forward_on_gated(const Params& p, Method tier) {
 }
 
 static void run_forward(const Params& p, Method tier) {
-  g_last_kept_kda_stage = false;
+  g_last_kept_wy_stage = false;
   check_tier(tier, false);
   validate_on_gpu(p, tier, false, /*by_name=*/true);
   g_last_choice = TierChoice{tier, std::string("asked for by name")};
@@ -291,7 +292,7 @@ static void run_forward(const Params& p, Method tier) {
 #ifdef DELTACP_HAVE_FUSED_FWD
     case Method::fused:
       fused::forward(p);
-      g_last_kept_kda_stage = fused::keeps_kda_stage(p);
+      g_last_kept_wy_stage = fused::keeps_wy_stage(p);
       return;
 #endif
     default: break;
@@ -403,7 +404,7 @@ Method backward_auto(const Params& p) {
 }
 
 TierChoice last_tier_choice() { return g_last_choice; }
-bool last_forward_kept_kda_stage() { return g_last_kept_kda_stage; }
+bool last_forward_kept_wy_stage() { return g_last_kept_wy_stage; }
 
 TierChoice forward_tier(const Params& p) {
   check_gpu_params(p);
@@ -415,7 +416,7 @@ namespace {
 void refuse_kept_states(const Params& p) {
   DELTACP_CHECK(p.chunk_h == nullptr && p.chunk_vnew == nullptr, p.chunk_h ? "chunk_h" : "chunk_vnew",
                 "the staged forward and backward keep and read no per-chunk states; pass none");
-  DELTACP_CHECK(p.kda_stage == nullptr, "kda_stage", "the staged forward and backward keep and read no kda stage; "
+  DELTACP_CHECK(p.wy_stage == nullptr, "wy_stage", "the staged forward and backward keep and read no WY stage; "
                 "pass none");
 }
 // Every step of the staged (tiled) forward or backward checks what forward() / backward() check.

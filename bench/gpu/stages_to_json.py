@@ -38,7 +38,7 @@ LABELS = [
     ("wy_wgmma_kernel<__nv_bfloat16, true", "recompute: wy_wgmma with B0"),
     ("chunk_wy_kernel", "recompute: chunk_wy"),
     ("bwd_dv_local_kernel", "bwd_dv_local (B0)"),
-    ("kda_b0_kept_kernel", "B0 over the kept kda stage"),
+    ("b0_kept_kernel", "B0 over the kept WY stage"),
     ("kda_prepare_wgmma_kernel<__nv_bfloat16, t", "recompute: kda_prepare_wgmma with B0"),
     ("kda_prepare_wgmma_kernel<__nv_bfloat16, f", "forward: kda_prepare_wgmma"),
     ("kda_prepare_kernel", "forward: kda_prepare"),

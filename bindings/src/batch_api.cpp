@@ -437,9 +437,9 @@ py::tuple cuda_forward_tier(const std::string& variant, const py::dict& tensors,
 #endif
 }
 
-bool cuda_last_forward_kept_kda_stage() {
+bool cuda_last_forward_kept_wy_stage() {
 #ifdef DELTACP_WITH_CUDA
-  return cuda::last_forward_kept_kda_stage();
+  return cuda::last_forward_kept_wy_stage();
 #else
   return false;
 #endif
@@ -555,8 +555,8 @@ void register_batch_api(py::module_& m) {
   m.def("cuda_forward_tier", &cuda_forward_tier, py::arg("variant"), py::arg("tensors"), py::arg("scale") = py::none(),
         py::arg("chunk_size") = 64,
         "(tier, why): the CUDA tier the default dispatch would run the described forward on (launches nothing).");
-  m.def("cuda_last_forward_kept_kda_stage", &cuda_last_forward_kept_kda_stage,
-        "Whether the last CUDA forward of this thread wrote the kda stage it was given (Params::kda_stage).");
+  m.def("cuda_last_forward_kept_wy_stage", &cuda_last_forward_kept_wy_stage,
+        "Whether the last CUDA forward of this thread wrote the WY stage it was given (Params::wy_stage).");
   m.def("cuda_supports", &cuda_supports, py::arg("variant"), py::arg("tier"), py::arg("backward"),
         "Whether the CUDA tier implements (variant, direction) in this build.");
   m.def(

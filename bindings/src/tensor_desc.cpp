@@ -45,11 +45,11 @@ std::string TensorDesc::shape_str() const { return dims_str(shape); }
 static const std::set<std::string> kForwardFields = {"q", "k", "v", "g", "beta", "a", "b", "h0",
                                                      "o", "ht", "cu_seqlens", "cu_seqlens_host",
                                                      "gate_A_log", "gate_dt_bias", "chunk_h", "chunk_vnew",
-                                                     "kda_stage", "gate_range"};
+                                                     "wy_stage", "gate_range"};
 static const std::set<std::string> kBackwardFields = {
     "q",    "k",  "v",  "g",  "beta", "a",  "b",  "h0",     "dout", "dht", "dq",
     "dk",   "dv", "dg", "dbeta", "da", "db", "dh0", "cu_seqlens", "cu_seqlens_host", "chunk_h", "chunk_vnew",
-    "kda_stage"};
+    "wy_stage"};
 
 std::map<std::string, TensorDesc> parse_descs(const py::dict& tensors) {
   std::map<std::string, TensorDesc> out;
@@ -403,9 +403,10 @@ Params build_params(const std::string& variant, const std::string& direction,
     p.chunk_h = c.kept("chunk_h", {NC, HV, Kp, Vp}, "[chunks, HV, K, V] (K, V rounded up to 16)");
     p.chunk_vnew = c.kept("chunk_vnew", {B, T, HV, Vp}, "[B, T, HV, V] (V rounded up to 16)");
   }
-  // kda's stage kept beside them (params.h KdaStagePlanes): one flat buffer of B * T * HV * 832 elements.
-  p.kda_stage = c.kept("kda_stage", {B * T * HV * KdaStagePlanes::total},
-                       "[B * T * HV * 832] (deltacp/params.h KdaStagePlanes)");
+  // The WY stage kept beside them (params.h WyStagePlanes): one flat buffer, 832 (kda) or 328 (gdn) elements per
+  // token row and value head.
+  p.wy_stage = c.kept("wy_stage", {B * T * HV * WyStagePlanes::of(p.variant).total},
+                      "[B * T * HV * (832 for kda, 328 for gdn)] (deltacp/params.h WyStagePlanes)");
 
   if (scale.has_value()) {
     if (!std::isfinite(*scale)) throw Error("scale", "expected a finite number, got " + std::to_string(*scale));

@@ -223,7 +223,7 @@ struct WindowBuffers {
   void* Kd = nullptr;
   void* Qg = nullptr;
   bool tbeta = false;  // the chain's T Beta form: W's buffer holds T Beta, U's is unused (chain_takes_tbeta)
-  float* Tinv = nullptr;  // kda's stage kept for the backward (Params::kda_stage): G holds every row, T goes here
+  float* Tinv = nullptr;  // the stage kept for the backward (Params::wy_stage): T goes here (kda: G takes every row)
   ChainOperands operands() const { return {G, W, U, P, Kd, Qg, rq, rk, tbeta}; }
 };
 constexpr int kWindowParts = 8;
@@ -279,7 +279,7 @@ void prepare_window(const Params& p, const ChunkTable& table, const WindowBuffer
         tiled::launch_wy_wgmma_tbeta<T>(p, table, b.G, static_cast<T*>(b.W), static_cast<T*>(b.P), b.rq, b.rk, stream);
       } else {
         tiled::launch_wy_wgmma<T>(p, table, b.G, static_cast<T*>(b.W), static_cast<T*>(b.U), static_cast<T*>(b.P),
-                                  nullptr, b.rq, b.rk, stream);
+                                  b.Tinv, b.rq, b.rk, stream, /*dvl=*/nullptr, /*t16=*/b.Tinv != nullptr);
       }
     }
   });
@@ -369,13 +369,14 @@ const char* one_kernel_refusal(const Params& p, const ChunkTable& table) {
   return nullptr;
 }
 
-// Why this forward does not write Params::kda_stage for its backward (nullptr: it does). A call that keeps its
+// Why this forward does not write Params::wy_stage for its backward (nullptr: it does). A call that keeps its
 // per-chunk states (chunk_h) runs as one window, so the stage runs once over every chunk.
-const char* kda_stage_refusal(const Params& p) {
-  if (p.kda_stage == nullptr) return "none was given";
+const char* wy_stage_refusal(const Params& p) {
+  if (p.wy_stage == nullptr) return "none was given";
   if (p.chunk_h == nullptr) return "it is kept beside the per-chunk states (chunk_h)";
   if (p.qk_l2norm || p.gate_in_kernel()) return "the backward reads q, k and g as given (no in-kernel options)";
-  if (!tiled::kda_stage_kept_by(p)) return "the kda stage does not run on Hopper's warpgroup products at K = V = 128";
+  if (!tiled::wy_stage_kept_by(p)) return "the stage does not run on Hopper's warpgroup products at K = V = 128";
+  if (chain_takes_tbeta(p)) return "the chain's T Beta form writes no W";  // (chunk_h keeps the W, U form)
   return nullptr;
 }
 
@@ -406,22 +407,23 @@ void forward_window(const Params& p) {
     if (G != nullptr) workspace_free(G, stream);
     return;
   }
-  // kda's stage kept for the backward (keeps_kda_stage): G, W, Kd, Q e^G, P and T in Params::kda_stage's planes,
+  // The stage kept for the backward (keeps_wy_stage): G, T, W, P (kda: Kd, Q e^G) in Params::wy_stage's planes,
   // only U in workspace.
-  const bool keep = keeps_kda_stage(p);
+  const bool keep = keeps_wy_stage(p);
   const int64_t rows = p.B * p.T * p.HV;
   const int64_t ws_bytes = keep ? align256(rows * p.V * dtype_size(p.dtype)) : window_buffers_bytes(p);
   char* ws = static_cast<char*>(workspace_alloc(static_cast<size_t>(ws_bytes), stream));
   try {
     WindowBuffers b;
     if (keep) {
-      using Pl = KdaStagePlanes;
-      b.G = static_cast<float*>(Pl::at(p.kda_stage, Pl::G, rows));
-      b.Tinv = static_cast<float*>(Pl::at(p.kda_stage, Pl::T, rows));
-      b.W = Pl::at(p.kda_stage, Pl::W, rows);
-      b.Kd = Pl::at(p.kda_stage, Pl::Kd, rows);
-      b.Qg = Pl::at(p.kda_stage, Pl::Qg, rows);
-      b.P = Pl::at(p.kda_stage, Pl::P, rows);
+      const WyStagePlanes pl = WyStagePlanes::of(p.variant);
+      auto plane = [&](int64_t start) { return start < 0 ? nullptr : WyStagePlanes::at(p.wy_stage, start, rows); };
+      b.G = static_cast<float*>(plane(pl.G));
+      b.Tinv = static_cast<float*>(plane(pl.T));
+      b.W = plane(pl.W);
+      b.Kd = plane(pl.Kd);
+      b.Qg = plane(pl.Qg);
+      b.P = plane(pl.P);
       b.U = ws;
     } else {
       b = carve_window_buffers(ws, p);
@@ -788,6 +790,6 @@ void forward_composed_map(StagedForward& staged, int64_t n, const float* init, f
                              init, out, s.stream);
 }
 
-bool keeps_kda_stage(const Params& p) { return kda_stage_refusal(p) == nullptr; }
+bool keeps_wy_stage(const Params& p) { return wy_stage_refusal(p) == nullptr; }
 
 }  // namespace deltacp::cuda::fused

@@ -109,9 +109,15 @@ WyDone launch_chunk_wy(const Params& p, const ChunkTable& table, const float* G,
 const char* kda_bwd_recompute_refusal(const Params& p);
 void launch_kda_bwd_recompute(const Params& p, const ChunkTable& table, float* G, void* W, void* U, void* Kd,
                               float* Tinv, bool t16, void* Qg, float* dvl, cudaStream_t stream);
-// Stage B0 alone over the kda stage a forward kept (Params::kda_stage's P plane): dvl = scale P^T dO, the bits
-// the recompute gives (kda_prepare_wgmma.cuh kda_b0_kept_kernel). Runs where kda_bwd_recompute_refusal allows.
-void launch_kda_bwd_b0_kept(const Params& p, const ChunkTable& table, const void* P, float* dvl, cudaStream_t stream);
+// Stage B0 alone over the WY stage a forward kept (Params::wy_stage's P plane): dvl = scale P^T dO from the same
+// shared-memory operands the recompute builds (kda_prepare_wgmma.cuh b0_kept_kernel; kda: the recompute's bits).
+// Runs where the recompute's wgmma kernel with B0 would (kda_bwd_recompute_refusal; gdn:
+// gdn_recompute_matches_wy_stage).
+void launch_bwd_b0_kept(const Params& p, const ChunkTable& table, const void* P, float* dvl, cudaStream_t stream);
+// Whether gdn's recompute (launch_chunk_cumsum, then launch_chunk_wy with dv_local) runs the wgmma WY stage with
+// B0, so that it would write what a kept WY stage holds (G, W, T in 16 bits with t16) and may be replaced by
+// launch_bwd_b0_kept.
+bool gdn_recompute_matches_wy_stage(const Params& p);
 
 // Where a state scan reads its per-row intermediates when they were made for another problem: the
 // staged forward's pieces (api.h StagedForward) scan rows [row0, row0 + p.T) of the prepared problem's
@@ -237,13 +243,14 @@ void launch_chunk_output(const Params& p, const ChunkTable& table, const float* 
 // One kernel: kda_prepare_wgmma_kernel on wgmma where K = 128 (V = 128 or 256), else kda_prepare_kernel
 // (mma.sync); with DELTACP_FUSED_KDA_PREPARE=0 the pair it replaces, chunk_wy_kernel and kda_chain_operands_kernel,
 // with the same bits as kda_prepare_kernel.
-// With Tinv (a forward that keeps its stage for the backward, Params::kda_stage; only where kda_stage_kept_by says
+// With Tinv (a forward that keeps its stage for the backward, Params::wy_stage; only where wy_stage_kept_by says
 // so): G_last takes every row of G, and T goes to Tinv as the backward's recompute writes it with t16.
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
                               void* P, void* Qg, cudaStream_t stream, float* Tinv = nullptr);
-// Whether launch_kda_fused_prepare writes every plane of Params::kda_stage for p (its wgmma kernel runs p, at
-// K = V = 128), so that the tiled backward may read them in place of its recompute.
-bool kda_stage_kept_by(const Params& p);
+// Whether the fused forward's token-parallel stage can write every plane of Params::wy_stage for p (16-bit, K = V =
+// 128; kda: launch_kda_fused_prepare's wgmma kernel runs p; gdn: the wgmma WY stage does), so that the tiled
+// backward may read them in place of its recompute.
+bool wy_stage_kept_by(const Params& p);
 // Why launch_kda_fused_prepare cannot run p (nullptr: it can): an sm_90a build, kda, bf16 / fp16, K = 128 or 64,
 // compute capability 9.0.
 const char* kda_fused_prepare_refusal(const Params& p);

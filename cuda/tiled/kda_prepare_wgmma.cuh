@@ -68,10 +68,10 @@
 //            len zeroed first, as B0's masked loads leave them)
 // q and k are read as given (the backward takes them normalised: no qk_l2norm) and no P goes to global memory.
 //
-// Kept for the backward (Params::kda_stage; launch_kda_prepare_wgmma with G_rows and Tinv): a forward with a gradient
+// Kept for the backward (Params::wy_stage; launch_kda_prepare_wgmma with G_rows and Tinv): a forward with a gradient
 // writes, beside its usual outputs, every row of G (in place of G's last rows) and T rounded to 16 bits, with the
 // code of the backward mode above, into the stage's planes, where W, Kd, Q e^G and P go too. The backward then reads
-// them and runs only stage B0: kda_b0_kept_kernel loads P's rows into the swizzled block the backward mode builds in
+// them and runs only stage B0: b0_kept_kernel loads P's rows into the swizzled block the backward mode builds in
 // shared memory (zero past len, as there) and runs the same phase 5 (b0_columns), so its gradients are the
 // recompute's bits. It moves P and dO in and dVn out, 896 bytes per token-head where the recompute moves 3714 (q, k,
 // v, g, beta and dO in: 1538; G, T, Q e^G, Kd, W, U and dVn out: 2176); the forward writes 640 more (G's rows, T).
@@ -463,7 +463,7 @@ __device__ __forceinline__ void store_staged_rows(T* dst, const unsigned char* s
 // B0's dVn_local = scale P^T dO for warpgroup wg's value columns 64 wg .. 64 wg + 63, into a.dvl: A = P^T (P's
 // swizzled 64 x 64 block at p_addr, read M-major), B = dO's block wg at dob (64 tokens x 64 columns, swizzled, landed;
 // its rows past len are zeroed here, as B0's masked loads leave them; P's rows there are zero), K = the chunk's 64
-// tokens. The recompute's phase 5 and kda_b0_kept_kernel both run this, so the two give the same bits.
+// tokens. The recompute's phase 5 and b0_kept_kernel both run this, so the two give the same bits.
 template <class T>
 __device__ __forceinline__ void b0_columns(const KdaPrepWgArgs<T>& a, uint32_t p_addr, unsigned char* dob,
                                            int64_t row0, int64_t hv, int len, int wg, int thr, int wi, int g, int t) {
@@ -771,19 +771,21 @@ __global__ void __launch_bounds__(256, 2) kda_prepare_wgmma_kernel(const __grid_
 #endif
 }
 
-// Stage B0 alone over a stage the forward kept (Params::kda_stage): P's rows < len from its plane into the swizzled
+// Stage B0 alone over a stage the forward kept (Params::wy_stage): P's rows < len from its plane into the swizzled
 // block (zero past len: the recompute's block holds zeros there), dO by TMA, then the recompute's phase 5
-// (b0_columns): the same operands in shared memory, so the same bits. One CTA of two warpgroups per (chunk, value
-// head); 25 KB of shared memory. a: f.chunks and f.HV, P (the kept plane), tm_do, dvl and scale.
-struct KdaB0Smem {
+// (b0_columns): the same operands in shared memory, so kda's bits. gdn's P (wy_wgmma.cuh, the same block layout)
+// goes through the same products; its recompute makes them as one m64n128 product per k-step where this kernel
+// makes two m64n64 ones. One CTA of two warpgroups per (chunk, value head); 25 KB of shared memory. a: f.chunks
+// and f.HV, P (the kept plane), tm_do, dvl and scale.
+struct B0KeptSmem {
   static constexpr int kBox = KdaPrepWgSmem::kBox;
   static constexpr int p = 0, dO = kBox, bar = 3 * kBox;
   static constexpr int bytes = bar + 16 + 1024;  // plus the alignment slack
 };
 template <class T>
-__global__ void __launch_bounds__(256) kda_b0_kept_kernel(const __grid_constant__ KdaPrepWgArgs<T> a) {
+__global__ void __launch_bounds__(256) b0_kept_kernel(const __grid_constant__ KdaPrepWgArgs<T> a) {
 #ifdef DELTACP_WGMMA_DEVICE
-  using S = KdaB0Smem;
+  using S = B0KeptSmem;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + S::bar);
@@ -837,7 +839,7 @@ inline const char* kda_prepare_wgmma_refusal(const Params& p) {
 
 // Launches kda_prepare_wgmma_kernel over every chunk of the table: f as launch_kda_fused_prepare sets it up (the raw
 // gate, g_last, qk_l2norm), outputs as kda_prepare_kernel's. A forward that keeps its stage for the backward
-// (Params::kda_stage) also passes G_rows and Tinv: every row of G (f.g_last null) and T rounded to T's type in the
+// (Params::wy_stage) also passes G_rows and Tinv: every row of G (f.g_last null) and T rounded to T's type in the
 // first 128 bytes of each row, as the backward's recompute writes them.
 template <class T>
 void launch_kda_prepare_wgmma(const Params& p, const ChunkTable& table, const FwdArgs<T>& f, T* W, T* U, T* Kd, T* P,
@@ -913,10 +915,10 @@ void launch_kda_bwd_recompute_wgmma(const Params& p, const ChunkTable& table, fl
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 
-// Stage B0 alone over the kda stage a forward kept (Params::kda_stage): dvl ([R, HV, 128] fp32) = scale P^T dO from
-// its P plane, where kda_bwd_recompute_wgmma_refusal allows the recompute (the same operands and products).
+// Stage B0 alone over the WY stage a forward kept (Params::wy_stage, gdn or kda): dvl ([R, HV, 128] fp32) =
+// scale P^T dO from its P plane (launch_bwd_b0_kept checks that the recompute's wgmma kernel would run).
 template <class T>
-void launch_kda_b0_kept_wgmma(const Params& p, const ChunkTable& table, const T* P, float* dvl, cudaStream_t stream) {
+void launch_b0_kept_wgmma(const Params& p, const ChunkTable& table, const T* P, float* dvl, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
   KdaPrepWgArgs<T> a;
   a.tm_do = token_rows_map(p.dout, p.B, p.T, p.HV, 128, "do");
@@ -925,11 +927,11 @@ void launch_kda_b0_kept_wgmma(const Params& p, const ChunkTable& table, const T*
   a.P = const_cast<T*>(P);
   a.dvl = dvl;
   a.scale = static_cast<float>(p.scale);
-  auto kernel = kda_b0_kept_kernel<T>;
-  opt_in_smem(kernel, KdaB0Smem::bytes, "K", "stage B0 over the kept kda stage needs ", KdaB0Smem::bytes,
+  auto kernel = b0_kept_kernel<T>;
+  opt_in_smem(kernel, B0KeptSmem::bytes, "K", "stage B0 over the kept WY stage needs ", B0KeptSmem::bytes,
               " bytes of shared memory");
   const dim3 grid(static_cast<unsigned>(table.num_chunks()), static_cast<unsigned>(p.HV));
-  kernel<<<grid, 256, KdaB0Smem::bytes, stream>>>(a);
+  kernel<<<grid, 256, B0KeptSmem::bytes, stream>>>(a);
   DELTACP_CUDA_CHECK_LAUNCH();
 }
 

@@ -16,9 +16,9 @@
 //   dh0 = dS of the first chunk
 //
 // Where the forward kept the chunk-start states and v_new (Params::chunk_h, chunk_vnew; the eager autograd path
-// by default) the recompute skips its state scan and B2 reads those (docs/design.md section 5). Where a kda forward
-// also kept its stage (Params::kda_stage) the recompute is stage B0 alone (kda_b0_kept_kernel, from the kept P) and
-// every later stage reads G, T, W, Kd and Q e^G from the stage's planes.
+// by default) the recompute skips its state scan and B2 reads those (docs/design.md section 5). Where a gdn or kda
+// forward also kept its WY stage (Params::wy_stage) the recompute is stage B0 alone (b0_kept_kernel, from the kept
+// P) and every later stage reads G, T, W (kda: Kd and Q e^G) from the stage's planes.
 //
 // Stages (launch order; on p.stream, except B1 beside the state scan below):
 //   recompute (fwd_stages.cuh, the forward's own kernels): G, T = (I + A)^-1 (fp32, [R, HV, 64]),
@@ -69,8 +69,8 @@
 //
 //   buffer     dtype   written -> last read     gdn   kda   before (gdn / kda)
 //   region 1, the whole backward
-//   G          fp32    cumsum -> B4               4   512   (kda: 0 where the forward kept its stage: kda_stage)
-//   Tinv       fp32    WY -> B3                 256   256   (kda: 0 likewise)
+//   G          fp32    cumsum -> B4               4   512   (0 where the forward kept its WY stage: wy_stage)
+//   Tinv       fp32    WY -> B3                 256   256   (0 likewise)
 //   h          bf16    state scan -> B2         512   512   (0 where the forward kept them: Params::chunk_h)
 //   v_new      bf16    state scan -> B2         256   256   (0 likewise: Params::chunk_vnew)
 //   dVn        fp32    B0 -> B3                 512   512   (16-bit over the same bytes from B1 on, and T
@@ -82,8 +82,8 @@
 //   W          bf16    WY -> B1                 256   256
 //   Kd         bf16    WY -> B1                   -   256
 //   Q e^G      bf16    B0 -> B1                   -   256   (the kda wgmma recompute writes it in B0's place)
-//                                                               W, Kd and Q e^G: 0 where kda's stage was kept
-//                                                               (Params::kda_stage; then B0 alone runs, from its P)
+//                                                               W, Kd and Q e^G: 0 where the WY stage was kept
+//                                                               (Params::wy_stage; then B0 alone runs, from its P)
 //   slice: dW (bf16; was fp32 512) 256, dP 256, dA 256, dq_w 512, dk_w 512, dG_w (kda) 512, dG rows (gdn) 4,
 //          dbeta_w 4: 1800 (gdn) / 2308 (kda) per token-head of the slice: all the chunks when that is at
 //          most 256 MiB, else at least 16 * SMs / HV chunks (16 waves of B2's CTAs), or as many as fit
@@ -605,10 +605,12 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   state->local_kda = !dh0_only && use_local_kda(p);  // kda only, so never beside local (gdn, delta)
   state->local_kda_decay = state->local_kda && use_local_kda_decay(p);
   const bool local16 = local_inputs_16bit(p, state->local || state->local_kda);
-  // kda's stage kept by the forward (Params::kda_stage): G, T (16-bit), W, Kd and Q e^G read from its planes, and
-  // stage B0 alone in place of the recompute, where the recompute would write exactly those (the wgmma one, T for the
-  // chunk-local kernel) and the forward kept its states (no state scan reads U).
-  const bool stage_kept = kept && p.kda_stage != nullptr && state->local_kda && local16 && use_kda_recompute_wgmma(p);
+  // The WY stage kept by the forward (Params::wy_stage): G, T (16-bit), W (kda: Kd and Q e^G) read from its planes,
+  // and stage B0 alone in place of the recompute, where the recompute would write exactly those (its wgmma kernel
+  // with B0, T in 16 bits for the chunk-local kernel) and the forward kept its states (no state scan reads U).
+  const bool recompute_matches = p.variant == Variant::kda ? state->local_kda && use_kda_recompute_wgmma(p)
+                                                           : gdn_recompute_matches_wy_stage(p);
+  const bool stage_kept = kept && p.wy_stage != nullptr && local16 && recompute_matches;
   const int64_t bG = stage_kept ? 0 : fs.G * 4, bW = stage_kept ? 0 : fs.W * es, bU = fs.U * es,
                 bKd = stage_kept ? 0 : fs.Kd * es, bT = stage_kept ? 0 : fs.Tinv * 4,
                 bvn = dh0_only || kept ? 0 : fs.v_new * es, bh = dh0_only || kept ? 0 : fs.h * es;
@@ -641,21 +643,21 @@ std::unique_ptr<BwdState> start_backward(const Params& p, bool with_states, Besi
   ws.allocate(x0 + std::max(before.off, state->slice.total));
   state->slice_base = ws.at<char>(x0, 1);
 
-  using Pl = KdaStagePlanes;
-  const int64_t rows = R * p.HV;
-  float* G = stage_kept ? static_cast<float*>(Pl::at(p.kda_stage, Pl::G, rows)) : ws.at<float>(oG, bG);
-  void* W = stage_kept ? Pl::at(p.kda_stage, Pl::W, rows) : ws.at<void>(oW, bW);
+  const WyStagePlanes pl = WyStagePlanes::of(p.variant);
+  auto plane = [&](int64_t start) { return start < 0 ? nullptr : WyStagePlanes::at(p.wy_stage, start, R * p.HV); };
+  float* G = stage_kept ? static_cast<float*>(plane(pl.G)) : ws.at<float>(oG, bG);
+  void* W = stage_kept ? plane(pl.W) : ws.at<void>(oW, bW);
   void* U = ws.at<void>(oU, bU);
-  void* Kd = stage_kept ? Pl::at(p.kda_stage, Pl::Kd, rows) : ws.at<void>(oKd, bKd);
-  float* Tinv = stage_kept ? static_cast<float*>(Pl::at(p.kda_stage, Pl::T, rows)) : ws.at<float>(oT, bT);
+  void* Kd = stage_kept ? plane(pl.Kd) : ws.at<void>(oKd, bKd);
+  float* Tinv = stage_kept ? static_cast<float*>(plane(pl.T)) : ws.at<float>(oT, bT);
   void* vnew = kept ? p.chunk_vnew : ws.at<void>(ovn, bvn);
   void* h = kept ? p.chunk_h : ws.at<void>(oh, bh);
 
   float* dvnew = ws.at<float>(odvn, bdvn);
-  void* Qg = stage_kept ? Pl::at(p.kda_stage, Pl::Qg, rows) : ws.at<void>(oQg, bQg);
+  void* Qg = stage_kept ? plane(pl.Qg) : ws.at<void>(oQg, bQg);
   WyDone wy;
   if (stage_kept) {
-    launch_kda_bwd_b0_kept(p, table, Pl::at(p.kda_stage, Pl::P, rows), dvnew, stream);
+    launch_bwd_b0_kept(p, table, plane(pl.P), dvnew, stream);
     wy.dv_local = true;
     wy.t16 = true;
   } else if (use_kda_recompute_wgmma(p)) {  // (=1 for gdn / delta raises: the refusal says it implements kda)

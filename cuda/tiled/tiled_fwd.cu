@@ -1562,14 +1562,16 @@ bool use_kda_prepare_wgmma(const Params& p) {
 }
 }  // namespace
 
-bool kda_stage_kept_by(const Params& p) {
-  return p.variant == Variant::kda && p.K == 128 && p.V == 128 && use_kda_prepare_wgmma(p);
+bool wy_stage_kept_by(const Params& p) {
+  if (p.K != 128 || p.V != 128 || (p.dtype != DType::bf16 && p.dtype != DType::f16)) return false;
+  if (p.variant == Variant::kda) return use_kda_prepare_wgmma(p);
+  return p.variant == Variant::gdn && wy_wgmma_refusal(p) == nullptr;  // the fused forward's gdn stage
 }
 
 void launch_kda_fused_prepare(const Params& p, const ChunkTable& table, float* G_last, void* W, void* U, void* Kd,
                               void* P, void* Qg, cudaStream_t stream, float* Tinv) {
   if (table.num_chunks() == 0) return;
-  DELTACP_CHECK(Tinv == nullptr || kda_stage_kept_by(p), "kda_stage",
+  DELTACP_CHECK(Tinv == nullptr || wy_stage_kept_by(p), "wy_stage",
                 "internal: the kda stage is kept only where its wgmma kernel runs at K = V = 128");
   DELTACP_CHECK(p.variant == Variant::kda && (p.K == 128 || p.K == 64), "variant",
                 "expected kda with K = 128 or 64 for the fused forward's kda stage, got ", to_string(p.variant),
@@ -1646,13 +1648,18 @@ void launch_kda_bwd_recompute(const Params& p, const ChunkTable& table, float* G
   });
 }
 
-void launch_kda_bwd_b0_kept(const Params& p, const ChunkTable& table, const void* P, float* dvl, cudaStream_t stream) {
+bool gdn_recompute_matches_wy_stage(const Params& p) {
+  return p.variant == Variant::gdn && use_wy_wgmma(p) && wy_wgmma_takes_dout(p);
+}
+
+void launch_bwd_b0_kept(const Params& p, const ChunkTable& table, const void* P, float* dvl, cudaStream_t stream) {
   if (table.num_chunks() == 0) return;
-  if (const char* why = kda_bwd_recompute_wgmma_refusal(p))
-    throw_error("kda_stage", "stage B0 over the kept kda stage cannot run: ", why);
+  const char* why = p.variant == Variant::kda ? kda_bwd_recompute_wgmma_refusal(p) : wy_wgmma_refusal(p);
+  if (why == nullptr && !wy_wgmma_takes_dout(p)) why = "it reads do by TMA (16-byte aligned rows, positive strides)";
+  if (why != nullptr) throw_error("wy_stage", "stage B0 over the kept WY stage cannot run: ", why);
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if constexpr (kIs16Bit<T>) launch_kda_b0_kept_wgmma<T>(p, table, static_cast<const T*>(P), dvl, stream);
+    if constexpr (kIs16Bit<T>) launch_b0_kept_wgmma<T>(p, table, static_cast<const T*>(P), dvl, stream);
   });
 }
 

@@ -42,7 +42,9 @@
 // In the backward's recompute (kDvLocal) it also does stage B0 from the P it forms anyway: dVn_local = scale P^T dO
 // (bwd_dv_local.cuh's product, P rounded to 16 bits the same way), one wgmma m64n128k16 x 4 with P^T read from
 // a swizzled block of shared memory and dO (a third TMA tile, on its own mbarrier) MN-major, written in fp32;
-// the backward then launches no B0.
+// the backward then launches no B0. A forward that keeps its stage for the backward (Params::wy_stage) writes P and
+// T (t16) in the same launch, and that backward runs B0 alone from the kept P (kda_prepare_wgmma.cuh
+// b0_kept_kernel) instead of this kernel.
 // The mma.sync WY stage (tiled_fwd.cu, chunk_wy_kernel: every dtype, K and variant) computes the same W, U
 // and T with the same roundings (T in fp32, T Beta (e^G) rounded to 16 bits, fp32 accumulation).
 // Measured (NVIDIA H200, bf16 gdn, kernel time per call, 2026-11-25): 0.259 ms at (2,16384,16,128) and 0.379 ms

@@ -195,8 +195,9 @@ def test_cuda_workspace_from_torch_matches_pool():
 #        token-head; before the workspace came from torch and was carved by lifetime: 515 MiB through torch +
 #        3,234 MiB kept by deltacp's pool = 7498 per token-head.
 #   kda  o 256 + dq, dk, dv 768 + dg 512 + dbeta 2 = 1538, + workspace 3328 = 4866; budget 5200. FLA: 3,596
-#        MiB = 7192; before: 769 + 4,386 MiB = 10310. With the forward's kept kda stage (Params::kda_stage,
-#        1664) the backward's workspace takes no G, T, W, Kd or Q e^G: measured 4994 on an H200 (2,757 MiB).
+#        MiB = 7192; before: 769 + 4,386 MiB = 10310.
+#   With the forward's kept WY stage (Params::wy_stage: kda 1664, gdn 656) the backward's workspace takes no G, T,
+#   W (kda: Kd, Q e^G): measured on an H200 kda 4994 (2,757 MiB), gdn 3478 (1,739 MiB).
 STEP_BUDGET = {"gdn": 3600, "kda": 5200}
 
 

@@ -159,14 +159,15 @@ def _kept_states(cfg: _Config, q, v):
     return _new_kept_states(q, v, chunks)
 
 
-# kda's token-parallel stage kept beside the states (Params::kda_stage, KdaStagePlanes in deltacp/params.h): G, T, W,
-# K e^(G_n - G), Q e^G and P of every token, 1664 bytes per token and value head, which the backward's recompute
-# would otherwise rebuild from q, k, v, g and beta (one kernel of 0.77 ms in a 4.7 ms kda step at (2, 16384, 16, 128)
-# bf16 on an H200); the backward then runs stage B0 alone and needs that much less workspace. The eager autograd
-# route keeps it where the fused forward's wgmma stage runs (16-bit kda, K = V = 128, Hopper) and hands it to the
-# backward only when the forward reports that it wrote it (_core.cuda_last_forward_kept_kda_stage); the registered
-# op (torch.compile) keeps none. DELTACP_KEEP_KDA_STAGE=0 keeps none.
-_KDA_STAGE_ELEMS = 832  # KdaStagePlanes::total: 16-bit elements per token row and value head
+# The forward's token-parallel (WY) stage kept beside the states (Params::wy_stage, WyStagePlanes in
+# deltacp/params.h): G, T, W and P of every token (kda also K e^(G_n - G) and Q e^G), 1664 bytes per token and value
+# head for kda and 656 for gdn, which the backward's recompute would otherwise rebuild from q, k, v, g and beta (kda:
+# one kernel of 0.77 ms in a 4.7 ms step at (2, 16384, 16, 128) bf16 on an H200); the backward then runs stage B0
+# alone and needs that much less workspace. The eager autograd route keeps it where the fused forward's stage runs on
+# wgmma (16-bit gdn or kda, K = V = 128, Hopper) and hands it to the backward only when the forward reports that it
+# wrote it (_core.cuda_last_forward_kept_wy_stage); the registered op (torch.compile) keeps none.
+# DELTACP_KEEP_WY_STAGE=0 keeps none.
+_WY_STAGE_ELEMS = {"kda": 832, "gdn": 328}  # WyStagePlanes::of(variant).total: 16-bit elements per row and head
 _HOPPER = {}
 
 
@@ -177,17 +178,17 @@ def _is_hopper(device) -> bool:
     return _HOPPER[index]
 
 
-def _new_kda_stage(cfg: _Config, q, v):
-    """An uninitialised kda stage buffer for a forward that keeps its states (_kept_states), or None where the
-    fused forward would not write one (the forward has the last word: _core.cuda_last_forward_kept_kda_stage)."""
-    if os.environ.get("DELTACP_KEEP_KDA_STAGE", "1") == "0":
+def _new_wy_stage(cfg: _Config, q, v):
+    """An uninitialised WY stage buffer for a forward that keeps its states (_kept_states), or None where the fused
+    forward would not write one (the forward has the last word: _core.cuda_last_forward_kept_wy_stage)."""
+    if os.environ.get("DELTACP_KEEP_WY_STAGE", "1") == "0":
         return None
-    if (cfg.variant != "kda" or cfg.fwd_method not in ("auto", "fused") or q.shape[3] != 128 or v.shape[3] != 128
-            or getattr(cfg, "qk_l2norm", False) or getattr(cfg, "kda_gate", None) is not None
+    if (cfg.variant not in _WY_STAGE_ELEMS or cfg.fwd_method not in ("auto", "fused") or q.shape[3] != 128
+            or v.shape[3] != 128 or getattr(cfg, "qk_l2norm", False) or getattr(cfg, "kda_gate", None) is not None
             or not _is_hopper(q.device)):
         return None
     B, T = q.shape[:2]
-    return q.new_empty((B * T * v.shape[2] * _KDA_STAGE_ELEMS,))
+    return q.new_empty((B * T * v.shape[2] * _WY_STAGE_ELEMS[cfg.variant],))
 
 
 def _describe_kept(descs: dict, kept) -> None:
@@ -195,7 +196,7 @@ def _describe_kept(descs: dict, kept) -> None:
         descs["chunk_h"] = torch_desc(kept[0], "chunk_h")
         descs["chunk_vnew"] = torch_desc(kept[1], "chunk_vnew")
         if len(kept) > 2 and kept[2] is not None:
-            descs["kda_stage"] = torch_desc(kept[2], "kda_stage")
+            descs["wy_stage"] = torch_desc(kept[2], "wy_stage")
 
 
 def _backward(cfg: _Config, q, k, v, g, beta, a, b, h0, do, dht, kept=None):
@@ -406,9 +407,9 @@ class _DeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, cfg: _Config, q, k, v, g, beta, a, b, h0):
         kept = _kept_states(cfg, q, v)
         if kept is not None:
-            kept = kept + (_new_kda_stage(cfg, q, v),)
+            kept = kept + (_new_wy_stage(cfg, q, v),)
         o, ht = _forward(cfg, q, k, v, g, beta, a, b, h0, kept)
-        if kept is not None and kept[2] is not None and not _core.cuda_last_forward_kept_kda_stage():
+        if kept is not None and kept[2] is not None and not _core.cuda_last_forward_kept_wy_stage():
             kept = kept[:2]  # the forward wrote no stage: the backward recomputes it
         ctx.kept = kept  # the per-chunk states for the backward (_kept_states), or None
         ctx.cfg = cfg

@@ -71,15 +71,21 @@ inline TensorRef contiguous_ref(const void* ptr, int64_t T, int64_t heads, int64
 // FLA's l2norm epsilon (use_qk_l2norm_in_kernel): x / sqrt(sum x^2 + eps).
 constexpr float kQkL2normEps = 1e-6f;
 
-// The planes of Params::kda_stage (K = V = 128, 16-bit dtype): where each starts and how wide its rows are, in
-// 16-bit elements per token row and value head (a plane is rows * width of them, its row r * HV + hv at r * width):
-//   G   fp32 [rows, 128]  the chunk-local cumulative gate of every token (128 floats = 256 elements)
-//   T   fp32 [rows, 64]   row i of the chunk's (I + A)^-1, rounded to dtype in its first 64 elements
-//   W, Kd, Qg [rows, 128] (T Beta)(K e^G), K e^(G_n - G), Q e^G
-//   P   [rows, 64]        the chunk's decayed scores, zero right of the block diagonal
-// 1664 bytes per token and value head in all.
-struct KdaStagePlanes {
-  static constexpr int64_t G = 0, T = 256, W = 384, Kd = 512, Qg = 640, P = 768, total = 832;
+// The planes of Params::wy_stage (K = V = 128, 16-bit dtype), per variant: where each starts, in 16-bit elements per
+// token row and value head (a plane of width w holds row r * HV + hv at elements r * w; every start is a multiple of 8,
+// so each plane begins 16-byte aligned):
+//   G   the chunk-local cumulative gate, fp32: kda [rows, 128] (256 elements a row), gdn [rows] (2, padded to 8)
+//   T   fp32 [rows, 64]: row i of the chunk's (I + A)^-1, rounded to dtype in its first 64 elements
+//   W   [rows, 128]: (T Beta)(K e^G) (kda), (T Beta e^G) K (gdn)
+//   Kd, Qg  [rows, 128], kda only: K e^(G_n - G), Q e^G
+//   P   [rows, 64]: the chunk's decayed scores, zero right of the block diagonal (kda), of the diagonal (gdn)
+// kda 1,664 bytes per token and value head, gdn 656 (of which 12 padding and T's unused 128).
+struct WyStagePlanes {
+  int64_t G = 0, T = 0, W = 0, Kd = -1, Qg = -1, P = 0, total = 0;
+  static constexpr WyStagePlanes of(Variant v) {
+    return v == Variant::kda ? WyStagePlanes{0, 256, 384, 512, 640, 768, 832}
+                             : WyStagePlanes{0, 8, 136, -1, -1, 264, 328};
+  }
   // Where the plane starting at `start` begins in a buffer of `rows` token rows x value heads.
   static void* at(void* base, int64_t start, int64_t rows) { return static_cast<char*>(base) + 2 * start * rows; }
 };
@@ -163,12 +169,13 @@ struct Params {
   // buffers to both; docs/design.md section 5 gives the bytes). The naive tier and the staged (CP) calls refuse them.
   void* chunk_h = nullptr;
   void* chunk_vnew = nullptr;
-  // kda's token-parallel stage kept for the backward (CUDA, optional, only beside chunk_h): one buffer of
-  // B * T * HV * KdaStagePlanes::total elements in dtype, planes of B * T * HV rows (KdaStagePlanes below). A fused
-  // forward of 16-bit kda at K = V = 128 whose stage runs on Hopper's warpgroup products writes it when given
-  // (cuda::last_forward_kept_kda_stage says whether it did); the tiled backward then reads G, T, W, K e^(G_n - G),
-  // Q e^G and P from it in place of its recompute and runs stage B0 alone (docs/design.md section 5).
-  void* kda_stage = nullptr;
+  // The forward's token-parallel (WY) stage kept for the backward (CUDA, optional, only beside chunk_h): one buffer
+  // of B * T * HV * WyStagePlanes::of(variant).total elements in dtype, planes of B * T * HV rows (WyStagePlanes
+  // above). A fused forward of 16-bit kda or gdn at K = V = 128 whose stage runs on Hopper's warpgroup products
+  // writes it when given (cuda::last_forward_kept_wy_stage says whether it did); the tiled backward then reads G, T,
+  // W (kda: K e^(G_n - G), Q e^G) and P from it in place of its recompute and runs stage B0 alone (docs/design.md
+  // section 5).
+  void* wy_stage = nullptr;
 
   TensorRef dout;             // dL/do, like o
   const void* dht = nullptr;  // dL/dht, like ht

@@ -47,9 +47,9 @@ struct TierChoice {
   std::string why;
 };
 TierChoice last_tier_choice();
-// Whether the last forward launched by this thread wrote Params::kda_stage (fused::keeps_kda_stage): a caller that
+// Whether the last forward launched by this thread wrote Params::wy_stage (fused::keeps_wy_stage): a caller that
 // passes it to the backward only then lets the backward skip its recompute.
-bool last_forward_kept_kda_stage();
+bool last_forward_kept_wy_stage();
 // The tier forward_auto would run p on, and why; launches nothing (the CP op picks each rank's local tier).
 TierChoice forward_tier(const Params& p);
 

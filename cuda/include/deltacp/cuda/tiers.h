@@ -27,9 +27,9 @@ namespace fused {                      // cuda/fused/fused_fwd.cu
 // Why the fused forward cannot run p (variant, dtype, shape, alignment, GPU), or nullptr when it can.
 const char* forward_refusal(const Params& p);
 void forward(const Params& p);         // throws deltacp::Error naming 'backend' with the refusal
-// Whether forward(p) writes Params::kda_stage for the backward (given, beside chunk_h, 16-bit kda at K = V = 128 with
-// its stage on Hopper's warpgroup products, no in-kernel options).
-bool keeps_kda_stage(const Params& p);
+// Whether forward(p) writes Params::wy_stage for the backward (given, beside chunk_h, 16-bit gdn or kda at
+// K = V = 128 with its stage on Hopper's warpgroup products, no in-kernel options).
+bool keeps_wy_stage(const Params& p);
 // The staged forward (api.h) on the fused tier.
 std::unique_ptr<StagedForward> forward_prepare(const Params& p);
 void forward_finish(StagedForward& s, const Params& p);
