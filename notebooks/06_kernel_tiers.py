@@ -135,38 +135,57 @@ print(f"kda fused: {kda_fused:.0f} B per token-head, {kda_fused / kda_minimum:.1
 # %% [markdown]
 # ## The backward's bytes
 #
-# The backward (the tiled tier's, after either forward; on Hopper for 16-bit gdn and delta at
-# K = V = 128) saves nothing from the forward but its inputs: it recomputes $G$, the WY
-# representation and the chunk-start states, then runs the reverse chain of state gradients (B1) and the
-# chunk-local gradients (B2-B4 as one kernel). fp32 where the kernels keep fp32: $T$, the value
-# gradients $dV_{new}$ that B0 starts and B1 completes. One value head per key head (grouped value
-# heads add fp32 parts of dq and dk and the kernel that sums them).
+# The backward (the tiled tier's, after either forward; on Hopper for 16-bit gdn and delta at K = V = 128) can
+# start from the forward's inputs alone: it then recomputes $G$, the WY representation and the chunk-start
+# states, runs the reverse chain of state gradients (B1) and the chunk-local gradients (B2-B4 as one kernel).
+# fp32 where the kernels keep fp32: $T$, the value gradients $dV_{new}$ that B0 starts and B1 completes. One
+# value head per key head (grouped value heads add fp32 parts of dq and dk and the kernel that sums them).
 
 # %%
-def backward_bytes():
-    f32 = 4
-    state = es * K * V / C  # one chunk-start state (h) or state gradient (dh) per chunk, 16-bit
-    return {
-        "cumsum: g in, G out": 4 + 4,
-        "WY + B0: q, k, v, beta, G, dO in; W, U, T, dVn_local out": es * (K + K + V) + es + 4 + es * V
-        + es * (K + V) + f32 * C + f32 * V,
-        "state scan: W, U, k, G in; h, v_new out": es * (K + V + K) + 4 + state + es * V,
-        "B1 dh scan: q, k, W, dO, dVn_local, G in; dh, dVn out": es * (K + K + K + V) + f32 * V + 4 + state
-        + f32 * V,
-        "B2-B4: dO, h, v_new, dh, v, q, k, dVn, T, G, beta in; dq, dk, dv, dg, dbeta out": es * V + state + es * V
-        + state + es * (V + K + K) + f32 * V + f32 * C + 4 + es + es * (K + K + V) + 4 + es,
-    }
-
-
-BWD = backward_bytes()
-print(f"backward {sum(BWD.values()):7.0f} B per token-head")
+f32 = 4
+state = es * K * V / C  # one chunk-start state (h) or state gradient (dh) per chunk, 16-bit
+B1_AND_LOCAL = {
+    "B1 dh scan: q, k, W, dO, dVn_local, G in; dh, dVn out": es * (K + K + K + V) + f32 * V + 4 + state + f32 * V,
+    "B2-B4: dO, h, v_new, dh, v, q, k, dVn, T, G, beta in; dq, dk, dv, dg, dbeta out": es * V + state + es * V
+    + state + es * (V + K + K) + f32 * V + f32 * C + 4 + es + es * (K + K + V) + 4 + es,
+}
+BWD = {
+    "cumsum: g in, G out": 4 + 4,
+    "WY + B0: q, k, v, beta, G, dO in; W, U, T, dVn_local out": es * (K + K + V) + es + 4 + es * V
+    + es * (K + V) + f32 * C + f32 * V,
+    "state scan: W, U, k, G in; h, v_new out": es * (K + V + K) + 4 + state + es * V,
+    **B1_AND_LOCAL,
+}
+print(f"backward from the inputs alone {sum(BWD.values()):7.0f} B per token-head")
 for what, b in BWD.items():
     print(f"         {b:7.0f}  {what}")
 fwd_bwd = sum(BYTES["fused"].values()) + sum(BWD.values())
 least = sum(BYTES["naive"].values()) + es * (K + K + V) + 4 + es + es * V  # + read do, write dq dk dv dg dbeta
-print(f"forward (fused) + backward: {fwd_bwd:.0f} B per token-head, {fwd_bwd / least:.1f}x the least a "
+print(f"forward (fused) + that backward: {fwd_bwd:.0f} B per token-head, {fwd_bwd / least:.1f}x the least a "
       f"training step must move ({least:.0f}: the inputs and do in, o and the gradients out)")
 assert BWD["B2-B4: dO, h, v_new, dh, v, q, k, dVn, T, G, beta in; dq, dk, dv, dg, dbeta out"] == max(BWD.values())
+
+# %% [markdown]
+# What a training step does by default (the eager autograd path, 16-bit inputs, Hopper): the forward keeps for
+# the backward what the backward would otherwise rebuild (docs/design.md section 5). Its chain runs in the W, U
+# form and writes each chunk's start state $h$ and each token's $v_{new}$ as it goes (`Params::chunk_h`,
+# `chunk_vnew`); its WY stage also writes $T$, rounded to 16 bits as the chunk-local kernel reads it, beside $W$
+# and $P$ (`Params::wy_stage`). The backward then runs no cumsum, no WY stage and no state scan: stage B0 alone
+# ($P$ and $dO$ in, $dV_{new}$'s local part out), then B1 and B2-B4 as above. The kept bytes wait in HBM between
+# the passes (gdn: 512 + 256 + 656 per token-head at this shape).
+
+# %%
+FWD_KEPT = dict(FUSED_W_U)
+FWD_KEPT["kept: h, v_new from the chain; T from the WY stage"] = state + es * V + es * C
+BWD_KEPT = {"B0 alone: P, dO in; dVn_local out": es * C + es * V + f32 * V, **B1_AND_LOCAL}
+kept_step = sum(FWD_KEPT.values()) + sum(BWD_KEPT.values())
+for name, parts in (("forward keeping its states and WY stage", FWD_KEPT), ("backward after it", BWD_KEPT)):
+    print(f"{name}: {sum(parts.values()):.0f} B per token-head")
+    for what, b in parts.items():
+        print(f"         {b:7.0f}  {what}")
+print(f"the default training step: {kept_step:.0f} B per token-head ({kept_step / least:.1f}x the least), "
+      f"{fwd_bwd - kept_step:.0f} fewer than forward + a backward from the inputs alone")
+assert kept_step < fwd_bwd
 
 # %% [markdown]
 # ## FLOPs per token and value head

@@ -193,3 +193,29 @@ def test_the_wy_stage_is_refused_where_no_kernel_uses_it():
     with pytest.raises(InvalidArgumentError, match="wy_stage.*expected gdn or kda"):
         _library._forward(cfg_d, td["q"], td["k"], td["v"], None, td["beta"], None, None, None,
                           (hd, vnd, stage[:2 * 200 * 2 * 328]))
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn", "delta"])
+def test_which_calls_allocate_a_wy_stage(variant, monkeypatch):
+    """deltacp._library._new_wy_stage's choice, on any machine (the device check stubbed to a Hopper): a buffer of
+    WyStagePlanes' size for gdn and kda at K = V = 128 on the fused or automatic forward, none for delta, another
+    forward method, another head size, the in-kernel options or DELTACP_KEEP_WY_STAGE=0."""
+    monkeypatch.setattr(_library, "_is_hopper", lambda device: True)
+    B, T, HV = 2, 70, 3
+
+    def stage(method="fused", K=128, V=128, qk_l2norm=False):
+        q, v = torch.zeros((B, T, 1, K), dtype=torch.bfloat16), torch.zeros((B, T, HV, V), dtype=torch.bfloat16)
+        cfg = _library._config(variant, method, "tiled", q, None, 64, False, None, None)
+        cfg.qk_l2norm, cfg.kda_gate = qk_l2norm, None
+        return _library._new_wy_stage(cfg, q, v)
+
+    if variant == "delta":
+        assert stage() is None
+        return
+    for method in ("fused", "auto"):
+        s = stage(method)
+        assert s is not None and s.shape == (B * T * HV * TOTAL[variant],) and s.dtype == torch.bfloat16
+    assert stage("tiled") is None and stage(K=64, V=64) is None and stage(V=256) is None
+    assert stage(qk_l2norm=True) is None
+    monkeypatch.setenv("DELTACP_KEEP_WY_STAGE", "0")
+    assert stage() is None
