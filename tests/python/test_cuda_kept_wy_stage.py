@@ -138,8 +138,8 @@ def _grads(variant, t, h0, cu, seed=11):
 def test_gradients_through_the_kept_stage_match_the_recompute(variant, case, dtype, monkeypatch):
     """The backward that reads the forward's kept stage and runs stage B0 alone gives the gradients of the backward
     that recomputes the stage (DELTACP_KEEP_WY_STAGE=0). kda bit for bit: the same kernel writes the same planes in
-    both, and B0's products run on the same operands. gdn to fp32 summation order: B0's product is split into two
-    m64n64 products per k-step where the recompute makes one m64n128."""
+    both, and B0's products run on the same operands. gdn within 2e-3: B0's product is split into two m64n64
+    products per k-step where the recompute makes one m64n128, which may sum in another order."""
     _need()
     t, h0, cu = _tensors(variant, case, dtype=dtype, grad=True)
     monkeypatch.setenv("DELTACP_KEEP_WY_STAGE", "0")
